@@ -1,0 +1,238 @@
+"""The typed configuration of a training run.
+
+One tree of dataclasses (model, data, LoRA, training, output) is the single place where a setting exists:
+the CLI flags and the app's form are generated from the fields' metadata, and the whole tree is saved as
+``config.json`` in every run folder so that a run can be reproduced or resumed. Checks live in
+``__post_init__`` so a bad value fails where it is set, with a message naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_type_hints
+
+from engine.errors import ConfigError
+
+DEMO_MODEL = "demo"
+
+
+def setting(default: Any, help: str, flag: str | None = None, choices: tuple[str, ...] | None = None) -> Any:
+    """A config field with its help text (and optional CLI flag name and choices) attached as metadata."""
+    meta: dict[str, Any] = {"help": help}
+    if flag:
+        meta["flag"] = flag
+    if choices:
+        meta["choices"] = choices
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _require(condition: bool, name: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(f"{name}: {message}")
+
+
+@dataclass
+class ModelConfig:
+    """Which base model to fine-tune and how to load it."""
+
+    name: str = setting(DEMO_MODEL, "base model: 'demo', a local folder, or a Hugging Face hub id", flag="--model")
+    qlora: bool = setting(False, "load the base model in 4-bit NF4 (QLoRA) to save memory", flag="--qlora")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = setting(
+        "auto", "compute dtype; auto picks bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPU"
+    )
+    revision: str | None = setting(None, "hub revision (branch, tag or commit) of a hub model")
+    trust_remote_code: bool = setting(
+        False, "run the model repository's own Python code (only for models you trust)", flag="--trust-remote-code"
+    )
+
+    def __post_init__(self) -> None:
+        _require(bool(self.name and self.name.strip()), "model.name", "must name a model")
+
+
+@dataclass
+class DataConfig:
+    """Where the examples come from and how they become packed token rows."""
+
+    path: str = setting("", "dataset: a .jsonl/.json/.csv/.parquet file or a saved dataset folder", flag="--data")
+    format: Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text"] = setting(
+        "auto", "row format; auto detects it from the columns"
+    )
+    train_on_all_tokens: bool = setting(
+        False, "compute the loss on every token, not only on assistant/completion tokens"
+    )
+    max_seq_len: int = setting(2048, "longest example in tokens; longer ones are truncated or dropped")
+    overlong: Literal["truncate", "drop"] = setting("truncate", "what to do with examples over max_seq_len")
+    tokens_per_batch: int = setting(4096, "token budget of one packed row (one micro-batch)")
+    eval_fraction: float = setting(0.05, "share of examples held out for evaluation (0 disables eval)")
+    eval_path: str | None = setting(None, "separate evaluation file (overrides eval_fraction)")
+
+    def __post_init__(self) -> None:
+        _require(self.max_seq_len >= 8, "data.max_seq_len", f"must be at least 8, got {self.max_seq_len}")
+        _require(
+            self.tokens_per_batch >= self.max_seq_len,
+            "data.tokens_per_batch",
+            f"must be at least max_seq_len ({self.max_seq_len}), got {self.tokens_per_batch}",
+        )
+        _require(0.0 <= self.eval_fraction < 1.0, "data.eval_fraction", f"must be in [0, 1), got {self.eval_fraction}")
+
+
+@dataclass
+class LoraConfig:
+    """The low-rank adapter that is trained on top of the frozen base model."""
+
+    rank: int = setting(16, "LoRA rank r", flag="--lora-rank")
+    alpha: float = setting(32.0, "LoRA scaling alpha (the update is scaled by alpha / rank)", flag="--lora-alpha")
+    dropout: float = setting(0.0, "dropout on the LoRA input", flag="--lora-dropout")
+    target_modules: list[str] = setting(
+        ["all-linear"], "module names to adapt; 'all-linear' adapts every linear layer but the output head"
+    )
+
+    def __post_init__(self) -> None:
+        _require(self.rank >= 1, "lora.rank", f"must be at least 1, got {self.rank}")
+        _require(self.alpha > 0, "lora.alpha", f"must be positive, got {self.alpha}")
+        _require(0.0 <= self.dropout < 1.0, "lora.dropout", f"must be in [0, 1), got {self.dropout}")
+        _require(bool(self.target_modules), "lora.target_modules", "must name at least one module")
+
+
+@dataclass
+class TrainingConfig:
+    """The optimisation loop."""
+
+    max_steps: int = setting(0, "optimizer steps to run; 0 runs `epochs` passes over the data", flag="--max-steps")
+    epochs: float = setting(1.0, "passes over the training data when max_steps is 0", flag="--epochs")
+    learning_rate: float = setting(2e-4, "peak learning rate of AdamW", flag="--lr")
+    weight_decay: float = setting(0.0, "AdamW weight decay")
+    warmup_steps: int = setting(10, "linear warm-up steps before the decay")
+    schedule: Literal["cosine", "linear", "constant"] = setting("cosine", "learning-rate decay after warm-up")
+    grad_accum: int = setting(1, "micro-batches accumulated into one optimizer step", flag="--grad-accum")
+    max_grad_norm: float = setting(1.0, "gradient clipping norm (0 disables clipping)")
+    eval_every: int = setting(50, "evaluate every N steps (0: only at the end)")
+    save_every: int = setting(50, "write a resumable checkpoint every N steps (0: only at the end)")
+    seed: int = setting(42, "seed for data order, held-out split, LoRA init and dropout", flag="--seed")
+    device: str = setting("auto", "'auto', 'cpu', 'cuda' or 'cuda:N'", flag="--device")
+
+    def __post_init__(self) -> None:
+        _require(self.max_steps >= 0, "training.max_steps", f"must be >= 0, got {self.max_steps}")
+        _require(self.epochs > 0, "training.epochs", f"must be positive, got {self.epochs}")
+        _require(self.learning_rate > 0, "training.learning_rate", f"must be positive, got {self.learning_rate}")
+        _require(self.warmup_steps >= 0, "training.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        _require(self.grad_accum >= 1, "training.grad_accum", f"must be at least 1, got {self.grad_accum}")
+        _require(self.max_grad_norm >= 0, "training.max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
+        _require(self.eval_every >= 0, "training.eval_every", f"must be >= 0, got {self.eval_every}")
+        _require(self.save_every >= 0, "training.save_every", f"must be >= 0, got {self.save_every}")
+        _require(
+            self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+            "training.device",
+            f"must be auto, cpu, cuda or cuda:N, got {self.device!r}",
+        )
+
+
+@dataclass
+class OutputConfig:
+    """Where the run folder goes."""
+
+    dir: str = setting("runs", "parent folder of run folders", flag="--output")
+    name: str | None = setting(None, "run folder name (default: model, dataset and time)", flag="--name")
+    keep_checkpoints: int = setting(2, "how many recent checkpoints to keep")
+
+    def __post_init__(self) -> None:
+        _require(self.keep_checkpoints >= 1, "output.keep_checkpoints", "must be at least 1")
+
+
+@dataclass
+class RunConfig:
+    """Everything that defines a run; saved as ``config.json`` in its folder."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> RunConfig:
+        """Build a config from nested dicts; unknown sections or keys are errors, missing ones take defaults."""
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config must be a JSON object, got {type(raw).__name__}")
+        sections = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - set(sections))
+        if unknown:
+            raise ConfigError(f"unknown config section(s): {', '.join(unknown)}; known: {', '.join(sections)}")
+        hints = get_type_hints(cls)
+        built = {name: _section_from_dict(name, hints[name], raw.get(name, {})) for name in sections}
+        return cls(**built)
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: Path) -> RunConfig:
+        try:
+            raw = json.loads(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError as err:
+            raise ConfigError(f"config file not found: {path}") from err
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ConfigError(f"config file {path} is not valid JSON: {err}") from err
+        return cls.from_dict(raw)
+
+
+def _section_from_dict(section: str, section_type: type, raw: Any) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config section '{section}' must be an object, got {type(raw).__name__}")
+    hints = get_type_hints(section_type)
+    names = {f.name for f in dataclasses.fields(section_type)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ConfigError(f"unknown key(s) in '{section}': {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+    values = {key: coerce_value(f"{section}.{key}", hints[key], value) for key, value in raw.items()}
+    return section_type(**values)
+
+
+def coerce_value(name: str, annotation: Any, value: Any) -> Any:
+    """Check ``value`` against a field's annotation, converting the safe cases (int -> float, str -> list)."""
+    options = get_args(annotation)
+    origin = getattr(annotation, "__origin__", None)
+    if origin is Literal:
+        if value not in options:
+            raise ConfigError(f"{name}: must be one of {', '.join(map(str, options))}, got {value!r}")
+        return value
+    if type(None) in options:  # Optional[X]
+        if value is None:
+            return None
+        inner = [opt for opt in options if opt is not type(None)]
+        return coerce_value(name, inner[0], value)
+    if origin is list:
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{name}: must be a list of strings, got {value!r}")
+        return value
+    return _coerce_scalar(name, annotation, value)
+
+
+def _coerce_scalar(name: str, annotation: Any, value: Any) -> Any:
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{name}: must be true or false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{name}: must be an integer, got {value!r}")
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
+            return float(value)
+        raise ConfigError(f"{name}: must be a number, got {value!r}")
+    if annotation is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{name}: must be a string, got {value!r}")
+    return value

@@ -1,0 +1,90 @@
+"""What a run reports, as small frozen dataclasses.
+
+A run is ``for event in run(config): ...``. The CLI prints these events, the app's worker thread re-emits them
+as Qt signals, and the tests iterate them. Every event can be turned into a plain dict (``to_dict``) with its
+``kind`` so that it can also be written as JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Event:
+    """Base of every run event."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": type(self).__name__, **dataclasses.asdict(self)}
+
+
+@dataclass(frozen=True)
+class RunStarted(Event):
+    run_dir: str
+    device: str
+    dtype: str
+    total_steps: int
+    start_step: int
+    train_examples: int
+    eval_examples: int
+    train_rows: int
+    packing_efficiency: float
+    trainable_params: int
+    total_params: int
+
+
+@dataclass(frozen=True)
+class Notice(Event):
+    """Something the user should know that does not stop the run (dropped rows, a fallback taken)."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class StepMetrics(Event):
+    step: int
+    total_steps: int
+    epoch: float
+    loss: float
+    learning_rate: float
+    grad_norm: float
+    tokens: int
+    trained_tokens: int
+    step_time_s: float
+    tokens_per_s: float
+    memory_bytes: int
+    """Peak accelerator memory of the step (bytes); on CPU, the process's resident memory."""
+
+
+@dataclass(frozen=True)
+class EvalMetrics(Event):
+    step: int
+    loss: float
+    tokens: int
+
+
+@dataclass(frozen=True)
+class CheckpointSaved(Event):
+    step: int
+    path: str
+
+
+@dataclass(frozen=True)
+class RunFinished(Event):
+    step: int
+    run_dir: str
+    adapter_dir: str
+    final_loss: float | None
+    eval_loss: float | None
+    wall_time_s: float
+    cancelled: bool = False
+
+
+@dataclass(frozen=True)
+class RunFailed(Event):
+    message: str
+    hint: str | None
+    step: int
+    run_dir: str | None
