@@ -133,6 +133,24 @@ class TrainingConfig:
 
 
 @dataclass
+class SpeedConfig:
+    """The speed optimizations; each can be switched between two steps of a running job. None means automatic."""
+
+    metadata_cache: bool | None = setting(
+        None, "build packed-sequence metadata once per batch and hand it to every attention call", flag="--metadata-cache"
+    )
+    checkpointing: Literal["auto", "none", "standard", "offloaded"] = setting(
+        "auto", "activation checkpointing: none, standard recompute, or offloaded to host memory", flag="--checkpointing"
+    )
+    moe_routing: Literal["auto", "stock", "bincount", "sync-free"] = setting(
+        "auto", "how MoE layers group tokens by expert", flag="--moe-routing"
+    )
+    attention_backend: Literal["auto", "varlen", "flash_attn", "flex", "sdpa"] = setting(
+        "auto", "attention kernel used when the metadata cache is on", flag="--attention-backend"
+    )
+
+
+@dataclass
 class OutputConfig:
     """Where the run folder goes."""
 
@@ -152,6 +170,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    speed: SpeedConfig = field(default_factory=SpeedConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
     def to_dict(self) -> dict[str, Any]:

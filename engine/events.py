@@ -88,3 +88,15 @@ class RunFailed(Event):
     hint: str | None
     step: int
     run_dir: str | None
+
+
+@dataclass(frozen=True)
+class RunPaused(Event):
+    """The run is holding between two steps with the model loaded."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class RunResumed(Event):
+    step: int

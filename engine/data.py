@@ -1,0 +1,288 @@
+"""Reading a dataset file and normalising its rows, with errors that name the file, row and field.
+
+Files are read through Hugging Face ``datasets`` (JSONL, JSON, CSV, Parquet, or a ``save_to_disk`` folder).
+JSON text is checked line by line first, because a malformed line otherwise surfaces as an Arrow error that
+names neither the line nor the problem. Rows are then normalised to one of two shapes:
+
+* :class:`Conversation` — chat messages (``messages``), ShareGPT (``conversations``), Alpaca
+  (instruction/input/output): rendered with a chat template, loss on assistant turns;
+* :class:`Completion` — prompt/completion and raw ``text``: plain text, loss on the completion (or everything).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.errors import DataError
+
+FORMATS = ("messages", "sharegpt", "alpaca", "prompt_completion", "text")
+FILE_TYPES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A chat: loss on assistant messages (unless training on everything)."""
+
+    messages: tuple[Message, ...]
+
+
+@dataclass(frozen=True)
+class Completion:
+    """Plain text: ``prompt`` is context only, ``completion`` is learned (raw text has an empty prompt)."""
+
+    prompt: str
+    completion: str
+
+
+Example = Conversation | Completion
+
+
+def read_rows(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """All rows of a dataset file or ``save_to_disk`` folder, as dicts."""
+    source = Path(path).expanduser()
+    if not source.exists():
+        raise DataError("no such file or folder", path=str(source), hint="check the --data path")
+    if source.is_dir():
+        return _read_saved_dataset(source)
+    kind = FILE_TYPES.get(source.suffix.lower())
+    if kind is None:
+        raise DataError(
+            f"unsupported file type '{source.suffix}'",
+            path=str(source),
+            hint="use .jsonl, .json, .csv, .parquet or a folder written by datasets' save_to_disk",
+        )
+    if source.stat().st_size == 0:
+        raise DataError("the file is empty", path=str(source))
+    if kind == "json":
+        _check_json_text(source)
+    elif kind == "csv":
+        _check_utf8(source)
+    rows = _load_with_datasets(kind, source)
+    if not rows:
+        raise DataError("the file has no rows", path=str(source))
+    return rows
+
+
+def _load_with_datasets(kind: str, source: Path) -> list[dict[str, Any]]:
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        dataset = datasets.load_dataset(kind, data_files=str(source), split="train")
+    except Exception as err:  # datasets/pyarrow raise many types; all mean "this file can't be read"
+        raise DataError(f"cannot read the file as {kind}: {_first_line(err)}", path=str(source)) from err
+    return dataset.to_list()
+
+
+def _read_saved_dataset(folder: Path) -> list[dict[str, Any]]:
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(str(folder))
+    except Exception as err:
+        raise DataError(
+            f"not a dataset folder: {_first_line(err)}",
+            path=str(folder),
+            hint="a folder must be written by datasets' save_to_disk",
+        ) from err
+    if isinstance(loaded, datasets.DatasetDict):
+        split = "train" if "train" in loaded else next(iter(loaded))
+        loaded = loaded[split]
+    rows = loaded.to_list()
+    if not rows:
+        raise DataError("the dataset has no rows", path=str(folder))
+    return rows
+
+
+def _check_utf8(source: Path) -> None:
+    with source.open("rb") as handle:
+        for line_no, raw in enumerate(handle, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(
+                    f"line {line_no} is not valid UTF-8 ({err.reason} at byte {err.start})",
+                    path=str(source),
+                    hint="save the file as UTF-8",
+                ) from err
+
+
+def _check_json_text(source: Path) -> None:
+    """Find the first malformed line (JSONL) or the error position (JSON document) before Arrow does."""
+    _check_utf8(source)
+    text = source.read_text(encoding="utf-8")
+    stripped = text.lstrip()
+    if not stripped:
+        raise DataError("the file has only whitespace", path=str(source))
+    if stripped[0] == "[":
+        _check_json_array(source, text)
+        return
+    for line_no, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"line {line_no} is not valid JSON: {err.msg} (column {err.colno})", path=str(source)) from err
+        if not isinstance(value, dict):
+            raise DataError(f"line {line_no} must be a JSON object, got {type(value).__name__}", path=str(source))
+
+
+def _check_json_array(source: Path, text: str) -> None:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise DataError(f"not valid JSON at line {err.lineno}, column {err.colno}: {err.msg}", path=str(source)) from err
+    if not isinstance(value, list):
+        raise DataError("a .json file must hold an array of objects (or one object per line)", path=str(source))
+    for index, item in enumerate(value, start=1):
+        if not isinstance(item, dict):
+            raise DataError(f"must be a JSON object, got {type(item).__name__}", path=str(source), row=index)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip() or type(err).__name__
+    return text.splitlines()[0][:300]
+
+
+def detect_format(rows: Sequence[dict[str, Any]], path: str | None = None) -> str:
+    """The row format, from the columns of the first row."""
+    columns = set(rows[0]) if rows else set()
+    if "messages" in columns:
+        return "messages"
+    if "conversations" in columns:
+        return "sharegpt"
+    if {"instruction", "output"} <= columns:
+        return "alpaca"
+    if {"prompt", "completion"} <= columns:
+        return "prompt_completion"
+    if "text" in columns:
+        return "text"
+    raise DataError(
+        f"unknown dataset format; columns: {', '.join(sorted(columns)) or 'none'}",
+        path=path,
+        hint="expected 'messages', 'conversations', instruction/output, prompt/completion or 'text'",
+    )
+
+
+def normalize_rows(rows: Sequence[dict[str, Any]], fmt: str, path: str | None = None) -> list[Example]:
+    """Every row as a Conversation or Completion; the first bad row raises a DataError naming it (1-based)."""
+    convert = _CONVERTERS.get(fmt)
+    if convert is None:
+        raise DataError(f"unknown format '{fmt}'; known: {', '.join(FORMATS)}", path=path)
+    examples = []
+    for index, row in enumerate(rows, start=1):
+        try:
+            examples.append(convert(row))
+        except _RowError as err:
+            raise DataError(err.message, path=path, row=index, field=err.field) from None
+    return examples
+
+
+def iter_row_problems(rows: Sequence[dict[str, Any]], fmt: str) -> Iterator[tuple[int, str, str]]:
+    """(row, field, message) for every bad row, for views that list problems instead of stopping at the first."""
+    convert = _CONVERTERS[fmt]
+    for index, row in enumerate(rows, start=1):
+        try:
+            convert(row)
+        except _RowError as err:
+            yield index, err.field, err.message
+
+
+class _RowError(Exception):
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+def _text(row: dict[str, Any], key: str, *, optional: bool = False) -> str:
+    value = row.get(key)
+    if value is None:
+        if optional:
+            return ""
+        raise _RowError(key, "missing")
+    if not isinstance(value, str):
+        raise _RowError(key, f"must be text, got {type(value).__name__}")
+    return value
+
+
+def _messages(row: dict[str, Any], key: str, role_key: str, content_key: str, roles: dict[str, str]) -> Conversation:
+    raw = row.get(key)
+    if raw is None:
+        raise _RowError(key, "missing")
+    if not isinstance(raw, list) or not raw:
+        raise _RowError(key, "must be a non-empty list of messages")
+    messages = []
+    for number, item in enumerate(raw, start=1):
+        where = f"{key}[{number}]"
+        if not isinstance(item, dict):
+            raise _RowError(where, f"must be an object, got {type(item).__name__}")
+        role, content = item.get(role_key), item.get(content_key)
+        if not isinstance(role, str) or role not in roles:
+            raise _RowError(f"{where}.{role_key}", f"unknown role {role!r}; expected one of {', '.join(roles)}")
+        if not isinstance(content, str):
+            raise _RowError(f"{where}.{content_key}", f"must be text, got {type(content).__name__}")
+        messages.append(Message(roles[role], content))
+    if not any(m.role == "assistant" for m in messages):
+        raise _RowError(key, "has no assistant message to learn from")
+    return Conversation(tuple(messages))
+
+
+def _from_messages(row: dict[str, Any]) -> Conversation:
+    return _messages(row, "messages", "role", "content", {r: r for r in CHAT_ROLES})
+
+
+def _from_sharegpt(row: dict[str, Any]) -> Conversation:
+    return _messages(row, "conversations", "from", "value", SHAREGPT_ROLES)
+
+
+def _from_alpaca(row: dict[str, Any]) -> Conversation:
+    instruction, extra, output = _text(row, "instruction"), _text(row, "input", optional=True), _text(row, "output")
+    if not instruction.strip():
+        raise _RowError("instruction", "is empty")
+    prompt = f"{instruction}\n\n{extra}" if extra.strip() else instruction
+    return Conversation((Message("user", prompt), Message("assistant", output)))
+
+
+def _from_prompt_completion(row: dict[str, Any]) -> Completion:
+    completion = _text(row, "completion")
+    if not completion:
+        raise _RowError("completion", "is empty")
+    return Completion(_text(row, "prompt"), completion)
+
+
+def _from_text(row: dict[str, Any]) -> Completion:
+    text = _text(row, "text")
+    if not text.strip():
+        raise _RowError("text", "is empty")
+    return Completion("", text)
+
+
+_CONVERTERS = {
+    "messages": _from_messages,
+    "sharegpt": _from_sharegpt,
+    "alpaca": _from_alpaca,
+    "prompt_completion": _from_prompt_completion,
+    "text": _from_text,
+}
+
+
+def load_examples(path: str | os.PathLike[str], fmt: str = "auto") -> tuple[list[Example], str]:
+    """Read, detect and normalise a dataset; returns the examples and the format used."""
+    rows = read_rows(path)
+    chosen = detect_format(rows, str(path)) if fmt == "auto" else fmt
+    return normalize_rows(rows, chosen, str(path)), chosen

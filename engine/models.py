@@ -1,0 +1,184 @@
+"""Finding, loading and adapting the base model.
+
+A model is the built-in demo, a local Hugging Face folder, or a hub id. Only safetensors weights are loaded,
+repository code runs only when the user asked for it, and offline mode (``HF_HUB_OFFLINE=1``) is honoured with
+a message that says the model is not in the cache. The adapter is LoRA through peft on every linear layer by
+default; with QLoRA the frozen base is quantised to 4-bit NF4 by bitsandbytes (which also runs on CPU).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import DEMO_MODEL, LoraConfig, ModelConfig
+from engine.errors import ModelLoadError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from: a folder on disk, or a hub id to load through the cache."""
+
+    location: str
+    is_local: bool
+    label: str
+
+
+def demo_model_dir() -> Path:
+    import resources
+
+    return Path(resources.__file__).parent / "demo" / "model"
+
+
+def resolve_model(name: str) -> ModelSource:
+    """Map the user's model name to a source, with a clear error for folders that are not models."""
+    if name == DEMO_MODEL:
+        folder = demo_model_dir()
+        if not (folder / "config.json").exists():
+            raise ModelLoadError(f"the built-in demo model is missing from {folder}", hint="reinstall TuneDeck")
+        return ModelSource(str(folder), True, "demo")
+    path = Path(name).expanduser()
+    if path.exists():
+        return ModelSource(str(path.resolve()), True, path.name)
+    if name.startswith((".", "/", "~")) or "\\" in name or name.count("/") > 1:
+        raise ModelLoadError(f"model folder not found: {name}")
+    return ModelSource(name, False, name.split("/")[-1])
+
+
+def _check_local_folder(folder: Path) -> None:
+    if not folder.is_dir():
+        raise ModelLoadError(f"{folder} is a file; a model is a folder with config.json and *.safetensors")
+    if not (folder / "config.json").exists():
+        raise ModelLoadError(f"{folder} has no config.json: it is not a Hugging Face model folder")
+    if not any(folder.glob("*.safetensors")):
+        pickled = any(folder.glob("*.bin")) or any(folder.glob("*.pt"))
+        hint = "convert the weights to safetensors; pickle-based .bin files can run code when loaded" if pickled else None
+        raise ModelLoadError(f"{folder} has no *.safetensors weights", hint=hint)
+
+
+def pick_device(requested: str = "auto") -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(requested)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("a CUDA device was requested but torch sees no GPU", hint="use --device cpu or auto")
+    return device
+
+
+def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
+    """bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPU (unless the user chose)."""
+    if requested != "auto":
+        return DTYPES[requested]
+    if device.type != "cuda":
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def _hub_kwargs(config: ModelConfig) -> dict[str, Any]:
+    offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0", "false", "False")
+    return {"revision": config.revision, "trust_remote_code": config.trust_remote_code, "local_files_only": offline}
+
+
+def _load_error(source: ModelSource, what: str, err: Exception) -> ModelLoadError:
+    if source.is_local:
+        return ModelLoadError(f"cannot load the {what} from {source.location}: {str(err).splitlines()[0]}")
+    offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+    if offline:
+        return ModelLoadError(
+            f"'{source.location}' is not in the local Hugging Face cache and offline mode is on",
+            hint="download it once while online, or unset HF_HUB_OFFLINE",
+        )
+    return ModelLoadError(
+        f"cannot load the {what} of '{source.location}' from the hub: {str(err).splitlines()[0]}",
+        hint="check the model id, your network, and (for gated models) your Hugging Face token",
+    )
+
+
+def load_tokenizer(config: ModelConfig) -> Any:
+    from transformers import AutoTokenizer
+
+    source = resolve_model(config.name)
+    if source.is_local:
+        _check_local_folder(Path(source.location))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.location, **_hub_kwargs(config))
+    except Exception as err:  # transformers raises OSError, ValueError, HTTP errors...
+        raise _load_error(source, "tokenizer", err) from err
+    if not getattr(tokenizer, "is_fast", False):
+        raise ModelLoadError(f"the tokenizer of {source.label} is not a fast tokenizer; TuneDeck needs tokenizer.json")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _quantization_config(dtype: torch.dtype) -> Any:
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=dtype,
+    )
+
+
+def load_base_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """The frozen base model on ``device`` (4-bit NF4 with QLoRA)."""
+    from transformers import AutoModelForCausalLM
+
+    source = resolve_model(config.name)
+    kwargs: dict[str, Any] = {"dtype": dtype, "use_safetensors": True, **_hub_kwargs(config)}
+    if config.qlora:
+        kwargs["quantization_config"] = _quantization_config(dtype)
+        kwargs["device_map"] = {"": device}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)
+    except Exception as err:
+        raise _load_error(source, "model", err) from err
+    if not config.qlora:
+        model.to(device)
+    model.config.use_cache = False
+    return model
+
+
+def lora_targets(lora: LoraConfig) -> str | list[str]:
+    return "all-linear" if lora.target_modules == ["all-linear"] else list(lora.target_modules)
+
+
+def add_lora(model: torch.nn.Module, lora: LoraConfig, qlora: bool) -> Any:
+    """Wrap ``model`` with a fresh LoRA adapter (peft); only the adapter is trainable."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    if qlora:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    peft_config = PeftLoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora_targets(lora),
+        task_type="CAUSAL_LM",
+    )
+    try:
+        return get_peft_model(model, peft_config)
+    except ValueError as err:
+        raise ModelLoadError(f"cannot add LoRA: {err}", hint="check lora.target_modules") from err
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts; 4-bit weights count as their unpacked size."""
+    trainable = total = 0
+    for param in model.parameters():
+        n = param.numel()
+        if param.__class__.__name__ == "Params4bit":
+            n *= 2
+        total += n
+        if param.requires_grad:
+            trainable += n
+    return trainable, total

@@ -1,0 +1,118 @@
+"""Printing a run for a terminal: a progress bar with loss, tokens/s and ETA, or one JSON object per event."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+from engine.config import RunConfig
+from engine.control import RunControl
+from engine.events import (
+    CheckpointSaved,
+    EvalMetrics,
+    Event,
+    Notice,
+    RunFailed,
+    RunFinished,
+    RunPaused,
+    RunStarted,
+    StepMetrics,
+)
+
+
+class ProgressPrinter:
+    """Turns events into a tqdm bar and short lines; remembers how the run ended."""
+
+    def __init__(self, stream: TextIO = sys.stderr) -> None:
+        self.stream = stream
+        self.bar: Any = None
+        self.finished: RunFinished | None = None
+        self.failed: RunFailed | None = None
+
+    def write(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text, file=self.stream)
+        else:
+            print(text, file=self.stream)
+
+    def handle(self, event: Event) -> None:
+        if isinstance(event, RunStarted):
+            self._started(event)
+        elif isinstance(event, StepMetrics) and self.bar is not None:
+            self.bar.update(event.step - self.bar.n)
+            self.bar.set_postfix_str(f"loss {event.loss:.4f}  {event.tokens_per_s:,.0f} tok/s", refresh=False)
+        elif isinstance(event, EvalMetrics):
+            self.write(f"step {event.step}: eval loss {event.loss:.4f}")
+        elif isinstance(event, CheckpointSaved):
+            pass  # checkpoints are frequent; the final folder is reported at the end
+        elif isinstance(event, Notice):
+            self.write(f"note: {event.message}")
+        elif isinstance(event, RunPaused):
+            self.write(f"paused at step {event.step}")
+        elif isinstance(event, RunFinished):
+            self._close()
+            self.finished = event
+        elif isinstance(event, RunFailed):
+            self._close()
+            self.failed = event
+
+    def _started(self, event: RunStarted) -> None:
+        from tqdm import tqdm
+
+        self.write(
+            f"run folder: {event.run_dir}\n"
+            f"device {event.device} ({event.dtype}); {event.train_examples} training examples in "
+            f"{event.train_rows} packed rows ({event.packing_efficiency:.0%} full), {event.eval_examples} held out; "
+            f"training {event.trainable_params:,} of {event.total_params:,} parameters"
+        )
+        self.bar = tqdm(
+            total=event.total_steps, initial=event.start_step, unit="step", file=self.stream, dynamic_ncols=True
+        )
+
+    def _close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def summary(self) -> str:
+        if self.failed:
+            hint = f"\n  hint: {self.failed.hint}" if self.failed.hint else ""
+            return f"error: {self.failed.message}{hint}"
+        done = self.finished
+        if done is None:
+            return "the run ended without a result"
+        status = "stopped" if done.cancelled else "finished"
+        loss = f"{done.final_loss:.4f}" if done.final_loss is not None else "n/a"
+        evaluation = f", eval loss {done.eval_loss:.4f}" if done.eval_loss is not None else ""
+        return (
+            f"{status} at step {done.step} in {done.wall_time_s:.1f} s: train loss {loss}{evaluation}\n"
+            f"adapter: {done.adapter_dir}"
+        )
+
+
+def run_events(
+    config: RunConfig, control: RunControl, *, resume: str | Path | None, json_lines: bool
+) -> ProgressPrinter:
+    """Drive a run to its end, printing as it goes; returns the printer holding the outcome."""
+    from engine.train import run
+
+    printer = ProgressPrinter()
+    for event in run(config, control=control, resume=resume):
+        if json_lines:
+            print(json.dumps(event.to_dict()), flush=True)
+            if isinstance(event, RunFinished):
+                printer.finished = event
+            elif isinstance(event, RunFailed):
+                printer.failed = event
+        else:
+            printer.handle(event)
+    return printer
+
+
+def run_with_progress(config: RunConfig, control: RunControl, *, resume: str | None, json_lines: bool) -> int:
+    printer = run_events(config, control, resume=resume, json_lines=json_lines)
+    if not json_lines:
+        print(printer.summary(), file=sys.stderr if printer.failed else sys.stdout)
+    return 1 if printer.failed else 0

@@ -1,0 +1,151 @@
+"""The three speed optimizations behind one controller whose switches can flip between two training steps.
+
+Each optimization lives in its own module with a pure core, a fallback and a docstring that says why:
+:mod:`engine.speed.metadata_cache` (packed-sequence metadata built once per batch, zero syncs),
+:mod:`engine.speed.offloaded_checkpoint` (checkpointed layer inputs in host memory, look-ahead prefetch) and
+:mod:`engine.speed.moe_routing` (experts on sorted token slices). They plug into transformers through its
+registries (attention functions, experts implementations, the gradient-checkpointing function), so switching is
+a change of registered name or checkpoint function: no model reload, no reassigned library method.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from engine.config import SpeedConfig
+from engine.model_inputs import stock_model_inputs
+from engine.packing import PackedBatch
+from engine.speed import metadata_cache, moe_routing, offloaded_checkpoint
+from engine.speed.offloaded_checkpoint import ActivationOffloader
+
+__all__ = ["SpeedController", "transformers_model"]
+
+ACTIVATION_BYTES_PER_TOKEN_AND_HIDDEN = 34
+"""Bytes kept per token × hidden per layer without checkpointing in 16-bit (Korthikanti et al., flash attention)."""
+
+
+def transformers_model(model: torch.nn.Module) -> Any:
+    """The transformers PreTrainedModel inside a peft wrapper (or the model itself)."""
+    from transformers import PreTrainedModel
+
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            return module
+    raise TypeError(f"{type(model).__name__} contains no transformers model")
+
+
+def _model_dtype(model: torch.nn.Module) -> torch.dtype:
+    for param in model.parameters():
+        if param.is_floating_point() and param.element_size() >= 2:
+            return param.dtype
+    return torch.float32
+
+
+class SpeedController:
+    """Resolves the speed settings for one model and device and applies them between steps."""
+
+    def __init__(self, model: torch.nn.Module, settings: SpeedConfig, device: torch.device) -> None:
+        self.model = model
+        self.device = torch.device(device)
+        self.hf_model = transformers_model(model)
+        self.dtype = _model_dtype(self.hf_model)
+        self.stock_attention: str = self.hf_model.config._attn_implementation
+        self.stock_experts: str | None = getattr(self.hf_model.config, "_experts_implementation", None)
+        self.offloader = ActivationOffloader(
+            self.device,
+            min_offload_bytes=0 if self.device.type == "cpu" else offloaded_checkpoint.MIN_OFFLOAD_BYTES,
+        )
+        self.settings = settings
+        self._state: dict[str, dict[str, Any]] = {}
+        self._checkpointing: str | None = None
+        self._metadata_backend: str | None = None
+        self._auto_checkpointing_tokens = 0
+        metadata_cache.register_packed_attention()
+        moe_routing.register_experts_implementations()
+        self.apply(settings)
+
+    # --- switches -------------------------------------------------------------------------------------------
+
+    def apply(self, settings: SpeedConfig) -> None:
+        """Apply new settings; safe between any two steps (nothing is reloaded)."""
+        self.settings = dataclasses.replace(settings)
+        self._apply_metadata_cache(settings)
+        self._apply_moe_routing(settings)
+        self._apply_checkpointing(settings.checkpointing, reason=None)
+
+    def _apply_metadata_cache(self, settings: SpeedConfig) -> None:
+        problem = metadata_cache.unsupported_reason(self.hf_model)
+        choice = metadata_cache.choose_backend(settings.attention_backend, self.device, self.dtype)
+        if settings.metadata_cache is False:
+            on, reason = False, "switched off: transformers' own packed path"
+        elif problem is not None:
+            on, reason = False, problem
+        else:
+            on, reason = True, choice.reason if settings.metadata_cache is None else f"switched on; {choice.reason}"
+        self._metadata_backend = choice.name if on else None
+        self.hf_model.set_attn_implementation(metadata_cache.ATTENTION_NAME if on else self.stock_attention)
+        self._state["metadata_cache"] = {"on": on, "backend": self._metadata_backend, "reason": reason}
+
+    def _apply_moe_routing(self, settings: SpeedConfig) -> None:
+        mode, reason = moe_routing.resolve_mode(settings.moe_routing, self.hf_model, self.device, self.dtype)
+        if moe_routing.has_routable_experts(self.hf_model):
+            name = moe_routing.IMPLEMENTATION_NAMES.get(mode, self.stock_experts or "eager")
+            self.hf_model.set_experts_implementation(name)
+        if mode == "stock" and settings.moe_routing == "stock":
+            reason = f"switched off: transformers' {self.stock_experts or 'default'} experts implementation"
+        self._state["moe_routing"] = {"mode": mode, "reason": reason}
+
+    def _apply_checkpointing(self, requested: str, reason: str | None) -> None:
+        mode, why = self._resolve_checkpointing(requested)
+        reason = reason or why
+        if mode != self._checkpointing:
+            if mode == "none":
+                self.hf_model._set_gradient_checkpointing(enable=False)
+            else:
+                fn = self.offloader.checkpoint if mode == "offloaded" else offloaded_checkpoint.standard_checkpoint
+                self.hf_model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=fn)
+            self._checkpointing = mode
+        self._state["checkpointing"] = {"mode": mode, "reason": reason}
+
+    def _resolve_checkpointing(self, requested: str) -> tuple[str, str]:
+        integrated = offloaded_checkpoint.offload_unsupported_reason(self.device)
+        if requested == "offloaded" and integrated:
+            return "standard", f"offloaded requested but {integrated}; plain recompute instead"
+        if requested != "auto":
+            return requested, f"{requested} requested"
+        if self.device.type != "cuda":
+            return "none", "CPU: host memory is plentiful, recompute would only cost time"
+        if not self._activations_overflow(self._auto_checkpointing_tokens):
+            return "none", "activations fit in free GPU memory: no recompute needed"
+        if integrated:
+            return "standard", f"activations would not fit; {integrated}"
+        return "offloaded", "activations would not fit in free GPU memory: checkpoint and offload layer inputs"
+
+    def _activations_overflow(self, tokens: int) -> bool:
+        config = self.hf_model.config.get_text_config()
+        hidden = getattr(config, "hidden_size", 0)
+        layers = getattr(config, "num_hidden_layers", 0)
+        need = tokens * hidden * layers * ACTIVATION_BYTES_PER_TOKEN_AND_HIDDEN
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return need > 0.6 * free
+
+    # --- per batch ------------------------------------------------------------------------------------------
+
+    def model_inputs(self, batch: PackedBatch) -> dict[str, Any]:
+        """Model kwargs for one micro-batch (already on the device); the stock ones when every switch is off."""
+        self.offloader.begin_batch()
+        if self.settings.checkpointing == "auto" and batch.num_tokens > self._auto_checkpointing_tokens:
+            self._auto_checkpointing_tokens = batch.num_tokens  # re-decide only when batches grow
+            self._apply_checkpointing("auto", reason=None)
+        inputs = stock_model_inputs(self.model, batch)
+        if self._metadata_backend is None:
+            return inputs
+        meta = metadata_cache.build_metadata(batch, self.device, self._metadata_backend)
+        return metadata_cache.packed_inputs(inputs, meta)
+
+    def state(self) -> dict[str, Any]:
+        """Resolved choices, each with a one-line reason."""
+        return {key: dict(value) for key, value in self._state.items()}

@@ -1,0 +1,403 @@
+"""The training run: ``for event in run(config): ...``.
+
+A run prepares the data, loads the base model with a fresh LoRA adapter (or restores one from a checkpoint),
+then takes optimizer steps over packed rows, reporting each as an event. Between two steps it obeys its
+:class:`~engine.control.RunControl` (stop, pause, new speed settings). Everything a user keeps lands in the
+run folder: ``config.json``, ``metrics.jsonl``, ``eval.jsonl``, ``checkpoints/`` and the final ``adapter/``.
+Failures end the iterator with a :class:`~engine.events.RunFailed` event instead of an exception.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine import checkpoint as ckpt
+from engine.config import RunConfig
+from engine.control import RunControl
+from engine.dataset import PreparedData, RowSchedule, prepare_data
+from engine.errors import ConfigError, TuneDeckError
+from engine.events import (
+    CheckpointSaved,
+    EvalMetrics,
+    Event,
+    Notice,
+    RunFailed,
+    RunFinished,
+    RunPaused,
+    RunResumed,
+    RunStarted,
+    StepMetrics,
+)
+from engine.model_inputs import stock_model_inputs
+from engine.models import add_lora, count_parameters, load_base_model, load_tokenizer, pick_device, pick_dtype
+from engine.packing import PackedBatch
+from engine.schedule import lr_lambda
+
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+EVAL_FILE = "eval.jsonl"
+ADAPTER_DIR = "adapter"
+CHECKPOINT_DIR = "checkpoints"
+
+
+@dataclass
+class Session:
+    """Everything a run holds while it trains."""
+
+    config: RunConfig
+    run_dir: Path
+    device: torch.device
+    dtype: torch.dtype
+    tokenizer: Any
+    model: Any
+    data: PreparedData
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scaler: torch.amp.GradScaler | None
+    total_steps: int
+    step: int = 0
+    micro_batches: int = 0
+    schedule: RowSchedule = field(init=False)
+    last_loss: float | None = None
+    last_eval: float | None = None
+
+    def __post_init__(self) -> None:
+        self.schedule = RowSchedule(len(self.data.train_rows), self.config.training.seed)
+
+    @property
+    def trainable(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+
+def run(config: RunConfig, *, control: RunControl | None = None, resume: str | Path | None = None) -> Iterator[Event]:
+    """Train a LoRA adapter, yielding events; ``resume`` continues the run in that folder from its last checkpoint."""
+    control = control or RunControl()
+    session: Session | None = None
+    run_dir: Path | None = None
+    try:
+        if resume is not None:
+            run_dir = Path(resume)
+            config = _load_run_config(run_dir)
+        else:
+            run_dir = _new_run_dir(config)
+        session = yield from _start(config, run_dir, resume is not None)
+        yield from _train(session, control)
+    except TuneDeckError as err:
+        yield RunFailed(err.message, err.hint, session.step if session else 0, str(run_dir) if run_dir else None)
+    except Exception as err:  # the user gets a message and a log, never a dead app
+        log = _write_error_log(run_dir, err)
+        yield RunFailed(
+            f"unexpected error: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
+            f"details are in {log}" if log else None,
+            session.step if session else 0,
+            str(run_dir) if run_dir else None,
+        )
+
+
+def _write_error_log(run_dir: Path | None, err: Exception) -> Path | None:
+    if run_dir is None or not run_dir.exists():
+        return None
+    log = run_dir / "error.log"
+    log.write_text("".join(traceback.format_exception(err)), encoding="utf-8")
+    return log
+
+
+def _load_run_config(run_dir: Path) -> RunConfig:
+    if not (run_dir / CONFIG_FILE).exists():
+        raise ConfigError(f"{run_dir} is not a TuneDeck run folder (no {CONFIG_FILE})")
+    return RunConfig.load(run_dir / CONFIG_FILE)
+
+
+def _new_run_dir(config: RunConfig) -> Path:
+    parent = Path(config.output.dir).expanduser()
+    name = config.output.name or _default_run_name(config)
+    run_dir = parent / name
+    if (run_dir / CONFIG_FILE).exists():
+        if config.output.name:
+            raise ConfigError(f"run folder {run_dir} already exists", hint="pass --resume to continue it, or another --name")
+        run_dir = parent / f"{name}-{random.randrange(16**4):04x}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config.save(run_dir / CONFIG_FILE)
+    return run_dir
+
+
+def _default_run_name(config: RunConfig) -> str:
+    model = Path(config.model.name).name or "model"
+    data = Path(config.data.path).stem or "data"
+    return f"{datetime.now():%Y%m%d-%H%M%S}-{model}-{data}"
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _total_steps(config: RunConfig, num_rows: int) -> int:
+    if config.training.max_steps:
+        return config.training.max_steps
+    return max(1, math.ceil(config.training.epochs * num_rows / config.training.grad_accum))
+
+
+def _start(config: RunConfig, run_dir: Path, resuming: bool) -> Iterator[Event] | Any:
+    _seed_everything(config.training.seed)
+    device = pick_device(config.training.device)
+    dtype = pick_dtype(config.model.dtype, device)
+    tokenizer = load_tokenizer(config.model)
+    data = prepare_data(config.data, tokenizer, config.training.seed)
+    for message in data.notices:
+        yield Notice(message)
+    model = add_lora(load_base_model(config.model, device, dtype), config.lora, config.model.qlora)
+    model.train()
+    session = _make_session(config, run_dir, device, dtype, tokenizer, model, data)
+    if resuming:
+        _restore(session)
+    trainable, total = count_parameters(model)
+    yield RunStarted(
+        run_dir=str(run_dir),
+        device=str(device),
+        dtype=str(dtype).replace("torch.", ""),
+        total_steps=session.total_steps,
+        start_step=session.step,
+        train_examples=len(data.train),
+        eval_examples=len(data.eval),
+        train_rows=len(data.train_rows),
+        packing_efficiency=data.efficiency,
+        trainable_params=trainable,
+        total_params=total,
+    )
+    return session
+
+
+def _make_session(
+    config: RunConfig, run_dir: Path, device: torch.device, dtype: torch.dtype, tokenizer: Any, model: Any, data: Any
+) -> Session:
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.training.learning_rate, weight_decay=config.training.weight_decay)
+    total_steps = _total_steps(config, len(data.train_rows))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(config.training.schedule, config.training.warmup_steps, total_steps)
+    )
+    scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 and device.type == "cuda" else None
+    return Session(config, run_dir, device, dtype, tokenizer, model, data, optimizer, scheduler, scaler, total_steps)
+
+
+def _restore(session: Session) -> None:
+    from peft import set_peft_model_state_dict
+
+    checkpoints = ckpt.list_checkpoints(session.run_dir / CHECKPOINT_DIR)
+    if not checkpoints:
+        raise ConfigError(f"{session.run_dir} has no complete checkpoint to resume from")
+    latest = checkpoints[-1]
+    state = ckpt.load_trainer_state(latest)
+    if state.train_rows != len(session.data.train_rows):
+        raise ConfigError(
+            f"the dataset changed since {latest.name}: {len(session.data.train_rows)} packed rows, "
+            f"the checkpoint was made with {state.train_rows}",
+            hint="resume with the same dataset and data settings",
+        )
+    weights = ckpt.load_checkpoint(latest, session.optimizer, session.scheduler)
+    set_peft_model_state_dict(session.model, {k: v.to(session.device) for k, v in weights.items()})
+    session.step, session.micro_batches = state.step, state.micro_batches
+    _truncate_log(session.run_dir / METRICS_FILE, state.step)
+    _truncate_log(session.run_dir / EVAL_FILE, state.step)
+
+
+def _truncate_log(path: Path, last_step: int) -> None:
+    """Drop records written after the checkpoint, so the resumed curve continues without duplicates."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text(encoding="utf-8").splitlines() if _line_step(line) <= last_step]
+    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+
+
+def _line_step(line: str) -> int:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return 1 << 62  # a torn last line from a crash is dropped
+
+
+def _train(session: Session, control: RunControl) -> Iterator[Event]:
+    started = time.perf_counter()
+    training = session.config.training
+    while session.step < session.total_steps:
+        if control.stop_requested:
+            break
+        if control.paused:
+            yield RunPaused(session.step)
+            control.wait_while_paused()
+            if control.stop_requested:
+                break
+            yield RunResumed(session.step)
+        metrics = _step(session)
+        _append_jsonl(session.run_dir / METRICS_FILE, _metrics_record(metrics))
+        yield metrics
+        if training.eval_every and session.step % training.eval_every == 0 and session.step < session.total_steps:
+            yield from _evaluate(session)
+        if training.save_every and session.step % training.save_every == 0 and session.step < session.total_steps:
+            yield _save_checkpoint(session)
+    yield from _finish(session, time.perf_counter() - started, cancelled=session.step < session.total_steps)
+
+
+def _finish(session: Session, wall_time: float, cancelled: bool) -> Iterator[Event]:
+    if not cancelled:
+        yield from _evaluate(session)
+    yield _save_checkpoint(session)
+    adapter_dir = save_adapter(session.model, session.tokenizer, session.run_dir / ADAPTER_DIR)
+    yield RunFinished(
+        step=session.step,
+        run_dir=str(session.run_dir),
+        adapter_dir=str(adapter_dir),
+        final_loss=session.last_loss,
+        eval_loss=session.last_eval,
+        wall_time_s=wall_time,
+        cancelled=cancelled,
+    )
+
+
+def save_adapter(model: Any, tokenizer: Any, folder: Path) -> Path:
+    """Write the adapter in PEFT format (with the tokenizer) atomically."""
+    tmp = folder.with_name(f".tmp-{folder.name}")
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    ckpt.commit_folder(tmp, folder)
+    return folder
+
+
+def _save_checkpoint(session: Session) -> CheckpointSaved:
+    from peft import get_peft_model_state_dict
+
+    state = ckpt.TrainerState(session.step, session.micro_batches, len(session.data.train_rows), session.total_steps)
+    path = ckpt.save_checkpoint(
+        session.run_dir / CHECKPOINT_DIR,
+        state,
+        get_peft_model_state_dict(session.model),
+        session.optimizer,
+        session.scheduler,
+        session.config.output.keep_checkpoints,
+    )
+    return CheckpointSaved(session.step, str(path))
+
+
+def _next_micro_batches(session: Session) -> list[PackedBatch]:
+    batches = []
+    for _ in range(session.config.training.grad_accum):
+        batches.append(session.data.train_batch(session.schedule.row(session.micro_batches)))
+        session.micro_batches += 1
+    return batches
+
+
+def _forward_loss(session: Session, batch: PackedBatch, num_items: int) -> torch.Tensor:
+    on_device = batch.to(session.device)
+    inputs = stock_model_inputs(session.model, on_device)
+    return session.model(**inputs, labels=on_device.labels, num_items_in_batch=num_items).loss
+
+
+def _optimizer_step(session: Session) -> float:
+    max_norm = session.config.training.max_grad_norm or math.inf
+    if session.scaler is not None:
+        session.scaler.unscale_(session.optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(session.trainable, max_norm)
+    if session.scaler is not None:
+        session.scaler.step(session.optimizer)
+        session.scaler.update()
+    else:
+        session.optimizer.step()
+    session.scheduler.step()
+    session.optimizer.zero_grad(set_to_none=True)
+    return float(grad_norm)
+
+
+def _step(session: Session) -> StepMetrics:
+    """One optimizer step over ``grad_accum`` packed rows; the loss is the mean over all trained tokens."""
+    if session.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(session.device)
+    start = time.perf_counter()
+    learning_rate = session.scheduler.get_last_lr()[0]
+    batches = _next_micro_batches(session)
+    num_items = sum(b.trained_tokens for b in batches)
+    total = torch.zeros((), device=session.device)
+    for batch in batches:
+        loss = _forward_loss(session, batch, num_items)
+        (session.scaler.scale(loss) if session.scaler is not None else loss).backward()
+        total += loss.detach().float()
+    grad_norm = _optimizer_step(session)
+    loss_value = float(total)
+    elapsed = time.perf_counter() - start
+    session.step += 1
+    session.last_loss = loss_value
+    tokens = sum(b.num_tokens for b in batches)
+    return StepMetrics(
+        step=session.step,
+        total_steps=session.total_steps,
+        epoch=session.schedule.epoch(session.micro_batches),
+        loss=loss_value,
+        learning_rate=learning_rate,
+        grad_norm=grad_norm,
+        tokens=tokens,
+        trained_tokens=num_items,
+        step_time_s=elapsed,
+        tokens_per_s=tokens / elapsed if elapsed > 0 else 0.0,
+        memory_bytes=_memory_bytes(session.device),
+    )
+
+
+def _memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+@torch.no_grad()
+def evaluate_loss(session: Session) -> tuple[float, int] | None:
+    """Mean loss per trained token over the held-out rows, or None without an eval split."""
+    batches = session.data.eval_batches()
+    if not batches:
+        return None
+    session.model.eval()
+    total, tokens = 0.0, 0
+    try:
+        for batch in batches:
+            n = batch.trained_tokens
+            total += float(_forward_loss(session, batch, n)) * n
+            tokens += n
+    finally:
+        session.model.train()
+    return total / max(tokens, 1), tokens
+
+
+def _evaluate(session: Session) -> Iterator[Event]:
+    result = evaluate_loss(session)
+    if result is None:
+        return
+    loss, tokens = result
+    session.last_eval = loss
+    _append_jsonl(session.run_dir / EVAL_FILE, {"step": session.step, "eval_loss": loss, "tokens": tokens})
+    yield EvalMetrics(session.step, loss, tokens)
+
+
+def _metrics_record(metrics: StepMetrics) -> dict[str, Any]:
+    record = metrics.to_dict()
+    record.pop("kind")
+    return record
+
+
+def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    with path.open("a", encoding="utf-8") as handle:
+        handle.write(json.dumps(record) + "\n")
