@@ -77,7 +77,9 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         section_type = type(getattr(defaults, section.name))
         hints = get_type_hints(section_type)
         for spec in dataclasses.fields(section_type):
-            _add_field_flag(group, section.name, spec, hints[spec.name], getattr(getattr(defaults, section.name), spec.name))
+            _add_field_flag(
+                group, section.name, spec, hints[spec.name], getattr(getattr(defaults, section.name), spec.name)
+            )
 
 
 def _add_field_flag(group: Any, section: str, spec: dataclasses.Field[Any], annotation: Any, default: Any) -> None:
@@ -105,7 +107,9 @@ def config_from_args(args: argparse.Namespace, base: RunConfig) -> RunConfig:
         if not dest.startswith("cfg__"):
             continue
         _, section, name = dest.split("__")
-        raw[section][name] = coerce_value(f"{section}.{name}", hints[section][name], _parse_flag_value(value, hints[section][name]))
+        raw[section][name] = coerce_value(
+            f"{section}.{name}", hints[section][name], _parse_flag_value(value, hints[section][name])
+        )
     return RunConfig.from_dict(raw)
 
 
@@ -143,9 +147,11 @@ def train_parser() -> argparse.ArgumentParser:
 
 def train_main(argv: list[str]) -> int:
     from engine.progress import run_with_progress
+    from engine.quiet import quiet_libraries
 
     parser = train_parser()
     args = parser.parse_args(argv)
+    quiet_libraries()
     try:
         config = _train_config(args)
     except TuneDeckError as err:

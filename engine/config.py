@@ -137,10 +137,14 @@ class SpeedConfig:
     """The speed optimizations; each can be switched between two steps of a running job. None means automatic."""
 
     metadata_cache: bool | None = setting(
-        None, "build packed-sequence metadata once per batch and hand it to every attention call", flag="--metadata-cache"
+        None,
+        "build packed-sequence metadata once per batch and hand it to every attention call",
+        flag="--metadata-cache",
     )
     checkpointing: Literal["auto", "none", "standard", "offloaded"] = setting(
-        "auto", "activation checkpointing: none, standard recompute, or offloaded to host memory", flag="--checkpointing"
+        "auto",
+        "activation checkpointing: none, standard recompute, or offloaded to host memory",
+        flag="--checkpointing",
     )
     moe_routing: Literal["auto", "stock", "bincount", "sync-free"] = setting(
         "auto", "how MoE layers group tokens by expert", flag="--moe-routing"

@@ -81,10 +81,23 @@ def _load_with_datasets(kind: str, source: Path) -> list[dict[str, Any]]:
 
     datasets.disable_progress_bars()
     try:
-        dataset = datasets.load_dataset(kind, data_files=str(source), split="train")
+        options = _csv_options(source) if kind == "csv" else {}
+        dataset = datasets.load_dataset(kind, data_files=str(source), split="train", **options)
     except Exception as err:  # datasets/pyarrow raise many types; all mean "this file can't be read"
         raise DataError(f"cannot read the file as {kind}: {_first_line(err)}", path=str(source)) from err
     return dataset.to_list()
+
+
+def _csv_options(source: Path) -> dict[str, Any]:
+    """CSV cells are text: otherwise "4" would become an int and "NA" a missing value."""
+    import csv
+
+    import datasets
+
+    with source.open(encoding="utf-8", newline="") as handle:
+        header = next(csv.reader(handle), [])
+    features = datasets.Features({name: datasets.Value("string") for name in header})
+    return {"features": features, "keep_default_na": False}
 
 
 def _read_saved_dataset(folder: Path) -> list[dict[str, Any]]:
@@ -136,7 +149,9 @@ def _check_json_text(source: Path) -> None:
         try:
             value = json.loads(line)
         except json.JSONDecodeError as err:
-            raise DataError(f"line {line_no} is not valid JSON: {err.msg} (column {err.colno})", path=str(source)) from err
+            raise DataError(
+                f"line {line_no} is not valid JSON: {err.msg} (column {err.colno})", path=str(source)
+            ) from err
         if not isinstance(value, dict):
             raise DataError(f"line {line_no} must be a JSON object, got {type(value).__name__}", path=str(source))
 
@@ -145,7 +160,9 @@ def _check_json_array(source: Path, text: str) -> None:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as err:
-        raise DataError(f"not valid JSON at line {err.lineno}, column {err.colno}: {err.msg}", path=str(source)) from err
+        raise DataError(
+            f"not valid JSON at line {err.lineno}, column {err.colno}: {err.msg}", path=str(source)
+        ) from err
     if not isinstance(value, list):
         raise DataError("a .json file must hold an array of objects (or one object per line)", path=str(source))
     for index, item in enumerate(value, start=1):

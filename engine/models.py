@@ -58,7 +58,9 @@ def _check_local_folder(folder: Path) -> None:
         raise ModelLoadError(f"{folder} has no config.json: it is not a Hugging Face model folder")
     if not any(folder.glob("*.safetensors")):
         pickled = any(folder.glob("*.bin")) or any(folder.glob("*.pt"))
-        hint = "convert the weights to safetensors; pickle-based .bin files can run code when loaded" if pickled else None
+        hint = (
+            "convert the weights to safetensors; pickle-based .bin files can run code when loaded" if pickled else None
+        )
         raise ModelLoadError(f"{folder} has no *.safetensors weights", hint=hint)
 
 

@@ -75,7 +75,8 @@ def _labels_from_spans(offsets: Sequence[tuple[int, int]], ids: Sequence[int], s
     spans = list(spans)
     labels = []
     for token, (start, end) in zip(ids, offsets, strict=True):
-        inside = any(lo <= start < hi for lo, hi in spans) and end > start
+        # overlap, not containment: a merged token that straddles the boundary (" brown") must be predicted too
+        inside = end > start and any(start < hi and end > lo for lo, hi in spans)
         labels.append(token if inside else IGNORE_INDEX)
     return labels
 

@@ -125,7 +125,9 @@ def _new_run_dir(config: RunConfig) -> Path:
     run_dir = parent / name
     if (run_dir / CONFIG_FILE).exists():
         if config.output.name:
-            raise ConfigError(f"run folder {run_dir} already exists", hint="pass --resume to continue it, or another --name")
+            raise ConfigError(
+                f"run folder {run_dir} already exists", hint="pass --resume to continue it, or another --name"
+            )
         run_dir = parent / f"{name}-{random.randrange(16**4):04x}"
     run_dir.mkdir(parents=True, exist_ok=True)
     config.save(run_dir / CONFIG_FILE)
