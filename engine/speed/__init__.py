@@ -52,8 +52,12 @@ class SpeedController:
         self.device = torch.device(device)
         self.hf_model = transformers_model(model)
         self.dtype = _model_dtype(self.hf_model)
-        self.stock_attention: str = self.hf_model.config._attn_implementation
-        self.stock_experts: str | None = getattr(self.hf_model.config, "_experts_implementation", None)
+        # What transformers would run without us (a controller left behind by an earlier run may have set ours).
+        attention = self.hf_model.config._attn_implementation
+        self.stock_attention: str = "sdpa" if attention == metadata_cache.ATTENTION_NAME else attention
+        experts = getattr(self.hf_model.config, "_experts_implementation", None)
+        ours = set(moe_routing.IMPLEMENTATION_NAMES.values())
+        self.stock_experts: str | None = "grouped_mm" if experts in ours else experts
         self.offloader = ActivationOffloader(
             self.device,
             min_offload_bytes=0 if self.device.type == "cpu" else offloaded_checkpoint.MIN_OFFLOAD_BYTES,

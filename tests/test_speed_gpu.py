@@ -1,0 +1,112 @@
+"""GPU checks of the speed switches: kernels against the reference, and zero syncs in a training step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from speed_models import grads, packed_batch, tiny_lora_model
+
+from engine.config import SpeedConfig
+from engine.speed import SpeedController, metadata_cache, moe_routing
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
+]
+CUDA = torch.device("cuda")
+LENGTHS = (300, 45, 700, 129, 1, 200, 600)
+
+
+def bf16_model(model_type: str, experts: bool = False, **overrides: object) -> torch.nn.Module:
+    settings = dict(hidden_size=256, head_dim=64, intermediate_size=512)
+    settings.update(overrides)
+    return tiny_lora_model(model_type, experts=experts, **settings).to(CUDA, torch.bfloat16)
+
+
+def run_step(model: torch.nn.Module, ctl: SpeedController, lengths: tuple[int, ...] = LENGTHS) -> torch.Tensor:
+    batch = packed_batch(lengths).to(CUDA)
+    model.zero_grad(set_to_none=True)
+    out = model(**ctl.model_inputs(batch), labels=batch.labels, num_items_in_batch=batch.trained_tokens)
+    out.loss.backward()
+    return out.logits.detach().float()
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tol: float = 2e-2) -> bool:
+    return bool(((a - b).abs().max() / b.abs().max()).item() < tol)
+
+
+def grads_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], tol: float = 5e-2) -> bool:
+    assert a.keys() == b.keys() and a
+    cos = [torch.nn.functional.cosine_similarity(a[k].flatten().float(), b[k].flatten().float(), dim=0) for k in a]
+    return min(float(c) for c in cos) > 1 - tol
+
+
+@pytest.mark.parametrize("backend", ["varlen", "flex"])
+def test_packed_backends_match_stock_path(backend: str) -> None:
+    model = bf16_model("qwen3")
+    ctl = SpeedController(model, SpeedConfig(metadata_cache=False, checkpointing="none"), CUDA)
+    ref_logits, ref_grads = run_step(model, ctl), grads(model)
+    ctl.apply(SpeedConfig(metadata_cache=True, checkpointing="none", attention_backend=backend))
+    assert ctl.state()["metadata_cache"]["backend"] == backend
+    logits = run_step(model, ctl)
+    assert close(logits, ref_logits) and grads_close(grads(model), ref_grads)
+
+
+def test_sliding_window_varlen_matches_mask() -> None:
+    model = bf16_model("qwen3", use_sliding_window=True, sliding_window=64, max_window_layers=0)
+    ctl = SpeedController(model, SpeedConfig(metadata_cache=True, checkpointing="none", attention_backend="sdpa"), CUDA)
+    ref = run_step(model, ctl)
+    ctl.apply(SpeedConfig(metadata_cache=True, checkpointing="none", attention_backend="varlen"))
+    assert close(run_step(model, ctl), ref)
+
+
+def test_offloaded_gradients_equal_standard_on_gpu() -> None:
+    model = bf16_model("llama")
+    ctl = SpeedController(model, SpeedConfig(metadata_cache=True, checkpointing="standard"), CUDA)
+    ctl.offloader.min_offload_bytes = 0
+    torch.manual_seed(0)
+    run_step(model, ctl)
+    ref = grads(model)
+    ctl.apply(SpeedConfig(metadata_cache=True, checkpointing="offloaded"))
+    for _ in range(2):  # the second step reuses the pinned host buffers
+        run_step(model, ctl)
+    assert ctl.offloader.pinned_bytes > 0
+    got = grads(model)
+    assert all(torch.allclose(got[k], ref[k], rtol=1e-2, atol=1e-5) for k in ref)
+
+
+def test_training_step_with_everything_on_makes_no_sync() -> None:
+    model = bf16_model("qwen3_moe", experts=True, moe_intermediate_size=128)
+    ctl = SpeedController(
+        model, SpeedConfig(metadata_cache=True, checkpointing="offloaded", moe_routing="sync-free"), CUDA
+    )
+    ctl.offloader.min_offload_bytes = 0
+    state = ctl.state()
+    assert state["metadata_cache"]["backend"] == "varlen" and state["moe_routing"]["mode"] == "sync-free"
+    batch = packed_batch(LENGTHS).to(CUDA)
+    for _ in range(2):  # warm-up allocates host buffers and streams; the second step is checked
+        inputs = ctl.model_inputs(batch)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = model(**inputs, labels=batch.labels, num_items_in_batch=batch.trained_tokens)
+            out.loss.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize(("mode", "dtype"), [("sync-free", torch.bfloat16), ("bincount", torch.float16)])
+def test_moe_routing_matches_eager_on_gpu(mode: str, dtype: torch.dtype) -> None:
+    model = tiny_lora_model("qwen3_moe", experts=True, moe_intermediate_size=128).to(CUDA, dtype)
+    ctl = SpeedController(model, SpeedConfig(metadata_cache=False, checkpointing="none", moe_routing="stock"), CUDA)
+    model.get_base_model().set_experts_implementation("eager")
+    ref_logits, ref_grads = run_step(model, ctl), grads(model)
+    ctl.apply(SpeedConfig(metadata_cache=False, checkpointing="none", moe_routing=mode))
+    assert model.get_base_model().config._experts_implementation == moe_routing.IMPLEMENTATION_NAMES[mode]
+    assert close(run_step(model, ctl), ref_logits) and grads_close(grads(model), ref_grads)
+
+
+def test_varlen_is_the_automatic_backend_here() -> None:
+    choice = metadata_cache.choose_backend("auto", CUDA, torch.bfloat16)
+    assert choice.name == "varlen", choice.reason

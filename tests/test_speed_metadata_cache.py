@@ -1,0 +1,108 @@
+"""Packed-sequence metadata cache: the packed attention path equals transformers' own packed path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from speed_models import grads, max_relative_error, packed_batch, step, tiny_lora_model
+
+from engine.config import SpeedConfig
+from engine.model_inputs import block_causal_mask, stock_model_inputs
+from engine.speed import SpeedController, metadata_cache
+
+LENGTHS = (5, 17, 9, 30, 3)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+@pytest.mark.parametrize("checkpointing", ["none", "standard"])
+def test_packed_attention_matches_stock_path(model_type: str, checkpointing: str) -> None:
+    model = tiny_lora_model(model_type)
+    batch = packed_batch(LENGTHS)
+    off = SpeedController(model, SpeedConfig(metadata_cache=False, checkpointing=checkpointing), torch.device("cpu"))
+    ref_loss, ref_logits = step(model, off.model_inputs(batch), batch)
+    ref_grads = grads(model)
+    on = SpeedController(model, SpeedConfig(metadata_cache=True, checkpointing=checkpointing), torch.device("cpu"))
+    assert on.state()["metadata_cache"] == {
+        "on": True,
+        "backend": "sdpa",
+        "reason": on.state()["metadata_cache"]["reason"],
+    }
+    loss, logits = step(model, on.model_inputs(batch), batch)
+    assert torch.allclose(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    assert max_relative_error(grads(model), ref_grads) < 1e-5
+
+
+def test_documents_do_not_see_each_other() -> None:
+    """Each document's logits equal running it alone: the packed path isolates documents."""
+    model = tiny_lora_model("qwen3")
+    batch = packed_batch((7, 12))
+    ctl = SpeedController(model, SpeedConfig(metadata_cache=True), torch.device("cpu"))
+    with torch.no_grad():
+        packed = model(**ctl.model_inputs(batch)).logits[0, 7:]
+        alone = model(input_ids=batch.input_ids[:, 7:], use_cache=False).logits[0]
+    assert torch.allclose(packed, alone, atol=1e-5)
+
+
+def test_all_switches_off_gives_stock_inputs() -> None:
+    model = tiny_lora_model("llama")
+    batch = packed_batch(LENGTHS)
+    ctl = SpeedController(model, SpeedConfig(metadata_cache=False, checkpointing="none"), torch.device("cpu"))
+    inputs, stock = ctl.model_inputs(batch), stock_model_inputs(model, batch)
+    assert inputs.keys() == stock.keys()
+    assert all(inputs[k] is stock[k] or inputs[k] == stock[k] for k in ("use_cache",))
+    assert torch.equal(inputs["input_ids"], stock["input_ids"])
+    assert model.get_base_model().config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_block_diagonal_mask_matches_reference(window: int | None) -> None:
+    batch = packed_batch(LENGTHS)
+    ours = metadata_cache.block_diagonal_mask(batch.document_ids, window)
+    assert torch.equal(ours, block_causal_mask(batch.document_ids, sliding_window=window))
+
+
+@pytest.mark.parametrize("window", [None, 100])
+def test_flex_block_lists_cover_exactly_the_dense_mask(window: int | None) -> None:
+    lengths = (300, 45, 500, 129, 1, 200)
+    batch = packed_batch(lengths)
+    t, block = batch.num_tokens, metadata_cache.FLEX_BLOCK
+    any_pair, full = metadata_cache.document_kv_blocks(batch.cu_seqlens, t, window)
+    dense = block_causal_mask(batch.document_ids, sliding_window=window)[0, 0]
+    nb = -(-t // block)
+    padded = torch.zeros(nb * block, nb * block, dtype=torch.bool)
+    padded[:t, :t] = dense
+    tiles = padded.view(nb, block, nb, block).permute(0, 2, 1, 3)
+    assert torch.equal(any_pair, tiles.any(-1).any(-1))
+    real = torch.zeros_like(padded)
+    real[:t, :t] = True
+    real_tiles = real.view(nb, block, nb, block).permute(0, 2, 1, 3)
+    fully = (tiles | ~real_tiles).all(-1).all(-1)
+    assert not (full & ~fully).any()  # never marks a block full that is not
+
+
+def test_flex_forward_matches_sdpa_on_cpu() -> None:
+    batch = packed_batch((40, 100, 150, 10))
+    meta_sdpa = metadata_cache.build_metadata(batch, torch.device("cpu"), "sdpa")
+    meta_flex = metadata_cache.build_metadata(batch, torch.device("cpu"), "flex")
+    q = torch.randn(1, 4, batch.num_tokens, 16)
+    k, v = torch.randn(1, 2, batch.num_tokens, 16), torch.randn(1, 2, batch.num_tokens, 16)
+    module = torch.nn.Module()
+    ref, _ = metadata_cache.packed_attention_forward(module, q, k, v, None, 0.25, packed_metadata=meta_sdpa)
+    out, _ = metadata_cache.packed_attention_forward(module, q, k, v, None, 0.25, packed_metadata=meta_flex)
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_backend_choice_on_cpu_and_requests() -> None:
+    cpu = torch.device("cpu")
+    assert metadata_cache.choose_backend("auto", cpu, torch.float32).name == "sdpa"
+    choice = metadata_cache.choose_backend("varlen", cpu, torch.bfloat16)
+    assert choice.name == "sdpa" and "varlen requested but" in choice.reason
+
+
+def test_gpt_oss_keeps_its_explicit_masks() -> None:
+    model = tiny_lora_model("gpt_oss")
+    ctl = SpeedController(model, SpeedConfig(metadata_cache=True), torch.device("cpu"))
+    state = ctl.state()["metadata_cache"]
+    assert state["on"] is False and "sinks" in state["reason"]
+    assert "attention_mask" in ctl.model_inputs(packed_batch(LENGTHS))
