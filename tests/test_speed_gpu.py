@@ -24,40 +24,60 @@ def bf16_model(model_type: str, experts: bool = False, **overrides: object) -> t
 
 
 def run_step(model: torch.nn.Module, ctl: SpeedController, lengths: tuple[int, ...] = LENGTHS) -> torch.Tensor:
-    batch = packed_batch(lengths).to(CUDA)
+    host = packed_batch(lengths)
+    batch = host.to(CUDA)
     model.zero_grad(set_to_none=True)
-    out = model(**ctl.model_inputs(batch), labels=batch.labels, num_items_in_batch=batch.trained_tokens)
+    out = model(**ctl.model_inputs(batch), labels=batch.labels, num_items_in_batch=host.trained_tokens)
     out.loss.backward()
     return out.logits.detach().float()
 
 
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def within_bf16_noise(model: torch.nn.Module, stock: SpeedConfig, fast: SpeedConfig) -> None:
+    """Both bf16 paths are compared with a float32 run of the stock path: the fast one may not be noisier."""
+    model.float()
+    ctl = SpeedController(model, stock, CUDA)
+    ref_logits, ref_grads = run_step(model, ctl), grads(model)
+    model.to(torch.bfloat16)
+    stock_logits, stock_grads = run_step(model, ctl), grads(model)
+    ctl.apply(fast)
+    fast_logits, fast_grads = run_step(model, ctl), grads(model)
+    errors = {
+        "logits": (relative_error(stock_logits, ref_logits), relative_error(fast_logits, ref_logits)),
+        "grads": (
+            max(relative_error(stock_grads[k], ref_grads[k]) for k in ref_grads),
+            max(relative_error(fast_grads[k], ref_grads[k]) for k in ref_grads),
+        ),
+    }
+    for stock_error, fast_error in errors.values():
+        assert fast_error <= 1.5 * stock_error + 1e-3, errors
+
+
 def close(a: torch.Tensor, b: torch.Tensor, tol: float = 2e-2) -> bool:
-    return bool(((a - b).abs().max() / b.abs().max()).item() < tol)
+    return relative_error(a, b) < tol
 
 
 def grads_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], tol: float = 5e-2) -> bool:
     assert a.keys() == b.keys() and a
-    cos = [torch.nn.functional.cosine_similarity(a[k].flatten().float(), b[k].flatten().float(), dim=0) for k in a]
-    return min(float(c) for c in cos) > 1 - tol
+    return max(relative_error(a[k], b[k]) for k in a) < tol
 
 
 @pytest.mark.parametrize("backend", ["varlen", "flex"])
 def test_packed_backends_match_stock_path(backend: str) -> None:
     model = bf16_model("qwen3")
-    ctl = SpeedController(model, SpeedConfig(metadata_cache=False, checkpointing="none"), CUDA)
-    ref_logits, ref_grads = run_step(model, ctl), grads(model)
-    ctl.apply(SpeedConfig(metadata_cache=True, checkpointing="none", attention_backend=backend))
-    assert ctl.state()["metadata_cache"]["backend"] == backend
-    logits = run_step(model, ctl)
-    assert close(logits, ref_logits) and grads_close(grads(model), ref_grads)
+    stock = SpeedConfig(metadata_cache=False, checkpointing="none")
+    fast = SpeedConfig(metadata_cache=True, checkpointing="none", attention_backend=backend)
+    within_bf16_noise(model, stock, fast)
 
 
 def test_sliding_window_varlen_matches_mask() -> None:
     model = bf16_model("qwen3", use_sliding_window=True, sliding_window=64, max_window_layers=0)
-    ctl = SpeedController(model, SpeedConfig(metadata_cache=True, checkpointing="none", attention_backend="sdpa"), CUDA)
-    ref = run_step(model, ctl)
-    ctl.apply(SpeedConfig(metadata_cache=True, checkpointing="none", attention_backend="varlen"))
-    assert close(run_step(model, ctl), ref)
+    masked = SpeedConfig(metadata_cache=True, checkpointing="none", attention_backend="sdpa")
+    varlen = SpeedConfig(metadata_cache=True, checkpointing="none", attention_backend="varlen")
+    within_bf16_noise(model, masked, varlen)
 
 
 def test_offloaded_gradients_equal_standard_on_gpu() -> None:
@@ -83,13 +103,14 @@ def test_training_step_with_everything_on_makes_no_sync() -> None:
     ctl.offloader.min_offload_bytes = 0
     state = ctl.state()
     assert state["metadata_cache"]["backend"] == "varlen" and state["moe_routing"]["mode"] == "sync-free"
-    batch = packed_batch(LENGTHS).to(CUDA)
+    host = packed_batch(LENGTHS)
+    batch, n = host.to(CUDA), host.trained_tokens
     for _ in range(2):  # warm-up allocates host buffers and streams; the second step is checked
         inputs = ctl.model_inputs(batch)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            out = model(**inputs, labels=batch.labels, num_items_in_batch=batch.trained_tokens)
+            out = model(**inputs, labels=batch.labels, num_items_in_batch=n)
             out.loss.backward()
         finally:
             torch.cuda.set_sync_debug_mode("default")

@@ -104,11 +104,15 @@ def _sizes_from_offsets(offsets: torch.Tensor | None) -> list[int]:
 
 def _looped_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, sizes: Sequence[int]) -> torch.Tensor:
     outs = []
+    # unbind, not w[expert]: indexing a 3-D parameter per expert makes backward build a full-size zero gradient
+    # for every expert (128 × the weight's size for Qwen3-30B-A3B); unbind's backward stacks them once.
+    weights = w.unbind(0)
+    biases = bias.unbind(0) if bias is not None else None
     for expert, rows in enumerate(x.split(list(sizes))):
         if rows.shape[0] == 0:
             continue
-        y = rows @ w[expert]
-        outs.append(y if bias is None else y + bias[expert])
+        y = rows @ weights[expert]
+        outs.append(y if biases is None else y + biases[expert])
     if not outs:
         return x.new_zeros(0, w.shape[-1])
     return torch.cat(outs)
@@ -161,8 +165,12 @@ def bincount_experts_forward(
 def sync_free_experts_forward(
     self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    """Experts implementation: sort + searchsorted offsets kept on the device, grouped_mm where it is fast."""
-    routing = route_tokens_by_expert(top_k_index, self.num_experts, host_counts=False)
+    """Experts implementation: sort + searchsorted offsets kept on the device, grouped_mm where it is fast.
+
+    Where grouped_mm has no fast path its fallback would read the offsets back anyway, so the counts are taken on
+    the host once (the bincount path) rather than once per projection."""
+    fast = grouped_mm_fast_path(hidden_states.device, hidden_states.dtype)
+    routing = route_tokens_by_expert(top_k_index, self.num_experts, host_counts=not fast)
     return run_sorted_experts(self, hidden_states, top_k_index, top_k_weights, routing)
 
 
@@ -194,7 +202,7 @@ def resolve_mode(requested: str, model: torch.nn.Module, device: torch.device, d
             return "sync-free", f"grouped_mm has a fast path on {where}: no syncs"
         return "bincount", f"grouped_mm has no fast path on {where}: one sync per layer, experts on slices"
     if requested == "sync-free" and not fast:
-        return "sync-free", f"sync-free requested; grouped_mm has no fast path on {where}, so it loops per expert"
+        return "sync-free", f"sync-free requested; grouped_mm has no fast path on {where}: experts loop (one sync)"
     return requested, f"{requested} requested"
 
 

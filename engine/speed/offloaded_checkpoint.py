@@ -256,10 +256,9 @@ class _OffloadedLayer(torch.autograd.Function):
     ) -> Any:
         ctx.run, ctx.offloader = run, offloader
         ctx.replay = _ReplayState.capture(hidden.device)
+        ctx.slot = offloader.stash(hidden)  # before the layer runs, so the copy overlaps with its compute
         with torch.no_grad():
-            out = run(hidden)
-        ctx.slot = offloader.stash(hidden)
-        return out
+            return run(hidden)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
