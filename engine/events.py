@@ -100,3 +100,11 @@ class RunPaused(Event):
 @dataclass(frozen=True)
 class RunResumed(Event):
     step: int
+
+
+@dataclass(frozen=True)
+class SpeedChanged(Event):
+    """The speed optimizations in force from ``step`` on: each with its resolved choice and a one-line reason."""
+
+    step: int
+    state: dict[str, dict[str, Any]]

@@ -18,6 +18,7 @@ from engine.events import (
     RunFinished,
     RunPaused,
     RunStarted,
+    SpeedChanged,
     StepMetrics,
 )
 
@@ -49,6 +50,8 @@ class ProgressPrinter:
             pass  # checkpoints are frequent; the final folder is reported at the end
         elif isinstance(event, Notice):
             self.write(f"note: {event.message}")
+        elif isinstance(event, SpeedChanged):
+            self.write(describe_speed(event))
         elif isinstance(event, RunPaused):
             self.write(f"paused at step {event.step}")
         elif isinstance(event, RunFinished):
@@ -90,6 +93,17 @@ class ProgressPrinter:
             f"{status} at step {done.step} in {done.wall_time_s:.1f} s: train loss {loss}{evaluation}\n"
             f"adapter: {done.adapter_dir}"
         )
+
+
+def describe_speed(event: SpeedChanged) -> str:
+    """One line per optimization: what is in force and why."""
+    lines = [f"speed settings from step {event.step}:"]
+    for name, state in event.state.items():
+        choice = state.get("backend") or state.get("mode") or ("on" if state.get("on") else "off")
+        if "on" in state and not state["on"]:
+            choice = "off"
+        lines.append(f"  {name.replace('_', ' ')}: {choice} ({state.get('reason', '')})")
+    return "\n".join(lines)
 
 
 def run_events(

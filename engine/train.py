@@ -37,12 +37,13 @@ from engine.events import (
     RunPaused,
     RunResumed,
     RunStarted,
+    SpeedChanged,
     StepMetrics,
 )
-from engine.model_inputs import stock_model_inputs
 from engine.models import add_lora, count_parameters, load_base_model, load_tokenizer, pick_device, pick_dtype
 from engine.packing import PackedBatch
 from engine.schedule import lr_lambda
+from engine.speed import SpeedController
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -65,6 +66,7 @@ class Session:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     scaler: torch.amp.GradScaler | None
+    speed: SpeedController
     total_steps: int
     step: int = 0
     micro_batches: int = 0
@@ -178,6 +180,7 @@ def _start(config: RunConfig, run_dir: Path, resuming: bool) -> Iterator[Event] 
         trainable_params=trainable,
         total_params=total,
     )
+    yield SpeedChanged(session.step, session.speed.state())
     return session
 
 
@@ -191,7 +194,10 @@ def _make_session(
         optimizer, lr_lambda(config.training.schedule, config.training.warmup_steps, total_steps)
     )
     scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 and device.type == "cuda" else None
-    return Session(config, run_dir, device, dtype, tokenizer, model, data, optimizer, scheduler, scaler, total_steps)
+    speed = SpeedController(model, config.speed, device)
+    return Session(
+        config, run_dir, device, dtype, tokenizer, model, data, optimizer, scheduler, scaler, speed, total_steps
+    )
 
 
 def _restore(session: Session) -> None:
@@ -242,6 +248,10 @@ def _train(session: Session, control: RunControl) -> Iterator[Event]:
             if control.stop_requested:
                 break
             yield RunResumed(session.step)
+        requested = control.take_speed_request()
+        if requested is not None:
+            session.speed.apply(requested)
+            yield SpeedChanged(session.step, session.speed.state())
         metrics = _step(session)
         _append_jsonl(session.run_dir / METRICS_FILE, _metrics_record(metrics))
         yield metrics
@@ -305,7 +315,7 @@ def _next_micro_batches(session: Session) -> list[PackedBatch]:
 
 def _forward_loss(session: Session, batch: PackedBatch, num_items: int) -> torch.Tensor:
     on_device = batch.to(session.device)
-    inputs = stock_model_inputs(session.model, on_device)
+    inputs = session.speed.model_inputs(on_device)
     return session.model(**inputs, labels=on_device.labels, num_items_in_batch=num_items).loss
 
 

@@ -178,3 +178,23 @@ def test_qlora_trains_on_cpu(tiny_model_dir: Path, chat_file: Path, tmp_path: Pa
     events = finish(run(config))
     assert isinstance(events[-1], RunFinished)
     assert all(e.loss == e.loss for e in events if isinstance(e, StepMetrics))  # finite, not NaN
+
+
+def test_speed_switches_flipped_mid_run_keep_the_loss_curve(
+    tiny_model_dir: Path, chat_file: Path, tmp_path: Path
+) -> None:
+    from engine.config import SpeedConfig
+    from engine.events import SpeedChanged
+
+    reference = Path(finish(run(make_config(tiny_model_dir, chat_file, tmp_path / "a", max_steps=5)))[-1].run_dir)
+    control = RunControl()
+    changes = []
+    for event in run(make_config(tiny_model_dir, chat_file, tmp_path / "b", max_steps=5), control=control):
+        if isinstance(event, StepMetrics) and event.step == 2:
+            control.request_speed(SpeedConfig(metadata_cache=False, checkpointing="standard"))
+        if isinstance(event, SpeedChanged):
+            changes.append(event)
+    assert [c.step for c in changes] == [0, 2]
+    assert changes[0].state["metadata_cache"]["on"] and not changes[1].state["metadata_cache"]["on"]
+    assert changes[1].state["checkpointing"]["mode"] == "standard"
+    assert_same_curve(losses(tmp_path / "b" / "run"), losses(reference))
