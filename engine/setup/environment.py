@@ -177,7 +177,9 @@ def create_environment(
         shutil.rmtree(target)
     yield StepStarted(steps[0], steps[1], f"Creating the Python {python} environment")
     managed = [] if os.sep in python or "/" in python else ["--managed-python"]
-    argv = [uv, "venv", *managed, "--python", python, *_offline_args(wheelhouse)[:1], str(target)]
+    # Relocatable: entry-point scripts find their Python relative to themselves, so the environment still works
+    # after it was built as env.new and renamed to env.
+    argv = [uv, "venv", "--relocatable", *managed, "--python", python, *_offline_args(wheelhouse)[:1], str(target)]
     if not (yield from run_uv(argv, env, layout.cache / "uv", cancel, log)):
         return False
     yield StepStarted(steps[0] + 1, steps[1], "Installing TuneDeck (everything except torch)")

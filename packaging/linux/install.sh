@@ -49,7 +49,7 @@ case "$python" in */*) managed="" ;; esac
 echo "Creating the Python environment in $root/env"
 rm -rf "$root/env.new"
 # shellcheck disable=SC2086  # $offline and $managed are lists of options
-"$root/uv" venv $managed --python "$python" ${offline:+--offline} "$root/env.new"
+"$root/uv" venv --relocatable $managed --python "$python" ${offline:+--offline} "$root/env.new"
 printf 'torch\n' > "$root/cache/excludes.txt"
 echo "Installing TuneDeck (everything except torch)"
 # shellcheck disable=SC2086

@@ -124,7 +124,7 @@ Section "TuneDeck" Main
 
   ; A new environment is built beside the old one and replaces it only when complete (re-running = repair).
   RMDir /r "$INSTDIR\env.new"
-  !insertmacro Run "Creating the Python ${PYTHON_VERSION} environment" '"$INSTDIR\uv.exe" venv --managed-python --python ${PYTHON_VERSION} "$INSTDIR\env.new"'
+  !insertmacro Run "Creating the Python ${PYTHON_VERSION} environment" '"$INSTDIR\uv.exe" venv --relocatable --managed-python --python ${PYTHON_VERSION} "$INSTDIR\env.new"'
   !insertmacro Run "Installing TuneDeck (everything except torch)" '"$INSTDIR\uv.exe" pip install --python "$INSTDIR\env.new\Scripts\python.exe" --excludes "$INSTDIR\cache\excludes.txt" $Offline "$INSTDIR\wheels\${WHEEL_NAME}"'
   RMDir /r "$INSTDIR\env"
   ${If} ${FileExists} "$INSTDIR\env\*.*"
