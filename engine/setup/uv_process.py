@@ -70,7 +70,8 @@ def run_uv(
     lines: queue.Queue[str | None] = queue.Queue()
     assert process.stdout is not None
     threading.Thread(target=_pump, args=(process.stdout, lines), daemon=True).start()
-    total, done, tail = 0, 0, []
+    total, done = 0, 0
+    tail: list[str] = []
     while True:
         if cancel is not None and cancel.cancelled:
             _stop(process)

@@ -45,7 +45,7 @@ class InstalledDistribution:
     @property
     def editable(self) -> bool:
         text = self.dist.read_text("direct_url.json")
-        return bool(text) and bool(json.loads(text).get("dir_info", {}).get("editable"))
+        return bool(text and json.loads(text).get("dir_info", {}).get("editable"))
 
 
 def normalize(name: str) -> str:
