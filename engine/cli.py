@@ -23,6 +23,15 @@ VERSION = "0.1.0"
 # command -> (module:function taking argv, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("engine.cli:train_main", "fine-tune a model on a dataset (or the built-in demo)"),
+    "bench": ("engine.bench:main", "measure the speed optimizations against stock transformers+PEFT on this GPU"),
+    "setup": (
+        "engine.setup.commands:setup_main",
+        "detect the GPU and driver, install the matching torch build, check or repair the environment",
+    ),
+    "export-wheelhouse": (
+        "engine.setup.commands:export_wheelhouse_main",
+        "write every wheel this environment uses to a folder, for offline re-installs",
+    ),
 }
 
 EPILOG = """examples:
