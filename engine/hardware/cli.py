@@ -1,0 +1,175 @@
+"""``tunedeck detect`` and ``tunedeck plan``: what this machine is and what TuneDeck would run on it.
+
+Heavy modules (torch, pynvml) are imported only when a command runs, so ``--help`` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from engine.errors import TuneDeckError
+
+GIB = 1 << 30
+
+
+def _gib(value: int | None) -> str:
+    return "?" if value is None else f"{value / GIB:.1f} GiB"
+
+
+def _hardware_lines(hardware: Any) -> list[str]:
+    lines = []
+    for gpu in hardware.gpus:
+        cc = gpu.compute_capability
+        sm = f"sm_{cc[0]}{cc[1]}" if cc else "sm_?"
+        memory = f"{_gib(gpu.used_memory_bytes)} used of {_gib(gpu.total_memory_bytes)}"
+        kind = "unified memory" if gpu.integrated else "dedicated memory"
+        lines.append(
+            f"GPU {gpu.index}: {gpu.name} ({gpu.architecture}, {sm}, {gpu.sm_count or '?'} SMs) - {memory}, {kind}"
+        )
+        lines.append(f"  class: {gpu.gpu_class}{'' if gpu.usable_by_torch else ' (not usable by this torch)'}")
+        live = []
+        if gpu.temperature_c is not None:
+            live.append(f"{gpu.temperature_c:.0f} °C")
+        if gpu.power_w is not None:
+            live.append(f"{gpu.power_w:.0f} W of {gpu.power_limit_w or 0:.0f} W")
+        if gpu.sm_clock_mhz is not None:
+            live.append(f"SM {gpu.sm_clock_mhz} MHz (max {gpu.max_sm_clock_mhz or '?'})")
+        if gpu.throttle_reasons:
+            live.append("clock limits: " + ", ".join(gpu.throttle_reasons))
+        if live:
+            lines.append("  now: " + ", ".join(live))
+    if not hardware.gpus:
+        lines.append("GPU: none - CPU path")
+    lines.append(
+        f"driver {hardware.driver_version or '-'} (CUDA {hardware.cuda_driver_version or '-'}), "
+        f"torch {hardware.torch_version or '-'} (CUDA build {hardware.torch_cuda_version or 'none'}), "
+        f"{hardware.platform}{' (WSL)' if hardware.wsl else ''}, {hardware.cpu_count} CPU cores, "
+        f"{_gib(hardware.host_memory_bytes)} RAM"
+    )
+    return lines
+
+
+def _profile_lines(profile: Any) -> list[str]:
+    lines = ["Settings:"]
+    for name, choice in profile.choices().items():
+        value = (
+            f"{choice.value:,}"
+            if isinstance(choice.value, int) and not isinstance(choice.value, bool)
+            else choice.value
+        )
+        lines.append(f"  {name:<18} {value!s:<10} {choice.reason}")
+    plan = profile.memory_plan
+    if plan is not None:
+        verdict = "fits" if plan.fits else "does not fit"
+        lines.append(
+            f"Memory: {verdict}; predicted peak {plan.estimate.gib():.1f} GiB, {plan.budget_bytes / GIB:.1f} GiB usable"
+        )
+    if profile.tokens_per_second:
+        lines.append(
+            f"Speed: about {profile.tokens_per_second:,.0f} tokens/s (rough, from the card's tensor throughput)"
+        )
+    lines += [f"Note: {note}" for note in profile.notes]
+    return lines
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.add_argument("--tokens", type=int, help="tokens per batch (default: the largest that fits)")
+    parser.add_argument("--max-seq-len", type=int, default=2048, help="longest example; the batch is at least this")
+    parser.add_argument("--qlora", action=argparse.BooleanOptionalAction, default=None, help="force QLoRA on or off")
+    parser.add_argument("--checkpointing", choices=("auto", "none", "standard", "offloaded"), default="auto")
+    parser.add_argument("--lora-rank", type=int, default=16)
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    found = {"qlora": args.qlora, "checkpointing": args.checkpointing, "tokens_per_batch": args.tokens}
+    return {key: value for key, value in found.items() if value not in (None, "auto")}
+
+
+def detect_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="tunedeck detect", description="Show this machine's GPU, its class, and the settings TuneDeck picks."
+    )
+    parser.add_argument("--model", help="also plan memory for this model (built-in name, folder or config.json)")
+    _common(parser)
+    args = parser.parse_args(argv)
+    from engine.hardware.detect import detect_hardware
+    from engine.hardware.profile import build_profile
+    from engine.hardware.shapes import load_shape
+
+    try:
+        shape = load_shape(args.model) if args.model else None
+        hardware = detect_hardware()
+        profile = build_profile(hardware, shape, overrides=_overrides(args), lora_rank=args.lora_rank,
+                                min_tokens=args.max_seq_len)  # fmt: skip
+    except TuneDeckError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"hardware": hardware.to_dict(), "profile": profile.to_dict()}, indent=2))
+    else:
+        print("\n".join([*_hardware_lines(hardware), "", *_profile_lines(profile)]))
+        for note in hardware.notes:
+            print(f"Note: {note}")
+    return 0
+
+
+def plan_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="tunedeck plan",
+        description="Will a model train on a GPU, with which settings, about how fast. Nothing is downloaded.",
+    )
+    parser.add_argument(
+        "--model", required=True, help="built-in shape (e.g. llama-3.1-8b), a local HF folder or config.json"
+    )
+    target = parser.add_mutually_exclusive_group()
+    target.add_argument("--gpu", help="a GPU by name, e.g. '4060 laptop', 'RTX 3090', 'H100' (default: this machine's)")
+    target.add_argument("--vram", type=float, help="plan for a card with this many GiB")
+    parser.add_argument("--list-gpus", action="store_true", help="list the GPUs the table knows and exit")
+    _common(parser)
+    args = parser.parse_args(argv)
+    from engine.hardware import gpus
+    from engine.hardware.profile import DeviceTarget, build_profile
+    from engine.hardware.shapes import load_shape
+
+    if args.list_gpus:
+        print("\n".join(f"{s.name:<26} sm_{s.compute_capability[0]}{s.compute_capability[1]:<3} {s.vram_gib:g} GiB"
+                        for s in gpus.GPUS))  # fmt: skip
+        return 0
+    try:
+        shape = load_shape(args.model)
+        device = _plan_target(args, gpus, DeviceTarget)
+        profile = build_profile(device, shape, overrides=_overrides(args), lora_rank=args.lora_rank,
+                                min_tokens=args.max_seq_len)  # fmt: skip
+    except TuneDeckError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"model": shape.display_name(), "gpu": device.label, "profile": profile.to_dict()}, indent=2))
+        return 0
+    memory = f"{device.memory_bytes / GIB:.0f} GiB" if device.memory_bytes else "? GiB"
+    print(f"{shape.display_name()} on {device.label} ({memory}):")
+    print("\n".join(_profile_lines(profile)))
+    return 0
+
+
+def _plan_target(args: argparse.Namespace, gpus: Any, target_cls: Any) -> Any:
+    if args.gpu:
+        spec = gpus.find_gpu(args.gpu)
+        if spec is None:
+            raise TuneDeckError(f"unknown GPU '{args.gpu}'", hint="see `tunedeck plan --list-gpus`, or give --vram GIB")
+        return target_cls.from_spec(spec)
+    if args.vram:
+        generic = gpus.GpuSpec(f"a {args.vram:g} GiB GPU", (8, 9), args.vram, 0, gpus.RTX_CONSUMER)
+        return target_cls(generic.name, generic.gpu_class, generic.compute_capability, int(args.vram * GIB))
+    from engine.hardware.detect import detect_hardware
+
+    return target_cls.from_hardware(detect_hardware())
+
+
+if __name__ == "__main__":  # python -m engine.hardware.cli detect|plan ...
+    command, *rest = sys.argv[1:] or ["detect"]
+    raise SystemExit({"detect": detect_main, "plan": plan_main}.get(command, detect_main)(rest))

@@ -1,0 +1,450 @@
+"""Peak training memory from a model's shape, without loading it, and the largest batch that fits.
+
+The estimate follows what the engine actually keeps alive, term by term, rather than a rule of thumb (a peer's
+rule of thumb was 2-5x off). One packed row of T tokens; the peak is the larger of two moments:
+
+* the start of backward, at the loss: every activation saved by the decoder layers (or, with checkpointing,
+  only each layer's input) plus the cross-entropy working set, 12 bytes per token and vocabulary entry
+  (log-softmax output, its incoming gradient and its input gradient, all fp32). With vocabularies of
+  128k-152k this term dominates long rows: 12 x 16k x 152k = 30 GB for Qwen3-0.6B;
+* with checkpointing, the recompute of one layer in backward: that layer's activations plus its gradients.
+
+Per-layer activation bytes were counted from the tensors autograd saves (``saved_tensors_hooks``) for
+transformers + peft: peft keeps LoRA weights in fp32 and casts each adapted module's 16-bit input to fp32
+separately (4 bytes x every adapted input width per token); RMSNorm keeps an fp32 copy of its input. The
+engine's QLoRA path (peft's ``prepare_model_for_kbit_training``) upcasts embeddings, norms and the output head to
+fp32, so the whole residual stream, and every activation, is fp32 there. Measured against the H200 in
+``benchmarks/planner_accuracy.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from engine.hardware.shapes import ModelShape
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+Checkpointing = Literal["none", "standard", "offloaded"]
+Optimizer = Literal["adamw", "adamw8bit", "sgd"]
+AttentionBackend = Literal["varlen", "flash_attn", "flex", "sdpa"]
+
+OPTIMIZER_STATE_BYTES: dict[str, int] = {"adamw": 8, "adamw8bit": 2, "sgd": 0}
+LORA_PARAM_BYTES = 4
+"""peft keeps adapter weights (and so their gradients) in fp32 on a 16-bit base model."""
+NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
+"""4-bit codes, one uint8 absmax per 64 weights, one fp32 per 256 absmax values (double quantization)."""
+CROSS_ENTROPY_BYTES_PER_LOGIT = 12
+"""fp32 log-softmax output + the gradient arriving from nll_loss + the gradient it produces."""
+OFFLOAD_RING = 3
+"""Layer inputs the offloaded mode keeps on the GPU at once: two in-flight copies plus the one in use."""
+MIN_OFFLOAD_BYTES = 8 * MIB
+"""Below this per-layer input size the engine recomputes without offloading (engine.speed)."""
+FIXED_OVERHEAD_BYTES = 32 * MIB
+"""cuBLAS workspaces, rotary tables, ids and labels (measured: the rest of the step is within ~0.1 GiB)."""
+CONTEXT_BYTES = int(0.5 * GIB)
+"""CUDA context and kernels outside the allocator (not counted by max_memory_allocated)."""
+SAFETY_MARGIN = 0.10
+"""Headroom over the estimate for allocator fragmentation and estimation error when fitting a batch."""
+
+
+@dataclass(frozen=True)
+class TrainSetup:
+    """The choices that change training memory."""
+
+    tokens: int = 4096
+    qlora: bool = False
+    lora_rank: int = 16
+    lora_targets: tuple[str, ...] = ("all-linear",)
+    checkpointing: Checkpointing = "none"
+    optimizer: Optimizer = "adamw"
+    dtype_bytes: int = 2
+    """2 for bf16/fp16 training, 4 for fp32 (CPU)."""
+    attention: AttentionBackend = "varlen"
+    """The attention kernel requested; see :func:`effective_attention` for what runs."""
+    kbit_upcast: bool = True
+    """QLoRA through peft's prepare_model_for_kbit_training: non-4-bit weights and all activations in fp32."""
+    native_gqa: bool = False
+    """varlen_attn takes grouped K/V natively (torch >= 2.12); before, K/V are repeated to all heads."""
+
+    @property
+    def activation_bytes(self) -> int:
+        return 4 if self.qlora and self.kbit_upcast else self.dtype_bytes
+
+    def with_tokens(self, tokens: int) -> TrainSetup:
+        return replace(self, tokens=tokens)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Predicted peak allocator memory (bytes) of one training step, and what makes it up."""
+
+    weights: int
+    adapter: int
+    activations: int
+    loss: int
+    recompute: int
+    attention_masks: int
+    overhead: int
+    attention: str
+    parts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def peak(self) -> int:
+        at_loss = self.activations + self.loss
+        return self.weights + self.adapter + self.overhead + self.attention_masks + max(at_loss, self.recompute)
+
+    def gib(self) -> float:
+        return self.peak / GIB
+
+
+def effective_attention(setup: TrainSetup, compute_capability: tuple[int, int] | None) -> str:
+    """The kernel the engine will run (its metadata cache falls back the same way): varlen and flash-attn need
+    16-bit activations on sm80+; flex needs a GPU; sdpa always runs."""
+    requested = setup.attention
+    sixteen_bit = setup.activation_bytes == 2
+    on_gpu = compute_capability is not None
+    if requested in ("varlen", "flash_attn") and sixteen_bit and on_gpu and compute_capability >= (8, 0):
+        return requested
+    if requested in ("varlen", "flash_attn", "flex") and on_gpu:
+        return "flex"
+    return "sdpa"
+
+
+def _adapted(shape: ModelShape, targets: tuple[str, ...]) -> list[tuple[str, int, int]]:
+    linears = shape.linear_layers()
+    chosen = linears if "all-linear" in targets else [lin for lin in linears if lin.name in targets]
+    return [(lin.name, lin.in_features, lin.out_features) for lin in chosen]
+
+
+def lora_params(shape: ModelShape, setup: TrainSetup) -> int:
+    per_layer = sum(setup.lora_rank * (fan_in + fan_out) for _, fan_in, fan_out in _adapted(shape, setup.lora_targets))
+    return shape.num_layers * per_layer
+
+
+def weight_bytes(shape: ModelShape, setup: TrainSetup) -> int:
+    """Frozen base weights: NF4 for quantized linears under QLoRA, else the training dtype (fp32 if upcast)."""
+    linear = shape.num_layers * shape.linear_params_per_layer()
+    other = (
+        shape.embedding_params()
+        + shape.num_layers * (shape.expert_params_per_layer() + shape.norm_params_per_layer())
+        + shape.hidden_size
+    )
+    if setup.qlora:
+        other_bytes = 4 if setup.kbit_upcast else setup.dtype_bytes
+        return int(linear * NF4_BYTES_PER_PARAM) + other * other_bytes
+    return (linear + other) * setup.dtype_bytes
+
+
+def adapter_bytes(shape: ModelShape, setup: TrainSetup) -> int:
+    """LoRA weights, their gradients and the optimizer state."""
+    return lora_params(shape, setup) * (2 * LORA_PARAM_BYTES + OPTIMIZER_STATE_BYTES[setup.optimizer])
+
+
+def _lora_input_bytes(shape: ModelShape, setup: TrainSetup) -> int:
+    """Per token and layer: the inputs the adapters save for their weight gradients."""
+    adapted = _adapted(shape, setup.lora_targets)
+    act = setup.activation_bytes
+    if act != LORA_PARAM_BYTES:  # each adapted module casts its own fp32 copy of its input
+        return LORA_PARAM_BYTES * sum(fan_in for _, fan_in, _ in adapted)
+    names = {name for name, _, _ in adapted}
+    shared = 0  # same dtype: modules reading one tensor share it; o_proj's input is the saved attention output
+    if names & {"q_proj", "k_proj", "v_proj"}:
+        shared += shape.hidden_size
+    if names & {"gate_proj", "up_proj", "router"}:
+        shared += shape.hidden_size
+    if "down_proj" in names:
+        shared += shape.shared_expert_intermediate_size if shape.is_moe else shape.intermediate_size
+    return act * shared
+
+
+def _attention_bytes(shape: ModelShape, setup: TrainSetup, backend: str) -> int:
+    """Per token and layer: q, k, v (repeated to all heads where the kernel needs it), output, log-sum-exp."""
+    act = setup.activation_bytes
+    repeated = backend == "sdpa" or (backend == "varlen" and not setup.native_gqa)
+    kv = shape.q_dim if repeated else shape.kv_dim
+    return act * (2 * shape.q_dim + 2 * kv) + 4 * shape.num_heads
+
+
+def _mlp_bytes(shape: ModelShape, setup: TrainSetup) -> int:
+    act = setup.activation_bytes
+    if not shape.is_moe:
+        return 3 * act * shape.intermediate_size  # gate output, up output, activation output
+    routed = shape.experts_per_token * (act * shape.hidden_size + 3 * act * shape.expert_intermediate_size)
+    shared = 3 * act * shape.shared_expert_intermediate_size
+    return routed + shared + 8 * shape.num_experts  # router logits and probabilities in fp32
+
+
+def layer_activation_bytes(shape: ModelShape, setup: TrainSetup, backend: str) -> int:
+    """Bytes autograd keeps per token for one decoder layer without checkpointing."""
+    h = shape.hidden_size
+    norms = 2 * (4 * h + 4)  # RMSNorm's fp32 input and its 1/rms
+    qk_norm = 4 * (shape.q_dim + shape.kv_dim + shape.num_heads + shape.num_kv_heads) if shape.qk_norm else 0
+    lora_hidden = LORA_PARAM_BYTES * setup.lora_rank * len(_adapted(shape, setup.lora_targets))
+    return (
+        norms
+        + _lora_input_bytes(shape, setup)
+        + lora_hidden
+        + qk_norm
+        + _attention_bytes(shape, setup, backend)
+        + _mlp_bytes(shape, setup)
+    )
+
+
+def _layer_backward_bytes(shape: ModelShape, setup: TrainSetup) -> int:
+    """Per token: gradients alive while one layer runs backward (the MLP's are the widest)."""
+    act = setup.activation_bytes
+    width = shape.intermediate_size if not shape.is_moe else shape.experts_per_token * shape.expert_intermediate_size
+    return (3 * act + LORA_PARAM_BYTES) * width + 3 * act * shape.hidden_size
+
+
+def _mask_bytes(shape: ModelShape, setup: TrainSetup, backend: str) -> tuple[int, int]:
+    """(kept for the whole step, kept per layer without checkpointing) by dense attention masks."""
+    t = setup.tokens
+    if shape.needs_explicit_masks:
+        return 2 * setup.activation_bytes * t * t, 0
+    if backend != "sdpa":
+        return 0, 0
+    padded = -(-t // 16) * 16
+    # one boolean mask per batch; SDPA's memory-efficient kernel converts it to an additive bias per call and
+    # saves that bias for backward
+    return t * t, setup.activation_bytes * t * padded
+
+
+def estimate_memory(
+    shape: ModelShape, setup: TrainSetup, compute_capability: tuple[int, int] | None = (9, 0)
+) -> MemoryEstimate:
+    """Predict the peak allocator memory of a training step of ``setup.tokens`` tokens."""
+    t, h, act = setup.tokens, shape.hidden_size, setup.activation_bytes
+    backend = effective_attention(setup, compute_capability)
+    per_layer = layer_activation_bytes(shape, setup, backend) * t
+    step_masks, layer_mask = _mask_bytes(shape, setup, backend)
+    first_norm = (4 * h + 4) * t  # the first layer's norm input comes from the frozen embedding: nothing saved
+    layer_input = act * h * t
+    kept_inputs = {
+        "none": 0,
+        "standard": shape.num_layers * layer_input,
+        "offloaded": (
+            min(shape.num_layers, OFFLOAD_RING) * layer_input
+            if layer_input >= MIN_OFFLOAD_BYTES
+            else shape.num_layers * layer_input
+        ),
+    }[setup.checkpointing]
+    if setup.checkpointing == "none":
+        activations = shape.num_layers * (per_layer + layer_mask) - first_norm
+        recompute = 0
+    else:
+        activations = kept_inputs
+        recompute = kept_inputs + per_layer + layer_mask + _layer_backward_bytes(shape, setup) * t
+    final_norm = (4 * h + 4) * t
+    loss = final_norm + CROSS_ENTROPY_BYTES_PER_LOGIT * shape.vocab_size * t
+    return MemoryEstimate(
+        weights=weight_bytes(shape, setup),
+        adapter=adapter_bytes(shape, setup),
+        activations=activations,
+        loss=loss,
+        recompute=recompute,
+        attention_masks=step_masks,
+        overhead=FIXED_OVERHEAD_BYTES,
+        attention=backend,
+        parts={"per_layer_activations": per_layer, "checkpointed_inputs": kept_inputs},
+    )
+
+
+def usable_bytes(vram_bytes: int, *, integrated: bool = False, other_used_bytes: int = 0) -> int:
+    """What a training process can allocate on a card: less the CUDA context and memory others already use.
+
+    Integrated (unified-memory) GPUs share their memory with the operating system, so a quarter is left to it.
+    """
+    usable = int(vram_bytes * 0.75) if integrated else vram_bytes
+    return max(0, usable - CONTEXT_BYTES - other_used_bytes)
+
+
+def fits(estimate: MemoryEstimate, budget_bytes: int, margin: float = SAFETY_MARGIN) -> bool:
+    return estimate.peak * (1 + margin) <= budget_bytes
+
+
+def largest_tokens(
+    shape: ModelShape,
+    setup: TrainSetup,
+    budget_bytes: int,
+    *,
+    min_tokens: int = 256,
+    max_tokens: int = 16384,
+    step: int = 256,
+    compute_capability: tuple[int, int] | None = (9, 0),
+    margin: float = SAFETY_MARGIN,
+) -> int | None:
+    """The largest multiple of ``step`` in [min_tokens, max_tokens] whose step fits ``budget_bytes`` (None: none).
+
+    Memory grows monotonically with tokens, so this is a binary search.
+    """
+    low = -(-min_tokens // step)
+    high = max_tokens // step
+    if high < low:
+        return None
+
+    def ok(units: int) -> bool:
+        estimate = estimate_memory(shape, setup.with_tokens(units * step), compute_capability)
+        return fits(estimate, budget_bytes, margin)
+
+    if not ok(low):
+        return None
+    while low < high:
+        mid = (low + high + 1) // 2
+        if ok(mid):
+            low = mid
+        else:
+            high = mid - 1
+    return low * step
+
+
+def training_flops_per_token(shape: ModelShape, setup: TrainSetup, mean_document_tokens: int = 1024) -> float:
+    """Matmul FLOPs per trained token: forward 2N, backward 2N (input gradients only: the base is frozen),
+    one more forward when checkpointing recomputes; causal attention over the average document length."""
+    passes = 3 if setup.checkpointing != "none" else 2
+    dense = 2 * shape.active_params_per_token() * passes
+    context = min(setup.tokens, mean_document_tokens) / 2
+    attention = 4 * shape.num_layers * shape.q_dim * context * (passes + 0.5)
+    return dense + attention
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Memory settings chosen for one model on one memory budget, each with a reason a user can read."""
+
+    budget_bytes: int
+    qlora: bool
+    checkpointing: Checkpointing
+    tokens: int | None
+    """Tokens per batch; None when not even ``min_tokens`` fit."""
+    estimate: MemoryEstimate
+    reasons: dict[str, str]
+    largest_possible_tokens: int | None = None
+    """When nothing fits at ``min_tokens``: the largest row that would fit at all (to suggest a shorter max_seq_len)."""
+
+    @property
+    def fits(self) -> bool:
+        return self.tokens is not None
+
+
+def _mode_order(checkpointing: str | None, can_offload: bool) -> list[Checkpointing]:
+    if checkpointing is not None:
+        return [checkpointing]  # type: ignore[list-item]
+    return ["none", "offloaded", "standard"] if can_offload else ["none", "standard"]
+
+
+def _best_mode(found: dict[Checkpointing, int], preferred_tokens: int) -> tuple[Checkpointing, int] | None:
+    """No recompute when its batch is big enough; else the checkpointing mode that fits the most tokens."""
+    if not found:
+        return None
+    best_mode = max(found, key=lambda mode: (found[mode], mode == "offloaded"))
+    best = found[best_mode]
+    if "none" in found and found["none"] >= min(preferred_tokens, best):
+        return "none", found["none"]
+    return best_mode, best
+
+
+def choose_memory_settings(
+    shape: ModelShape,
+    budget_bytes: int,
+    *,
+    base: TrainSetup | None = None,
+    compute_capability: tuple[int, int] | None = (9, 0),
+    can_offload: bool = True,
+    qlora: bool | None = None,
+    checkpointing: Checkpointing | None = None,
+    min_tokens: int = 2048,
+    preferred_tokens: int = 8192,
+    max_tokens: int = 16384,
+    margin: float = SAFETY_MARGIN,
+) -> MemoryPlan:
+    """LoRA vs QLoRA, checkpointing mode and tokens per batch for ``budget_bytes`` (None arguments: choose).
+
+    LoRA is preferred when it fits at ``min_tokens``; no checkpointing is preferred when it still fits
+    ``preferred_tokens`` (recompute costs ~30% of step time); otherwise the mode that fits the largest batch.
+    """
+    base = base or TrainSetup()
+    options = [qlora] if qlora is not None else [False, True]
+    for quantized in options:
+        found: dict[Checkpointing, int] = {}
+        for mode in _mode_order(checkpointing, can_offload):
+            setup = replace(base, qlora=quantized, checkpointing=mode)
+            tokens = largest_tokens(
+                shape, setup, budget_bytes, min_tokens=min_tokens, max_tokens=max_tokens,
+                compute_capability=compute_capability, margin=margin,
+            )  # fmt: skip
+            if tokens is not None:
+                found[mode] = tokens
+        chosen = _best_mode(found, preferred_tokens)
+        if chosen is not None:
+            mode, tokens = chosen
+            setup = replace(base, qlora=quantized, checkpointing=mode, tokens=tokens)
+            estimate = estimate_memory(shape, setup, compute_capability)
+            reasons = _plan_reasons(shape, setup, estimate, budget_bytes, found, qlora is None, options)
+            return MemoryPlan(budget_bytes, quantized, mode, tokens, estimate, reasons)
+    return _no_fit_plan(shape, base, budget_bytes, options[-1], checkpointing, can_offload, compute_capability, margin)
+
+
+def _no_fit_plan(
+    shape: ModelShape,
+    base: TrainSetup,
+    budget_bytes: int,
+    quantized: bool,
+    checkpointing: Checkpointing | None,
+    can_offload: bool,
+    compute_capability: tuple[int, int] | None,
+    margin: float,
+) -> MemoryPlan:
+    mode: Checkpointing = checkpointing or ("offloaded" if can_offload else "standard")
+    setup = replace(base, qlora=quantized, checkpointing=mode)
+    possible = largest_tokens(
+        shape, setup, budget_bytes, min_tokens=256, max_tokens=max(256, setup.tokens),
+        compute_capability=compute_capability, margin=margin,
+    )  # fmt: skip
+    estimate = estimate_memory(shape, setup, compute_capability)
+    need = estimate_memory(shape, setup.with_tokens(256), compute_capability).peak * (1 + margin)
+    why = (
+        f"does not fit: even 256 tokens need ~{need / GIB:.1f} GiB, {budget_bytes / GIB:.1f} GiB usable"
+        if possible is None
+        else f"only rows of up to {possible:,} tokens fit: lower max_seq_len to {possible:,} or use a bigger GPU"
+    )
+    return MemoryPlan(budget_bytes, quantized, mode, None, estimate, {"fit": why}, largest_possible_tokens=possible)
+
+
+def _plan_reasons(
+    shape: ModelShape,
+    setup: TrainSetup,
+    estimate: MemoryEstimate,
+    budget_bytes: int,
+    found: dict[Checkpointing, int],
+    chose_qlora: bool,
+    options: list[bool],
+) -> dict[str, str]:
+    usable = budget_bytes / GIB
+    name = shape.display_name()
+    bf16_weights = weight_bytes(shape, replace(setup, qlora=False)) / GIB
+    if not chose_qlora:
+        qlora = "QLoRA requested" if setup.qlora else "LoRA requested"
+    elif setup.qlora:
+        qlora = (
+            f"QLoRA: {name} in 16-bit needs ~{bf16_weights:.1f} GiB of weights plus activations, "
+            f"{usable:.1f} GiB usable"
+        )
+    else:
+        qlora = f"LoRA in 16-bit: {name} needs ~{bf16_weights:.1f} GiB of weights and fits; QLoRA would be slower"
+    mode = setup.checkpointing
+    if mode == "none":
+        ckpt = f"checkpointing off: activations for {setup.tokens:,} tokens fit, no recompute needed"
+    else:
+        plain = found.get("none")
+        limit = f"without it only {plain:,} tokens fit" if plain else "without it not even the minimum batch fits"
+        where = "layer inputs offloaded to host memory" if mode == "offloaded" else "layers recomputed in backward"
+        ckpt = f"checkpointing {mode} ({where}): {limit}"
+    tokens = (
+        f"{setup.tokens:,} tokens per batch: predicted peak {estimate.gib():.1f} GiB of {usable:.1f} GiB usable "
+        f"({SAFETY_MARGIN:.0%} margin kept)"
+    )
+    return {"qlora": qlora, "checkpointing": ckpt, "tokens_per_batch": tokens}

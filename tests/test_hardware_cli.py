@@ -1,0 +1,55 @@
+"""`tunedeck detect` and `tunedeck plan` end to end (on whatever this machine is, and on table GPUs)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.hardware.cli import detect_main, plan_main
+
+
+def test_detect_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert detect_main(["--json", "--model", "qwen3-0.6b"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["hardware"]["gpu_class"] and out["profile"]["choices"]["dtype"]["reason"]
+
+
+def test_detect_text(capsys: pytest.CaptureFixture[str]) -> None:
+    assert detect_main([]) == 0
+    out = capsys.readouterr().out
+    assert "Settings:" in out and "dtype" in out
+
+
+def test_plan_for_a_laptop_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan_main(["--model", "qwen3-0.6b", "--gpu", "4060 laptop"]) == 0
+    out = capsys.readouterr().out
+    assert "RTX 4060 Laptop (8 GiB)" in out and "tokens_per_batch" in out and "tokens/s" in out
+
+
+def test_plan_json_with_vram_and_overrides(capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        plan_main(["--model", "llama-3.1-8b", "--vram", "24", "--qlora", "--checkpointing", "standard", "--json"]) == 0
+    )
+    profile = json.loads(capsys.readouterr().out)["profile"]
+    assert profile["fits"] is True
+    assert profile["choices"]["qlora"]["value"] is True and profile["choices"]["checkpointing"]["value"] == "standard"
+    assert profile["predicted_peak_gib"] <= profile["usable_gib"]
+
+
+def test_plan_says_when_it_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan_main(["--model", "qwen3-30b-a3b", "--gpu", "RTX 3060 Laptop"]) == 0
+    assert "does not fit" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["--model", "x", "--gpu", "Voodoo 3"], ["--model", "no-such-model", "--vram", "8"]])
+def test_plan_errors_are_messages(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan_main(argv) == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_help_exits_cleanly() -> None:
+    for main in (detect_main, plan_main):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--help"])
+        assert exit_info.value.code == 0

@@ -1,0 +1,158 @@
+"""Detection, classification and the profile for a table of real cards, with NVML and torch faked."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.config import RunConfig
+from engine.hardware import gpus
+from engine.hardware.detect import classify, detect_hardware
+from engine.hardware.planner import SAFETY_MARGIN
+from engine.hardware.profile import DeviceTarget, apply_profile, build_profile
+from engine.hardware.shapes import load_shape
+from tests.hardware_fakes import FakeGpu, FakeNvml, fake_torch
+
+CARDS = [
+    # nvml name, cc, GiB, SMs, integrated, class, dtype, attention
+    ("NVIDIA GeForce RTX 2080 Ti", (7, 5), 11, 68, False, gpus.RTX_CONSUMER, "float16", "sdpa"),
+    ("NVIDIA GeForce RTX 3060 Laptop GPU", (8, 6), 6, 30, False, gpus.RTX_CONSUMER, "bfloat16", "varlen"),
+    ("NVIDIA GeForce RTX 3090", (8, 6), 24, 82, False, gpus.RTX_CONSUMER, "bfloat16", "varlen"),
+    ("NVIDIA GeForce RTX 4060 Laptop GPU", (8, 9), 8, 24, False, gpus.RTX_CONSUMER, "bfloat16", "varlen"),
+    ("NVIDIA GeForce RTX 4090", (8, 9), 24, 128, False, gpus.RTX_CONSUMER, "bfloat16", "varlen"),
+    ("NVIDIA GeForce RTX 5090", (12, 0), 32, 170, False, gpus.RTX_CONSUMER, "bfloat16", "varlen"),
+    ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition", (12, 0), 96, 188, False, gpus.RTX_WORKSTATION, "bfloat16",
+     "varlen"),
+    ("Tesla T4", (7, 5), 15, 40, False, gpus.OTHER_NVIDIA, "float16", "sdpa"),
+    ("NVIDIA A100-SXM4-80GB", (8, 0), 80, 108, False, gpus.AMPERE_DATACENTER, "bfloat16", "varlen"),
+    ("NVIDIA H200", (9, 0), 140, 132, False, gpus.HOPPER, "bfloat16", "varlen"),
+    ("NVIDIA B200", (10, 0), 179, 148, False, gpus.BLACKWELL_DATACENTER, "bfloat16", "varlen"),
+    ("NVIDIA GB10", (12, 1), 120, 48, True, gpus.DGX_SPARK, "bfloat16", "varlen"),
+]  # fmt: skip
+IDS = [card[0] for card in CARDS]
+
+
+def detect_one(name: str, cc: tuple[int, int], vram: float, sms: int, integrated: bool):  # type: ignore[no-untyped-def]
+    gpu = FakeGpu(name, cc, vram, sms, integrated=integrated, memory_info_supported=not integrated)
+    return detect_hardware(nvml=FakeNvml([gpu]), torch=fake_torch([gpu]))
+
+
+@pytest.mark.parametrize(("name", "cc", "vram", "sms", "integrated", "cls", "dtype", "attention"), CARDS, ids=IDS)
+def test_detects_class_and_fields(name, cc, vram, sms, integrated, cls, dtype, attention) -> None:  # type: ignore[no-untyped-def]
+    hardware = detect_one(name, cc, vram, sms, integrated)
+    gpu = hardware.primary
+    assert gpu is not None and gpu.name == name
+    assert gpu.compute_capability == cc and gpu.sm_count == sms and gpu.integrated == integrated
+    assert gpu.total_memory_bytes == int(vram * (1 << 30))
+    assert hardware.gpu_class == cls
+    assert hardware.driver_version == "580.95.05" and hardware.cuda_driver_version == "13.0"
+    assert gpu.temperature_c == 55.0 and gpu.power_w == 120.0 and gpu.power_limit_w == 300.0
+    json.dumps(hardware.to_dict())  # serialisable for `detect --json`
+
+
+@pytest.mark.parametrize(("name", "cc", "vram", "sms", "integrated", "cls", "dtype", "attention"), CARDS, ids=IDS)
+def test_profile_per_card(name, cc, vram, sms, integrated, cls, dtype, attention) -> None:  # type: ignore[no-untyped-def]
+    hardware = detect_one(name, cc, vram, sms, integrated)
+    shape = load_shape("qwen3-0.6b")
+    profile = build_profile(hardware, shape)
+    assert profile.device == "cuda" and profile.gpu_class == cls
+    assert profile.dtype.value == dtype and profile.attention_backend.value == attention
+    assert profile.metadata_cache.value is True
+    plan = profile.memory_plan
+    assert plan is not None and plan.fits, plan
+    assert plan.estimate.peak * (1 + SAFETY_MARGIN) <= plan.budget_bytes
+    assert profile.qlora is not None and profile.tokens_per_batch is not None
+    if vram >= 8:
+        assert profile.qlora.value is False  # a 0.6B model fits in 16-bit from 8 GiB up
+    if integrated:
+        assert profile.checkpointing.value != "offloaded"
+        assert any("shares memory between CPU and GPU" in note for note in profile.notes)
+    for choice in profile.choices().values():
+        assert choice.reason and "\n" not in choice.reason
+
+
+@pytest.mark.parametrize(
+    ("name", "routing"),
+    [("NVIDIA H200", "stock"), ("NVIDIA B200", "stock"), ("NVIDIA GeForce RTX 4090", "sync-free"),
+     ("NVIDIA GB10", "sync-free"), ("NVIDIA GeForce RTX 5090", "sync-free")],
+)  # fmt: skip
+def test_moe_routing_follows_grouped_mm_fast_path(name: str, routing: str) -> None:
+    card = next(card for card in CARDS if card[0] == name)
+    profile = build_profile(detect_one(*card[:5]), load_shape("qwen3-30b-a3b"))
+    assert profile.moe_routing.value == routing
+
+
+def test_no_gpu_reports_cpu_path() -> None:
+    hardware = detect_hardware(nvml=FakeNvml([], missing_library=True), torch=fake_torch([], cuda_build=None))
+    assert hardware.gpus == () and hardware.primary is None and hardware.gpu_class == gpus.CPU
+    assert any("no NVIDIA driver" in note for note in hardware.notes)
+    profile = build_profile(hardware, load_shape("qwen3-0.6b"))
+    assert profile.device == "cpu" and profile.dtype.value == "float32" and profile.qlora.value is False  # type: ignore[union-attr]
+
+
+def test_nothing_installed_never_crashes() -> None:
+    hardware = detect_hardware(nvml=None, torch=None)
+    assert hardware.gpu_class == gpus.CPU and len(hardware.notes) >= 2
+
+
+def test_cpu_only_torch_with_a_gpu_present() -> None:
+    gpu = FakeGpu("NVIDIA GeForce RTX 4090", (8, 9), 24, 128)
+    hardware = detect_hardware(nvml=FakeNvml([gpu]), torch=fake_torch([], cuda_build=None))
+    assert len(hardware.gpus) == 1 and not hardware.gpus[0].usable_by_torch
+    assert hardware.gpu_class == gpus.CPU
+    assert any("CPU-only torch" in note for note in hardware.notes)
+
+
+def test_large_model_on_small_card_chooses_qlora_and_says_why() -> None:
+    target = DeviceTarget.from_spec(gpus.find_gpu("RTX 4080"))  # type: ignore[arg-type]
+    profile = build_profile(target, load_shape("llama-3.1-8b"))
+    assert profile.qlora is not None and profile.qlora.value is True
+    assert "Llama-3.1-8B" in profile.qlora.reason and "GiB" in profile.qlora.reason
+
+
+def test_user_overrides_are_kept() -> None:
+    target = DeviceTarget.from_spec(gpus.find_gpu("RTX 3090"))  # type: ignore[arg-type]
+    overrides = {"checkpointing": "standard", "qlora": True, "dtype": "float16"}
+    profile = build_profile(target, load_shape("llama-3.2-1b"), overrides=overrides)
+    assert profile.checkpointing.value == "standard" and "set by you" in profile.checkpointing.reason
+    assert profile.qlora.value is True and profile.dtype.value == "float16"  # type: ignore[union-attr]
+
+
+def test_apply_profile_fills_only_automatic_settings() -> None:
+    target = DeviceTarget.from_spec(gpus.find_gpu("RTX 4060 laptop"))  # type: ignore[arg-type]
+    profile = build_profile(target, load_shape("qwen3-0.6b"))
+    config = RunConfig.from_dict({"speed": {"attention_backend": "sdpa"}, "model": {"name": "demo"}})
+    applied = apply_profile(config, profile)
+    assert applied.model.dtype == "bfloat16"
+    assert applied.speed.attention_backend == "sdpa"  # explicit: kept
+    assert applied.speed.metadata_cache is True and applied.speed.checkpointing == profile.checkpointing.value
+    assert applied.data.tokens_per_batch == config.data.tokens_per_batch and applied.model.qlora is False
+    assert config.model.dtype == "auto"  # the input is not modified
+    sized = apply_profile(config, profile, include_memory_settings=True)
+    assert sized.data.tokens_per_batch == profile.tokens_per_batch.value  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("name", "cc", "integrated", "expected"),
+    [("NVIDIA RTX A6000", (8, 6), False, gpus.RTX_WORKSTATION), ("NVIDIA RTX 6000 Ada Generation", (8, 9), False,
+      gpus.RTX_WORKSTATION), ("NVIDIA A10", (8, 6), False, gpus.AMPERE_DATACENTER), ("NVIDIA L4", (8, 9), False,
+      gpus.OTHER_NVIDIA), ("NVIDIA H100 80GB HBM3", (9, 0), False, gpus.HOPPER), ("Tesla V100-SXM2-16GB", (7, 0),
+      False, gpus.OTHER_NVIDIA), ("NVIDIA B300", (10, 3), False, gpus.BLACKWELL_DATACENTER)],
+)  # fmt: skip
+def test_classify_more_cards(name: str, cc: tuple[int, int], integrated: bool, expected: str) -> None:
+    assert classify(name, cc, integrated) == expected
+
+
+@pytest.mark.gpu
+def test_real_gpu_detection() -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    hardware = detect_hardware()
+    gpu = hardware.primary
+    assert gpu is not None and gpu.compute_capability == torch.cuda.get_device_capability(0)
+    assert gpu.total_memory_bytes and gpu.sm_count and hardware.driver_version
+    assert hardware.gpu_class != gpus.CPU
+    profile = build_profile(hardware, load_shape("llama-3.2-1b"))
+    assert profile.memory_plan is not None and profile.memory_plan.fits
