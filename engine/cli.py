@@ -24,6 +24,8 @@ VERSION = "0.1.0"
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("engine.cli:train_main", "fine-tune a model on a dataset (or the built-in demo)"),
     "bench": ("engine.bench:main", "measure the speed optimizations against stock transformers+PEFT on this GPU"),
+    "detect": ("engine.hardware.cli:detect_main", "show the GPU, what TuneDeck will do with it, and why"),
+    "plan": ("engine.hardware.cli:plan_main", "will a model fit on a GPU (this or any named one), and how"),
     "setup": (
         "engine.setup.commands:setup_main",
         "detect the GPU and driver, install the matching torch build, check or repair the environment",
