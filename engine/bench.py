@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -77,7 +77,7 @@ MOE_SHAPES: dict[str, dict[str, Any]] = {
 }
 
 # Variants of the dense runs: name -> (metadata cache, checkpointing).
-DENSE_VARIANTS: dict[str, tuple[bool, str]] = {
+DENSE_VARIANTS: dict[str, tuple[bool, Literal["none", "standard", "offloaded"]]] = {
     "stock": (False, "none"),
     "metadata_cache": (True, "none"),
     "stock+standard_ckpt": (False, "standard"),
@@ -252,13 +252,14 @@ def build_moe_block(name: str, dtype: torch.dtype, device: torch.device) -> tupl
     settings = dict(MOE_SHAPES[name])
     model_type = settings.pop("model_type")
     config = AutoConfig.for_model(model_type, num_hidden_layers=1, num_attention_heads=32, **settings)
+    block_class: Any
     if model_type == "qwen3_moe":
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock as Block
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock as block_class
     else:
-        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP as Block
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP as block_class
     torch.manual_seed(0)
     with torch.device(device):
-        block = Block(config).to(dtype)
+        block = block_class(config).to(dtype)
     for pname, param in block.named_parameters():
         torch.nn.init.normal_(param, std=0.02)
         # Expert weights need a gradient, as they do with LoRA on the experts; the router stays frozen.

@@ -87,7 +87,7 @@ def choose_backend(requested: str, device: torch.device, dtype: torch.dtype) -> 
             return BackendChoice(requested, f"{requested} requested")
         fallback = choose_backend("auto", device, dtype)
         return BackendChoice(fallback.name, f"{requested} requested but {problem}; using {fallback.name}")
-    skipped = []
+    skipped: list[str] = []
     for name in BACKENDS:
         problem = checks[name](device, dtype)
         if problem is None:
@@ -254,7 +254,8 @@ def varlen_attention(
     else:  # torch < 2.12: no native GQA
         k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
     cu, n = meta.cu_seqlens, meta.max_seqlen
-    return varlen_attn(q, k, v, cu, cu, n, n, **extra)
+    out = varlen_attn(q, k, v, cu, cu, n, n, **extra)
+    return out[0] if isinstance(out, tuple) else out  # a tuple only when auxiliary outputs are asked for
 
 
 def flash_attn_attention(
@@ -288,7 +289,7 @@ def flex_attention_call(
     """q/k/v (1, H, T, D) -> (1, H, T, D). Compiled on CUDA (eager flex is a dense reference implementation)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    fn: Callable[..., Any] = _compiled_flex_attention() if q.is_cuda else flex_attention
+    fn: Any = _compiled_flex_attention() if q.is_cuda else flex_attention
     groups = q.shape[1] // k.shape[1]
     return fn(q, k, v, block_mask=meta.block_mask(window), scale=scale, enable_gqa=groups > 1)
 

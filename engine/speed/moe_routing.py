@@ -123,7 +123,7 @@ def _expert_of_row(routing: Routing, top_k_index: torch.Tensor) -> torch.Tensor:
 
 
 def run_sorted_experts(
-    experts: torch.nn.Module,
+    experts: Any,
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
@@ -155,7 +155,7 @@ def run_sorted_experts(
 
 
 def bincount_experts_forward(
-    self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """Experts implementation: argsort + host bincount (one sync per layer), each expert on its slice."""
     routing = route_tokens_by_expert(top_k_index, self.num_experts, host_counts=True)
@@ -163,7 +163,7 @@ def bincount_experts_forward(
 
 
 def sync_free_experts_forward(
-    self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """Experts implementation: sort + searchsorted offsets kept on the device, grouped_mm where it is fast.
 

@@ -198,6 +198,7 @@ class ActivationOffloader:
             return slot.host.clone().view(slot.shape)
         self._release_ring()
         self._prefetch(slot)
+        assert slot.h2d_done is not None
         torch.cuda.current_stream(self.device).wait_event(slot.h2d_done)
         hidden, slot.device_copy = slot.device_copy, None
         if below is not None:
