@@ -42,8 +42,8 @@ class ProgressPrinter:
         if isinstance(event, RunStarted):
             self._started(event)
         elif isinstance(event, StepMetrics) and self.bar is not None:
-            self.bar.update(event.step - self.bar.n)
             self.bar.set_postfix_str(f"loss {event.loss:.4f}  {event.tokens_per_s:,.0f} tok/s", refresh=False)
+            self.bar.update(event.step - self.bar.n)
         elif isinstance(event, EvalMetrics):
             self.write(f"step {event.step}: eval loss {event.loss:.4f}")
         elif isinstance(event, CheckpointSaved):
