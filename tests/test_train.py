@@ -158,6 +158,7 @@ def test_grad_accumulation_weights_every_token_equally(tiny_model_dir: Path, cha
     varied = write_jsonl(tmp_path / "varied.jsonl", rows)
     config = make_config(tiny_model_dir, varied, tmp_path, max_steps=1, grad_accum=3)
     config.data.tokens_per_batch = config.data.max_seq_len  # one document per row: rows differ in size
+    config.training.device = "cpu"  # compared with a float32 reference below
     step = next(e for e in finish(run(config)) if isinstance(e, StepMetrics))
     # LoRA's B starts at zero, so the first step's loss is the base model's loss on the first three rows.
     data = prepare_data(config.data, AutoTokenizer.from_pretrained(tiny_model_dir), config.training.seed)
