@@ -88,7 +88,7 @@ class LoraConfig:
     rank: int = setting(16, "LoRA rank r", flag="--lora-rank")
     alpha: float = setting(32.0, "LoRA scaling alpha (the update is scaled by alpha / rank)", flag="--lora-alpha")
     dropout: float = setting(0.0, "dropout on the LoRA input", flag="--lora-dropout")
-    target_modules: list[str] = setting(
+    target_modules: list[str] = setting(  # noqa: RUF009 - setting() returns a dataclass field
         ["all-linear"], "module names to adapt; 'all-linear' adapts every linear layer but the output head"
     )
 

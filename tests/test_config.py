@@ -62,7 +62,7 @@ def test_flags_override_config_file_which_overrides_defaults(tmp_path: Path) -> 
 
 def test_flag_with_bad_value_names_the_setting() -> None:
     args = train_parser().parse_args(["--lora-rank", "many"])
-    with pytest.raises(ConfigError, match="lora.rank"):
+    with pytest.raises(ConfigError, match=r"lora\.rank"):
         config_from_args(args, RunConfig())
 
 
