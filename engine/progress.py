@@ -106,14 +106,29 @@ def describe_speed(event: SpeedChanged) -> str:
     return "\n".join(lines)
 
 
+def open_registry() -> Any:
+    """The user's run registry, or None (with a note) when it cannot be opened: a run never depends on it."""
+    from engine.registry import Registry, RegistryError
+
+    try:
+        return Registry()
+    except (RegistryError, OSError) as err:
+        print(f"note: this run is not recorded in the run history: {err}", file=sys.stderr)
+        return None
+
+
 def run_events(
-    config: RunConfig, control: RunControl, *, resume: str | Path | None, json_lines: bool
+    config: RunConfig, control: RunControl, *, resume: str | Path | None, json_lines: bool, record: bool = True
 ) -> ProgressPrinter:
-    """Drive a run to its end, printing as it goes; returns the printer holding the outcome."""
+    """Drive a run to its end, printing as it goes (and recording it in the run history); returns the printer."""
+    from engine.registry import recorded
     from engine.train import run
 
     printer = ProgressPrinter()
-    for event in run(config, control=control, resume=resume):
+    events = run(config, control=control, resume=resume)
+    if record:
+        events = recorded(events, open_registry())
+    for event in events:
         if json_lines:
             print(json.dumps(event.to_dict()), flush=True)
             if isinstance(event, RunFinished):
