@@ -49,6 +49,11 @@ class ModelConfig:
     trust_remote_code: bool = setting(
         False, "run the model repository's own Python code (only for models you trust)", flag="--trust-remote-code"
     )
+    allow_pickle_weights: bool = setting(
+        False,
+        "also load pickle-based .bin/.pt weights when a model has no safetensors (unpickling can run code)",
+        flag="--allow-pickle-weights",
+    )
 
     def __post_init__(self) -> None:
         _require(bool(self.name and self.name.strip()), "model.name", "must name a model")
@@ -115,8 +120,12 @@ class TrainingConfig:
     save_every: int = setting(50, "write a resumable checkpoint every N steps (0: only at the end)")
     seed: int = setting(42, "seed for data order, held-out split, LoRA init and dropout", flag="--seed")
     device: str = setting("auto", "'auto', 'cpu', 'cuda' or 'cuda:N'", flag="--device")
+    max_bad_steps: int = setting(
+        5, "stop the run after this many steps in a row with a non-finite loss or gradient (each is skipped)"
+    )
 
     def __post_init__(self) -> None:
+        _require(self.max_bad_steps >= 1, "training.max_bad_steps", f"must be at least 1, got {self.max_bad_steps}")
         _require(self.max_steps >= 0, "training.max_steps", f"must be >= 0, got {self.max_steps}")
         _require(self.epochs > 0, "training.epochs", f"must be positive, got {self.epochs}")
         _require(self.learning_rate > 0, "training.learning_rate", f"must be positive, got {self.learning_rate}")

@@ -108,3 +108,28 @@ class SpeedChanged(Event):
 
     step: int
     state: dict[str, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class OomRecovered(Event):
+    """A step ran out of accelerator memory; memory was released and the step is retried with less.
+
+    ``action`` is ``"tokens_per_batch"`` (packed rows are split into smaller micro-batches of at most
+    ``tokens_per_batch`` tokens, same documents in the same order) or ``"offloaded_checkpointing"``.
+    """
+
+    step: int
+    action: str
+    tokens_per_batch: int
+    message: str
+
+
+@dataclass(frozen=True)
+class StepSkipped(Event):
+    """An update was skipped because the loss or gradient norm was not finite; the weights are unchanged."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    consecutive: int
+    total_skipped: int

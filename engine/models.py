@@ -1,8 +1,10 @@
 """Finding, loading and adapting the base model.
 
-A model is the built-in demo, a local Hugging Face folder, or a hub id. Only safetensors weights are loaded,
-repository code runs only when the user asked for it, and offline mode (``HF_HUB_OFFLINE=1``) is honoured with
-a message that says the model is not in the cache. The adapter is LoRA through peft on every linear layer by
+A model is the built-in demo, a local Hugging Face folder, or a hub id. Only safetensors weights are loaded
+unless the user opts in to pickle-based ``.bin`` files (``model.allow_pickle_weights``: unpickling can run code),
+repository code runs only when the user asked for it (``model.trust_remote_code``, nothing else turns it on),
+and offline mode (``HF_HUB_OFFLINE=1``) is honoured with a message that says the model is not in the cache.
+The adapter is LoRA through peft on every linear layer by
 default; with QLoRA the frozen base is quantised to 4-bit NF4 by bitsandbytes (which also runs on CPU).
 """
 
@@ -51,23 +53,38 @@ def resolve_model(name: str) -> ModelSource:
     return ModelSource(name, False, name.split("/")[-1])
 
 
-def _check_local_folder(folder: Path) -> None:
+def _check_local_folder(folder: Path, allow_pickle: bool = False) -> None:
     if not folder.is_dir():
         raise ModelLoadError(f"{folder} is a file; a model is a folder with config.json and *.safetensors")
     if not (folder / "config.json").exists():
         raise ModelLoadError(f"{folder} has no config.json: it is not a Hugging Face model folder")
     if not any(folder.glob("*.safetensors")):
         pickled = any(folder.glob("*.bin")) or any(folder.glob("*.pt"))
+        if pickled and allow_pickle:
+            return
         hint = (
-            "convert the weights to safetensors; pickle-based .bin files can run code when loaded" if pickled else None
+            "convert the weights to safetensors, or allow pickle weights (model.allow_pickle_weights, "
+            "--allow-pickle-weights) if you trust the model: pickle-based .bin files can run code when loaded"
+            if pickled
+            else None
         )
         raise ModelLoadError(f"{folder} has no *.safetensors weights", hint=hint)
+
+
+def hub_offline() -> bool:
+    """True when the user switched the Hugging Face hub off (``HF_HUB_OFFLINE=1``): nothing may be downloaded."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def pick_device(requested: str = "auto") -> torch.device:
     if requested == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(requested)
+    try:
+        device = torch.device(requested)
+    except (RuntimeError, ValueError) as err:
+        raise ModelLoadError(
+            f"training.device: {requested!r} is not a device", hint="use auto, cpu, cuda or cuda:N"
+        ) from err
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError("a CUDA device was requested but torch sees no GPU", hint="use --device cpu or auto")
     return device
@@ -83,15 +100,18 @@ def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
 
 
 def _hub_kwargs(config: ModelConfig) -> dict[str, Any]:
-    offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0", "false", "False")
-    return {"revision": config.revision, "trust_remote_code": config.trust_remote_code, "local_files_only": offline}
+    # trust_remote_code comes from the user's setting only; the token is left to huggingface_hub (never passed).
+    return {
+        "revision": config.revision,
+        "trust_remote_code": config.trust_remote_code is True,
+        "local_files_only": hub_offline(),
+    }
 
 
 def _load_error(source: ModelSource, what: str, err: Exception) -> ModelLoadError:
     if source.is_local:
         return ModelLoadError(f"cannot load the {what} from {source.location}: {str(err).splitlines()[0]}")
-    offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
-    if offline:
+    if hub_offline():
         return ModelLoadError(
             f"'{source.location}' is not in the local Hugging Face cache and offline mode is on",
             hint="download it once while online, or unset HF_HUB_OFFLINE",
@@ -107,7 +127,7 @@ def load_tokenizer(config: ModelConfig) -> Any:
 
     source = resolve_model(config.name)
     if source.is_local:
-        _check_local_folder(Path(source.location))
+        _check_local_folder(Path(source.location), config.allow_pickle_weights)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.location, **_hub_kwargs(config))
     except Exception as err:  # transformers raises OSError, ValueError, HTTP errors...
@@ -135,7 +155,11 @@ def load_base_model(config: ModelConfig, device: torch.device, dtype: torch.dtyp
     from transformers import AutoModelForCausalLM
 
     source = resolve_model(config.name)
-    kwargs: dict[str, Any] = {"dtype": dtype, "use_safetensors": True, **_hub_kwargs(config)}
+    if source.is_local:
+        _check_local_folder(Path(source.location), config.allow_pickle_weights)
+    # use_safetensors=None: safetensors when present, else the .bin files the user allowed
+    safetensors_only = True if not config.allow_pickle_weights else None
+    kwargs: dict[str, Any] = {"dtype": dtype, "use_safetensors": safetensors_only, **_hub_kwargs(config)}
     if config.qlora:
         kwargs["quantization_config"] = _quantization_config(dtype)
         kwargs["device_map"] = {"": device}

@@ -5,17 +5,25 @@ then takes optimizer steps over packed rows, reporting each as an event. Between
 :class:`~engine.control.RunControl` (stop, pause, new speed settings). Everything a user keeps lands in the
 run folder: ``config.json``, ``metrics.jsonl``, ``eval.jsonl``, ``checkpoints/`` and the final ``adapter/``.
 Failures end the iterator with a :class:`~engine.events.RunFailed` event instead of an exception.
+
+Reliability (see engine.guard and engine.checkpoint): an out-of-memory step is retried with smaller micro-batches
+or offloaded checkpointing; a non-finite loss skips the update; checkpoints, the adapter and config.json are
+written atomically and the logs are fsynced before each checkpoint, so a kill at any moment resumes from a
+consistent state; a failed write stops the run with a message naming the disk problem. Nothing a run reports
+or writes contains the Hugging Face token (engine.redact).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import random
+import shutil
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -24,6 +32,7 @@ from typing import Any
 import torch
 
 from engine import checkpoint as ckpt
+from engine import guard
 from engine.config import RunConfig
 from engine.control import RunControl
 from engine.dataset import PreparedData, RowSchedule, prepare_data
@@ -33,6 +42,7 @@ from engine.events import (
     EvalMetrics,
     Event,
     Notice,
+    OomRecovered,
     RunFailed,
     RunFinished,
     RunPaused,
@@ -40,9 +50,11 @@ from engine.events import (
     RunStarted,
     SpeedChanged,
     StepMetrics,
+    StepSkipped,
 )
 from engine.models import add_lora, count_parameters, load_base_model, load_tokenizer, pick_device, pick_dtype
-from engine.packing import PackedBatch
+from engine.packing import PackedBatch, TokenizedExample, collate
+from engine.redact import known_tokens, redact, redact_event
 from engine.schedule import lr_lambda
 from engine.speed import SpeedController
 
@@ -51,6 +63,10 @@ METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
 ADAPTER_DIR = "adapter"
 CHECKPOINT_DIR = "checkpoints"
+PICKLE_WARNING = (
+    "pickle weights are allowed for this run: loading a .bin/.pt file can run code hidden in it; "
+    "only do this for models from people you trust"
+)
 
 
 @dataclass
@@ -74,9 +90,15 @@ class Session:
     schedule: RowSchedule = field(init=False)
     last_loss: float | None = None
     last_eval: float | None = None
+    tokens_per_batch: int = field(init=False)
+    """Largest micro-batch in tokens; lowered after an out-of-memory step (rows are then split, never reordered)."""
+    offload_tried: bool = False
+    non_finite: guard.NonFiniteCounter = field(init=False)
 
     def __post_init__(self) -> None:
         self.schedule = RowSchedule(len(self.data.train_rows), self.config.training.seed)
+        self.tokens_per_batch = self.config.data.tokens_per_batch
+        self.non_finite = guard.NonFiniteCounter(self.config.training.max_bad_steps)
 
     @property
     def trainable(self) -> list[torch.nn.Parameter]:
@@ -85,6 +107,12 @@ class Session:
 
 def run(config: RunConfig, *, control: RunControl | None = None, resume: str | Path | None = None) -> Iterator[Event]:
     """Train a LoRA adapter, yielding events; ``resume`` continues the run in that folder from its last checkpoint."""
+    tokens = known_tokens()
+    for event in _run(config, control, resume):
+        yield redact_event(event, tokens)
+
+
+def _run(config: RunConfig, control: RunControl | None, resume: str | Path | None) -> Iterator[Event]:
     # Packed rows change length every step; without expandable segments the caching allocator fragments and
     # planned batches ran out of memory with up to 4.9 GiB reserved but unused (H200). Must precede CUDA init.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -115,7 +143,10 @@ def _write_error_log(run_dir: Path | None, err: Exception) -> Path | None:
     if run_dir is None or not run_dir.exists():
         return None
     log = run_dir / "error.log"
-    log.write_text("".join(traceback.format_exception(err)), encoding="utf-8")
+    try:
+        log.write_text(redact("".join(traceback.format_exception(err))), encoding="utf-8")
+    except OSError:  # a full disk must not turn the failure report into a second failure
+        return None
     return log
 
 
@@ -135,8 +166,11 @@ def _new_run_dir(config: RunConfig) -> Path:
                 f"run folder {run_dir} already exists", hint="pass --resume to continue it, or another --name"
             )
         run_dir = parent / f"{name}-{random.randrange(16**4):04x}"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    config.save(run_dir / CONFIG_FILE)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        ckpt.write_text_atomic(run_dir / CONFIG_FILE, json.dumps(config.to_dict(), indent=2) + "\n")
+    except OSError as err:
+        raise ckpt.write_error(err, "run folder", run_dir) from err
     return run_dir
 
 
@@ -165,11 +199,13 @@ def _start(config: RunConfig, run_dir: Path, resuming: bool) -> Iterator[Event] 
     data = prepare_data(config.data, tokenizer, config.training.seed)
     for message in data.notices:
         yield Notice(message)
+    if config.model.allow_pickle_weights:
+        yield Notice(PICKLE_WARNING)
     model = add_lora(load_base_model(config.model, device, dtype), config.lora, config.model.qlora)
     model.train()
     session = _make_session(config, run_dir, device, dtype, tokenizer, model, data)
     if resuming:
-        _restore(session)
+        yield from _restore(session)
     trainable, total = count_parameters(model)
     yield RunStarted(
         run_dir=str(run_dir),
@@ -204,25 +240,42 @@ def _make_session(
     )
 
 
-def _restore(session: Session) -> None:
+def _restore(session: Session) -> Iterator[Event]:
+    """Continue from the newest whole checkpoint; damaged ones are skipped, none at all means starting over."""
+    folder = session.run_dir / CHECKPOINT_DIR
+    ckpt.recover_interrupted(folder)
+    ckpt.recover_interrupted(session.run_dir)
+    for checkpoint in reversed(ckpt.list_checkpoints(folder)):
+        problem = ckpt.checkpoint_problem(checkpoint)
+        if problem is None:
+            problem = _load_checkpoint(session, checkpoint)
+        if problem is None:
+            break
+        yield Notice(f"checkpoint {checkpoint.name} was skipped: {problem}")
+    else:
+        yield Notice(f"{session.run_dir} has no usable checkpoint yet; training starts from the beginning")
+    _truncate_log(session.run_dir / METRICS_FILE, session.step)
+    _truncate_log(session.run_dir / EVAL_FILE, session.step)
+
+
+def _load_checkpoint(session: Session, checkpoint: Path) -> str | None:
+    """Put the checkpoint's state into the session; returns why it could not be read instead of raising."""
     from peft import set_peft_model_state_dict
 
-    checkpoints = ckpt.list_checkpoints(session.run_dir / CHECKPOINT_DIR)
-    if not checkpoints:
-        raise ConfigError(f"{session.run_dir} has no complete checkpoint to resume from")
-    latest = checkpoints[-1]
-    state = ckpt.load_trainer_state(latest)
+    state = ckpt.load_trainer_state(checkpoint)
     if state.train_rows != len(session.data.train_rows):
         raise ConfigError(
-            f"the dataset changed since {latest.name}: {len(session.data.train_rows)} packed rows, "
+            f"the dataset changed since {checkpoint.name}: {len(session.data.train_rows)} packed rows, "
             f"the checkpoint was made with {state.train_rows}",
             hint="resume with the same dataset and data settings",
         )
-    weights = ckpt.load_checkpoint(latest, session.optimizer, session.scheduler)
+    try:
+        weights = ckpt.load_checkpoint(checkpoint, session.optimizer, session.scheduler)
+    except Exception as err:  # safetensors, pickle and OS errors all mean "this one cannot be used"
+        return f"it cannot be read ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
     set_peft_model_state_dict(session.model, {k: v.to(session.device) for k, v in weights.items()})
     session.step, session.micro_batches = state.step, state.micro_batches
-    _truncate_log(session.run_dir / METRICS_FILE, state.step)
-    _truncate_log(session.run_dir / EVAL_FILE, state.step)
+    return None
 
 
 def _truncate_log(path: Path, last_step: int) -> None:
@@ -230,7 +283,7 @@ def _truncate_log(path: Path, last_step: int) -> None:
     if not path.exists():
         return
     kept = [line for line in path.read_text(encoding="utf-8").splitlines() if _line_step(line) <= last_step]
-    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    ckpt.write_text_atomic(path, "".join(line + "\n" for line in kept))
 
 
 def _line_step(line: str) -> int:
@@ -256,7 +309,9 @@ def _train(session: Session, control: RunControl) -> Iterator[Event]:
         if requested is not None:
             session.speed.apply(requested)
             yield SpeedChanged(session.step, session.speed.state())
-        metrics = _step(session)
+        metrics = yield from _step(session)
+        if metrics is None:  # skipped: non-finite loss or gradient
+            continue
         _append_jsonl(session.run_dir / METRICS_FILE, _metrics_record(metrics))
         yield metrics
         if training.eval_every and session.step % training.eval_every == 0 and session.step < session.total_steps:
@@ -270,7 +325,10 @@ def _finish(session: Session, wall_time: float, cancelled: bool) -> Iterator[Eve
     if not cancelled:
         yield from _evaluate(session)
     yield _save_checkpoint(session)
-    adapter_dir = save_adapter(session.model, session.tokenizer, session.run_dir / ADAPTER_DIR)
+    try:
+        adapter_dir = save_adapter(session.model, session.tokenizer, session.run_dir / ADAPTER_DIR)
+    except OSError as err:
+        raise ckpt.write_error(err, "final adapter", session.run_dir / ADAPTER_DIR) from err
     yield RunFinished(
         step=session.step,
         run_dir=str(session.run_dir),
@@ -285,12 +343,14 @@ def _finish(session: Session, wall_time: float, cancelled: bool) -> Iterator[Eve
 def save_adapter(model: Any, tokenizer: Any, folder: Path) -> Path:
     """Write the adapter in PEFT format (with the tokenizer) atomically."""
     tmp = folder.with_name(f".tmp-{folder.name}")
-    import shutil
-
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    ckpt.commit_folder(tmp, folder)
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        ckpt.commit_folder(tmp, folder)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return folder
 
 
@@ -298,6 +358,8 @@ def _save_checkpoint(session: Session) -> CheckpointSaved:
     from peft import get_peft_model_state_dict
 
     state = ckpt.TrainerState(session.step, session.micro_batches, len(session.data.train_rows), session.total_steps)
+    for log in (METRICS_FILE, EVAL_FILE):  # a durable checkpoint must not outlive the log lines before it
+        ckpt.fsync_file(session.run_dir / log)
     path = ckpt.save_checkpoint(
         session.run_dir / CHECKPOINT_DIR,
         state,
@@ -309,12 +371,23 @@ def _save_checkpoint(session: Session) -> CheckpointSaved:
     return CheckpointSaved(session.step, str(path))
 
 
-def _next_micro_batches(session: Session) -> list[PackedBatch]:
-    batches = []
+def _next_rows(session: Session) -> list[int]:
+    """The packed rows of the next step (``grad_accum`` of them), advancing the data position."""
+    rows = []
     for _ in range(session.config.training.grad_accum):
-        batches.append(session.data.train_batch(session.schedule.row(session.micro_batches)))
+        rows.append(session.schedule.row(session.micro_batches))
         session.micro_batches += 1
-    return batches
+    return rows
+
+
+def _row_batches(examples: list[TokenizedExample], row: list[int], budget: int) -> list[PackedBatch]:
+    """One packed row as micro-batches of at most ``budget`` tokens (a single batch unless memory ran short)."""
+    groups = guard.split_row([len(examples[i]) for i in row], budget)
+    return [collate([examples[row[position]] for position in group]) for group in groups]
+
+
+def _longest_document(examples: list[TokenizedExample], rows: list[list[int]]) -> int:
+    return max((len(examples[i]) for row in rows for i in row), default=1)
 
 
 def _forward_loss(session: Session, batch: PackedBatch, num_items: int) -> torch.Tensor:
@@ -323,11 +396,55 @@ def _forward_loss(session: Session, batch: PackedBatch, num_items: int) -> torch
     return session.model(**inputs, labels=on_device.labels, num_items_in_batch=num_items).loss
 
 
-def _optimizer_step(session: Session) -> float:
+def _accumulate(session: Session, rows: list[int]) -> tuple[float, list[PackedBatch]]:
+    """Forward and backward over the step's rows; the loss is the sum over trained tokens / their count."""
+    data = session.data
+    batches = [b for r in rows for b in _row_batches(data.train, data.train_rows[r], session.tokens_per_batch)]
+    num_items = sum(b.trained_tokens for b in batches)
+    total = torch.zeros((), device=session.device)
+    for batch in batches:
+        loss = _forward_loss(session, batch, num_items)
+        (session.scaler.scale(loss) if session.scaler is not None else loss).backward()
+        total += loss.detach().float()
+    return float(total), batches
+
+
+def _accumulate_or_lower(session: Session, rows: list[int]) -> Generator[Event, None, tuple[float, list[PackedBatch]]]:
+    """Run the step's forward/backward, lowering memory use and retrying after each out-of-memory error."""
+    while True:
+        try:
+            return _accumulate(session, rows)
+        except Exception as err:
+            if not guard.is_out_of_memory(err):
+                raise
+        # outside the except block: the traceback (and the activations its frames hold) is gone by now
+        guard.release_memory(session.optimizer, session.device)
+        yield from _lower_memory(session, [session.data.train_rows[r] for r in rows], session.data.train)
+
+
+def _lower_memory(session: Session, rows: list[list[int]], examples: list[TokenizedExample]) -> Iterator[Event]:
+    offloaded = session.speed.state().get("checkpointing", {}).get("mode") == "offloaded"
+    longest = _longest_document(examples, rows)
+    action = guard.next_oom_action(session.tokens_per_batch, longest, session.offload_tried or offloaded)
+    if action is None:
+        raise guard.out_of_memory_error(session.step + 1, session.tokens_per_batch)
+    message = action.describe(session.tokens_per_batch)
+    session.tokens_per_batch = action.tokens_per_batch
+    yield OomRecovered(session.step + 1, action.kind, action.tokens_per_batch, message)
+    if action.kind == guard.OFFLOADED_CHECKPOINTING:
+        session.offload_tried = True
+        session.speed.apply(dataclasses.replace(session.speed.settings, checkpointing="offloaded"))
+        yield SpeedChanged(session.step, session.speed.state())
+
+
+def _clip_gradients(session: Session) -> float:
     max_norm = session.config.training.max_grad_norm or math.inf
     if session.scaler is not None:
         session.scaler.unscale_(session.optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(session.trainable, max_norm)
+    return float(torch.nn.utils.clip_grad_norm_(session.trainable, max_norm))
+
+
+def _optimizer_step(session: Session) -> None:
     if session.scaler is not None:
         session.scaler.step(session.optimizer)
         session.scaler.update()
@@ -335,24 +452,44 @@ def _optimizer_step(session: Session) -> float:
         session.optimizer.step()
     session.scheduler.step()
     session.optimizer.zero_grad(set_to_none=True)
-    return float(grad_norm)
 
 
-def _step(session: Session) -> StepMetrics:
-    """One optimizer step over ``grad_accum`` packed rows; the loss is the mean over all trained tokens."""
+def _is_bad_step(session: Session, loss: float, grad_norm: float) -> bool:
+    # With fp16 loss scaling, inf gradients are the scaler's business: it skips the step and lowers the scale.
+    return not math.isfinite(loss) or (session.scaler is None and not math.isfinite(grad_norm))
+
+
+def _skip_update(session: Session, loss: float, grad_norm: float) -> StepSkipped:
+    """Throw the step's gradients away; the weights, optimizer moments and learning-rate schedule stay as they were."""
+    session.optimizer.zero_grad(set_to_none=True)
+    if session.scaler is not None:
+        session.scaler.update()
+    counter = session.non_finite
+    counter.bad(session.step + 1)
+    return StepSkipped(session.step + 1, loss, grad_norm, counter.in_a_row, counter.total)
+
+
+def _last_checkpoint(session: Session) -> str | None:
+    found = ckpt.list_checkpoints(session.run_dir / CHECKPOINT_DIR)
+    return str(found[-1]) if found else None
+
+
+def _step(session: Session) -> Generator[Event, None, StepMetrics | None]:
+    """One optimizer step over ``grad_accum`` packed rows; None when the update was skipped (non-finite)."""
     if session.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(session.device)
     start = time.perf_counter()
     learning_rate = session.scheduler.get_last_lr()[0]
-    batches = _next_micro_batches(session)
-    num_items = sum(b.trained_tokens for b in batches)
-    total = torch.zeros((), device=session.device)
-    for batch in batches:
-        loss = _forward_loss(session, batch, num_items)
-        (session.scaler.scale(loss) if session.scaler is not None else loss).backward()
-        total += loss.detach().float()
-    grad_norm = _optimizer_step(session)
-    loss_value = float(total)
+    rows = _next_rows(session)
+    loss_value, batches = yield from _accumulate_or_lower(session, rows)
+    grad_norm = _clip_gradients(session)
+    if _is_bad_step(session, loss_value, grad_norm):
+        yield _skip_update(session, loss_value, grad_norm)
+        if session.non_finite.exhausted:
+            raise session.non_finite.error(_last_checkpoint(session))
+        return None
+    session.non_finite.good()
+    _optimizer_step(session)
     elapsed = time.perf_counter() - start
     session.step += 1
     session.last_loss = loss_value
@@ -365,7 +502,7 @@ def _step(session: Session) -> StepMetrics:
         learning_rate=learning_rate,
         grad_norm=grad_norm,
         tokens=tokens,
-        trained_tokens=num_items,
+        trained_tokens=sum(b.trained_tokens for b in batches),
         step_time_s=elapsed,
         tokens_per_s=tokens / elapsed if elapsed > 0 else 0.0,
         memory_bytes=_memory_bytes(session.device),
@@ -383,7 +520,8 @@ def _memory_bytes(device: torch.device) -> int:
 @torch.no_grad()
 def evaluate_loss(session: Session) -> tuple[float, int] | None:
     """Mean loss per trained token over the held-out rows, or None without an eval split."""
-    batches = session.data.eval_batches()
+    data = session.data
+    batches = [b for row in data.eval_rows for b in _row_batches(data.eval, row, session.tokens_per_batch)]
     if not batches:
         return None
     session.model.eval()
@@ -399,7 +537,15 @@ def evaluate_loss(session: Session) -> tuple[float, int] | None:
 
 
 def _evaluate(session: Session) -> Iterator[Event]:
-    result = evaluate_loss(session)
+    while True:
+        try:
+            result = evaluate_loss(session)
+            break
+        except Exception as err:
+            if not guard.is_out_of_memory(err):
+                raise
+        guard.release_memory(session.optimizer, session.device)
+        yield from _lower_memory(session, session.data.eval_rows, session.data.eval)
     if result is None:
         return
     loss, tokens = result
@@ -415,5 +561,9 @@ def _metrics_record(metrics: StepMetrics) -> dict[str, Any]:
 
 
 def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    with path.open("a", encoding="utf-8") as handle:
-        handle.write(json.dumps(record) + "\n")
+    """One write per record: a kill can only tear the last line, which resuming drops."""
+    try:
+        with path.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
+    except OSError as err:
+        raise ckpt.write_error(err, f"training log {path.name}", path.parent) from err
