@@ -1,0 +1,32 @@
+"""``tunedeck`` and ``python -m app``: the window without arguments, the command line with them.
+
+A subcommand, ``--help`` or ``--version`` goes to :func:`engine.cli.main` without importing Qt, so scripted use
+stays light. Otherwise the window opens; Qt's own options (``-platform offscreen``, ``-style``...) are passed on.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+CLI_OPTIONS = frozenset({"-h", "--help", "--version"})
+
+
+def wants_cli(args: Sequence[str]) -> bool:
+    """True for a command word (known or not: the CLI explains) or a CLI option; Qt options are anything else."""
+    return bool(args) and (args[0] in CLI_OPTIONS or not args[0].startswith("-"))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if wants_cli(args):
+        from engine.cli import main as cli_main
+
+        return cli_main(args)
+    from app.main_window import run_app
+
+    return run_app([sys.argv[0], *args])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

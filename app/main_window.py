@@ -1,0 +1,107 @@
+"""The main window: a list of pages on the left, the chosen page on the right. Navigation only.
+
+Each page is its own panel module; the window builds them, hands them the shared state and the run controller,
+and switches pages. Heavy modules (torch, transformers) are never imported here: hardware detection starts in
+the background once the window is on screen, so it appears in well under three seconds.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from PySide6.QtCore import Qt, QTimer
+from PySide6.QtGui import QCloseEvent
+from PySide6.QtWidgets import QApplication, QHBoxLayout, QListWidget, QMainWindow, QStackedWidget, QWidget
+
+from app.app_state import AppState
+from app.data_panel import DataPanel
+from app.hardware_panel import HardwarePanel
+from app.model_panel import ModelPanel
+from app.run_controller import RunController
+from app.run_panel import RunPanel
+from app.setup_panel import SetupPanel
+from app.speed_panel import SpeedPanel
+from app.worker import TaskRunner
+
+
+class MainWindow(QMainWindow):
+    """Pages: This computer, Model, Dataset, Setup, Run, Speed (and Runs, Chat when installed)."""
+
+    def __init__(self, *, detect_on_show: bool = True) -> None:
+        super().__init__()
+        self.setWindowTitle("TuneDeck")
+        self.resize(1200, 780)
+        self.state = AppState(self)
+        self.tasks = TaskRunner(self)
+        self.controller = RunController(self)
+        self.hardware_panel = HardwarePanel(self.state, self.tasks)
+        self.model_panel = ModelPanel(self.state, self.tasks)
+        self.data_panel = DataPanel(self.state, self.tasks)
+        self.setup_panel = SetupPanel(self.state)
+        self.run_panel = RunPanel(self.state, self.controller, self.setup_panel.build_config)
+        self.speed_panel = SpeedPanel(self.state, self.controller)
+        self.pages = QStackedWidget()
+        self.nav = QListWidget()
+        self.nav.setFixedWidth(170)
+        self.nav.currentRowChanged.connect(self.pages.setCurrentIndex)
+        pages = [
+            ("This computer", self.hardware_panel),
+            ("Model", self.model_panel),
+            ("Dataset", self.data_panel),
+            ("Setup", self.setup_panel),
+            ("Run", self.run_panel),
+            ("Speed", self.speed_panel),
+        ]
+        for title, page in [*pages, *optional_pages()]:
+            self.add_page(title, page)
+        self.run_panel.start_requested.connect(lambda: self.show_page("Run"))
+        body = QWidget()
+        layout = QHBoxLayout(body)
+        layout.addWidget(self.nav)
+        layout.addWidget(self.pages, 1)
+        self.setCentralWidget(body)
+        self.nav.setCurrentRow(0)
+        if detect_on_show:
+            QTimer.singleShot(0, self.hardware_panel.detect)  # after the first paint, never before
+
+    def add_page(self, title: str, page: QWidget) -> None:
+        self.nav.addItem(title)
+        self.pages.addWidget(page)
+
+    def show_page(self, title: str) -> None:
+        items = self.nav.findItems(title, Qt.MatchFlag.MatchExactly)
+        if items:
+            self.nav.setCurrentItem(items[0])
+
+    def page_titles(self) -> list[str]:
+        return [self.nav.item(i).text() for i in range(self.nav.count())]
+
+    def closeEvent(self, event: QCloseEvent) -> None:
+        self.controller.shutdown()
+        self.tasks.wait_all()
+        super().closeEvent(event)
+
+
+def optional_pages() -> list[tuple[str, QWidget]]:
+    """The run history and chat pages, when their modules are present."""
+    found: list[tuple[str, QWidget]] = []
+    for title, module, cls in (("Runs", "app.runs_view", "RunsView"), ("Chat", "app.chat_view", "ChatView")):
+        try:
+            widget_type = getattr(__import__(module, fromlist=[cls]), cls)
+        except (ImportError, AttributeError):
+            continue
+        found.append((title, widget_type()))
+    return found
+
+
+def run_app(argv: Sequence[str]) -> int:
+    app = QApplication.instance() or QApplication(list(argv))
+    app.setApplicationName("TuneDeck")
+    window = MainWindow()
+    window.show()
+    return app.exec()
+
+
+if __name__ == "__main__":
+    sys.exit(run_app(sys.argv))
