@@ -1,0 +1,130 @@
+"""A/B measurement of one speed switch on the running job: alternate it on and off, compare tokens/s.
+
+Each round runs the switch on for a block of steps and off for another (the order alternates between rounds,
+so a slow drift in speed, e.g. a GPU warming up, does not favour one side). The first step of every block is
+not counted: it may carry one-off costs of the change (a compile, a cache refill). The result is the mean
+speedup over rounds with its spread (standard deviation), so a user sees how much of a difference is noise.
+Qt-free: the speed page feeds it events and applies the settings it asks for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from dataclasses import dataclass, field
+
+from engine.config import SpeedConfig
+
+SWITCHES = ("metadata_cache", "checkpointing", "moe_routing")
+TITLES = {
+    "metadata_cache": "Packed-sequence metadata caching",
+    "checkpointing": "Offloaded activation checkpointing",
+    "moe_routing": "MoE routing on sorted tokens",
+}
+
+
+def switch_settings(base: SpeedConfig, switch: str, on: bool) -> SpeedConfig:
+    """``base`` with one switch on or off; checkpointing compares offloaded against standard recompute."""
+    values = {
+        "metadata_cache": on,
+        "checkpointing": "offloaded" if on else "standard",
+        "moe_routing": "sync-free" if on else "stock",
+    }
+    return dataclasses.replace(base, **{switch: values[switch]})
+
+
+def nothing_to_do(switch: str, state: dict[str, dict[str, object]]) -> str | None:
+    """Why flipping ``switch`` cannot change anything on this model and device (None when it can)."""
+    entry = state.get(switch, {})
+    reason = str(entry.get("reason", ""))
+    if switch == "moe_routing" and "no MoE" in reason:
+        return reason
+    if switch == "metadata_cache" and not entry.get("on") and not reason.startswith("switched off"):
+        return reason or "not supported by this model"
+    if switch == "checkpointing" and "offloaded requested but" in reason:
+        return reason
+    return None
+
+
+@dataclass
+class Measurement:
+    switch: str
+    on: list[float] = field(default_factory=list)
+    off: list[float] = field(default_factory=list)
+    ratios: list[float] = field(default_factory=list)
+    skipped_reason: str | None = None
+
+    @property
+    def speedup(self) -> float | None:
+        return statistics.fmean(self.ratios) if self.ratios else None
+
+    @property
+    def spread(self) -> float:
+        return statistics.stdev(self.ratios) if len(self.ratios) > 1 else 0.0
+
+    def summary(self) -> str:
+        if self.skipped_reason:
+            return f"nothing to do: {self.skipped_reason}"
+        if self.speedup is None:
+            return "not measured (the run ended first)"
+        change = (self.speedup - 1) * 100
+        word = "faster" if change >= 0 else "slower"
+        noise = " (within the noise)" if abs(change) <= self.spread * 100 else ""
+        rates = f"{statistics.fmean(self.on):,.0f} vs {statistics.fmean(self.off):,.0f} tokens/s"
+        return f"{abs(change):.1f}% {word} ± {self.spread * 100:.1f}% over {len(self.ratios)} rounds ({rates}){noise}"
+
+
+class ABCompare:
+    """Drives the measurement step by step; ``next_settings`` says what to request from the run next."""
+
+    def __init__(self, base: SpeedConfig, switch: str, *, rounds: int = 3, block_steps: int = 3) -> None:
+        if block_steps < 2:
+            raise ValueError("a block needs at least 2 steps: the first one is not counted")
+        self.base, self.switch, self.rounds, self.block_steps = base, switch, rounds, block_steps
+        self.result = Measurement(switch)
+        self._plan = [on for r in range(rounds) for on in ((True, False) if r % 2 == 0 else (False, True))]
+        self._block = 0
+        self._samples: list[float] = []
+        self._waiting_from: int | None = None
+        self._round_means: dict[bool, float] = {}
+
+    @property
+    def done(self) -> bool:
+        return self._block >= len(self._plan)
+
+    def first_settings(self) -> SpeedConfig:
+        return switch_settings(self.base, self.switch, self._plan[0])
+
+    def restore_settings(self) -> SpeedConfig:
+        return self.base
+
+    def speed_applied(self, step: int) -> None:
+        """The engine applied our last request before step ``step + 1``."""
+        self._waiting_from = step
+
+    def step_done(self, step: int, tokens_per_s: float) -> SpeedConfig | None:
+        """Count one step; returns new settings to request when a block ends (the base settings at the end)."""
+        if self.done or self._waiting_from is None or step <= self._waiting_from:
+            return None
+        self._samples.append(tokens_per_s)
+        if len(self._samples) < self.block_steps:
+            return None
+        self._finish_block()
+        self._waiting_from = None
+        if self.done:
+            return self.restore_settings()
+        return switch_settings(self.base, self.switch, self._plan[self._block])
+
+    def _finish_block(self) -> None:
+        on = self._plan[self._block]
+        mean = statistics.fmean(self._samples[1:])  # the first step after a change is not counted
+        (self.result.on if on else self.result.off).append(mean)
+        self._round_means[on] = mean
+        self._samples = []
+        self._block += 1
+        if self._block % 2 == 0:
+            self.result.ratios.append(self._round_means[True] / self._round_means[False])
+            self._round_means = {}
+
+    def steps_needed(self) -> int:
+        return len(self._plan) * self.block_steps + len(self._plan)

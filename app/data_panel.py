@@ -1,0 +1,135 @@
+"""Dataset page: format, counts, a token-length histogram, packing efficiency, bad rows and a preview.
+
+The preview highlights the tokens the loss is computed on, so a user sees what the model learns from (only the
+answers of a chat, unless "train on all tokens" is set).
+"""
+
+from __future__ import annotations
+
+import html
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import (
+    QFileDialog,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QListWidget,
+    QPushButton,
+    QSplitter,
+    QTextBrowser,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.app_state import AppState
+from app.dataset_report import DatasetReport, analyze_dataset
+from app.worker import ErrorInfo, TaskRunner
+
+TRAINED_STYLE = "background:#c8f0d0;color:#0b3d17"
+PROMPT_STYLE = "color:#777"
+
+
+def preview_html(pieces: list[tuple[str, bool]]) -> str:
+    spans = "".join(
+        f"<span style='{TRAINED_STYLE if trained else PROMPT_STYLE}'>{html.escape(text)}</span>"
+        for text, trained in pieces
+    )
+    return f"<pre style='white-space:pre-wrap'>{spans}</pre>"
+
+
+class DataPanel(QWidget):
+    """Open a dataset file or folder and see what training will make of it."""
+
+    def __init__(self, state: AppState, tasks: TaskRunner) -> None:
+        super().__init__()
+        self.state, self.tasks = state, tasks
+        self.path_edit = QLineEdit(placeholderText=".jsonl / .json / .csv / .parquet file, or a saved dataset folder")
+        open_file = QPushButton("Open file…")
+        open_file.clicked.connect(self._open_file)
+        open_folder = QPushButton("Open folder…")
+        open_folder.clicked.connect(self._open_folder)
+        load = QPushButton("Load")
+        load.clicked.connect(lambda: self.load(self.path_edit.text().strip()))
+        self.summary = QLabel("No dataset yet.")
+        self.summary.setWordWrap(True)
+        self.histogram = pg.PlotWidget(title="Tokens per example")
+        self.histogram.setLabel("bottom", "tokens")
+        self.histogram.setLabel("left", "examples")
+        self.problems = QListWidget()
+        self.preview = QTextBrowser()
+        top = QHBoxLayout()
+        for widget in (self.path_edit, open_file, open_folder, load):
+            top.addWidget(widget)
+        left = QSplitter(Qt.Orientation.Vertical)
+        left.addWidget(self.histogram)
+        left.addWidget(_titled("Rows that cannot be used", self.problems))
+        body = QSplitter()
+        body.addWidget(left)
+        body.addWidget(_titled("Preview (highlighted: tokens the model learns to predict)", self.preview))
+        layout = QVBoxLayout(self)
+        layout.addWidget(QLabel("<h2>Dataset</h2>"))
+        layout.addLayout(top)
+        layout.addWidget(self.summary)
+        layout.addWidget(body, 1)
+
+    def load(self, path: str) -> None:
+        if not path:
+            self.summary.setText("Choose a file or folder first.")
+            return
+        self.path_edit.setText(path)
+        self.summary.setText(f"Reading {path}…")
+        model = self.state.model_name
+        self.tasks.start(lambda: analyze_dataset(path, model), self.show_report, self._show_error)
+
+    def show_report(self, report: DatasetReport) -> None:
+        share = report.trained_tokens / max(report.total_tokens, 1)
+        self.summary.setText(
+            f"Format <b>{report.data_format}</b> · {report.rows:,} rows, {report.good_rows:,} usable, "
+            f"{len(report.problems):,} with problems · {report.total_tokens:,} tokens, {share:.0%} trained · "
+            f"{report.packed_rows:,} packed rows of {report.tokens_per_batch:,} tokens, "
+            f"packing efficiency <b>{report.packing_efficiency:.0%}</b>"
+            + (" · figures from the first examples" if report.sampled else "")
+        )
+        self._draw_histogram(report.lengths)
+        self.problems.clear()
+        for row, field, message in report.problems:
+            self.problems.addItem(f"row {row}: {field}: {message}")
+        if not report.problems:
+            self.problems.addItem("none: every row can be used")
+        self.preview.setHtml("<hr>".join(preview_html(pieces) for pieces in report.preview))
+        self.state.set_data(report.path, report)
+
+    def _draw_histogram(self, lengths: list[int]) -> None:
+        self.histogram.clear()
+        if not lengths:
+            return
+        counts, edges = np.histogram(lengths, bins=min(30, max(5, len(set(lengths)))))
+        self.histogram.addItem(pg.BarGraphItem(x0=edges[:-1], x1=edges[1:], height=counts, brush="#4a90d9"))
+
+    def _show_error(self, error: ErrorInfo) -> None:
+        self.summary.setText(
+            f"<span style='color:#b00020'>{html.escape(error.message)}</span>"
+            + (f"<br>What to do: {html.escape(error.hint)}" if error.hint else "")
+        )
+
+    def _open_file(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Dataset", "", "Datasets (*.jsonl *.json *.csv *.parquet)")
+        if path:
+            self.load(path)
+
+    def _open_folder(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "Saved dataset folder")
+        if path:
+            self.load(path)
+
+
+def _titled(title: str, widget: QWidget) -> QWidget:
+    box = QWidget()
+    layout = QVBoxLayout(box)
+    layout.setContentsMargins(0, 0, 0, 0)
+    layout.addWidget(QLabel(f"<b>{title}</b>"))
+    layout.addWidget(widget)
+    return box

@@ -1,0 +1,89 @@
+"""What the dataset page shows, computed off the GUI thread: format, counts, token lengths, packing, a preview.
+
+The preview is tokenized exactly as training will tokenize it (engine.tokenize), so the highlighted tokens are
+the ones the loss is computed on. Bad rows are collected with their row numbers (engine.data.iter_row_problems)
+instead of stopping at the first. Qt-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import DataConfig, ModelConfig
+
+MAX_TOKENIZED = 5000
+"""Examples tokenized for the histogram and packing figures; larger datasets are sampled from the start."""
+PREVIEW_EXAMPLES = 4
+
+
+@dataclass(frozen=True)
+class DatasetReport:
+    path: str
+    data_format: str
+    rows: int
+    good_rows: int
+    problems: list[tuple[int, str, str]]
+    """(row number, field, message) of every unusable row."""
+    lengths: list[int]
+    trained_tokens: int
+    total_tokens: int
+    packed_rows: int
+    packing_efficiency: float
+    tokens_per_batch: int
+    preview: list[list[tuple[str, bool]]] = field(default_factory=list)
+    """Per previewed example: (token text, trained?) pieces."""
+    sampled: bool = False
+
+
+def analyze_dataset(path: str, model_name: str, data: DataConfig | None = None) -> DatasetReport:
+    """Read, check, tokenize and pack ``path`` as a run with ``model_name``'s tokenizer would."""
+    from engine.data import detect_format, iter_row_problems, normalize_rows, read_rows
+    from engine.models import load_tokenizer
+    from engine.packing import pack_examples, packing_efficiency
+    from engine.tokenize import ensure_chat_template, tokenize_examples
+
+    data = data or DataConfig(path=path)
+    rows = read_rows(path)
+    fmt = detect_format(rows, path) if data.format == "auto" else data.format
+    problems = list(iter_row_problems(rows, fmt))
+    bad = {row for row, _, _ in problems}
+    good = [row for number, row in enumerate(rows, start=1) if number not in bad]
+    examples = normalize_rows(good[:MAX_TOKENIZED], fmt, path)
+    tokenizer = load_tokenizer(ModelConfig(name=model_name))
+    ensure_chat_template(tokenizer)
+    tokenized, _ = tokenize_examples(
+        tokenizer, examples, max_seq_len=data.max_seq_len, overlong=data.overlong, train_on_all=data.train_on_all_tokens
+    )
+    lengths = [len(ex) for ex in tokenized]
+    packed = pack_examples(tokenized, data.tokens_per_batch) if tokenized else []
+    return DatasetReport(
+        path=path,
+        data_format=fmt,
+        rows=len(rows),
+        good_rows=len(good),
+        problems=problems,
+        lengths=lengths,
+        trained_tokens=sum(ex.trained_tokens for ex in tokenized),
+        total_tokens=sum(lengths),
+        packed_rows=len(packed),
+        packing_efficiency=packing_efficiency(lengths, packed, data.tokens_per_batch),
+        tokens_per_batch=data.tokens_per_batch,
+        preview=[token_pieces(tokenizer, ex) for ex in tokenized[:PREVIEW_EXAMPLES]],
+        sampled=len(good) > MAX_TOKENIZED,
+    )
+
+
+def token_pieces(tokenizer: Any, example: Any) -> list[tuple[str, bool]]:
+    """The example's tokens as text, each marked when the model is trained to predict it."""
+    from engine.packing import IGNORE_INDEX
+
+    pieces: list[tuple[str, bool]] = []
+    for token, label in zip(example.input_ids, example.labels, strict=True):
+        text = tokenizer.decode([token])
+        trained = label != IGNORE_INDEX
+        if pieces and pieces[-1][1] == trained:
+            pieces[-1] = (pieces[-1][0] + text, trained)
+        else:
+            pieces.append((text, trained))
+    return pieces

@@ -1,0 +1,108 @@
+"""What the app shows about a model before loading it: family, size, dense or MoE, and the planner's verdict.
+
+Only the model's ``config.json`` is read (for a hub id: from the local cache, or fetched alone when online), so
+inspecting a 70B model takes a moment, not a download. Qt-free; runs in a background thread.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.config import DEMO_MODEL
+from engine.errors import ModelLoadError
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A model as the model page and the setup page see it."""
+
+    name: str
+    family: str
+    total_params: int
+    is_moe: bool
+    verdict: str
+    """'fits', 'needs QLoRA' or 'too big'."""
+    verdict_reason: str
+    settings: dict[str, tuple[str, str]] = field(default_factory=dict)
+    """Planner choices for this GPU: setting -> (value, reason)."""
+    shape: Any = None
+    profile: Any = None
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0", "false", "False")
+
+
+def model_config_path(name: str) -> Path | str:
+    """A local config.json for the model, or a built-in shape name the planner knows."""
+    from engine.hardware.shapes import builtin_shape_names
+    from engine.models import resolve_model
+
+    source = resolve_model(name)
+    if source.is_local:
+        return Path(source.location)
+    if name.lower().rsplit("/", 1)[-1] in builtin_shape_names():
+        return name
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return Path(hf_hub_download(name, "config.json", local_files_only=_offline()))
+    except Exception as err:
+        if _offline():
+            raise ModelLoadError(
+                f"'{name}' is not in the local Hugging Face cache and offline mode is on",
+                hint="download it once while online, or unset HF_HUB_OFFLINE",
+            ) from err
+        raise ModelLoadError(
+            f"cannot read '{name}' from the hub: {str(err).splitlines()[0] if str(err) else type(err).__name__}",
+            hint="check the model id and your network; gated models need a Hugging Face token",
+        ) from err
+
+
+def verdict_of(profile: Any) -> tuple[str, str]:
+    plan = profile.memory_plan
+    if plan is None:
+        return "unknown", "no memory figure for this device"
+    peak = f"predicted peak {plan.estimate.gib():.1f} GiB of {plan.budget_bytes / GIB:.1f} GiB usable"
+    if not plan.fits:
+        return "too big", plan.reasons.get("fit", "does not fit")
+    if plan.qlora:
+        return "needs QLoRA", f"{plan.reasons.get('qlora', '')}; {peak}"
+    return "fits", f"{plan.reasons.get('qlora', '')}; {peak}"
+
+
+def inspect_model(name: str, hardware: Any = None) -> ModelInfo:
+    """Read the model's shape and plan it for ``hardware`` (detected now when None)."""
+    from engine.hardware.profile import build_profile
+    from engine.hardware.shapes import load_shape
+
+    shape = load_shape(str(model_config_path(name)))
+    if hardware is None:
+        from engine.hardware.detect import detect_hardware
+
+        hardware = detect_hardware()
+    profile = build_profile(hardware, shape)
+    verdict, reason = verdict_of(profile)
+    settings = {key: (_shown(choice.value), choice.reason) for key, choice in profile.choices().items()}
+    family = "demo (llama)" if name == DEMO_MODEL else shape.model_type
+    return ModelInfo(name, family, shape.total_params(), shape.is_moe, verdict, reason, settings, shape, profile)
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def format_params(count: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= size:
+            return f"{count / size:.1f}{unit}"
+    return str(count)

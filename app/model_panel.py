@@ -1,0 +1,113 @@
+"""Model page: the built-in demo, a local folder or a hub id, and what the planner says about it on this GPU."""
+
+from __future__ import annotations
+
+from PySide6.QtWidgets import (
+    QButtonGroup,
+    QFileDialog,
+    QGridLayout,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QPushButton,
+    QRadioButton,
+    QTextBrowser,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.app_state import AppState
+from app.model_info import ModelInfo, format_params, inspect_model
+from app.worker import ErrorInfo, TaskRunner
+from engine.config import DEMO_MODEL
+
+VERDICT_COLOURS = {"fits": "#1b7f3b", "needs QLoRA": "#b26a00", "too big": "#b00020"}
+
+
+class ModelPanel(QWidget):
+    """Pick a model; shows family, parameters, dense/MoE and the planner's verdict with its settings."""
+
+    def __init__(self, state: AppState, tasks: TaskRunner) -> None:
+        super().__init__()
+        self.state, self.tasks = state, tasks
+        self.demo = QRadioButton("Built-in demo model (dates → ISO, trains in a minute on a CPU)")
+        self.folder = QRadioButton("Local folder")
+        self.hub = QRadioButton("Hugging Face hub id")
+        self.group = QButtonGroup(self)
+        for button in (self.demo, self.folder, self.hub):
+            self.group.addButton(button)
+        self.demo.setChecked(True)
+        self.folder_edit = QLineEdit(placeholderText="a folder with config.json and *.safetensors")
+        self.browse = QPushButton("Browse…")
+        self.browse.clicked.connect(self._browse)
+        self.hub_edit = QLineEdit(placeholderText="e.g. Qwen/Qwen3-0.6B")
+        self.use = QPushButton("Use this model")
+        self.use.clicked.connect(self.choose)
+        self.status = QLabel("")
+        self.status.setWordWrap(True)
+        self.details = QTextBrowser()
+        layout = QVBoxLayout(self)
+        layout.addWidget(QLabel("<h2>Model</h2>"))
+        grid = QGridLayout()
+        grid.addWidget(self.demo, 0, 0, 1, 3)
+        grid.addWidget(self.folder, 1, 0)
+        grid.addWidget(self.folder_edit, 1, 1)
+        grid.addWidget(self.browse, 1, 2)
+        grid.addWidget(self.hub, 2, 0)
+        grid.addWidget(self.hub_edit, 2, 1, 1, 2)
+        layout.addLayout(grid)
+        row = QHBoxLayout()
+        row.addWidget(self.use)
+        row.addWidget(self.status, 1)
+        layout.addLayout(row)
+        layout.addWidget(self.details, 1)
+        state.hardware_changed.connect(self._replan)
+
+    def selected_name(self) -> str:
+        if self.folder.isChecked():
+            return self.folder_edit.text().strip()
+        if self.hub.isChecked():
+            return self.hub_edit.text().strip()
+        return DEMO_MODEL
+
+    def choose(self, name: str | None = None) -> None:
+        """Inspect the model in the background; the page and the shared state update when it is done."""
+        name = name or self.selected_name()
+        if not name:
+            self.status.setText("Give a folder or a hub id first.")
+            return
+        self.status.setText(f"Reading {name}…")
+        self.state.set_model(name, None)
+        hardware = self.state.hardware
+        self.tasks.start(lambda: inspect_model(name, hardware), self._show, self._show_error)
+
+    def _replan(self) -> None:
+        if self.state.model_info is not None or self.state.model_name == DEMO_MODEL:
+            self.choose(self.state.model_name)
+
+    def _browse(self) -> None:
+        folder = QFileDialog.getExistingDirectory(self, "Model folder")
+        if folder:
+            self.folder.setChecked(True)
+            self.folder_edit.setText(folder)
+
+    def _show(self, info: ModelInfo) -> None:
+        if info.name != self.state.model_name:
+            return  # the user picked another model meanwhile
+        colour = VERDICT_COLOURS.get(info.verdict, "#444")
+        self.status.setText(f"<b>{info.name}</b>: <span style='color:{colour}'><b>{info.verdict}</b></span>")
+        rows = "".join(
+            f"<tr><td><b>{key}</b></td><td>{value}</td><td>{why}</td></tr>"
+            for key, (value, why) in info.settings.items()
+        )
+        self.details.setHtml(
+            f"<p>Family: <b>{info.family}</b> · {format_params(info.total_params)} parameters · "
+            f"{'mixture of experts' if info.is_moe else 'dense'}</p>"
+            f"<p>Verdict for this GPU: <b style='color:{colour}'>{info.verdict}</b> — {info.verdict_reason}</p>"
+            f"<p><b>Settings the planner would use</b></p><table cellpadding='3'>{rows}</table>"
+        )
+        self.state.set_model(info.name, info)
+
+    def _show_error(self, error: ErrorInfo) -> None:
+        self.status.setText(f"<span style='color:#b00020'>{error.message}</span>")
+        self.details.setPlainText(f"{error.message}\n\nWhat to do: {error.hint or 'pick another model'}")

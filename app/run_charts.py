@@ -1,0 +1,116 @@
+"""The live charts of a run: data is appended into plain buffers as events arrive and drawn on a timer.
+
+Drawing on every event would redraw up to hundreds of times a second on a fast GPU; a 5 Hz timer redraws only
+what changed, so the window stays smooth whatever the step rate.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyqtgraph as pg
+from PySide6.QtCore import QTimer
+from PySide6.QtWidgets import QGridLayout, QWidget
+
+GIB = 1 << 30
+REDRAW_MS = 200
+
+
+class RunCharts(QWidget):
+    """Loss (train and eval) per step; memory against the total over time; GPU load and temperature; tokens/s."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        pg.setConfigOptions(antialias=True, background="w", foreground="#333")
+        self.loss = self._plot("Loss", "step", "loss")
+        self.memory = self._plot("Memory (GiB)", "seconds", "GiB")
+        self.gpu = self._plot("GPU utilisation % and temperature °C", "seconds", "")
+        self.speed = self._plot("Tokens per second", "step", "tokens/s")
+        for plot in (self.loss, self.memory, self.gpu, self.speed):
+            plot.addLegend(offset=(-10, 10))
+        self.train_curve = self.loss.plot(pen=pg.mkPen("#1f77b4", width=2), name="train")
+        self.eval_curve = self.loss.plot(pen=None, symbol="o", symbolBrush="#d62728", name="eval")
+        self.used_curve = self.memory.plot(pen=pg.mkPen("#9467bd", width=2), name="used")
+        self.total_curve = self.memory.plot(pen=pg.mkPen("#999", style=pg.QtCore.Qt.PenStyle.DashLine), name="total")
+        self.util_curve = self.gpu.plot(pen=pg.mkPen("#2ca02c", width=2), name="utilisation %")
+        self.temp_curve = self.gpu.plot(pen=pg.mkPen("#ff7f0e", width=2), name="temperature °C")
+        self.throttle_dots = self.gpu.plot(pen=None, symbol="t", symbolBrush="#d62728", name="throttled")
+        self.speed_curve = self.speed.plot(pen=pg.mkPen("#17becf", width=2), name="tokens/s")
+        layout = QGridLayout(self)
+        layout.addWidget(self.loss, 0, 0)
+        layout.addWidget(self.speed, 0, 1)
+        layout.addWidget(self.memory, 1, 0)
+        layout.addWidget(self.gpu, 1, 1)
+        self.buffers: dict[str, list[float]] = {}
+        self.marks: list[tuple[int, str]] = []
+        self._drawn_marks = 0
+        self.clear()
+        self._dirty = False
+        self.timer = QTimer(self, interval=REDRAW_MS)
+        self.timer.timeout.connect(self.redraw)
+        self.timer.start()
+
+    def _plot(self, title: str, bottom: str, left: str) -> pg.PlotWidget:
+        plot = pg.PlotWidget(title=title)
+        plot.setLabel("bottom", bottom)
+        if left:
+            plot.setLabel("left", left)
+        plot.showGrid(x=True, y=True, alpha=0.2)
+        return plot
+
+    def clear(self) -> None:
+        names = ("step", "loss", "eval_step", "eval_loss", "t", "used", "total", "gpu_t", "util", "temp",
+                 "throttle_t", "throttle_y", "speed_step", "speed")  # fmt: skip
+        self.buffers = {name: [] for name in names}
+        for line in getattr(self, "_mark_lines", []):
+            self.speed.removeItem(line)
+        self._mark_lines: list[Any] = []
+        self.marks, self._drawn_marks = [], 0
+        self._dirty = True
+
+    def add_step(self, step: int, loss: float, tokens_per_s: float) -> None:
+        self._append(step=step, loss=loss, speed_step=step, speed=tokens_per_s)
+
+    def add_eval(self, step: int, loss: float) -> None:
+        self._append(eval_step=step, eval_loss=loss)
+
+    def add_memory(self, time_s: float, used_bytes: int, total_bytes: int | None) -> None:
+        self._append(t=time_s, used=used_bytes / GIB, total=(total_bytes or 0) / GIB)
+
+    def add_gpu(self, time_s: float, utilization: float | None, temperature: float | None, throttled: bool) -> None:
+        if utilization is None and temperature is None:
+            return
+        self._append(gpu_t=time_s, util=utilization or 0.0, temp=temperature or 0.0)
+        if throttled:
+            self._append(throttle_t=time_s, throttle_y=temperature or 0.0)
+
+    def mark_speed_change(self, step: int, label: str) -> None:
+        """A vertical line on the tokens/s chart where a switch changed."""
+        self.marks.append((step, label))
+        self._dirty = True
+
+    def _append(self, **values: float) -> None:
+        for name, value in values.items():
+            self.buffers[name].append(float(value))
+        self._dirty = True
+
+    def redraw(self) -> None:
+        if not self._dirty:
+            return
+        b = self.buffers
+        self.train_curve.setData(b["step"], b["loss"])
+        self.eval_curve.setData(b["eval_step"], b["eval_loss"])
+        self.used_curve.setData(b["t"], b["used"])
+        if any(b["total"]):
+            self.total_curve.setData(b["t"], b["total"])
+        self.util_curve.setData(b["gpu_t"], b["util"])
+        self.temp_curve.setData(b["gpu_t"], b["temp"])
+        self.throttle_dots.setData(b["throttle_t"], b["throttle_y"])
+        self.speed_curve.setData(b["speed_step"], b["speed"])
+        for step, label in self.marks[self._drawn_marks :]:
+            line = pg.InfiniteLine(pos=step, angle=90, pen=pg.mkPen("#d62728", style=pg.QtCore.Qt.PenStyle.DotLine),
+                                   label=label, labelOpts={"position": 0.9, "color": "#d62728"})  # fmt: skip
+            self.speed.addItem(line)
+            self._mark_lines.append(line)
+        self._drawn_marks = len(self.marks)
+        self._dirty = False

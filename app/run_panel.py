@@ -1,0 +1,186 @@
+"""Run page: start, pause, resume and stop a run, with live charts, progress, ETA and warnings.
+
+Pause keeps the model loaded (the engine blocks between two steps); resume continues the same run; stop saves
+a checkpoint first. Failures arrive as a RunFailed event and are shown as a message with what to do next.
+"""
+
+from __future__ import annotations
+
+import html
+from collections import deque
+from collections.abc import Callable
+
+from PySide6.QtCore import Signal
+from PySide6.QtGui import QColor
+from PySide6.QtWidgets import (
+    QHBoxLayout,
+    QLabel,
+    QListWidget,
+    QListWidgetItem,
+    QProgressBar,
+    QPushButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app import run_controller as rc
+from app.app_state import AppState
+from app.run_charts import RunCharts
+from app.worker import describe_error
+from engine.config import RunConfig
+from engine.events import (
+    CheckpointSaved,
+    EvalMetrics,
+    Notice,
+    RunFailed,
+    RunFinished,
+    RunStarted,
+    SpeedChanged,
+    StepMetrics,
+)
+
+ETA_WINDOW = 20
+"""Steps averaged for the remaining-time estimate (recent ones: speed switches change the pace)."""
+
+
+def format_eta(seconds: float) -> str:
+    seconds = round(seconds)
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h {minutes:02d}m" if hours else f"{minutes}m {secs:02d}s"
+
+
+class RunPanel(QWidget):
+    """Controls, progress and charts of the current run."""
+
+    start_requested = Signal()
+
+    def __init__(self, state: AppState, controller: rc.RunController, build_config: Callable[[], RunConfig]) -> None:
+        super().__init__()
+        self.state, self.controller, self.build_config = state, controller, build_config
+        self.start_button = QPushButton("Start")
+        self.pause_button = QPushButton("Pause")
+        self.resume_button = QPushButton("Resume")
+        self.stop_button = QPushButton("Stop (saves a checkpoint)")
+        self.start_button.clicked.connect(self.start)
+        self.pause_button.clicked.connect(controller.pause)
+        self.resume_button.clicked.connect(controller.resume)
+        self.stop_button.clicked.connect(controller.stop)
+        self.status = QLabel("Ready: choose a model and a dataset, then Start.")
+        self.status.setWordWrap(True)
+        self.error = QLabel("")
+        self.error.setWordWrap(True)
+        self.error.setStyleSheet("color:#b00020; font-weight:bold")
+        self.progress = QProgressBar()
+        self.eta = QLabel("")
+        self.charts = RunCharts()
+        self.warnings = QListWidget()
+        self.warnings.setMaximumHeight(90)
+        self.step_times: deque[float] = deque(maxlen=ETA_WINDOW)
+        self._layout()
+        controller.event.connect(self.on_event)
+        controller.telemetry.connect(self.on_telemetry)
+        controller.state_changed.connect(self._update_buttons)
+        self._update_buttons(controller.state)
+
+    def _layout(self) -> None:
+        buttons = QHBoxLayout()
+        for button in (self.start_button, self.pause_button, self.resume_button, self.stop_button):
+            buttons.addWidget(button)
+        buttons.addStretch(1)
+        progress = QHBoxLayout()
+        progress.addWidget(self.progress, 1)
+        progress.addWidget(self.eta)
+        layout = QVBoxLayout(self)
+        layout.addWidget(QLabel("<h2>Run</h2>"))
+        layout.addLayout(buttons)
+        layout.addWidget(self.status)
+        layout.addWidget(self.error)
+        layout.addLayout(progress)
+        layout.addWidget(QLabel("<b>Warnings and notices</b>"))
+        layout.addWidget(self.warnings)
+        layout.addWidget(self.charts, 1)
+
+    def start(self) -> None:
+        try:
+            config = self.build_config()
+        except Exception as err:
+            info = describe_error(err)
+            self.show_error(info.message, info.hint)
+            return
+        self.error.setText("")
+        self.warnings.clear()
+        self.charts.clear()
+        self.step_times.clear()
+        self.progress.setValue(0)
+        self.status.setText(f"Loading {config.model.name} and preparing the data…")
+        self.controller.start(config)
+        self.start_requested.emit()
+
+    def show_error(self, message: str, hint: str | None) -> None:
+        advice = f"<br><span style='color:#333'>What to do: {html.escape(hint)}</span>" if hint else ""
+        self.error.setText(html.escape(message) + advice)
+
+    def on_event(self, event: object) -> None:
+        if isinstance(event, StepMetrics):
+            self._on_step(event)
+        elif isinstance(event, EvalMetrics):
+            self.charts.add_eval(event.step, event.loss)
+        elif isinstance(event, RunStarted):
+            self.progress.setRange(0, event.total_steps)
+            self.progress.setValue(event.start_step)
+            self.status.setText(
+                f"Training on {event.device} ({event.dtype}): {event.train_examples:,} examples in "
+                f"{event.train_rows:,} packed rows ({event.packing_efficiency:.0%} full), "
+                f"{event.trainable_params:,} trainable parameters. Folder: {event.run_dir}"
+            )
+        elif isinstance(event, SpeedChanged) and event.step > 0:
+            self.charts.mark_speed_change(event.step, "switch")
+        elif isinstance(event, Notice):
+            self.warnings.addItem(f"Note: {event.message}")
+        elif isinstance(event, CheckpointSaved):
+            self.warnings.addItem(f"Checkpoint saved at step {event.step}")
+        elif isinstance(event, RunFinished):
+            what = "Stopped" if event.cancelled else "Finished"
+            loss = f", last loss {event.final_loss:.3f}" if event.final_loss is not None else ""
+            self.status.setText(f"{what} at step {event.step}{loss}. Adapter: {event.adapter_dir}")
+            self.eta.setText("")
+        elif isinstance(event, RunFailed):
+            self.show_error(event.message, event.hint)
+            self.status.setText(f"The run stopped at step {event.step}.")
+
+    def _on_step(self, event: StepMetrics) -> None:
+        self.charts.add_step(event.step, event.loss, event.tokens_per_s)
+        self.step_times.append(event.step_time_s)
+        self.progress.setValue(event.step)
+        self.progress.setFormat(f"step %v of %m · loss {event.loss:.3f}")
+        remaining = (event.total_steps - event.step) * sum(self.step_times) / len(self.step_times)
+        self.eta.setText(f"ETA {format_eta(remaining)}")
+
+    def on_telemetry(self, event: object) -> None:
+        from engine.hardware.telemetry import TelemetrySample, TelemetryWarning
+
+        if isinstance(event, TelemetryWarning):
+            item = QListWidgetItem(f"⚠ {event.message}")
+            item.setForeground(QColor("#b00020"))
+            self.warnings.insertItem(0, item)  # newest on top, where the user looks
+        elif isinstance(event, TelemetrySample):
+            used = event.memory_used_bytes if event.memory_used_bytes is not None else event.process_rss_bytes
+            total = event.memory_total_bytes
+            if total is None and self.state.hardware is not None:
+                total = self.state.hardware.host_memory_bytes
+            if used is not None:
+                self.charts.add_memory(event.time_s, used, total)
+            self.charts.add_gpu(event.time_s, event.utilization_pct, event.temperature_c, bool(event.throttle_reasons))
+
+    def _update_buttons(self, state: str) -> None:
+        self.start_button.setEnabled(not self.controller.active)
+        self.pause_button.setEnabled(state == rc.RUNNING)
+        self.resume_button.setEnabled(state == rc.PAUSED)
+        self.stop_button.setEnabled(state in (rc.LOADING, rc.RUNNING, rc.PAUSED))
+        if state == rc.PAUSED:
+            self.status.setText("Paused: the model stays loaded; Resume continues the same run.")
+        elif state == rc.RUNNING and self.status.text().startswith("Paused"):
+            self.status.setText("Running again: the same run continues from where it paused.")
+        elif state == rc.STOPPING:
+            self.status.setText("Stopping after this step and saving a checkpoint…")

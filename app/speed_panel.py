@@ -1,0 +1,168 @@
+"""Speed page: the three optimizations, live. Each says whether it applies here and why; flipping one takes
+effect at the next step (the tokens/s chart marks it), and Compare measures each one on the running job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+from typing import Any
+
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QComboBox,
+    QGridLayout,
+    QHBoxLayout,
+    QLabel,
+    QPushButton,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.ab_compare import SWITCHES, TITLES, ABCompare, nothing_to_do
+from app.app_state import AppState
+from app.run_controller import RUNNING, RunController
+from engine.config import SpeedConfig
+from engine.events import RunFailed, RunFinished, SpeedChanged, StepMetrics
+
+CHECKPOINT_MODES = ("none", "standard", "offloaded")
+
+
+class SpeedPanel(QWidget):
+    """Switches with reasons, and the A/B Compare action."""
+
+    def __init__(self, state: AppState, controller: RunController) -> None:
+        super().__init__()
+        self.state, self.controller = state, controller
+        self.metadata_box = QCheckBox("on")
+        self.checkpoint_box = QComboBox()
+        self.checkpoint_box.addItems(CHECKPOINT_MODES)
+        self.moe_box = QCheckBox("on")
+        self.controls: dict[str, QWidget] = {
+            "metadata_cache": self.metadata_box,
+            "checkpointing": self.checkpoint_box,
+            "moe_routing": self.moe_box,
+        }
+        self.reasons = {name: _wrapping_label("starts with the run") for name in SWITCHES}
+        self.results = {name: _wrapping_label("") for name in SWITCHES}
+        self.rounds = QSpinBox(minimum=1, maximum=10, value=3)
+        self.block = QSpinBox(minimum=2, maximum=20, value=3)
+        self.compare_button = QPushButton("Compare (A/B on this run)")
+        self.compare_button.clicked.connect(self.start_compare)
+        self.compare_status = _wrapping_label("Compare alternates each switch on and off for a few steps per round.")
+        self._build()
+        self._updating = False
+        self.metadata_box.toggled.connect(lambda _: self._flip())
+        self.moe_box.toggled.connect(lambda _: self._flip())
+        self.checkpoint_box.currentTextChanged.connect(lambda _: self._flip())
+        self.queue: list[str] = []
+        self.compare: ABCompare | None = None
+        controller.event.connect(self.on_event)
+        controller.state_changed.connect(lambda s: self.compare_button.setEnabled(s == RUNNING and not self.compare))
+        self.compare_button.setEnabled(False)
+
+    def _build(self) -> None:
+        grid = QGridLayout()
+        for column, title in enumerate(("Optimization", "Switch", "Applies here? Why", "Measured")):
+            grid.addWidget(QLabel(f"<b>{title}</b>"), 0, column)
+        for row, name in enumerate(SWITCHES, start=1):
+            grid.addWidget(QLabel(TITLES[name]), row, 0)
+            grid.addWidget(self.controls[name], row, 1)
+            grid.addWidget(self.reasons[name], row, 2)
+            grid.addWidget(self.results[name], row, 3)
+        grid.setColumnStretch(2, 2)
+        grid.setColumnStretch(3, 2)
+        compare = QHBoxLayout()
+        for widget in (self.compare_button, QLabel("rounds"), self.rounds, QLabel("steps per block"), self.block):
+            compare.addWidget(widget)
+        compare.addStretch(1)
+        layout = QVBoxLayout(self)
+        layout.addWidget(QLabel("<h2>Speed switches</h2>"))
+        layout.addWidget(_wrapping_label("Flip a switch during a run: it applies from the next step, and the "
+                                         "tokens/s chart on the Run page marks the moment."))  # fmt: skip
+        layout.addLayout(grid)
+        layout.addLayout(compare)
+        layout.addWidget(self.compare_status)
+        layout.addStretch(1)
+
+    def settings(self) -> SpeedConfig:
+        base = self.controller.current_speed()
+        return dataclasses.replace(
+            base,
+            metadata_cache=self.metadata_box.isChecked(),
+            checkpointing=self.checkpoint_box.currentText(),
+            moe_routing="sync-free" if self.moe_box.isChecked() else "stock",
+        )
+
+    def _flip(self) -> None:
+        if not self._updating and self.controller.active:
+            self.controller.request_speed(self.settings())
+
+    def show_state(self, state: dict[str, dict[str, Any]]) -> None:
+        """Mirror the engine's resolved choices without sending them back as requests."""
+        self._updating = True
+        try:
+            cache, ckpt, moe = (state.get(k, {}) for k in SWITCHES)
+            self.metadata_box.setChecked(bool(cache.get("on")))
+            self.checkpoint_box.setCurrentText(str(ckpt.get("mode", "none")))
+            self.moe_box.setChecked(moe.get("mode") not in (None, "stock"))
+        finally:
+            self._updating = False
+        for name in SWITCHES:
+            idle = nothing_to_do(name, state)
+            text = f"No — {idle}" if idle else f"Yes — {state.get(name, {}).get('reason', '')}"
+            self.reasons[name].setText(html.escape(text))
+            if idle:
+                self.results[name].setText(f"nothing to do: {html.escape(idle)}")
+
+    def on_event(self, event: object) -> None:
+        if isinstance(event, SpeedChanged):
+            self.show_state(event.state)
+            if self.compare is not None:
+                self.compare.speed_applied(event.step)
+        elif isinstance(event, StepMetrics) and self.compare is not None:
+            request = self.compare.step_done(event.step, event.tokens_per_s)
+            if request is not None:
+                self.controller.request_speed(request)
+                if self.compare.done:
+                    self._finish_switch()
+        elif isinstance(event, (RunFinished, RunFailed)) and self.compare is not None:
+            self._finish_switch()
+            self.queue.clear()
+
+    def start_compare(self) -> None:
+        self.queue = list(SWITCHES)
+        self.compare_button.setEnabled(False)
+        self._next_switch()
+
+    def _next_switch(self) -> None:
+        state = self.controller.speed_state
+        while self.queue:
+            name = self.queue.pop(0)
+            idle = nothing_to_do(name, state)
+            if idle:
+                self.results[name].setText(f"nothing to do: {html.escape(idle)}")
+                continue
+            self.compare = ABCompare(self.controller.current_speed(), name, rounds=self.rounds.value(),
+                                     block_steps=self.block.value())  # fmt: skip
+            self.compare_status.setText(f"Measuring {TITLES[name]}: {self.compare.steps_needed()} steps…")
+            self.results[name].setText("measuring…")
+            self.controller.request_speed(self.compare.first_settings())
+            return
+        self.compare = None
+        self.compare_status.setText("Compare done. Speedups are on over off, mean ± standard deviation of rounds.")
+        self.compare_button.setEnabled(self.controller.state == RUNNING)
+
+    def _finish_switch(self) -> None:
+        assert self.compare is not None
+        result = self.compare.result
+        self.results[result.switch].setText(html.escape(result.summary()))
+        self.compare = None
+        self._next_switch()
+
+
+def _wrapping_label(text: str) -> QLabel:
+    label = QLabel(text)
+    label.setWordWrap(True)
+    return label
