@@ -1,0 +1,159 @@
+"""Taking a fine-tune elsewhere: the adapter as it is, or a merged model with the adapter folded in.
+
+The adapter export is the run's ``adapter/`` folder (PEFT format with the tokenizer): small, and loaded on top of
+the same base model with plain peft. The merged export computes W + BA once (peft's ``merge_and_unload``) on a
+full-precision copy of the base, casts to the chosen dtype and saves safetensors, so any tool that reads
+Hugging Face folders can use it without peft. Merging is done in float32 even when the run trained on a 4-bit
+base, because folding into quantised weights would round the adapter away. Each export is written to a
+temporary folder and renamed into place, and gets a README.md saying how to load it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from engine.config import RunConfig
+from engine.errors import TuneDeckError
+
+EXPORT_DTYPES = ("bfloat16", "float16", "float32")
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+ADAPTER_README = """# {name}: LoRA adapter
+
+A LoRA adapter fine-tuned with TuneDeck on the base model `{base}`, in PEFT format (with the tokenizer).
+
+```python
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+base = AutoModelForCausalLM.from_pretrained("{base}")
+model = PeftModel.from_pretrained(base, "{folder}")
+tokenizer = AutoTokenizer.from_pretrained("{folder}")
+```
+
+With peft installed, `AutoModelForCausalLM.from_pretrained("{folder}")` also loads base + adapter in one call.
+Trained for {steps} steps; final training loss {loss}.
+"""
+
+MERGED_README = """# {name}: merged model
+
+The base model `{base}` with a TuneDeck LoRA fine-tune folded into its weights ({dtype}, safetensors).
+It loads like any Hugging Face model; peft is not needed.
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("{folder}", dtype="auto")
+tokenizer = AutoTokenizer.from_pretrained("{folder}")
+```
+
+Trained for {steps} steps; final training loss {loss}.
+"""
+
+
+def normalize_dtype(dtype: str) -> str:
+    name = DTYPE_ALIASES.get(dtype, dtype)
+    if name not in EXPORT_DTYPES:
+        raise TuneDeckError(f"unknown export dtype {dtype!r}", hint=f"use one of {', '.join(EXPORT_DTYPES)}")
+    return name
+
+
+def _run_adapter(run_folder: Path) -> Path:
+    adapter = run_folder / "adapter"
+    if not (adapter / "adapter_config.json").exists():
+        raise TuneDeckError(
+            f"{run_folder} has no finished adapter to export",
+            hint="a run writes adapter/ when it finishes or is stopped; resume it first",
+        )
+    return adapter
+
+
+def _prepare_target(target: Path, overwrite: bool) -> Path:
+    """A fresh temporary folder beside ``target``; refuses to replace a non-empty folder unless asked."""
+    if target.exists() and any(target.iterdir()) and not overwrite:
+        raise TuneDeckError(f"{target} exists and is not empty", hint="choose another folder or pass --overwrite")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".tmp-{target.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    return tmp
+
+
+def _commit(tmp: Path, target: Path) -> Path:
+    if target.exists():
+        shutil.rmtree(target)
+    tmp.rename(target)
+    return target
+
+
+def _summary(run_folder: Path) -> tuple[int, str]:
+    """(last step, last loss) from metrics.jsonl, for the README."""
+    path = run_folder / "metrics.jsonl"
+    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+            return int(record["step"]), f"{float(record['loss']):.4f}"
+        except (ValueError, KeyError):
+            continue
+    return 0, "n/a"
+
+
+def _readme(template: str, run_folder: Path, target: Path, **extra: str) -> str:
+    config = RunConfig.load(run_folder / "config.json")
+    base = json.loads((_run_adapter(run_folder) / "adapter_config.json").read_text())["base_model_name_or_path"]
+    steps, loss = _summary(run_folder)
+    return template.format(
+        name=run_folder.name,
+        base=base or config.model.name,
+        folder=target.resolve().as_posix(),
+        steps=steps,
+        loss=loss,
+        **extra,
+    )
+
+
+def export_adapter(run_folder: str | Path, target: str | Path, *, overwrite: bool = False) -> Path:
+    """Copy the run's adapter (PEFT format + tokenizer) to ``target`` with a README."""
+    run_folder, target = Path(run_folder), Path(target)
+    adapter = _run_adapter(run_folder)
+    tmp = _prepare_target(target, overwrite)
+    shutil.copytree(adapter, tmp)
+    (tmp / "README.md").write_text(_readme(ADAPTER_README, run_folder, target), encoding="utf-8")
+    return _commit(tmp, target)
+
+
+def merged_model(run_folder: str | Path, dtype: str = "bfloat16") -> tuple[Any, Any]:
+    """(model, tokenizer): the run's base in float32 with its adapter merged in, cast to ``dtype``, on the CPU."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    from engine.models import DTYPES, load_base_model
+
+    run_folder = Path(run_folder)
+    adapter = _run_adapter(run_folder)
+    config = RunConfig.load(run_folder / "config.json")
+    model_config = dataclasses.replace(config.model, qlora=False)
+    base = load_base_model(model_config, torch.device("cpu"), torch.float32)
+    merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+    merged = merged.to(DTYPES[normalize_dtype(dtype)])
+    merged.config.use_cache = True  # training switched the cache off; users of the export will generate
+    return merged, AutoTokenizer.from_pretrained(str(adapter))
+
+
+def export_merged(
+    run_folder: str | Path, target: str | Path, *, dtype: str = "bfloat16", overwrite: bool = False
+) -> Path:
+    """Write the merged model (safetensors, ``dtype``) with the tokenizer and a README to ``target``."""
+    run_folder, target = Path(run_folder), Path(target)
+    dtype = normalize_dtype(dtype)
+    model, tokenizer = merged_model(run_folder, dtype)
+    tmp = _prepare_target(target, overwrite)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "README.md").write_text(_readme(MERGED_README, run_folder, target, dtype=dtype), encoding="utf-8")
+    return _commit(tmp, target)

@@ -1,0 +1,83 @@
+"""Exports: the adapter loads with plain peft, the merged model with plain transformers, and both agree."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_chat import train_tiny_run
+
+from engine.errors import TuneDeckError
+from engine.export import export_adapter, export_merged
+
+TOKENS = torch.tensor([[5, 17, 42, 99, 3, 64, 128, 7]])
+
+
+@pytest.fixture(scope="module")
+def run_folder(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return train_tiny_run(tiny_model_dir, tmp_path_factory.mktemp("export"))
+
+
+@pytest.fixture(scope="module")
+def reference_logits(run_folder: Path, tiny_model_dir: Path) -> torch.Tensor:
+    """Base + adapter in float32, loaded the way a user would load them."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        base_logits = base(TOKENS).logits
+    model = PeftModel.from_pretrained(base, str(run_folder / "adapter")).eval()
+    with torch.no_grad():
+        logits = model(TOKENS).logits
+    assert (logits - base_logits).abs().max() > 1e-3  # the adapter changes the model: the comparisons mean something
+    return logits
+
+
+def test_adapter_export_loads_with_plain_peft(
+    run_folder: Path, tiny_model_dir: Path, tmp_path: Path, reference_logits: torch.Tensor
+) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = export_adapter(run_folder, tmp_path / "adapter-export")
+    assert (target / "adapter_model.safetensors").exists()
+    assert "PeftModel.from_pretrained" in (target / "README.md").read_text()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(target)).eval()
+    with torch.no_grad():
+        assert torch.equal(model(TOKENS).logits, reference_logits)
+    assert AutoTokenizer.from_pretrained(target).chat_template
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [("float32", 1e-5), ("bfloat16", 0.03), ("float16", 0.005)])
+def test_merged_model_matches_base_plus_adapter(
+    run_folder: Path, tmp_path: Path, reference_logits: torch.Tensor, dtype: str, tolerance: float
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    target = export_merged(run_folder, tmp_path / f"merged-{dtype}", dtype=dtype)
+    assert list(target.glob("*.safetensors")) and not list(target.glob("adapter_*"))
+    assert json.loads((target / "config.json").read_text())["dtype"] == dtype
+    model = AutoModelForCausalLM.from_pretrained(target, dtype="auto").eval()
+    assert next(model.parameters()).dtype == getattr(torch, dtype)
+    with torch.no_grad():
+        logits = model(TOKENS).logits.float()
+    scale = reference_logits.abs().max()
+    assert (logits - reference_logits).abs().max() <= tolerance * scale
+    assert "AutoModelForCausalLM.from_pretrained" in (target / "README.md").read_text()
+
+
+def test_export_refuses_to_overwrite_and_unknown_dtypes(run_folder: Path, tmp_path: Path) -> None:
+    target = tmp_path / "taken"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    with pytest.raises(TuneDeckError, match="not empty"):
+        export_adapter(run_folder, target)
+    assert (target / "keep.txt").read_text() == "mine"
+    with pytest.raises(TuneDeckError, match="unknown export dtype"):
+        export_merged(run_folder, tmp_path / "x", dtype="int3")
+    export_adapter(run_folder, target, overwrite=True)
+    assert not (target / "keep.txt").exists()
