@@ -125,3 +125,14 @@ def test_demo_model_adapter_chats_on_cpu(tmp_path: Path) -> None:
     assert "".join(pieces) == reply(
         demo, prompt, GenerationSettings(temperature=0, max_new_tokens=12), use_adapter=False
     )
+
+
+def test_chat_command_answers_a_prompt_as_tuned_and_base(run_folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from engine.runs_cli import chat_main
+
+    code = chat_main([str(run_folder), "--prompt", "say 3", "--base", "--temperature", "0", "--max-tokens", "40"])
+    assert code == 0
+    out = capsys.readouterr().out
+    chat = load_chat_model(run_folder, device="cpu")
+    assert f"tuned> {reply(chat, PROMPT, GREEDY)}\n" in out
+    assert f"base>  {reply(chat, PROMPT, GREEDY, use_adapter=False)}\n" in out

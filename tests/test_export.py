@@ -81,3 +81,15 @@ def test_export_refuses_to_overwrite_and_unknown_dtypes(run_folder: Path, tmp_pa
         export_merged(run_folder, tmp_path / "x", dtype="int3")
     export_adapter(run_folder, target, overwrite=True)
     assert not (target / "keep.txt").exists()
+
+
+def test_export_command_writes_adapter_and_merged(run_folder: Path, tmp_path: Path, monkeypatch) -> None:
+    from engine.runs_cli import export_main
+
+    monkeypatch.setenv("TUNEDECK_HOME", str(tmp_path / "home"))
+    assert export_main([str(run_folder), "--to", str(tmp_path / "a")]) == 0
+    assert (tmp_path / "a" / "adapter_config.json").exists()
+    assert export_main([str(run_folder), "--to", str(tmp_path / "m"), "--merged", "--dtype", "fp16"]) == 0
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["dtype"] == "float16"
+    assert export_main([str(run_folder), "--to", str(tmp_path / "m"), "--merged"]) == 1
+    assert export_main(["no-such-run", "--to", str(tmp_path / "x")]) == 1

@@ -278,3 +278,31 @@ def test_killed_run_leaves_a_consistent_interrupted_record_that_resumes(
     (after,) = Registry().runs()
     assert (after.id, after.status) == (record.id, "interrupted")
     assert after.steps == resumed[-1].step
+
+
+def test_runs_command_lists_shows_renames_and_deletes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from engine.runs_cli import runs_main
+
+    monkeypatch.setenv("TUNEDECK_HOME", str(tmp_path / "home"))
+    assert runs_main(["list"]) == 0
+    assert "no runs yet" in capsys.readouterr().out
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    run_id = Registry().upsert(folder, name="first", status="finished", steps=7, total_steps=7, final_loss=0.25)
+    assert runs_main([]) == 0
+    listing = capsys.readouterr().out
+    assert run_id in listing and "first" in listing and "0.2500" in listing and "7/7" in listing
+    assert runs_main(["rename", "first", "second"]) == 0
+    assert runs_main(["show", run_id[:6], "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out.split("\n", 1)[1])
+    assert (shown["name"], shown["status"], shown["folder"]) == ("second", "finished", str(folder.resolve()))
+    monkeypatch.setattr("builtins.input", lambda prompt: "n")
+    assert runs_main(["delete", "second"]) == 1
+    assert folder.exists()
+    assert runs_main(["delete", "second", "--yes"]) == 0
+    assert not folder.exists() and Registry().runs() == []
+    assert runs_main(["show", "second"]) == 1
+    assert "no run 'second'" in capsys.readouterr().err

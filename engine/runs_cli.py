@@ -1,0 +1,248 @@
+"""``tunedeck runs``, ``tunedeck chat`` and ``tunedeck export``: past runs from the terminal.
+
+RUN is a run folder or a run in the registry (its id, a unique id prefix, or its name). A folder works even when
+the registry has never seen it (a run copied from another machine), so chat and export need only the folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
+
+from engine.errors import TuneDeckError
+from engine.registry import Registry, RunRecord
+
+if TYPE_CHECKING:
+    from engine.chat import ChatModel, GenerationSettings
+
+
+def _fmt(value: float | None, spec: str = ".4f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _date(timestamp: float) -> str:
+    return dt.datetime.fromtimestamp(timestamp).strftime("%Y-%m-%d %H:%M")
+
+
+def run_folder(ref: str, registry: Registry | None = None) -> Path:
+    """The folder of RUN: a path to a run folder, or a registry id/name."""
+    path = Path(ref).expanduser()
+    if (path / "config.json").exists():
+        return path
+    return Path((registry or Registry()).resolve(ref).folder)
+
+
+def print_table(records: list[RunRecord], out: TextIO) -> None:
+    header = ("ID", "NAME", "MODEL", "DATASET", "DATE", "STEPS", "LOSS", "TOK/S", "STATUS")
+    rows = [
+        (
+            r.id,
+            r.name,
+            Path(r.model).name or r.model,
+            Path(r.dataset).name,
+            _date(r.created),
+            f"{r.steps}/{r.total_steps}",
+            _fmt(r.final_loss),
+            _fmt(r.tokens_per_s, ",.0f"),
+            r.status + (" (resumable)" if r.resumable else ""),
+        )
+        for r in records
+    ]
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip(), file=out)
+
+
+def print_record(record: RunRecord, out: TextIO) -> None:
+    resume = f" (resume with: tunedeck train --resume {record.folder})" if record.resumable else ""
+    lines = [
+        f"id:          {record.id}",
+        f"name:        {record.name}",
+        f"status:      {record.status}{resume}",
+        f"folder:      {record.folder}",
+        f"model:       {record.model}",
+        f"dataset:     {record.dataset}",
+        f"created:     {_date(record.created)}   updated: {_date(record.updated)}",
+        f"steps:       {record.steps} of {record.total_steps}",
+        f"final loss:  {_fmt(record.final_loss)}   eval loss: {_fmt(record.eval_loss)}",
+        f"tokens/s:    {_fmt(record.tokens_per_s, ',.0f')}",
+        f"hardware:    {json.dumps(record.hardware)}",
+        f"speed:       {json.dumps(record.speed)}",
+    ]
+    if record.message:
+        lines.append(f"message:     {record.message}")
+    print("\n".join(lines), file=out)
+
+
+def runs_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tunedeck runs", description="List, inspect, rename and delete past runs (the run history)."
+    )
+    actions = parser.add_subparsers(dest="action", metavar="ACTION")
+    actions.add_parser("list", help="every run, newest first (the default)")
+    show = actions.add_parser("show", help="everything recorded about one run")
+    show.add_argument("run", metavar="RUN", help="run id, name or folder")
+    show.add_argument("--json", action="store_true", help="print the record as JSON")
+    rename = actions.add_parser("rename", help="give a run a new name (its folder stays)")
+    rename.add_argument("run", metavar="RUN")
+    rename.add_argument("name", metavar="NAME")
+    delete = actions.add_parser("delete", help="delete a run's folder and its record")
+    delete.add_argument("run", metavar="RUN")
+    delete.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    delete.add_argument("--keep-folder", action="store_true", help="only forget the record")
+    return parser
+
+
+def runs_main(argv: list[str]) -> int:
+    args = runs_parser().parse_args(argv)
+    try:
+        registry = Registry()
+        if args.action in (None, "list"):
+            records = registry.runs()
+            if not records:
+                print("no runs yet: start one with tunedeck train --demo")
+                return 0
+            print_table(records, sys.stdout)
+            return 0
+        record = registry.resolve(args.run)
+        if args.action == "show":
+            if args.json:
+                print(json.dumps({k: v for k, v in vars(record).items() if k != "stored_status"}, indent=2))
+            else:
+                print_record(record, sys.stdout)
+        elif args.action == "rename":
+            registry.rename(record.id, args.name)
+            print(f"renamed {record.id} to {args.name.strip()}")
+        elif args.action == "delete":
+            return _delete(registry, record, args.yes, args.keep_folder)
+        return 0
+    except TuneDeckError as err:
+        print(f"tunedeck runs: error: {err}", file=sys.stderr)
+        return 1
+
+
+def _delete(registry: Registry, record: RunRecord, yes: bool, keep_folder: bool) -> int:
+    what = "the record" if keep_folder else f"the record and the folder {record.folder}"
+    if not yes:
+        answer = input(f"delete run {record.name} ({record.id}): {what}? [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
+            print("nothing deleted")
+            return 1
+    registry.delete(record.id, remove_folder=not keep_folder)
+    print(f"deleted {what}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------------ chat
+
+
+def chat_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tunedeck chat",
+        description="Chat with a fine-tuned model: the run's adapter on its base model. Interactive unless "
+        "--prompt is given; an empty line or Ctrl-D ends the chat, Ctrl-C stops a reply.",
+    )
+    parser.add_argument("run", metavar="RUN", help="run id, name or folder")
+    parser.add_argument("--prompt", help="answer this one prompt and exit")
+    parser.add_argument("--base", action="store_true", help="also answer as the base model, to compare")
+    parser.add_argument("--temperature", type=float, default=0.7, help="0 for greedy decoding (default: 0.7)")
+    parser.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling (default: 0.9)")
+    parser.add_argument("--max-tokens", type=int, default=256, help="longest reply in tokens (default: 256)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    return parser
+
+
+def _answer(chat: ChatModel, messages: list[dict[str, str]], settings: GenerationSettings, use_adapter: bool) -> str:
+    import threading
+
+    from engine.chat import stream_reply
+
+    stop = threading.Event()
+    pieces: list[str] = []
+    try:
+        for piece in stream_reply(chat, messages, settings, use_adapter=use_adapter, stop=stop):
+            pieces.append(piece)
+            print(piece, end="", flush=True)
+    except KeyboardInterrupt:
+        stop.set()
+        print(" [stopped]", end="")
+    print()
+    return "".join(pieces)
+
+
+def chat_main(argv: list[str]) -> int:
+    from engine.chat import GenerationSettings, load_chat_model
+    from engine.quiet import quiet_libraries
+
+    args = chat_parser().parse_args(argv)
+    quiet_libraries()
+    try:
+        settings = GenerationSettings(args.temperature, args.top_p, args.max_tokens)
+        chat = load_chat_model(run_folder(args.run), device=args.device)
+    except TuneDeckError as err:
+        print(f"tunedeck chat: error: {err}", file=sys.stderr)
+        return 1
+    tuned: list[dict[str, str]] = []
+    base: list[dict[str, str]] = []
+    prompts: Iterator[str | None] = iter([args.prompt]) if args.prompt is not None else iter(_read_prompt, None)
+    for text in prompts:
+        if not text:
+            break
+        tuned.append({"role": "user", "content": text})
+        print("tuned> ", end="", flush=True)
+        tuned.append({"role": "assistant", "content": _answer(chat, tuned, settings, True)})
+        if args.base:
+            base.append({"role": "user", "content": text})
+            print("base>  ", end="", flush=True)
+            base.append({"role": "assistant", "content": _answer(chat, base, settings, False)})
+    return 0
+
+
+def _read_prompt() -> str | None:
+    try:
+        return input("you> ").strip() or None
+    except EOFError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------- export
+
+
+def export_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tunedeck export",
+        description="Export a run's adapter (PEFT format), or with --merged a full model with the adapter folded "
+        "into its weights (safetensors) that loads without peft. The folder gets a README on how to load it.",
+    )
+    parser.add_argument("run", metavar="RUN", help="run id, name or folder")
+    parser.add_argument("--to", required=True, metavar="DIR", help="the folder to write")
+    parser.add_argument("--merged", action="store_true", help="write a merged model instead of the adapter")
+    parser.add_argument(
+        "--dtype", default="bfloat16", help="merged model dtype: bfloat16 (bf16), float16 (fp16) or float32 (fp32)"
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace DIR if it is not empty")
+    return parser
+
+
+def export_main(argv: list[str]) -> int:
+    from engine.export import export_adapter, export_merged, normalize_dtype
+    from engine.quiet import quiet_libraries
+
+    args = export_parser().parse_args(argv)
+    quiet_libraries()
+    try:
+        folder = run_folder(args.run)
+        if args.merged:
+            target = export_merged(folder, args.to, dtype=normalize_dtype(args.dtype), overwrite=args.overwrite)
+        else:
+            target = export_adapter(folder, args.to, overwrite=args.overwrite)
+    except TuneDeckError as err:
+        print(f"tunedeck export: error: {err}", file=sys.stderr)
+        return 1
+    print(f"{'merged model' if args.merged else 'adapter'} written to {target} (see README.md there)")
+    return 0
