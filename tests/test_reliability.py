@@ -1,0 +1,330 @@
+"""Faults injected into real runs of a tiny model: out of memory, NaN/inf losses and gradients, a full disk,
+refused permissions and damaged checkpoints. Each test fails without the protection it names."""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import checkpoint as ckpt
+from engine import guard
+from engine import train as train_module
+from engine.config import RunConfig
+from engine.events import (
+    CheckpointSaved,
+    Notice,
+    OomRecovered,
+    RunFailed,
+    RunFinished,
+    SpeedChanged,
+    StepMetrics,
+    StepSkipped,
+)
+from engine.train import run
+
+
+def make_config(model_dir: Path, data: Path, out: Path, data_overrides: dict | None = None, **training: object):
+    raw = {
+        "model": {"name": str(model_dir)},
+        "data": {"path": str(data), "max_seq_len": 32, "tokens_per_batch": 48, "eval_fraction": 0.1},
+        "lora": {"rank": 4, "alpha": 8.0, "dropout": 0.0},
+        "training": {"max_steps": 6, "learning_rate": 5e-3, "warmup_steps": 1, "save_every": 2, "eval_every": 3},
+        "output": {"dir": str(out), "name": "run"},
+    }
+    raw["data"].update(data_overrides or {})
+    raw["training"].update(training)
+    return RunConfig.from_dict(raw)
+
+
+def curve(run_dir: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+
+
+def assert_same_curve(got: list[tuple[int, float]], want: list[tuple[int, float]], rel: float = 1e-6) -> None:
+    assert [s for s, _ in got] == [s for s, _ in want]
+    assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=rel)
+
+
+def failures(events: list) -> list[RunFailed]:
+    return [e for e in events if isinstance(e, RunFailed)]
+
+
+def adapter_is_finite(run_dir: Path) -> bool:
+    from safetensors.torch import load_file
+
+    weights = load_file(run_dir / "adapter" / "adapter_model.safetensors")
+    return all(torch.isfinite(w).all() for w in weights.values())
+
+
+def wrap_forward(monkeypatch: pytest.MonkeyPatch, fault: Callable) -> None:
+    """Route every forward of the run through ``fault(session, batch, num_items, real_forward)``."""
+    real = train_module._forward_loss
+    monkeypatch.setattr(train_module, "_forward_loss", lambda s, b, n: fault(s, b, n, real))
+
+
+# --- out of memory ------------------------------------------------------------------------------------------
+
+
+def test_split_row_keeps_order_and_budget() -> None:
+    assert guard.split_row([10, 10, 10, 10], 40) == [[0, 1, 2, 3]]
+    assert guard.split_row([10, 10, 10, 10], 25) == [[0, 1], [2, 3]]
+    assert guard.split_row([30, 5, 5, 12], 20) == [[0], [1, 2], [3]]  # a too-long document stands alone
+
+
+def test_out_of_memory_is_recognised_in_both_forms() -> None:
+    assert guard.is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert guard.is_out_of_memory(RuntimeError("CUDA error: out of memory"))
+    assert not guard.is_out_of_memory(RuntimeError("shape mismatch"))
+    assert not guard.is_out_of_memory(ValueError("out of memory"))
+
+
+def oom_above(limit: int) -> Callable:
+    def fault(session, batch, num_items, real):
+        if batch.num_tokens > limit:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {batch.num_tokens} MiB")
+        return real(session, batch, num_items)
+
+    return fault
+
+
+def test_out_of_memory_step_is_retried_with_smaller_micro_batches(
+    tiny_model_dir: Path, chat_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows of ~4 documents (~124 tokens) do not fit under a 70-token cap: the budget halves to 64 and the same
+    documents are trained in two pieces, so the loss curve equals the run that never ran out of memory."""
+    packed = {"tokens_per_batch": 128}
+    reference = list(run(make_config(tiny_model_dir, chat_file, tmp_path / "ref", packed)))
+    assert not failures(reference)
+    wrap_forward(monkeypatch, oom_above(70))
+    events = list(run(make_config(tiny_model_dir, chat_file, tmp_path / "oom", packed)))
+    assert not failures(events), failures(events)
+    recovered = [e for e in events if isinstance(e, OomRecovered)]
+    assert [(e.step, e.action, e.tokens_per_batch) for e in recovered] == [(1, "tokens_per_batch", 64)]
+    assert "64 tokens" in recovered[0].message
+    assert [e.step for e in events if isinstance(e, StepMetrics)] == [1, 2, 3, 4, 5, 6]
+    assert_same_curve(curve(tmp_path / "oom" / "run"), curve(tmp_path / "ref" / "run"), rel=1e-5)
+
+
+def test_out_of_memory_at_the_smallest_setting_stops_with_a_clear_message(
+    tiny_model_dir: Path, chat_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wrap_forward(monkeypatch, oom_above(20))  # every document is longer: nothing can fit
+    events = list(run(make_config(tiny_model_dir, chat_file, tmp_path, {"tokens_per_batch": 128})))
+    actions = [(e.action, e.tokens_per_batch) for e in events if isinstance(e, OomRecovered)]
+    *lowered, last = actions
+    budgets = [budget for _, budget in lowered]
+    smallest = budgets[-1]  # the longest document of the step: documents are never cut
+    assert {kind for kind, _ in lowered} == {"tokens_per_batch"} and budgets[0] == 64
+    assert budgets == sorted(budgets, reverse=True) and 28 <= smallest <= 32
+    assert last == ("offloaded_checkpointing", smallest)
+    speed = [e for e in events if isinstance(e, SpeedChanged)][-1]
+    assert speed.state["checkpointing"]["mode"] != "none"  # offloaded where supported, recompute on CPU
+    (failed,) = failures(events)
+    assert "out of GPU memory at step 1" in failed.message and f"{smallest} tokens" in failed.message
+    assert failed.hint and "QLoRA" in failed.hint
+    assert not isinstance(events[-1], RunFinished)
+
+
+def test_other_errors_in_a_step_are_not_mistaken_for_out_of_memory(
+    tiny_model_dir: Path, chat_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fault(session, batch, num_items, real):
+        raise RuntimeError("an illegal memory access was encountered")
+
+    wrap_forward(monkeypatch, fault)
+    events = list(run(make_config(tiny_model_dir, chat_file, tmp_path)))
+    assert not any(isinstance(e, OomRecovered) for e in events)
+    assert "illegal memory access" in failures(events)[0].message
+
+
+# --- NaN and inf --------------------------------------------------------------------------------------------
+
+
+def poison_training_calls(bad: Callable[[int], bool], gradient_only: bool = False) -> Callable:
+    """Make the n-th training forward (1-based, eval excluded) return a NaN loss, or a NaN gradient only."""
+    calls = {"n": 0}
+
+    def fault(session, batch, num_items, real):
+        loss = real(session, batch, num_items)
+        if not session.model.training:
+            return loss
+        calls["n"] += 1
+        if not bad(calls["n"]):
+            return loss
+        if gradient_only:  # finite value, NaN gradient: d/dx sqrt(0 * x) = inf * 0
+            param = session.trainable[0]
+            return loss + torch.sqrt((param * 0).sum())
+        return loss * float("nan")
+
+    return fault
+
+
+@pytest.mark.parametrize("gradient_only", [False, True], ids=["nan-loss", "nan-gradient"])
+def test_a_non_finite_step_is_skipped_and_the_run_goes_on(
+    tiny_model_dir: Path, chat_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gradient_only: bool
+) -> None:
+    wrap_forward(monkeypatch, poison_training_calls(lambda n: n == 3, gradient_only))
+    events = list(run(make_config(tiny_model_dir, chat_file, tmp_path)))
+    assert not failures(events), failures(events)
+    (skipped,) = [e for e in events if isinstance(e, StepSkipped)]
+    assert (skipped.step, skipped.consecutive, skipped.total_skipped) == (3, 1, 1)
+    assert not math.isfinite(skipped.grad_norm) if gradient_only else not math.isfinite(skipped.loss)
+    steps = [e for e in events if isinstance(e, StepMetrics)]
+    assert [s.step for s in steps] == [1, 2, 3, 4, 5, 6]
+    assert all(math.isfinite(s.loss) and math.isfinite(s.grad_norm) for s in steps)
+    assert adapter_is_finite(tmp_path / "run")
+
+
+def test_non_finite_steps_in_a_row_stop_the_run_and_keep_the_last_checkpoint(
+    tiny_model_dir: Path, chat_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wrap_forward(monkeypatch, poison_training_calls(lambda n: n >= 5))
+    events = list(run(make_config(tiny_model_dir, chat_file, tmp_path, max_bad_steps=3)))
+    assert [e.consecutive for e in events if isinstance(e, StepSkipped)] == [1, 2, 3]
+    (failed,) = failures(events)
+    assert "not finite" in failed.message and "3 steps in a row from step 5" in failed.message
+    assert "step-000004" in failed.message and failed.step == 4
+    run_dir = tmp_path / "run"
+    saved = ckpt.list_checkpoints(run_dir / "checkpoints")
+    assert [p.name for p in saved] == ["step-000002", "step-000004"]
+    assert all(ckpt.checkpoint_problem(p) is None for p in saved)
+    assert not (run_dir / "adapter").exists()
+    monkeypatch.undo()
+    resumed = list(run(RunConfig(), resume=run_dir))
+    assert not failures(resumed) and isinstance(resumed[-1], RunFinished) and resumed[-1].step == 6
+    assert adapter_is_finite(run_dir)
+
+
+# --- full disk and refused writes ---------------------------------------------------------------------------
+
+
+def fail_on_call(number: int, err: OSError, real: Callable) -> Callable:
+    calls = {"n": 0}
+
+    def writer(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == number:
+            raise err
+        return real(*args, **kwargs)
+
+    return writer
+
+
+def test_full_disk_during_a_checkpoint_keeps_the_previous_one_and_resumes(
+    tiny_model_dir: Path, chat_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import safetensors.torch
+
+    assert not failures(list(run(make_config(tiny_model_dir, chat_file, tmp_path / "ref"))))
+    full = OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(safetensors.torch, "save_file", fail_on_call(2, full, safetensors.torch.save_file))
+    events = list(run(make_config(tiny_model_dir, chat_file, tmp_path)))
+    (failed,) = failures(events)
+    folder = tmp_path / "run" / "checkpoints"
+    assert failed.message == f"the disk is full: cannot write the checkpoint step-000004 to {folder}"
+    assert failed.hint and "intact" in failed.hint and failed.step == 4
+    assert [e.step for e in events if isinstance(e, CheckpointSaved)] == [2]
+    assert sorted(p.name for p in folder.iterdir()) == ["step-000002"]  # no half-written or temporary folder
+    assert ckpt.checkpoint_problem(folder / "step-000002") is None
+    monkeypatch.undo()
+    assert not failures(list(run(RunConfig(), resume=tmp_path / "run")))
+    assert_same_curve(curve(tmp_path / "run"), curve(tmp_path / "ref" / "run"))
+
+
+def test_permission_denied_on_a_checkpoint_file_stops_with_where(
+    tiny_model_dir: Path, chat_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    denied = PermissionError(errno.EACCES, "Permission denied")
+    monkeypatch.setattr(torch, "save", fail_on_call(1, denied, torch.save))  # optimizer.pt of the first checkpoint
+    events = list(run(make_config(tiny_model_dir, chat_file, tmp_path)))
+    (failed,) = failures(events)
+    folder = tmp_path / "run" / "checkpoints"
+    assert failed.message == f"permission denied: cannot write the checkpoint step-000002 to {folder}"
+    assert list(folder.iterdir()) == []
+    assert not (tmp_path / "run" / "error.log").exists()  # a user-facing error, not a crash
+
+
+def test_full_disk_for_the_training_log_and_the_final_adapter(
+    tiny_model_dir: Path, chat_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_open = Path.open
+
+    def open_refusing_metrics(self: Path, mode: str = "r", *args, **kwargs):
+        if self.name == "metrics.jsonl" and "a" in mode:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(self, mode, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", open_refusing_metrics)
+    (failed,) = failures(list(run(make_config(tiny_model_dir, chat_file, tmp_path / "a"))))
+    assert failed.message.startswith("the disk is full: cannot write the training log metrics.jsonl")
+    monkeypatch.undo()
+
+    def refuse(self, folder, **kwargs):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / "adapter_model.safetensors").write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    from peft import PeftModel
+
+    monkeypatch.setattr(PeftModel, "save_pretrained", refuse)
+    (failed,) = failures(list(run(make_config(tiny_model_dir, chat_file, tmp_path / "b"))))
+    run_dir = tmp_path / "b" / "run"
+    assert failed.message == f"the disk is full: cannot write the final adapter to {run_dir / 'adapter'}"
+    assert sorted(p.name for p in run_dir.iterdir() if "adapter" in p.name) == []  # nothing half-written
+    assert ckpt.checkpoint_problem(ckpt.list_checkpoints(run_dir / "checkpoints")[-1]) is None
+
+
+# --- damaged and interrupted checkpoints --------------------------------------------------------------------
+
+
+def test_a_damaged_latest_checkpoint_is_skipped_on_resume(
+    tiny_model_dir: Path, chat_file: Path, tmp_path: Path
+) -> None:
+    assert not failures(list(run(make_config(tiny_model_dir, chat_file, tmp_path / "ref"))))
+    control_events = list(run(make_config(tiny_model_dir, chat_file, tmp_path, max_steps=6, save_every=2)))
+    assert not failures(control_events)
+    run_dir = tmp_path / "run"
+    folder = run_dir / "checkpoints"
+    latest = ckpt.list_checkpoints(folder)[-1]
+    assert latest.name == "step-000006"
+    weights = latest / "adapter.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # a bad sector, a copy cut short
+    assert "adapter.safetensors is damaged" in (ckpt.checkpoint_problem(latest) or "")
+    (run_dir / "adapter").rename(run_dir / "adapter-first")
+    resumed = list(run(RunConfig(), resume=run_dir))
+    assert not failures(resumed)
+    notices = [e.message for e in resumed if isinstance(e, Notice)]
+    assert any("step-000006 was skipped: adapter.safetensors is damaged" in m for m in notices)
+    assert [e.start_step for e in resumed if hasattr(e, "start_step")] == [4]
+    assert_same_curve(curve(run_dir), curve(tmp_path / "ref" / "run"))
+
+
+def test_a_kill_between_the_two_renames_of_a_replace_is_undone(tmp_path: Path) -> None:
+    folder = tmp_path / "checkpoints"
+    (folder / ".old-step-000004").mkdir(parents=True)
+    (folder / ".old-step-000004" / ckpt.STATE_FILE).write_text("{}")
+    (folder / ".tmp-step-000004").mkdir()
+    (folder / ".trash-step-000002").mkdir()
+    assert ckpt.list_checkpoints(folder) == []
+    ckpt.recover_interrupted(folder)
+    assert sorted(p.name for p in folder.iterdir()) == ["step-000004"]
+
+
+def test_a_kill_before_the_first_checkpoint_resumes_from_the_start(
+    tiny_model_dir: Path, chat_file: Path, tmp_path: Path
+) -> None:
+    config = make_config(tiny_model_dir, chat_file, tmp_path, max_steps=3, save_every=0)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    config.save(run_dir / "config.json")
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n{"step": 2, "lo')  # torn by the kill
+    events = list(run(RunConfig(), resume=run_dir))
+    assert not failures(events)
+    assert any("no usable checkpoint yet" in e.message for e in events if isinstance(e, Notice))
+    assert [s for s, _ in curve(run_dir)] == [1, 2, 3] and curve(run_dir)[0][1] != 9.0
