@@ -1,0 +1,252 @@
+"""The runs page: past runs in a table, their loss curves overlaid, and resume, rename and delete.
+
+Rows come from the run registry; curves from each run folder's ``metrics.jsonl`` and ``eval.jsonl``, so a run
+still training shows its newest steps on the next refresh (every few seconds). Selecting several runs draws them
+on one chart in distinct colours (train as lines, eval as dashed lines with dots): the way to see which settings
+worked. The panel starts nothing itself: resuming emits ``resume_requested(folder)`` for the main window.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyqtgraph as pg
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QHBoxLayout,
+    QHeaderView,
+    QInputDialog,
+    QLabel,
+    QMessageBox,
+    QPushButton,
+    QSplitter,
+    QTableWidget,
+    QTableWidgetItem,
+    QVBoxLayout,
+    QWidget,
+)
+
+from engine.errors import TuneDeckError
+from engine.registry import Registry, RunRecord
+
+COLUMNS = ("Name", "Model", "Dataset", "Date", "Steps", "Final loss", "Tokens/s", "Status")
+COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2")
+REFRESH_MS = 5000
+
+
+@dataclass
+class LossCurves:
+    """A run's train loss per step and eval loss per evaluation, as read from its folder."""
+
+    steps: list[int] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    eval_steps: list[int] = field(default_factory=list)
+    eval_losses: list[float] = field(default_factory=list)
+
+
+def _read_jsonl(path: Path, key: str) -> tuple[list[int], list[float]]:
+    steps: list[int] = []
+    values: list[float] = []
+    if not path.exists():
+        return steps, values
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+            step, value = int(record["step"]), float(record[key])
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn last line of a crashed run
+        steps.append(step)
+        values.append(value)
+    return steps, values
+
+
+def read_curves(folder: str | Path) -> LossCurves:
+    folder = Path(folder)
+    steps, losses = _read_jsonl(folder / "metrics.jsonl", "loss")
+    eval_steps, eval_losses = _read_jsonl(folder / "eval.jsonl", "eval_loss")
+    return LossCurves(steps, losses, eval_steps, eval_losses)
+
+
+def _cells(record: RunRecord) -> tuple[str, ...]:
+    loss = "-" if record.final_loss is None else f"{record.final_loss:.4f}"
+    speed = "-" if record.tokens_per_s is None else f"{record.tokens_per_s:,.0f}"
+    date = dt.datetime.fromtimestamp(record.created).strftime("%Y-%m-%d %H:%M")
+    status = record.status + (" (resumable)" if record.resumable else "")
+    model = Path(record.model).name or record.model
+    steps = f"{record.steps}/{record.total_steps}" if record.total_steps else str(record.steps)
+    return (record.name, model, Path(record.dataset).name, date, steps, loss, speed, status)
+
+
+class RunsView(QWidget):
+    """Table of runs above an overlay chart of the selected runs' loss curves, with the run actions."""
+
+    resume_requested = Signal(str)
+
+    def __init__(self, registry: Registry | None = None, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.registry = registry if registry is not None else Registry()
+        self.records: list[RunRecord] = []
+        self.table = self._build_table()
+        self.chart = self._build_chart()
+        self.message = QLabel("")
+        self.message.setWordWrap(True)
+        splitter = QSplitter(Qt.Orientation.Vertical)
+        splitter.addWidget(self.table)
+        splitter.addWidget(self.chart)
+        layout = QVBoxLayout(self)
+        layout.addLayout(self._build_buttons())
+        layout.addWidget(splitter, 1)
+        layout.addWidget(self.message)
+        self.timer = QTimer(self, interval=REFRESH_MS)
+        self.timer.timeout.connect(self.refresh)
+        self.timer.start()
+        self.refresh()
+
+    def _build_table(self) -> QTableWidget:
+        table = QTableWidget(0, len(COLUMNS))
+        table.setHorizontalHeaderLabels(COLUMNS)
+        table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        table.setSelectionMode(QAbstractItemView.SelectionMode.ExtendedSelection)
+        table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        table.verticalHeader().setVisible(False)
+        table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+        table.horizontalHeader().setStretchLastSection(True)
+        table.itemSelectionChanged.connect(self._selection_changed)
+        return table
+
+    def _build_chart(self) -> pg.PlotWidget:
+        pg.setConfigOptions(antialias=True, background="w", foreground="#333")
+        chart = pg.PlotWidget(title="Loss of the selected runs")
+        chart.setLabel("bottom", "step")
+        chart.setLabel("left", "loss")
+        chart.showGrid(x=True, y=True, alpha=0.2)
+        chart.addLegend(offset=(-10, 10))
+        return chart
+
+    def _build_buttons(self) -> QHBoxLayout:
+        self.resume_button = QPushButton("Resume")
+        self.rename_button = QPushButton("Rename…")
+        self.delete_button = QPushButton("Delete…")
+        refresh = QPushButton("Refresh")
+        self.resume_button.clicked.connect(self.resume_selected)
+        self.rename_button.clicked.connect(lambda: self.rename_selected())
+        self.delete_button.clicked.connect(lambda: self.delete_selected())
+        refresh.clicked.connect(self.refresh)
+        row = QHBoxLayout()
+        for button in (self.resume_button, self.rename_button, self.delete_button):
+            row.addWidget(button)
+        row.addStretch(1)
+        row.addWidget(refresh)
+        return row
+
+    # ----------------------------------------------------------------------------------------------- state
+
+    def refresh(self) -> None:
+        """Reload the runs, keeping the selection (by run id) and redrawing the chart."""
+        chosen = {record.id for record in self.selected_records()}
+        try:
+            self.records = self.registry.runs()
+        except TuneDeckError as err:
+            self.message.setText(f"cannot read the run history: {err}")
+            return
+        self.table.blockSignals(True)
+        self.table.setRowCount(len(self.records))
+        for row, record in enumerate(self.records):
+            for column, text in enumerate(_cells(record)):
+                item = QTableWidgetItem(text)
+                item.setToolTip(record.folder)
+                self.table.setItem(row, column, item)
+            if record.id in chosen:
+                self.table.selectRow(row)
+        self.table.blockSignals(False)
+        self._selection_changed()
+
+    def select_runs(self, run_ids: list[str]) -> None:
+        self.table.clearSelection()
+        mode = self.table.selectionMode()
+        self.table.setSelectionMode(QAbstractItemView.SelectionMode.MultiSelection)
+        for row, record in enumerate(self.records):
+            if record.id in run_ids:
+                self.table.selectRow(row)
+        self.table.setSelectionMode(mode)
+
+    def selected_records(self) -> list[RunRecord]:
+        rows = sorted({index.row() for index in self.table.selectionModel().selectedRows()})
+        return [self.records[row] for row in rows if row < len(self.records)]
+
+    def _selection_changed(self) -> None:
+        selected = self.selected_records()
+        self.resume_button.setEnabled(len(selected) == 1 and selected[0].resumable)
+        self.rename_button.setEnabled(len(selected) == 1)
+        self.delete_button.setEnabled(len(selected) == 1)
+        self.draw(selected)
+
+    def draw(self, records: list[RunRecord]) -> None:
+        """Overlay the train and eval loss of ``records``, one colour per run."""
+        self.chart.clear()
+        self.curves: dict[str, LossCurves] = {}
+        for index, record in enumerate(records):
+            curves = read_curves(record.folder)
+            self.curves[record.id] = curves
+            colour = COLOURS[index % len(COLOURS)]
+            self.chart.plot(curves.steps, curves.losses, pen=pg.mkPen(colour, width=2), name=f"{record.name} train")
+            if curves.eval_steps:
+                dashed = pg.mkPen(colour, width=1, style=Qt.PenStyle.DashLine)
+                self.chart.plot(
+                    curves.eval_steps,
+                    curves.eval_losses,
+                    pen=dashed,
+                    symbol="o",
+                    symbolBrush=colour,
+                    symbolSize=6,
+                    name=f"{record.name} eval",
+                )
+
+    # --------------------------------------------------------------------------------------------- actions
+
+    def resume_selected(self) -> None:
+        selected = self.selected_records()
+        if len(selected) == 1 and selected[0].resumable:
+            self.resume_requested.emit(selected[0].folder)
+
+    def rename_selected(self, name: str | None = None) -> None:
+        selected = self.selected_records()
+        if len(selected) != 1:
+            return
+        if name is None:
+            name, accepted = QInputDialog.getText(self, "Rename run", "New name:", text=selected[0].name)
+            if not accepted:
+                return
+        self._act(lambda: self.registry.rename(selected[0].id, name), f"renamed to {name.strip()}")
+
+    def confirm_delete(self, record: RunRecord) -> bool:
+        """Ask before deleting; a separate method so that tests (and scripts) can answer for the user."""
+        answer = QMessageBox.question(
+            self,
+            "Delete run",
+            f"Delete the run “{record.name}”?\n\nIts folder {record.folder} (checkpoints and adapter) and its "
+            "record will be removed. This cannot be undone.",
+            QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.No,
+            QMessageBox.StandardButton.No,
+        )
+        return answer == QMessageBox.StandardButton.Yes
+
+    def delete_selected(self) -> None:
+        selected = self.selected_records()
+        if len(selected) != 1 or not self.confirm_delete(selected[0]):
+            return
+        self._act(lambda: self.registry.delete(selected[0].id), f"deleted {selected[0].name}")
+
+    def _act(self, action: Callable[[], None], done: str) -> None:
+        try:
+            action()
+        except (TuneDeckError, OSError) as err:
+            self.message.setText(f"error: {err}")
+            return
+        self.message.setText(done)
+        self.refresh()
