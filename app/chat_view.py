@@ -1,0 +1,280 @@
+"""The chat page: talk to a fine-tuned model, and see the base model answer the same prompt beside it.
+
+Loading a model and generating both take seconds to minutes, so each runs in a QThread; the panel only shows
+what the threads report. A reply streams into its pane piece by piece; Stop sets an event that the generation
+checks after every token. The tuned and base replies come from one loaded model (the adapter is switched off
+for the base reply), one after the other, so memory holds the weights once. torch is imported only inside the
+threads (through ``engine.chat``), never by this module.
+"""
+
+from __future__ import annotations
+
+import html
+import threading
+from pathlib import Path
+from typing import Any
+
+from PySide6.QtCore import QThread, Signal
+from PySide6.QtGui import QTextCursor
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QComboBox,
+    QDoubleSpinBox,
+    QFileDialog,
+    QFormLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QPushButton,
+    QSpinBox,
+    QTextBrowser,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.worker import describe_error
+from engine.registry import Registry
+
+SIDES = ("tuned", "base")
+
+
+class ModelLoader(QThread):
+    """Loads a run's adapter on its base model (``engine.chat.load_chat_model``)."""
+
+    loaded = Signal(object)
+    failed = Signal(str)
+
+    def __init__(self, folder: str, device: str = "auto") -> None:
+        super().__init__()
+        self.folder = folder
+        self.device = device
+
+    def run(self) -> None:
+        try:
+            from engine.chat import load_chat_model
+
+            self.loaded.emit(load_chat_model(self.folder, device=self.device))
+        except Exception as err:
+            info = describe_error(err)
+            self.failed.emit(info.message + (f"\n{info.hint}" if info.hint else ""))
+
+
+class ReplyWorker(QThread):
+    """Streams the reply of each requested side in turn; ``stop`` ends the current one and skips the rest."""
+
+    piece = Signal(str, str)
+    reply_done = Signal(str, str)
+    failed = Signal(str)
+
+    def __init__(self, chat: Any, histories: dict[str, list[dict[str, str]]], settings: dict[str, Any]) -> None:
+        super().__init__()
+        self.chat = chat
+        self.histories = histories
+        self.settings = settings
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        try:
+            from engine.chat import GenerationSettings, stream_reply
+
+            settings = GenerationSettings(**self.settings)
+            for side, messages in self.histories.items():
+                if self.stop.is_set():
+                    break
+                text = []
+                for part in stream_reply(self.chat, messages, settings, use_adapter=side == "tuned", stop=self.stop):
+                    text.append(part)
+                    self.piece.emit(side, part)
+                self.reply_done.emit(side, "".join(text))
+        except Exception as err:
+            self.failed.emit(describe_error(err).message)
+
+
+class ChatView(QWidget):
+    """Run picker, generation settings, the two reply panes and the prompt line."""
+
+    def __init__(self, registry: Registry | None = None, parent: QWidget | None = None, device: str = "auto") -> None:
+        super().__init__(parent)
+        self.registry = registry
+        self.device = device
+        self.chat: Any = None
+        self.loader: ModelLoader | None = None
+        self.worker: ReplyWorker | None = None
+        self.histories: dict[str, list[dict[str, str]]] = {side: [] for side in SIDES}
+        self.status = QLabel("Choose a finished run to chat with its fine-tuned model.")
+        self.status.setWordWrap(True)
+        layout = QVBoxLayout(self)
+        layout.addLayout(self._build_picker())
+        layout.addWidget(self._build_settings())
+        layout.addLayout(self._build_panes(), 1)
+        layout.addLayout(self._build_prompt())
+        layout.addWidget(self.status)
+        self.refresh_runs()
+        self._update_buttons()
+
+    def _build_picker(self) -> QHBoxLayout:
+        self.runs = QComboBox()
+        self.runs.setMinimumWidth(320)
+        self.load_button = QPushButton("Load")
+        self.load_button.clicked.connect(lambda: self.load_run(self.runs.currentData()))
+        browse = QPushButton("Open run folder…")
+        browse.clicked.connect(self._browse)
+        row = QHBoxLayout()
+        row.addWidget(QLabel("Run:"))
+        row.addWidget(self.runs, 1)
+        row.addWidget(self.load_button)
+        row.addWidget(browse)
+        return row
+
+    def _build_settings(self) -> QGroupBox:
+        box = QGroupBox("Generation")
+        self.temperature = QDoubleSpinBox(minimum=0.0, maximum=2.0, singleStep=0.1, value=0.7, decimals=2)
+        self.temperature.setToolTip("0 always picks the most likely token (the same reply every time)")
+        self.top_p = QDoubleSpinBox(minimum=0.05, maximum=1.0, singleStep=0.05, value=0.9, decimals=2)
+        self.max_tokens = QSpinBox(minimum=1, maximum=8192, value=256)
+        self.compare = QCheckBox("Answer with the base model too")
+        self.compare.setChecked(True)
+        form = QFormLayout(box)
+        row = QHBoxLayout()
+        for label, widget in (
+            ("Temperature", self.temperature),
+            ("Top-p", self.top_p),
+            ("Max tokens", self.max_tokens),
+        ):
+            row.addWidget(QLabel(label))
+            row.addWidget(widget)
+        row.addWidget(self.compare)
+        row.addStretch(1)
+        form.addRow(row)
+        return box
+
+    def _build_panes(self) -> QHBoxLayout:
+        self.panes = {side: QTextBrowser() for side in SIDES}
+        row = QHBoxLayout()
+        for side, title in (("tuned", "Fine-tuned model"), ("base", "Base model")):
+            column = QVBoxLayout()
+            column.addWidget(QLabel(f"<b>{title}</b>"))
+            column.addWidget(self.panes[side], 1)
+            row.addLayout(column)
+        return row
+
+    def _build_prompt(self) -> QHBoxLayout:
+        self.prompt = QLineEdit(placeholderText="Type a message and press Enter")
+        self.prompt.returnPressed.connect(self.send)
+        self.send_button = QPushButton("Send")
+        self.send_button.clicked.connect(self.send)
+        self.stop_button = QPushButton("Stop")
+        self.stop_button.clicked.connect(self.stop)
+        clear = QPushButton("New chat")
+        clear.clicked.connect(self.clear)
+        row = QHBoxLayout()
+        row.addWidget(self.prompt, 1)
+        for button in (self.send_button, self.stop_button, clear):
+            row.addWidget(button)
+        return row
+
+    # --------------------------------------------------------------------------------------------- loading
+
+    def refresh_runs(self) -> None:
+        """Fill the picker with the registry's runs that have an adapter to load."""
+        self.runs.clear()
+        try:
+            records = (self.registry or Registry()).runs()
+        except Exception as err:  # a broken history must not break chatting with a folder
+            self.status.setText(f"cannot read the run history: {err}")
+            return
+        for record in records:
+            if (Path(record.folder) / "adapter" / "adapter_config.json").exists():
+                self.runs.addItem(f"{record.name}  ({Path(record.model).name or record.model})", record.folder)
+
+    def _browse(self) -> None:
+        folder = QFileDialog.getExistingDirectory(self, "Run folder")
+        if folder:
+            self.load_run(folder)
+
+    def load_run(self, folder: str | None) -> None:
+        if not folder or self._busy():
+            return
+        self.chat = None
+        self.status.setText(f"loading {Path(folder).name}…")
+        self.loader = ModelLoader(str(folder), self.device)
+        self.loader.loaded.connect(self._loaded)
+        self.loader.failed.connect(self._failed)
+        self.loader.finished.connect(self._update_buttons)
+        self.loader.start()
+        self._update_buttons()
+
+    def _loaded(self, chat: Any) -> None:
+        self.chat = chat
+        self.clear()
+        self.status.setText(f"{chat.label} loaded on {chat.device}: the left pane answers with its adapter")
+
+    def _failed(self, message: str) -> None:
+        self.status.setText(f"error: {message}")
+
+    # ------------------------------------------------------------------------------------------ chatting
+
+    def _busy(self) -> bool:
+        return any(thread is not None and thread.isRunning() for thread in (self.loader, self.worker))
+
+    def _update_buttons(self) -> None:
+        busy = self._busy()
+        generating = self.worker is not None and self.worker.isRunning()
+        self.send_button.setEnabled(self.chat is not None and not busy)
+        self.stop_button.setEnabled(generating)
+        self.load_button.setEnabled(not busy and self.runs.count() > 0)
+
+    def settings(self) -> dict[str, Any]:
+        return {
+            "temperature": self.temperature.value(),
+            "top_p": self.top_p.value(),
+            "max_new_tokens": self.max_tokens.value(),
+        }
+
+    def send(self, text: str | None = None) -> None:
+        text = (text if isinstance(text, str) else self.prompt.text()).strip()
+        if not text or self.chat is None or self._busy():
+            return
+        self.prompt.clear()
+        sides = SIDES if self.compare.isChecked() else ("tuned",)
+        for side in sides:
+            self.histories[side].append({"role": "user", "content": text})
+            self.panes[side].append(f"<p><b>You:</b> {html.escape(text)}</p>")
+            self.panes[side].append("<b>Model:</b> ")
+        self.worker = ReplyWorker(self.chat, {side: list(self.histories[side]) for side in sides}, self.settings())
+        self.worker.piece.connect(self._piece)
+        self.worker.reply_done.connect(self._reply_done)
+        self.worker.failed.connect(self._failed)
+        self.worker.finished.connect(self._update_buttons)
+        self.worker.start()
+        self.status.setText("generating…")
+        self._update_buttons()
+
+    def _piece(self, side: str, text: str) -> None:
+        cursor = self.panes[side].textCursor()
+        cursor.movePosition(QTextCursor.MoveOperation.End)
+        cursor.insertText(text)
+        self.panes[side].setTextCursor(cursor)
+
+    def _reply_done(self, side: str, text: str) -> None:
+        self.histories[side].append({"role": "assistant", "content": text})
+        self.status.setText("stopped" if self.worker is not None and self.worker.stop.is_set() else "done")
+
+    def stop(self) -> None:
+        if self.worker is not None:
+            self.worker.stop.set()
+
+    def clear(self) -> None:
+        """Start a new conversation (the loaded model stays)."""
+        self.histories = {side: [] for side in SIDES}
+        for pane in self.panes.values():
+            pane.clear()
+
+    def closeEvent(self, event: Any) -> None:
+        """Let running threads end before the widget goes away."""
+        self.stop()
+        for thread in (self.loader, self.worker):
+            if thread is not None:
+                thread.wait()
+        super().closeEvent(event)
