@@ -101,7 +101,7 @@ def _load_base(config: RunConfig, device: str, tokenizer_folder: Path | None) ->
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     ensure_chat_template(tokenizer)  # the same ChatML fallback the run trained with
-    base = load_base_model(model_config, torch_device, pick_dtype(model_config.dtype, torch_device))
+    base: Any = load_base_model(model_config, torch_device, pick_dtype(model_config.dtype, torch_device))
     base.config.use_cache = True  # training turned the KV cache off; generation wants it
     return base, tokenizer, torch_device
 
