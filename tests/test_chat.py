@@ -136,3 +136,18 @@ def test_chat_command_answers_a_prompt_as_tuned_and_base(run_folder: Path, capsy
     chat = load_chat_model(run_folder, device="cpu")
     assert f"tuned> {reply(chat, PROMPT, GREEDY)}\n" in out
     assert f"base>  {reply(chat, PROMPT, GREEDY, use_adapter=False)}\n" in out
+
+
+def test_interactive_chat_keeps_the_conversation(
+    run_folder: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from engine.runs_cli import chat_main
+
+    typed = iter(["say 3", "say 4", ""])
+    monkeypatch.setattr("builtins.input", lambda prompt: next(typed))
+    assert chat_main([str(run_folder), "--temperature", "0", "--max-tokens", "10", "--device", "cpu"]) == 0
+    chat = load_chat_model(run_folder, device="cpu")
+    first = reply(chat, PROMPT, GenerationSettings(temperature=0, max_new_tokens=10))
+    history = [*PROMPT, {"role": "assistant", "content": first}, {"role": "user", "content": "say 4"}]
+    second = reply(chat, history, GenerationSettings(temperature=0, max_new_tokens=10))
+    assert capsys.readouterr().out == f"tuned> {first}\ntuned> {second}\n"

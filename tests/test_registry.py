@@ -306,3 +306,18 @@ def test_runs_command_lists_shows_renames_and_deletes(
     assert not folder.exists() and Registry().runs() == []
     assert runs_main(["show", "second"]) == 1
     assert "no run 'second'" in capsys.readouterr().err
+
+
+def test_a_broken_registry_never_stops_the_run(
+    tiny_model_dir: Path, chat_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    registry = Registry(tmp_path / "runs.db")
+
+    def disk_full(*args: object, **kwargs: object) -> None:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(Registry, "update", disk_full)
+    events = list(recorded(run(tiny_config(tiny_model_dir, chat_file, tmp_path)), registry))
+    notices = [e for e in events if type(e).__name__ == "Notice" and "run history" in e.message]
+    assert len(notices) == 1 and "disk is full" in notices[0].message
+    assert isinstance(events[-1], RunFinished) and not events[-1].cancelled
