@@ -176,10 +176,10 @@ def _answer(chat: ChatModel, messages: list[dict[str, str]], settings: Generatio
 
 
 def chat_main(argv: list[str]) -> int:
+    args = chat_parser().parse_args(argv)
     from engine.chat import GenerationSettings, load_chat_model
     from engine.quiet import quiet_libraries
 
-    args = chat_parser().parse_args(argv)
     quiet_libraries()
     try:
         settings = GenerationSettings(args.temperature, args.top_p, args.max_tokens)
