@@ -73,6 +73,11 @@ class RunPanel(QWidget):
         self.error.setStyleSheet("color:#b00020; font-weight:bold")
         self.progress = QProgressBar()
         self.eta = QLabel("")
+        self.eta.setFixedWidth(120)
+        # Fixed heights: a label that grows re-lays out the charts below it, and repainting them all at once
+        # blocked the window for over 100 ms on a busy two-core machine.
+        for label, lines in ((self.status, 2), (self.error, 2)):
+            label.setFixedHeight(label.fontMetrics().lineSpacing() * lines + 6)
         self.charts = RunCharts()
         self.warnings = QListWidget()
         self.warnings.setMaximumHeight(90)

@@ -11,7 +11,10 @@ on a GPU the work runs on the card and the cap costs nothing.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +55,13 @@ def training_threads(cpu_count: int | None = None) -> int:
     return max(1, (cpu_count or os.cpu_count() or 1) - 1)
 
 
+def lower_thread_priority(niceness: int = 10) -> None:
+    """Let the window's thread win the CPU over the training thread when cores are busy (Linux: per thread)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+
+
 class TrainingWorker(QThread):
     """Runs ``engine.train.run`` in its own thread and emits every event."""
 
@@ -68,6 +78,7 @@ class TrainingWorker(QThread):
             import torch
 
             torch.set_num_threads(training_threads())
+            lower_thread_priority()
             from engine.quiet import quiet_libraries
             from engine.train import run
 

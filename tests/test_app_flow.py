@@ -1,0 +1,105 @@
+"""The whole flow on the demo model, driven like a user: pick model and data, start, watch, pause, resume,
+flip a switch mid-run, stop. The window must stay responsive throughout (no event-loop gap over 100 ms)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from app_fixtures import LOAD_TIMEOUT_MS, prepare_demo
+from PySide6.QtCore import QTimer
+
+from app import run_controller as rc
+from engine.events import RunFinished, SpeedChanged, StepMetrics
+
+pytest_plugins = ["app_fixtures"]  # the window fixture and the dangling-QThread guard
+
+STEP_TIMEOUT_MS = 60_000
+
+
+class EventLog:
+    def __init__(self, controller: Any) -> None:
+        self.events: list[Any] = []
+        controller.event.connect(self.events.append)
+
+    def of(self, kind: type) -> list[Any]:
+        return [e for e in self.events if isinstance(e, kind)]
+
+    def last_step(self) -> int:
+        steps = self.of(StepMetrics)
+        return steps[-1].step if steps else 0
+
+
+def points(curve: Any) -> int:
+    """How many points a pyqtgraph curve draws."""
+    xs, _ = curve.getData()
+    return 0 if xs is None else len(xs)
+
+
+class GapMeter:
+    """Largest gap between ticks of a 10 ms timer: how long the event loop was blocked."""
+
+    def __init__(self) -> None:
+        self.max_gap = 0.0
+        self.ticks = 0
+        self._last = time.perf_counter()
+        self.timer = QTimer(interval=10)
+        self.timer.timeout.connect(self._tick)
+
+    def start(self) -> None:
+        self._last = time.perf_counter()
+        self.timer.start()
+
+    def _tick(self) -> None:
+        now = time.perf_counter()
+        self.max_gap = max(self.max_gap, now - self._last)
+        self._last = now
+        self.ticks += 1
+
+    def stop(self) -> None:
+        self.timer.stop()
+
+
+def test_whole_flow_on_the_demo(qtbot: Any, window: Any, tmp_path: Path) -> None:
+    prepare_demo(qtbot, window, max_steps=200)
+    assert window.state.model_info.verdict == "fits"
+    assert window.state.data_report.problems == []
+    log = EventLog(window.controller)
+    window.run_panel.start_button.click()
+    qtbot.waitUntil(lambda: window.controller.state == rc.RUNNING, timeout=LOAD_TIMEOUT_MS)
+    meter = GapMeter()
+    meter.start()
+    qtbot.waitUntil(lambda: log.last_step() >= 3, timeout=STEP_TIMEOUT_MS)
+    charts = window.run_panel.charts
+    qtbot.waitUntil(lambda: points(charts.train_curve) >= 3 and points(charts.speed_curve) >= 3, timeout=5_000)
+    qtbot.waitUntil(lambda: points(charts.used_curve) >= 1, timeout=5_000)  # telemetry: RAM on a CPU run
+
+    window.run_panel.pause_button.click()
+    qtbot.waitUntil(lambda: window.controller.state == rc.PAUSED, timeout=STEP_TIMEOUT_MS)
+    paused_at = log.last_step()
+    qtbot.wait(600)
+    assert log.last_step() == paused_at, "steps were taken while paused"
+    window.run_panel.resume_button.click()
+    qtbot.waitUntil(lambda: log.last_step() >= paused_at + 2, timeout=STEP_TIMEOUT_MS)
+
+    changes_before = len(log.of(SpeedChanged))
+    window.speed_panel.metadata_box.setChecked(not window.speed_panel.metadata_box.isChecked())
+    qtbot.waitUntil(lambda: len(log.of(SpeedChanged)) > changes_before, timeout=STEP_TIMEOUT_MS)
+    flipped = log.of(SpeedChanged)[-1]
+    assert flipped.step > 0
+    assert flipped.state["metadata_cache"]["on"] == window.speed_panel.metadata_box.isChecked()
+    qtbot.waitUntil(lambda: log.last_step() > flipped.step + 1, timeout=STEP_TIMEOUT_MS)
+    window.run_panel.charts.redraw_all()
+    assert [step for step, _ in window.run_panel.charts.marks] == [flipped.step]
+
+    window.run_panel.stop_button.click()
+    qtbot.waitUntil(lambda: window.controller.state == rc.FINISHED, timeout=STEP_TIMEOUT_MS)
+    meter.stop()
+    finished = log.of(RunFinished)[-1]
+    assert finished.cancelled and finished.step < 200
+    assert (Path(finished.run_dir) / "checkpoints").is_dir()
+    assert Path(finished.adapter_dir, "adapter_config.json").exists()
+    assert meter.ticks > 50
+    assert meter.max_gap < 0.100, f"event loop blocked for {meter.max_gap * 1000:.0f} ms during the run"
+    qtbot.waitUntil(lambda: not window.controller.worker.isRunning(), timeout=STEP_TIMEOUT_MS)
