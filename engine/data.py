@@ -1,8 +1,12 @@
 """Reading a dataset file and normalising its rows, with errors that name the file, row and field.
 
-Files are read through Hugging Face ``datasets`` (JSONL, JSON, CSV, Parquet, or a ``save_to_disk`` folder).
-JSON text is checked line by line first, because a malformed line otherwise surfaces as an Arrow error that
-names neither the line nor the problem. Rows are then normalised to one of two shapes:
+JSON and JSONL are parsed here, one line at a time, so that every problem names its line: Arrow's JSON reader
+reports a malformed line, a column whose type changes between rows, or a line longer than its block size as an
+error that names neither the line nor the problem. CSV, Parquet and ``save_to_disk`` folders are read through
+Hugging Face ``datasets``. Anything a stranger's file can do ends in a :class:`DataError`: files that are empty,
+too large (``MAX_FILE_BYTES``), not regular files (a pipe would block forever), not UTF-8, nested deeper than the
+parser's recursion limit, or holding unpaired surrogates that no tokenizer can encode. Rows are then normalised
+to one of two shapes:
 
 * :class:`Conversation` — chat messages (``messages``), ShareGPT (``conversations``), Alpaca
   (instruction/input/output): rendered with a chat template, loss on assistant turns;
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +29,8 @@ FORMATS = ("messages", "sharegpt", "alpaca", "prompt_completion", "text")
 FILE_TYPES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+MAX_FILE_BYTES = 4 * 1024**3
+"""Largest dataset file read (rows are held in memory); bigger ones should be split or saved as a dataset folder."""
 
 
 @dataclass(frozen=True)
@@ -50,7 +57,7 @@ class Completion:
 Example = Conversation | Completion
 
 
-def read_rows(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+def read_rows(path: str | os.PathLike[str], *, max_bytes: int = MAX_FILE_BYTES) -> list[dict[str, Any]]:
     """All rows of a dataset file or ``save_to_disk`` folder, as dicts."""
     source = Path(path).expanduser()
     if not source.exists():
@@ -64,16 +71,42 @@ def read_rows(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
             path=str(source),
             hint="use .jsonl, .json, .csv, .parquet or a folder written by datasets' save_to_disk",
         )
-    if source.stat().st_size == 0:
-        raise DataError("the file is empty", path=str(source))
-    if kind == "json":
-        _check_json_text(source)
-    elif kind == "csv":
-        _check_utf8(source)
-    rows = _load_with_datasets(kind, source)
+    _check_size(source, max_bytes)
+    try:
+        rows = _read_json(source) if kind == "json" else _read_tabular(kind, source)
+    except OSError as err:
+        raise DataError(f"cannot read the file: {err.strerror or err}", path=str(source)) from err
     if not rows:
         raise DataError("the file has no rows", path=str(source))
     return rows
+
+
+def _check_size(source: Path, max_bytes: int) -> None:
+    if not source.is_file():
+        raise DataError("not a regular file (a pipe or device cannot be read as a dataset)", path=str(source))
+    size = source.stat().st_size
+    if size == 0:
+        raise DataError("the file is empty", path=str(source))
+    if size > max_bytes:
+        raise DataError(
+            f"the file is too large ({_human_size(size)}; the limit is {_human_size(max_bytes)})",
+            path=str(source),
+            hint="split it into several files, or save it as a dataset folder with datasets' save_to_disk",
+        )
+
+
+def _human_size(size: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
+        size /= 1024  # type: ignore[assignment]
+    return f"{size} bytes"
+
+
+def _read_tabular(kind: str, source: Path) -> list[dict[str, Any]]:
+    if kind == "csv":
+        _check_utf8(source)
+    return _load_with_datasets(kind, source)
 
 
 def _load_with_datasets(kind: str, source: Path) -> list[dict[str, Any]]:
@@ -94,8 +127,11 @@ def _csv_options(source: Path) -> dict[str, Any]:
 
     import datasets
 
-    with source.open(encoding="utf-8", newline="") as handle:
-        header = next(csv.reader(handle), [])
+    try:
+        with source.open(encoding="utf-8", newline="") as handle:
+            header = next(csv.reader(handle), [])
+    except csv.Error as err:
+        raise DataError(f"the header line is not valid CSV: {err}", path=str(source)) from err
     features = datasets.Features({name: datasets.Value("string") for name in header})
     return {"features": features, "keep_default_na": False}
 
@@ -133,41 +169,60 @@ def _check_utf8(source: Path) -> None:
                 ) from err
 
 
-def _check_json_text(source: Path) -> None:
-    """Find the first malformed line (JSONL) or the error position (JSON document) before Arrow does."""
+def _read_json(source: Path) -> list[dict[str, Any]]:
+    """Rows of a JSONL file (one object per line) or a JSON array, with errors that name the line."""
     _check_utf8(source)
-    text = source.read_text(encoding="utf-8")
-    stripped = text.lstrip()
-    if not stripped:
+    first = _first_visible_char(source)
+    if first is None:
         raise DataError("the file has only whitespace", path=str(source))
-    if stripped[0] == "[":
-        _check_json_array(source, text)
-        return
-    for line_no, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DataError(
-                f"line {line_no} is not valid JSON: {err.msg} (column {err.colno})", path=str(source)
-            ) from err
-        if not isinstance(value, dict):
-            raise DataError(f"line {line_no} must be a JSON object, got {type(value).__name__}", path=str(source))
+    if first == "[":
+        return _read_json_array(source)
+    rows = []
+    with source.open(encoding="utf-8-sig") as handle:  # -sig: a byte-order mark from Windows editors is fine
+        for line_no, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            value = _parse_json(line, source, f"line {line_no}")
+            if not isinstance(value, dict):
+                raise DataError(f"line {line_no} must be a JSON object, got {type(value).__name__}", path=str(source))
+            rows.append(value)
+    return rows
 
 
-def _check_json_array(source: Path, text: str) -> None:
+def _first_visible_char(source: Path) -> str | None:
+    with source.open(encoding="utf-8-sig") as handle:
+        for block in iter(lambda: handle.read(1 << 16), ""):
+            stripped = block.lstrip()
+            if stripped:
+                return stripped[0]
+    return None
+
+
+def _parse_json(text: str, source: Path, where: str) -> Any:
     try:
-        value = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as err:
+        if where.startswith("line"):
+            message = f"{where} is not valid JSON: {err.msg} (column {err.colno})"
+        else:
+            message = f"not valid JSON at line {err.lineno}, column {err.colno}: {err.msg}"
+        raise DataError(message, path=str(source)) from None
+    except RecursionError:
         raise DataError(
-            f"not valid JSON at line {err.lineno}, column {err.colno}: {err.msg}", path=str(source)
-        ) from err
+            f"{where} is nested too deeply to read (over {sys.getrecursionlimit()} levels)", path=str(source)
+        ) from None
+    except ValueError as err:  # e.g. an integer with more digits than Python converts
+        raise DataError(f"{where} cannot be read: {_first_line(err)}", path=str(source)) from None
+
+
+def _read_json_array(source: Path) -> list[dict[str, Any]]:
+    value = _parse_json(source.read_text(encoding="utf-8-sig"), source, "the JSON document")
     if not isinstance(value, list):
         raise DataError("a .json file must hold an array of objects (or one object per line)", path=str(source))
     for index, item in enumerate(value, start=1):
         if not isinstance(item, dict):
             raise DataError(f"must be a JSON object, got {type(item).__name__}", path=str(source), row=index)
+    return value
 
 
 def _first_line(err: BaseException) -> str:
@@ -232,8 +287,16 @@ def _text(row: dict[str, Any], key: str, *, optional: bool = False) -> str:
         if optional:
             return ""
         raise _RowError(key, "missing")
+    return _checked_text(value, key)
+
+
+def _checked_text(value: Any, where: str) -> str:
     if not isinstance(value, str):
-        raise _RowError(key, f"must be text, got {type(value).__name__}")
+        raise _RowError(where, f"must be text, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:  # JSON escapes like "\ud800" decode to text no tokenizer can encode
+        raise _RowError(where, f"holds invalid Unicode (an unpaired surrogate at character {err.start})") from None
     return value
 
 
@@ -250,10 +313,9 @@ def _messages(row: dict[str, Any], key: str, role_key: str, content_key: str, ro
             raise _RowError(where, f"must be an object, got {type(item).__name__}")
         role, content = item.get(role_key), item.get(content_key)
         if not isinstance(role, str) or role not in roles:
-            raise _RowError(f"{where}.{role_key}", f"unknown role {role!r}; expected one of {', '.join(roles)}")
-        if not isinstance(content, str):
-            raise _RowError(f"{where}.{content_key}", f"must be text, got {type(content).__name__}")
-        messages.append(Message(roles[role], content))
+            shown = repr(role[:40]) if isinstance(role, str) else f"of type {type(role).__name__}"
+            raise _RowError(f"{where}.{role_key}", f"unknown role {shown}; expected one of {', '.join(roles)}")
+        messages.append(Message(roles[role], _checked_text(content, f"{where}.{content_key}")))
     if not any(m.role == "assistant" for m in messages):
         raise _RowError(key, "has no assistant message to learn from")
     return Conversation(tuple(messages))
