@@ -26,6 +26,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("engine.bench:main", "measure the speed optimizations against stock transformers+PEFT on this GPU"),
     "detect": ("engine.hardware.cli:detect_main", "show the GPU, what TuneDeck will do with it, and why"),
     "plan": ("engine.hardware.cli:plan_main", "will a model fit on a GPU (this or any named one), and how"),
+    "runs": ("engine.runs_cli:runs_main", "list, show, rename or delete past runs"),
+    "chat": ("engine.runs_cli:chat_main", "chat with a run's fine-tuned model (and the base model beside it)"),
+    "export": ("engine.runs_cli:export_main", "export a run's adapter, or a merged model with --merged"),
     "setup": (
         "engine.setup.commands:setup_main",
         "detect the GPU and driver, install the matching torch build, check or repair the environment",
