@@ -129,9 +129,12 @@ def _csv_options(source: Path) -> dict[str, Any]:
 
     try:
         with source.open(encoding="utf-8", newline="") as handle:
-            header = next(csv.reader(handle), [])
+            reader = csv.reader(handle)
+            header, first_row = next(reader, []), next(reader, None)
     except csv.Error as err:
-        raise DataError(f"the header line is not valid CSV: {err}", path=str(source)) from err
+        raise DataError(f"the first lines are not valid CSV: {err}", path=str(source)) from err
+    if first_row is None:
+        raise DataError("the file has no rows (only a header line)", path=str(source))
     features = datasets.Features({name: datasets.Value("string") for name in header})
     return {"features": features, "keep_default_na": False}
 

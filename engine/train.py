@@ -151,9 +151,18 @@ def _write_error_log(run_dir: Path | None, err: Exception) -> Path | None:
 
 
 def _load_run_config(run_dir: Path) -> RunConfig:
-    if not (run_dir / CONFIG_FILE).exists():
+    """The run's saved config; a damaged or hand-edited one is a ConfigError that names the file."""
+    path = run_dir / CONFIG_FILE
+    if not path.exists():
         raise ConfigError(f"{run_dir} is not a TuneDeck run folder (no {CONFIG_FILE})")
-    return RunConfig.load(run_dir / CONFIG_FILE)
+    try:
+        return RunConfig.load(path)
+    except RecursionError:
+        raise ConfigError(f"{path} is nested too deeply to be a TuneDeck config") from None
+    except ConfigError as err:
+        if str(path) in err.message:
+            raise
+        raise ConfigError(f"{path}: {err.message}", err.hint) from err
 
 
 def _new_run_dir(config: RunConfig) -> Path:
