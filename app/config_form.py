@@ -15,6 +15,7 @@ from PySide6.QtWidgets import QCheckBox, QComboBox, QFormLayout, QGroupBox, QLin
 from engine.config import RunConfig
 
 AUTO, ON, OFF = "auto", "on", "off"
+SECTION_TITLES = {"lora": "LoRA adapter", "speed": "Speed optimizations", "output": "Output folder"}
 
 
 def _editor(annotation: Any) -> QWidget:
@@ -84,7 +85,7 @@ class ConfigForm(QWidget):
         for section in dataclasses.fields(RunConfig):
             section_type = type(getattr(defaults, section.name))
             hints = get_type_hints(section_type)
-            group = QGroupBox(section.name.capitalize())
+            group = QGroupBox(SECTION_TITLES.get(section.name, section.name.capitalize()))
             form = QFormLayout(group)
             for spec in dataclasses.fields(section_type):
                 if f"{section.name}.{spec.name}" in skip:

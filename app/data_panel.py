@@ -7,6 +7,7 @@ answers of a chat, unless "train on all tokens" is set).
 from __future__ import annotations
 
 import html
+from collections.abc import Callable
 
 import numpy as np
 import pyqtgraph as pg
@@ -27,6 +28,7 @@ from PySide6.QtWidgets import (
 from app.app_state import AppState
 from app.dataset_report import DatasetReport, analyze_dataset
 from app.worker import ErrorInfo, TaskRunner
+from engine.config import DataConfig
 
 TRAINED_STYLE = "background:#c8f0d0;color:#0b3d17"
 PROMPT_STYLE = "color:#777"
@@ -43,9 +45,12 @@ def preview_html(pieces: list[tuple[str, bool]]) -> str:
 class DataPanel(QWidget):
     """Open a dataset file or folder and see what training will make of it."""
 
-    def __init__(self, state: AppState, tasks: TaskRunner) -> None:
+    def __init__(
+        self, state: AppState, tasks: TaskRunner, data_settings: Callable[[str], DataConfig] | None = None
+    ) -> None:
         super().__init__()
         self.state, self.tasks = state, tasks
+        self.data_settings = data_settings or (lambda path: DataConfig(path=path))
         self.path_edit = QLineEdit(placeholderText=".jsonl / .json / .csv / .parquet file, or a saved dataset folder")
         open_file = QPushButton("Open file…")
         open_file.clicked.connect(self._open_file)
@@ -55,7 +60,7 @@ class DataPanel(QWidget):
         load.clicked.connect(lambda: self.load(self.path_edit.text().strip()))
         self.summary = QLabel("No dataset yet.")
         self.summary.setWordWrap(True)
-        self.histogram = pg.PlotWidget(title="Tokens per example")
+        self.histogram = pg.PlotWidget(title="Tokens per example", background="w")
         self.histogram.setLabel("bottom", "tokens")
         self.histogram.setLabel("left", "examples")
         self.problems = QListWidget()
@@ -81,8 +86,8 @@ class DataPanel(QWidget):
             return
         self.path_edit.setText(path)
         self.summary.setText(f"Reading {path}…")
-        model = self.state.model_name
-        self.tasks.start(lambda: analyze_dataset(path, model), self.show_report, self._show_error)
+        model, settings = self.state.model_name, self.data_settings(path)
+        self.tasks.start(lambda: analyze_dataset(path, model, settings), self.show_report, self._show_error)
 
     def show_report(self, report: DatasetReport) -> None:
         share = report.trained_tokens / max(report.total_tokens, 1)

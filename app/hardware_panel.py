@@ -61,7 +61,8 @@ class HardwarePanel(QWidget):
         self.versions.setWordWrap(True)
         self.table = QTableWidget(0, 3)
         self.table.setHorizontalHeaderLabels(["Setting", "TuneDeck will use", "Why"])
-        self.table.horizontalHeader().setSectionResizeMode(2, QHeaderView.ResizeMode.Stretch)
+        self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+        self.table.horizontalHeader().setStretchLastSection(True)
         self.table.verticalHeader().setVisible(False)
         self.table.setWordWrap(True)
         self.notes = QLabel("")
@@ -96,7 +97,6 @@ class HardwarePanel(QWidget):
             shown = ("on" if value else "off") if isinstance(value, bool) else str(value)
             for column, text in enumerate((SETTING_NAMES.get(name, name), shown, choice.reason)):
                 self.table.setItem(row, column, QTableWidgetItem(text))
-        self.table.resizeColumnsToContents()
         self.table.resizeRowsToContents()
 
     def _show_error(self, error: ErrorInfo) -> None:

@@ -18,6 +18,7 @@ from app.app_state import AppState
 from app.data_panel import DataPanel
 from app.hardware_panel import HardwarePanel
 from app.model_panel import ModelPanel
+from app.run_charts import configure_plots
 from app.run_controller import RunController
 from app.run_panel import RunPanel
 from app.setup_panel import SetupPanel
@@ -32,18 +33,20 @@ class MainWindow(QMainWindow):
         super().__init__()
         self.setWindowTitle("TuneDeck")
         self.resize(1200, 780)
+        configure_plots()
         self.state = AppState(self)
         self.tasks = TaskRunner(self)
         self.controller = RunController(self)
         self.hardware_panel = HardwarePanel(self.state, self.tasks)
         self.model_panel = ModelPanel(self.state, self.tasks)
-        self.data_panel = DataPanel(self.state, self.tasks)
         self.setup_panel = SetupPanel(self.state)
+        self.data_panel = DataPanel(self.state, self.tasks, self.setup_panel.data_settings)
         self.run_panel = RunPanel(self.state, self.controller, self.setup_panel.build_config)
         self.speed_panel = SpeedPanel(self.state, self.controller)
         self.pages = QStackedWidget()
         self.nav = QListWidget()
         self.nav.setFixedWidth(170)
+        self.nav.setStyleSheet("QListWidget { font-size: 14px; } QListWidget::item { padding: 8px 6px; }")
         self.nav.currentRowChanged.connect(self.pages.setCurrentIndex)
         pages = [
             ("This computer", self.hardware_panel),

@@ -19,26 +19,35 @@ REDRAW_MS = 80
 CHARTS = ("loss", "speed", "memory", "gpu")
 
 
+def configure_plots() -> None:
+    """White charts with dark axes, like the rest of the window; call before creating plot widgets."""
+    pg.setConfigOptions(antialias=False, background="w", foreground="#333")
+
+
 class RunCharts(QWidget):
     """Loss (train and eval) per step; memory against the total over time; GPU load and temperature; tokens/s."""
 
     def __init__(self) -> None:
         super().__init__()
-        pg.setConfigOptions(antialias=False, background="w", foreground="#333")
+        configure_plots()
         self.loss = self._plot("Loss", "step", "loss")
         self.memory = self._plot("Memory (GiB)", "seconds", "GiB")
         self.gpu = self._plot("GPU utilisation % and temperature °C", "seconds", "")
         self.speed = self._plot("Tokens per second", "step", "tokens/s")
-        for plot in (self.loss, self.memory, self.gpu, self.speed):
+        for plot in (self.loss, self.memory, self.gpu):  # tokens/s has one curve and labelled marks: no legend
             plot.addLegend(offset=(-10, 10))
-        self.train_curve = self.loss.plot(pen=pg.mkPen("#1f77b4", width=2), name="train")
-        self.eval_curve = self.loss.plot(pen=None, symbol="o", symbolBrush="#d62728", name="eval")
-        self.used_curve = self.memory.plot(pen=pg.mkPen("#9467bd", width=2), name="used")
-        self.total_curve = self.memory.plot(pen=pg.mkPen("#999", style=pg.QtCore.Qt.PenStyle.DashLine), name="total")
-        self.util_curve = self.gpu.plot(pen=pg.mkPen("#2ca02c", width=2), name="utilisation %")
-        self.temp_curve = self.gpu.plot(pen=pg.mkPen("#ff7f0e", width=2), name="temperature °C")
-        self.throttle_dots = self.gpu.plot(pen=None, symbol="t", symbolBrush="#d62728", name="throttled")
-        self.speed_curve = self.speed.plot(pen=pg.mkPen("#17becf", width=2), name="tokens/s")
+        self.train_curve = self.loss.plot(antialias=False, pen=pg.mkPen("#1f77b4", width=2), name="train")
+        self.eval_curve = self.loss.plot(antialias=False, pen=None, symbol="o", symbolBrush="#d62728", name="eval")
+        self.used_curve = self.memory.plot(antialias=False, pen=pg.mkPen("#9467bd", width=2), name="used")
+        self.total_curve = self.memory.plot(
+            antialias=False, pen=pg.mkPen("#999", style=pg.QtCore.Qt.PenStyle.DashLine), name="total"
+        )
+        self.util_curve = self.gpu.plot(antialias=False, pen=pg.mkPen("#2ca02c", width=2), name="utilisation %")
+        self.temp_curve = self.gpu.plot(antialias=False, pen=pg.mkPen("#ff7f0e", width=2), name="temperature °C")
+        self.throttle_dots = self.gpu.plot(
+            antialias=False, pen=None, symbol="t", symbolBrush="#d62728", name="throttled"
+        )
+        self.speed_curve = self.speed.plot(antialias=False, pen=pg.mkPen("#17becf", width=2), name="tokens/s")
         layout = QGridLayout(self)
         layout.addWidget(self.loss, 0, 0)
         layout.addWidget(self.speed, 0, 1)
@@ -93,6 +102,13 @@ class RunCharts(QWidget):
         self.marks.append((step, label))
         self._dirty.add("speed")
 
+    def set_device(self, device: str) -> None:
+        """Name what the memory chart shows, and say why the GPU chart stays empty on a CPU run."""
+        on_gpu = device.startswith("cuda")
+        self.memory.setTitle("GPU memory used vs the card's total (GiB)" if on_gpu else "Process memory vs RAM (GiB)")
+        self.gpu.setTitle("GPU utilisation % and temperature °C" if on_gpu else "GPU: none (this run is on the CPU)")
+        self.gpu.plotItem.legend.setVisible(on_gpu)
+
     def _append(self, chart: str, **values: float) -> None:
         for name, value in values.items():
             self.buffers[name].append(float(value))
@@ -128,9 +144,11 @@ class RunCharts(QWidget):
 
     def _draw_speed(self) -> None:
         self.speed_curve.setData(self.buffers["speed_step"], self.buffers["speed"])
-        for step, label in self.marks[self._drawn_marks :]:
-            line = pg.InfiniteLine(pos=step, angle=90, pen=pg.mkPen("#d62728", style=pg.QtCore.Qt.PenStyle.DotLine),
-                                   label=label, labelOpts={"position": 0.9, "color": "#d62728"})  # fmt: skip
+        for index, (step, label) in enumerate(self.marks[self._drawn_marks :], start=self._drawn_marks):
+            # labels climb down in three rows so that marks a step or two apart stay readable
+            options = {"position": 0.95 - 0.12 * (index % 3), "color": "#d62728", "anchors": [(0, 0.5), (0, 0.5)]}
+            pen = pg.mkPen("#d62728", style=pg.QtCore.Qt.PenStyle.DotLine)
+            line = pg.InfiniteLine(pos=step, angle=90, pen=pen, label=label, labelOpts=options)
             self.speed.addItem(line)
             self._mark_lines.append(line)
         self._drawn_marks = len(self.marks)

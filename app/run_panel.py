@@ -50,6 +50,17 @@ def format_eta(seconds: float) -> str:
     return f"{hours}h {minutes:02d}m" if hours else f"{minutes}m {secs:02d}s"
 
 
+def speed_label(before: dict[str, dict[str, object]], after: dict[str, dict[str, object]]) -> str:
+    """A short label for a tokens/s mark: what changed at that step ("cache off", "ckpt offloaded"); "" if nothing."""
+    parts = []
+    if before.get("metadata_cache", {}).get("on") != after.get("metadata_cache", {}).get("on"):
+        parts.append("cache " + ("on" if after.get("metadata_cache", {}).get("on") else "off"))
+    for key, short in (("checkpointing", "ckpt"), ("moe_routing", "moe")):
+        if before.get(key, {}).get("mode") != after.get(key, {}).get("mode"):
+            parts.append(f"{short} {after.get(key, {}).get('mode')}")
+    return ", ".join(parts)
+
+
 class RunPanel(QWidget):
     """Controls, progress and charts of the current run."""
 
@@ -80,8 +91,9 @@ class RunPanel(QWidget):
             label.setFixedHeight(label.fontMetrics().lineSpacing() * lines + 6)
         self.charts = RunCharts()
         self.warnings = QListWidget()
-        self.warnings.setMaximumHeight(90)
+        self.warnings.setMaximumHeight(72)
         self.step_times: deque[float] = deque(maxlen=ETA_WINDOW)
+        self.speed_state: dict[str, dict[str, object]] = {}
         self._layout()
         controller.event.connect(self.on_event)
         controller.telemetry.connect(self.on_telemetry)
@@ -132,6 +144,7 @@ class RunPanel(QWidget):
         elif isinstance(event, EvalMetrics):
             self.charts.add_eval(event.step, event.loss)
         elif isinstance(event, RunStarted):
+            self.charts.set_device(event.device)
             self.progress.setRange(0, event.total_steps)
             self.progress.setValue(event.start_step)
             self.status.setText(
@@ -139,8 +152,11 @@ class RunPanel(QWidget):
                 f"{event.train_rows:,} packed rows ({event.packing_efficiency:.0%} full), "
                 f"{event.trainable_params:,} trainable parameters. Folder: {event.run_dir}"
             )
-        elif isinstance(event, SpeedChanged) and event.step > 0:
-            self.charts.mark_speed_change(event.step, "switch")
+        elif isinstance(event, SpeedChanged):
+            label = speed_label(self.speed_state, event.state)
+            if event.step > 0 and label:
+                self.charts.mark_speed_change(event.step, label)
+            self.speed_state = event.state
         elif isinstance(event, Notice):
             self.warnings.addItem(f"Note: {event.message}")
         elif isinstance(event, CheckpointSaved):

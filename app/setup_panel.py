@@ -13,7 +13,7 @@ from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QScrollArea, QVBox
 
 from app.app_state import AppState
 from app.config_form import ConfigForm
-from engine.config import DEMO_MODEL, RunConfig
+from engine.config import DEMO_MODEL, DataConfig, RunConfig
 from engine.errors import TuneDeckError
 
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
@@ -106,6 +106,14 @@ class SetupPanel(QWidget):
         if not self.state.data_path:
             raise TuneDeckError("no dataset chosen", hint="open one on the Dataset page")
         return RunConfig.from_dict(raw)
+
+    def data_settings(self, path: str) -> DataConfig:
+        """The form's data settings for ``path`` (defaults where the form has a bad value)."""
+        raw = self.form.values()["data"]
+        try:
+            return DataConfig(**{**raw, "path": path})
+        except (TuneDeckError, TypeError):
+            return DataConfig(path=path)
 
     def check_fit(self) -> None:
         try:
