@@ -3,8 +3,9 @@
 A hobbyist's run takes thousands of steps; a few kilobytes kept per step (a loss tensor with its graph, a growing
 list of metrics) ends it hours in. The tiny model runs 150 steps with checkpoints and evaluation, and the resident
 memory the run reports per step (StepMetrics.memory_bytes is the process RSS on CPU) must be flat over the second
-half, after allocator warm-up. A second test plants a leak of 256 KiB per step and checks that the same
-measurement catches it, so the soak test can fail.
+half, after allocator warm-up; on a GPU machine the same test checks the per-step peak of GPU memory
+(StepMetrics.memory_bytes is then torch.cuda.max_memory_allocated). A second test plants a leak of 256 KiB per
+step and checks that the same measurement catches it, so the soak test can fail.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def test_the_soak_measurement_catches_a_leak(
     real = train_module._forward_loss
 
     def leaky(session, batch, num_items):
-        kept.append(torch.ones(64 * 1024))  # 256 KiB of touched pages per forward, never released
+        kept.append(torch.ones(64 * 1024, device=session.device))  # 256 KiB per forward, never released
         return real(session, batch, num_items)
 
     monkeypatch.setattr(train_module, "_forward_loss", leaky)
