@@ -1,0 +1,214 @@
+"""App pieces without a training run: A/B arithmetic, the config form, error messages, start-up and layering."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+from app_fixtures import LOAD_TIMEOUT_MS
+
+from app.ab_compare import ABCompare, nothing_to_do, switch_settings
+from app.worker import describe_error, training_threads
+from engine.config import SpeedConfig
+from engine.errors import ConfigError, DataError
+
+pytest_plugins = ["app_fixtures"]
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_python(code: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = {"QT_QPA_PLATFORM": "offscreen", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO, env=env)  # fmt: skip
+
+
+def drive(compare: ABCompare, rates: dict[bool, list[float]]) -> list[SpeedConfig]:
+    """Feed the measurement like a run would: a SpeedChanged after each request, then steps at given rates."""
+    requests, step, setting = [], 10, compare.first_settings()
+    while not compare.done:
+        on = setting.metadata_cache
+        compare.speed_applied(step)
+        for rate in rates[bool(on)]:
+            step += 1
+            request = compare.step_done(step, rate)
+            if request is not None:
+                requests.append(request)
+                setting = request
+                break
+    return requests
+
+
+def test_ab_compare_measures_the_speedup_without_the_first_step_of_each_block() -> None:
+    base = SpeedConfig()
+    compare = ABCompare(base, "metadata_cache", rounds=3, block_steps=3)
+    # the first step after each change is slow (a one-off cost) and must not count
+    requests = drive(compare, {True: [100.0, 1200.0, 1200.0], False: [100.0, 1000.0, 1000.0]})
+    assert compare.result.speedup == pytest.approx(1.2)
+    assert compare.result.spread == pytest.approx(0.0)
+    assert len(compare.result.ratios) == 3
+    assert requests[-1] == base, "the user's settings come back at the end"
+    assert [r.metadata_cache for r in requests[:-1]] == [False, False, True, True, False]  # on/off, off/on, on/off
+    assert "20.0% faster ± 0.0% over 3 rounds" in compare.result.summary()
+
+
+def test_ab_compare_reports_the_spread_and_noise() -> None:
+    compare = ABCompare(SpeedConfig(), "metadata_cache", rounds=2, block_steps=2)
+    rates = iter([[0, 1000.0], [0, 1000.0], [0, 1100.0], [0, 1000.0]])
+    step, setting = 0, compare.first_settings()
+    while not compare.done:
+        compare.speed_applied(step)
+        for rate in next(rates):
+            step += 1
+            request = compare.step_done(step, rate)
+            setting = request or setting
+    assert compare.result.ratios == pytest.approx([1.0, 1.0 / 1.1])
+    assert compare.result.spread > 0.05
+    assert "within the noise" in compare.result.summary()
+
+
+def test_steps_before_the_change_is_applied_are_not_counted() -> None:
+    compare = ABCompare(SpeedConfig(), "checkpointing", rounds=1, block_steps=2)
+    assert compare.step_done(5, 1e9) is None  # the request is not applied yet
+    compare.speed_applied(7)
+    assert compare.step_done(7, 1e9) is None  # still the old setting
+    assert compare.step_done(8, 500.0) is None
+    assert compare.step_done(9, 500.0).checkpointing == "standard"
+
+
+def test_switch_settings_and_nothing_to_do() -> None:
+    base = SpeedConfig(attention_backend="sdpa")
+    assert switch_settings(base, "checkpointing", True).checkpointing == "offloaded"
+    assert switch_settings(base, "moe_routing", False).moe_routing == "stock"
+    assert switch_settings(base, "metadata_cache", True).attention_backend == "sdpa"
+    dense = {"moe_routing": {"mode": "stock", "reason": "no MoE expert layers in this model"}}
+    assert nothing_to_do("moe_routing", dense) == "no MoE expert layers in this model"
+    off_by_user = {"metadata_cache": {"on": False, "reason": "switched off: transformers' own packed path"}}
+    assert nothing_to_do("metadata_cache", off_by_user) is None
+    unsupported = {"metadata_cache": {"on": False, "reason": "attention sinks (gpt-oss) have no varlen kernel"}}
+    assert "sinks" in nothing_to_do("metadata_cache", unsupported)
+
+
+def test_errors_become_messages_with_hints() -> None:
+    data = describe_error(DataError("missing", path="a.jsonl", row=3, field="messages", hint="fix row 3"))
+    assert "row 3" in data.message and data.hint == "fix row 3"
+    oom = describe_error(RuntimeError("CUDA out of memory. Tried to allocate 2 GiB"))
+    assert oom.message.startswith("out of memory") and "tokens per batch" in oom.hint
+    assert describe_error(ValueError("bad")).message == "ValueError: bad"
+    assert training_threads(2) == 1 and training_threads(1) == 1 and training_threads(16) == 15
+
+
+def test_config_form_round_trips_presets_and_names_bad_values(qtbot: Any) -> None:
+    from app.app_state import AppState
+    from app.setup_panel import PRESETS, SetupPanel, preset_config
+
+    state = AppState()
+    panel = SetupPanel(state)
+    qtbot.addWidget(panel)
+    state.data_path = "data.jsonl"
+    for name in PRESETS:
+        panel.preset.setCurrentText(name)
+        built = panel.build_config().to_dict()
+        expected = preset_config(name).to_dict()
+        expected["model"]["name"], expected["data"]["path"] = state.model_name, "data.jsonl"
+        assert built == expected, name
+    panel.form.editor("training.learning_rate").setText("fast")
+    with pytest.raises(ConfigError, match=r"training\.learning_rate"):
+        panel.build_config()
+    assert panel.form.editor("lora.rank").toolTip() == "LoRA rank r"  # the field's help text
+
+
+def test_bad_rows_are_listed_and_missing_models_explained(qtbot: Any, window: Any, tmp_path: Path) -> None:
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}] * 5
+    rows[1] = {"messages": [{"role": "user", "content": "no answer"}]}
+    rows[3] = {"messages": "oops"}
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    window.data_panel.load(str(path))
+    qtbot.waitUntil(lambda: window.state.data_report is not None, timeout=LOAD_TIMEOUT_MS)
+    listed = [window.data_panel.problems.item(i).text() for i in range(window.data_panel.problems.count())]
+    assert listed[0].startswith("row 2: messages") and listed[1].startswith("row 4: messages")
+    assert window.state.data_report.good_rows == 3
+
+    (tmp_path / "broken.jsonl").write_text("{not json\n", encoding="utf-8")
+    window.data_panel.load(str(tmp_path / "broken.jsonl"))
+    qtbot.waitUntil(lambda: "broken.jsonl" in window.data_panel.summary.text() and "Reading" not in
+                    window.data_panel.summary.text(), timeout=LOAD_TIMEOUT_MS)  # fmt: skip
+    assert "#b00020" in window.data_panel.summary.text()
+
+    window.model_panel.choose(str(tmp_path / "no-such-model"))
+    qtbot.waitUntil(lambda: "not found" in window.model_panel.status.text(), timeout=LOAD_TIMEOUT_MS)
+
+
+def test_a_failing_run_shows_a_message_not_a_traceback(qtbot: Any, window: Any, tmp_path: Path) -> None:
+    from app import run_controller as rc
+
+    window.state.model_name = str(tmp_path / "missing-model")
+    window.state.data_path = str(tmp_path / "missing.jsonl")
+    window.run_panel.start_button.click()
+    qtbot.waitUntil(lambda: window.controller.state == rc.FAILED, timeout=LOAD_TIMEOUT_MS)
+    assert "not found" in window.run_panel.error.text()
+    assert window.run_panel.start_button.isEnabled()
+    window.state.data_path = ""
+    window.run_panel.start_button.click()
+    assert "no dataset chosen" in window.run_panel.error.text() and "Dataset page" in window.run_panel.error.text()
+
+
+def test_window_appears_quickly_without_torch_and_detects_in_the_background() -> None:
+    result = run_python("""
+        import sys, time
+        started = time.perf_counter()
+        from PySide6.QtWidgets import QApplication
+        from app.main_window import MainWindow
+        app = QApplication([])
+        window = MainWindow()
+        window.show()
+        app.processEvents()
+        shown = time.perf_counter() - started
+        assert "torch" not in sys.modules and "transformers" not in sys.modules, "heavy modules at start"
+        deadline = time.time() + 90
+        while window.state.hardware is None and time.time() < deadline:
+            app.processEvents()
+            time.sleep(0.01)
+        assert window.state.hardware is not None, "hardware detection did not finish"
+        assert window.hardware_panel.table.rowCount() >= 4
+        window.close()
+        print(f"shown in {shown:.2f} s")
+        assert shown < 3.0, shown
+    """)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_app_modules_do_not_import_torch() -> None:
+    result = run_python("""
+        import importlib, pkgutil, sys
+        import app
+        names = [m.name for m in pkgutil.iter_modules(app.__path__, "app.") if m.name != "app.__main__"]
+        for name in names:
+            importlib.import_module(name)
+        heavy = sorted(m for m in ("torch", "transformers", "peft", "bitsandbytes", "datasets") if m in sys.modules)
+        assert not heavy, heavy
+        print(len(names), "modules")
+    """)
+    assert result.returncode == 0, result.stderr
+
+
+def test_command_line_arguments_go_to_the_cli_without_qt() -> None:
+    result = run_python("""
+        import sys
+        from app.__main__ import main, wants_cli
+        assert not wants_cli([]) and not wants_cli(["-platform", "offscreen"])
+        assert wants_cli(["train", "--demo"]) and wants_cli(["--help"]) and wants_cli(["nonsense"])
+        try:
+            main(["--version"])
+        except SystemExit as done:
+            assert done.code == 0
+        assert "PySide6" not in sys.modules
+    """)
+    assert result.returncode == 0, result.stderr
+    assert "tunedeck" in result.stdout
