@@ -19,6 +19,8 @@ def wants_cli(args: Sequence[str]) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--gui"]:  # the installed launcher's spelling of "open the window"
+        args = args[1:]
     if wants_cli(args):
         from engine.cli import main as cli_main
 

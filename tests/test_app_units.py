@@ -202,7 +202,7 @@ def test_command_line_arguments_go_to_the_cli_without_qt() -> None:
     result = run_python("""
         import sys
         from app.__main__ import main, wants_cli
-        assert not wants_cli([]) and not wants_cli(["-platform", "offscreen"])
+        assert not wants_cli([]) and not wants_cli(["-platform", "offscreen"]) and not wants_cli(["--gui"])
         assert wants_cli(["train", "--demo"]) and wants_cli(["--help"]) and wants_cli(["nonsense"])
         try:
             main(["--version"])
