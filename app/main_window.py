@@ -58,6 +58,8 @@ class MainWindow(QMainWindow):
         ]
         for title, page in [*pages, *optional_pages()]:
             self.add_page(title, page)
+            if hasattr(page, "resume_requested"):  # the Runs page: resume a stopped run here
+                page.resume_requested.connect(self.run_panel.resume_run)
         self.run_panel.start_requested.connect(lambda: self.show_page("Run"))
         body = QWidget()
         layout = QHBoxLayout(body)

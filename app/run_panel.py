@@ -9,6 +9,7 @@ from __future__ import annotations
 import html
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 
 from PySide6.QtCore import Signal
 from PySide6.QtGui import QColor
@@ -125,13 +126,33 @@ class RunPanel(QWidget):
             info = describe_error(err)
             self.show_error(info.message, info.hint)
             return
+        self._reset_view()
+        self.status.setText(f"Loading {config.model.name} and preparing the data…")
+        self.controller.start(config)
+        self.start_requested.emit()
+
+    def _reset_view(self) -> None:
         self.error.setText("")
         self.warnings.clear()
         self.charts.clear()
         self.step_times.clear()
+        self.speed_state = {}
         self.progress.setValue(0)
-        self.status.setText(f"Loading {config.model.name} and preparing the data…")
-        self.controller.start(config)
+
+    def resume_run(self, folder: str) -> None:
+        """Continue a stopped run from its last checkpoint (the Runs page asks for this)."""
+        if self.controller.active:
+            self.show_error("a run is already going", "stop it first, then resume the other one")
+            return
+        try:
+            config = RunConfig.load(Path(folder) / "config.json")
+        except Exception as err:
+            info = describe_error(err)
+            self.show_error(info.message, info.hint)
+            return
+        self._reset_view()
+        self.status.setText(f"Resuming {folder}…")
+        self.controller.start(config, resume=folder)
         self.start_requested.emit()
 
     def show_error(self, message: str, hint: str | None) -> None:

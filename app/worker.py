@@ -62,6 +62,16 @@ def lower_thread_priority(niceness: int = 10) -> None:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
 
 
+def open_run_history() -> Any:
+    """The user's run registry, or None when it cannot be opened: a run never depends on it."""
+    from engine.registry import Registry, RegistryError
+
+    try:
+        return Registry()
+    except (RegistryError, OSError):
+        return None
+
+
 class TrainingWorker(QThread):
     """Runs ``engine.train.run`` in its own thread and emits every event."""
 
@@ -80,10 +90,12 @@ class TrainingWorker(QThread):
             torch.set_num_threads(training_threads())
             lower_thread_priority()
             from engine.quiet import quiet_libraries
+            from engine.registry import recorded
             from engine.train import run
 
             quiet_libraries()
-            for event in run(self.config, control=self.control, resume=self.resume_dir):
+            events = run(self.config, control=self.control, resume=self.resume_dir)
+            for event in recorded(events, open_run_history()):  # so the Runs page lists it
                 self.event.emit(event)
         except Exception as err:  # the engine reports its own failures; this catches import-time ones
             from engine.events import RunFailed

@@ -40,10 +40,11 @@ def no_dangling_qthreads(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 @pytest.fixture
-def window(qtbot: Any, tmp_path: Path) -> Iterator[Any]:
-    """The main window with its run folder under tmp_path; closed (run stopped, threads joined) afterwards."""
+def window(qtbot: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The main window with its run folder and run history under tmp_path; closed (run stopped, threads joined)."""
     from app.main_window import MainWindow
 
+    monkeypatch.setenv("TUNEDECK_HOME", str(tmp_path / "home"))
     win = MainWindow(detect_on_show=False)
     win.setup_panel.form.editor("output.dir").setText(str(tmp_path / "runs"))
     qtbot.addWidget(win)

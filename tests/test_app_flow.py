@@ -103,3 +103,25 @@ def test_whole_flow_on_the_demo(qtbot: Any, window: Any, tmp_path: Path) -> None
     assert meter.ticks > 50
     assert meter.max_gap < 0.100, f"event loop blocked for {meter.max_gap * 1000:.0f} ms during the run"
     qtbot.waitUntil(lambda: not window.controller.worker.isRunning(), timeout=STEP_TIMEOUT_MS)
+
+
+def test_a_stopped_run_is_in_the_history_and_resumes(qtbot: Any, window: Any) -> None:
+    from engine.events import RunStarted
+    from engine.registry import Registry
+
+    prepare_demo(qtbot, window, max_steps=200)
+    log = EventLog(window.controller)
+    window.run_panel.start_button.click()
+    qtbot.waitUntil(lambda: log.last_step() >= 2, timeout=LOAD_TIMEOUT_MS)
+    window.run_panel.stop_button.click()
+    qtbot.waitUntil(lambda: window.controller.state == rc.FINISHED, timeout=STEP_TIMEOUT_MS)
+    stopped = log.of(RunFinished)[-1]
+    assert any(record.folder == stopped.run_dir for record in Registry().runs())
+
+    window.run_panel.resume_run(stopped.run_dir)
+    qtbot.waitUntil(lambda: len(log.of(RunStarted)) == 2, timeout=LOAD_TIMEOUT_MS)
+    assert log.of(RunStarted)[-1].start_step == stopped.step
+    qtbot.waitUntil(lambda: log.last_step() > stopped.step, timeout=STEP_TIMEOUT_MS)
+    window.run_panel.stop_button.click()
+    qtbot.waitUntil(lambda: window.controller.state == rc.FINISHED, timeout=STEP_TIMEOUT_MS)
+    assert log.of(RunFinished)[-1].run_dir == stopped.run_dir

@@ -22,8 +22,9 @@ pytest_plugins = ["app_fixtures"]
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_python(code: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    env = {"QT_QPA_PLATFORM": "offscreen", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+def run_python(code: str, home: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter (nothing imported yet), with its run history under ``home``."""
+    env = {"QT_QPA_PLATFORM": "offscreen", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "TUNEDECK_HOME": str(home)}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                           timeout=timeout, cwd=REPO, env=env)  # fmt: skip
 
@@ -159,8 +160,9 @@ def test_a_failing_run_shows_a_message_not_a_traceback(qtbot: Any, window: Any, 
     assert "no dataset chosen" in window.run_panel.error.text() and "Dataset page" in window.run_panel.error.text()
 
 
-def test_window_appears_quickly_without_torch_and_detects_in_the_background() -> None:
-    result = run_python("""
+def test_window_appears_quickly_without_torch_and_detects_in_the_background(tmp_path: Path) -> None:
+    result = run_python(
+        """
         import sys, time
         started = time.perf_counter()
         from PySide6.QtWidgets import QApplication
@@ -180,12 +182,15 @@ def test_window_appears_quickly_without_torch_and_detects_in_the_background() ->
         window.close()
         print(f"shown in {shown:.2f} s")
         assert shown < 3.0, shown
-    """)
+    """,
+        tmp_path,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_app_modules_do_not_import_torch() -> None:
-    result = run_python("""
+def test_app_modules_do_not_import_torch(tmp_path: Path) -> None:
+    result = run_python(
+        """
         import importlib, pkgutil, sys
         import app
         names = [m.name for m in pkgutil.iter_modules(app.__path__, "app.") if m.name != "app.__main__"]
@@ -194,12 +199,15 @@ def test_app_modules_do_not_import_torch() -> None:
         heavy = sorted(m for m in ("torch", "transformers", "peft", "bitsandbytes", "datasets") if m in sys.modules)
         assert not heavy, heavy
         print(len(names), "modules")
-    """)
+    """,
+        tmp_path,
+    )
     assert result.returncode == 0, result.stderr
 
 
-def test_command_line_arguments_go_to_the_cli_without_qt() -> None:
-    result = run_python("""
+def test_command_line_arguments_go_to_the_cli_without_qt(tmp_path: Path) -> None:
+    result = run_python(
+        """
         import sys
         from app.__main__ import main, wants_cli
         assert not wants_cli([]) and not wants_cli(["-platform", "offscreen"]) and not wants_cli(["--gui"])
@@ -209,6 +217,8 @@ def test_command_line_arguments_go_to_the_cli_without_qt() -> None:
         except SystemExit as done:
             assert done.code == 0
         assert "PySide6" not in sys.modules
-    """)
+    """,
+        tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     assert "tunedeck" in result.stdout
