@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -258,7 +258,7 @@ def normalize_rows(rows: Sequence[dict[str, Any]], fmt: str, path: str | None = 
     convert = _CONVERTERS.get(fmt)
     if convert is None:
         raise DataError(f"unknown format '{fmt}'; known: {', '.join(FORMATS)}", path=path)
-    examples = []
+    examples: list[Example] = []
     for index, row in enumerate(rows, start=1):
         try:
             examples.append(convert(row))
@@ -354,7 +354,7 @@ def _from_text(row: dict[str, Any]) -> Completion:
     return Completion("", text)
 
 
-_CONVERTERS = {
+_CONVERTERS: dict[str, Callable[[dict[str, Any]], Example]] = {
     "messages": _from_messages,
     "sharegpt": _from_sharegpt,
     "alpaca": _from_alpaca,

@@ -168,7 +168,7 @@ def load_base_model(config: ModelConfig, device: torch.device, dtype: torch.dtyp
     except Exception as err:
         raise _load_error(source, "model", err) from err
     if not config.qlora:
-        model.to(device)
+        model.to(device)  # type: ignore[arg-type]  # transformers' stubs type .to() for the module, not a device
     model.config.use_cache = False
     return model
 
@@ -186,7 +186,7 @@ def add_lora(model: torch.nn.Module, lora: LoraConfig, qlora: bool) -> Any:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     peft_config = PeftLoraConfig(
         r=lora.rank,
-        lora_alpha=lora.alpha,
+        lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft annotates int; a float alpha works
         lora_dropout=lora.dropout,
         target_modules=lora_targets(lora),
         task_type="CAUSAL_LM",

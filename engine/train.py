@@ -200,7 +200,7 @@ def _total_steps(config: RunConfig, num_rows: int) -> int:
     return max(1, math.ceil(config.training.epochs * num_rows / config.training.grad_accum))
 
 
-def _start(config: RunConfig, run_dir: Path, resuming: bool) -> Iterator[Event] | Any:
+def _start(config: RunConfig, run_dir: Path, resuming: bool) -> Generator[Event, None, Session]:
     _seed_everything(config.training.seed)
     device = pick_device(config.training.device)
     dtype = pick_dtype(config.model.dtype, device)
@@ -488,7 +488,7 @@ def _step(session: Session) -> Generator[Event, None, StepMetrics | None]:
     if session.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(session.device)
     start = time.perf_counter()
-    learning_rate = session.scheduler.get_last_lr()[0]
+    learning_rate = float(session.scheduler.get_last_lr()[0])
     rows = _next_rows(session)
     loss_value, batches = yield from _accumulate_or_lower(session, rows)
     grad_norm = _clip_gradients(session)
