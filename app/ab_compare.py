@@ -25,12 +25,13 @@ TITLES = {
 
 def switch_settings(base: SpeedConfig, switch: str, on: bool) -> SpeedConfig:
     """``base`` with one switch on or off; checkpointing compares offloaded against standard recompute."""
-    values = {
-        "metadata_cache": on,
-        "checkpointing": "offloaded" if on else "standard",
-        "moe_routing": "sync-free" if on else "stock",
-    }
-    return dataclasses.replace(base, **{switch: values[switch]})
+    if switch == "metadata_cache":
+        return dataclasses.replace(base, metadata_cache=on)
+    if switch == "checkpointing":
+        return dataclasses.replace(base, checkpointing="offloaded" if on else "standard")
+    if switch == "moe_routing":
+        return dataclasses.replace(base, moe_routing="sync-free" if on else "stock")
+    raise ValueError(f"unknown speed switch {switch!r}")
 
 
 def nothing_to_do(switch: str, state: dict[str, dict[str, object]]) -> str | None:

@@ -7,6 +7,7 @@ inspecting a 70B model takes a moment, not a download. Qt-free; runs in a backgr
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,15 +54,60 @@ def model_config_path(name: str) -> Path | str:
     try:
         return Path(hf_hub_download(name, "config.json", local_files_only=_offline()))
     except Exception as err:
-        if _offline():
-            raise ModelLoadError(
-                f"'{name}' is not in the local Hugging Face cache and offline mode is on",
-                hint="download it once while online, or unset HF_HUB_OFFLINE",
-            ) from err
-        raise ModelLoadError(
-            f"cannot read '{name}' from the hub: {str(err).splitlines()[0] if str(err) else type(err).__name__}",
-            hint="check the model id and your network; gated models need a Hugging Face token",
-        ) from err
+        raise _hub_error(name, err) from err
+
+
+DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
+"""What training needs from a hub repository: configs, safetensors weights, tokenizer files (never pickles)."""
+
+Progress = Callable[[str, float, float | None], None]
+"""(what, done, total) — e.g. ("Fetching 9 files", 3, 9) or ("model.safetensors", 1.2e9, 3.4e9)."""
+
+
+def progress_bar_class(report: Progress) -> type:
+    """A tqdm class that forwards every update to ``report`` instead of drawing, for huggingface_hub."""
+    from tqdm.auto import tqdm
+
+    class Reporting(tqdm):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["disable"] = False
+            kwargs["file"] = open(os.devnull, "w")  # noqa: SIM115 (closed with the bar)
+            super().__init__(*args, **kwargs)
+
+        def update(self, n: float | None = 1) -> bool | None:
+            shown = super().update(n)
+            report(str(self.desc or "downloading"), float(self.n), float(self.total) if self.total else None)
+            return shown
+
+        def close(self) -> None:
+            super().close()
+            self.fp.close()
+
+    return Reporting
+
+
+def download_model(name: str, report: Progress) -> Path:
+    """Fetch a hub model's training files into the Hugging Face cache (or find them there when offline)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = snapshot_download(name, allow_patterns=DOWNLOAD_PATTERNS, local_files_only=_offline(),
+                                   tqdm_class=progress_bar_class(report))  # fmt: skip
+    except Exception as err:
+        raise _hub_error(name, err) from err
+    return Path(str(folder))
+
+
+def _hub_error(name: str, err: Exception) -> ModelLoadError:
+    if _offline():
+        return ModelLoadError(
+            f"'{name}' is not in the local Hugging Face cache and offline mode is on",
+            hint="download it once while online, or unset HF_HUB_OFFLINE",
+        )
+    return ModelLoadError(
+        f"cannot read '{name}' from the hub: {str(err).splitlines()[0] if str(err) else type(err).__name__}",
+        hint="check the model id and your network; gated models need a Hugging Face token",
+    )
 
 
 def verdict_of(profile: Any) -> tuple[str, str]:

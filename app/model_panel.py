@@ -9,6 +9,7 @@ from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
     QLineEdit,
+    QProgressBar,
     QPushButton,
     QRadioButton,
     QTextBrowser,
@@ -17,7 +18,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.app_state import AppState
-from app.model_info import ModelInfo, format_params, inspect_model
+from app.model_info import ModelInfo, download_model, format_params, inspect_model
 from app.worker import ErrorInfo, TaskRunner
 from engine.config import DEMO_MODEL
 
@@ -45,6 +46,8 @@ class ModelPanel(QWidget):
         self.use.clicked.connect(self.choose)
         self.status = QLabel("")
         self.status.setWordWrap(True)
+        self.download = QProgressBar()
+        self.download.hide()
         self.details = QTextBrowser()
         layout = QVBoxLayout(self)
         layout.addWidget(QLabel("<h2>Model</h2>"))
@@ -60,6 +63,7 @@ class ModelPanel(QWidget):
         row.addWidget(self.use)
         row.addWidget(self.status, 1)
         layout.addLayout(row)
+        layout.addWidget(self.download)
         layout.addWidget(self.details, 1)
         state.hardware_changed.connect(self._replan)
 
@@ -78,8 +82,28 @@ class ModelPanel(QWidget):
             return
         self.status.setText(f"Reading {name}…")
         self.state.set_model(name, None)
+        if self.hub.isChecked() and name == self.hub_edit.text().strip():
+            self.download.setValue(0)
+            self.download.show()
+            self.tasks.start(lambda report: download_model(name, report), lambda _: self._inspect(name),
+                             self._show_error, on_progress=self._show_progress)  # fmt: skip
+        else:
+            self._inspect(name)
+
+    def _inspect(self, name: str) -> None:
+        self.download.hide()
         hardware = self.state.hardware
         self.tasks.start(lambda: inspect_model(name, hardware), self._show, self._show_error)
+
+    def _show_progress(self, what: str, done: float, total: float | None) -> None:
+        """Byte counts for file downloads, file counts for the whole repository."""
+        if total:
+            self.download.setRange(0, 1000)
+            self.download.setValue(int(1000 * done / total))
+        else:
+            self.download.setRange(0, 0)  # busy, size unknown
+        amount = f"{done / 2**20:,.0f} of {total / 2**20:,.0f} MiB" if total and total > 1e5 else f"{done:.0f}"
+        self.status.setText(f"Downloading {self.state.model_name}: {what} {amount}")
 
     def _replan(self) -> None:
         if self.state.model_info is not None or self.state.model_name == DEMO_MODEL:
@@ -109,5 +133,6 @@ class ModelPanel(QWidget):
         self.state.set_model(info.name, info)
 
     def _show_error(self, error: ErrorInfo) -> None:
+        self.download.hide()
         self.status.setText(f"<span style='color:#b00020'>{error.message}</span>")
         self.details.setPlainText(f"{error.message}\n\nWhat to do: {error.hint or 'pick another model'}")

@@ -24,7 +24,7 @@ IDLE, LOADING, RUNNING, PAUSED, STOPPING, FINISHED, FAILED = (
 class RunController(QObject):
     """Starts, steers and ends the training run; re-emits its events and the GPU telemetry."""
 
-    event = Signal(object)
+    run_event = Signal(object)
     telemetry = Signal(object)
     state_changed = Signal(str)
 
@@ -48,7 +48,7 @@ class RunController(QObject):
         self.config = config
         self.speed_state, self.last_step = {}, 0
         self.worker = TrainingWorker(config, resume)
-        self.worker.event.connect(self._on_event)
+        self.worker.run_event.connect(self._on_event)
         self.worker.finished.connect(self._on_worker_finished)
         self._set_state(LOADING)
         self.worker.start()
@@ -102,7 +102,7 @@ class RunController(QObject):
         step = getattr(event, "step", None)
         if isinstance(step, int):
             self.last_step = max(self.last_step, step)
-        self.event.emit(event)
+        self.run_event.emit(event)
 
     def _on_worker_finished(self) -> None:
         self._stop_telemetry()

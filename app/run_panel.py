@@ -96,7 +96,7 @@ class RunPanel(QWidget):
         self.step_times: deque[float] = deque(maxlen=ETA_WINDOW)
         self.speed_state: dict[str, dict[str, object]] = {}
         self._layout()
-        controller.event.connect(self.on_event)
+        controller.run_event.connect(self.on_event)
         controller.telemetry.connect(self.on_telemetry)
         controller.state_changed.connect(self._update_buttons)
         self._update_buttons(controller.state)

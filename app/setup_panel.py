@@ -45,7 +45,7 @@ def fit_warning(config: RunConfig, model_info: Any, hardware: Any) -> str | None
         return None
     from engine.hardware.profile import build_profile
 
-    overrides = {"qlora": config.model.qlora, "tokens_per_batch": config.data.tokens_per_batch}
+    overrides: dict[str, Any] = {"qlora": config.model.qlora, "tokens_per_batch": config.data.tokens_per_batch}
     if config.speed.checkpointing != "auto":
         overrides["checkpointing"] = config.speed.checkpointing
     profile = build_profile(

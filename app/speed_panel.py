@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import html
-from typing import Any
+from typing import Any, Literal, cast
 
 from PySide6.QtWidgets import (
     QCheckBox,
@@ -27,6 +27,7 @@ from engine.config import SpeedConfig
 from engine.events import RunFailed, RunFinished, SpeedChanged, StepMetrics
 
 CHECKPOINT_MODES = ("none", "standard", "offloaded")
+Checkpointing = Literal["auto", "none", "standard", "offloaded"]
 
 
 class SpeedPanel(QWidget):
@@ -58,7 +59,7 @@ class SpeedPanel(QWidget):
         self.checkpoint_box.currentTextChanged.connect(lambda _: self._flip())
         self.queue: list[str] = []
         self.compare: ABCompare | None = None
-        controller.event.connect(self.on_event)
+        controller.run_event.connect(self.on_event)
         controller.state_changed.connect(lambda s: self.compare_button.setEnabled(s == RUNNING and not self.compare))
         self.compare_button.setEnabled(False)
 
@@ -91,7 +92,7 @@ class SpeedPanel(QWidget):
         return dataclasses.replace(
             base,
             metadata_cache=self.metadata_box.isChecked(),
-            checkpointing=self.checkpoint_box.currentText(),
+            checkpointing=cast(Checkpointing, self.checkpoint_box.currentText()),
             moe_routing="sync-free" if self.moe_box.isChecked() else "stock",
         )
 

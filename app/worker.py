@@ -75,7 +75,7 @@ def open_run_history() -> Any:
 class TrainingWorker(QThread):
     """Runs ``engine.train.run`` in its own thread and emits every event."""
 
-    event = Signal(object)
+    run_event = Signal(object)
 
     def __init__(self, config: RunConfig, resume: str | Path | None = None, parent: QObject | None = None) -> None:
         super().__init__(parent)
@@ -96,12 +96,12 @@ class TrainingWorker(QThread):
             quiet_libraries()
             events = run(self.config, control=self.control, resume=self.resume_dir)
             for event in recorded(events, open_run_history()):  # so the Runs page lists it
-                self.event.emit(event)
+                self.run_event.emit(event)
         except Exception as err:  # the engine reports its own failures; this catches import-time ones
             from engine.events import RunFailed
 
             info = describe_error(err)
-            self.event.emit(RunFailed(info.message, info.hint, 0, None))
+            self.run_event.emit(RunFailed(info.message, info.hint, 0, None))
 
     def pause(self) -> None:
         self.control.pause()
@@ -135,6 +135,15 @@ class BackgroundTask(QThread):
             self.done.emit(result)
 
 
+class ProgressTask(BackgroundTask):
+    """A background job that reports progress: ``job(report)`` calls ``report(what, done, total)`` from its thread."""
+
+    progress = Signal(str, float, object)
+
+    def __init__(self, job: Callable[[Callable[[str, float, float | None], None]], Any], parent: QObject | None = None):
+        super().__init__(lambda: job(self.progress.emit), parent)
+
+
 class TaskRunner(QObject):
     """Starts background tasks and keeps them alive until they finish, so no QThread is destroyed running."""
 
@@ -143,9 +152,19 @@ class TaskRunner(QObject):
         self._tasks: set[BackgroundTask] = set()
 
     def start(
-        self, job: Callable[[], Any], on_done: Callable[[Any], None], on_failed: Callable[[ErrorInfo], None]
+        self,
+        job: Callable[..., Any],
+        on_done: Callable[[Any], None],
+        on_failed: Callable[[ErrorInfo], None],
+        on_progress: Callable[[str, float, Any], None] | None = None,
     ) -> BackgroundTask:
-        task = BackgroundTask(job)
+        """Run ``job`` in its own thread; with ``on_progress``, ``job`` takes a ``report(what, done, total)``."""
+        task: BackgroundTask
+        if on_progress is not None:
+            task = ProgressTask(job)
+            task.progress.connect(on_progress)
+        else:
+            task = BackgroundTask(job)
         task.done.connect(on_done)
         task.failed.connect(on_failed)
         task.finished.connect(lambda: self._tasks.discard(task))

@@ -21,7 +21,7 @@ STEP_TIMEOUT_MS = 60_000
 class EventLog:
     def __init__(self, controller: Any) -> None:
         self.events: list[Any] = []
-        controller.event.connect(self.events.append)
+        controller.run_event.connect(self.events.append)
 
     def of(self, kind: type) -> list[Any]:
         return [e for e in self.events if isinstance(e, kind)]

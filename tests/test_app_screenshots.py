@@ -33,7 +33,7 @@ def test_screenshots_and_compare_during_a_demo_run(qtbot: Any, window: Any) -> N
     window.resize(1280, 820)
     prepare_demo(qtbot, window, max_steps=80)
     steps: list[int] = []
-    window.controller.event.connect(lambda e: steps.append(e.step) if isinstance(e, StepMetrics) else None)
+    window.controller.run_event.connect(lambda e: steps.append(e.step) if isinstance(e, StepMetrics) else None)
     saved = [save_page(window, title) for title in ("This computer", "Model", "Dataset", "Setup")]
     window.run_panel.start_button.click()
     qtbot.waitUntil(lambda: window.controller.state == rc.RUNNING, timeout=LOAD_TIMEOUT_MS)

@@ -222,3 +222,45 @@ def test_command_line_arguments_go_to_the_cli_without_qt(tmp_path: Path) -> None
     )
     assert result.returncode == 0, result.stderr
     assert "tunedeck" in result.stdout
+
+
+def test_a_hub_model_that_is_not_cached_offline_gets_a_clear_message(
+    qtbot: Any, window: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # never the network in tests
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    panel = window.model_panel
+    panel.hub.setChecked(True)
+    panel.hub_edit.setText("someone/not-a-cached-model")
+    panel.choose()
+    qtbot.waitUntil(lambda: "not in the local Hugging Face cache" in panel.status.text(), timeout=LOAD_TIMEOUT_MS)
+    assert "unset HF_HUB_OFFLINE" in panel.details.toPlainText()
+    assert panel.download.isHidden()
+
+
+def test_download_progress_is_forwarded() -> None:
+    from app.model_info import progress_bar_class
+
+    seen: list[tuple[str, float, float | None]] = []
+    bar = progress_bar_class(lambda *args: seen.append(args))(total=2048, desc="model.safetensors")
+    bar.update(1024)
+    bar.update(1024)
+    bar.close()
+    assert seen == [("model.safetensors", 1024.0, 2048.0), ("model.safetensors", 2048.0, 2048.0)]
+
+
+def test_telemetry_warnings_and_samples_reach_the_run_page(qtbot: Any, window: Any) -> None:
+    from engine.hardware.telemetry import TelemetrySample, TelemetryWarning
+
+    sample = TelemetrySample(
+        time_s=1.0, gpu_index=0, memory_used_bytes=7 << 30, memory_total_bytes=8 << 30,
+        process_gpu_memory_bytes=6 << 30, utilization_pct=97.0, memory_utilization_pct=50.0, temperature_c=86.0,
+        power_w=200.0, power_limit_w=220.0, sm_clock_mhz=1500, memory_clock_mhz=9000,
+        throttle_reasons=("hw_thermal_slowdown",), process_rss_bytes=1 << 30,
+    )  # fmt: skip
+    window.controller.telemetry.emit(sample)
+    window.controller.telemetry.emit(TelemetryWarning("throttling", "the GPU is throttling: hot (86 °C)", 1.0))
+    charts = window.run_panel.charts
+    assert charts.buffers["used"] == [7.0] and charts.buffers["total"] == [8.0]
+    assert charts.buffers["util"] == [97.0] and charts.buffers["throttle_t"] == [1.0]
+    assert window.run_panel.warnings.item(0).text() == "⚠ the GPU is throttling: hot (86 °C)"
