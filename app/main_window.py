@@ -17,6 +17,7 @@ from PySide6.QtWidgets import QApplication, QHBoxLayout, QListWidget, QMainWindo
 from app.app_state import AppState
 from app.data_panel import DataPanel
 from app.hardware_panel import HardwarePanel
+from app.icon import app_icon
 from app.model_panel import ModelPanel
 from app.run_charts import configure_plots
 from app.run_controller import RunController
@@ -32,6 +33,7 @@ class MainWindow(QMainWindow):
     def __init__(self, *, detect_on_show: bool = True) -> None:
         super().__init__()
         self.setWindowTitle("TuneDeck")
+        self.setWindowIcon(app_icon())
         self.resize(1200, 780)
         configure_plots()
         self.state = AppState(self)
@@ -103,6 +105,7 @@ def optional_pages() -> list[tuple[str, QWidget]]:
 def run_app(argv: Sequence[str]) -> int:
     app = QApplication.instance() or QApplication(list(argv))
     app.setApplicationName("TuneDeck")
+    app.setWindowIcon(app_icon())
     window = MainWindow()
     window.show()
     return app.exec()

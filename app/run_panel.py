@@ -27,6 +27,7 @@ from PySide6.QtWidgets import (
 from app import run_controller as rc
 from app.app_state import AppState
 from app.run_charts import RunCharts
+from app.setup_panel import fit_warning
 from app.worker import describe_error
 from engine.config import RunConfig
 from engine.events import (
@@ -127,6 +128,9 @@ class RunPanel(QWidget):
             self.show_error(info.message, info.hint)
             return
         self._reset_view()
+        warning = fit_warning(config, self.state.model_info, self.state.hardware)
+        if warning:  # the user may know better (another card, a smaller dataset): warn, do not refuse
+            self._add_warning(warning)
         self.status.setText(f"Loading {config.model.name} and preparing the data…")
         self.controller.start(config)
         self.start_requested.emit()
@@ -203,9 +207,7 @@ class RunPanel(QWidget):
         from engine.hardware.telemetry import TelemetrySample, TelemetryWarning
 
         if isinstance(event, TelemetryWarning):
-            item = QListWidgetItem(f"⚠ {event.message}")
-            item.setForeground(QColor("#b00020"))
-            self.warnings.insertItem(0, item)  # newest on top, where the user looks
+            self._add_warning(event.message)
         elif isinstance(event, TelemetrySample):
             used = event.memory_used_bytes if event.memory_used_bytes is not None else event.process_rss_bytes
             total = event.memory_total_bytes
@@ -214,6 +216,11 @@ class RunPanel(QWidget):
             if used is not None:
                 self.charts.add_memory(event.time_s, used, total)
             self.charts.add_gpu(event.time_s, event.utilization_pct, event.temperature_c, bool(event.throttle_reasons))
+
+    def _add_warning(self, message: str) -> None:
+        item = QListWidgetItem(f"⚠ {message}")
+        item.setForeground(QColor("#b00020"))
+        self.warnings.insertItem(0, item)  # newest on top, where the user looks
 
     def _update_buttons(self, state: str) -> None:
         self.start_button.setEnabled(not self.controller.active)

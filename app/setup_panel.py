@@ -54,7 +54,8 @@ def fit_warning(config: RunConfig, model_info: Any, hardware: Any) -> str | None
     plan = profile.memory_plan
     if plan is None or plan.fits:
         return None
-    return f"Will not fit on this GPU: {plan.reasons.get('fit', 'predicted peak above usable memory')}"
+    reason = plan.reasons.get("fit", "predicted peak above usable memory").removeprefix("does not fit: ")
+    return f"Will not fit on this GPU: {reason}"
 
 
 class SetupPanel(QWidget):

@@ -264,3 +264,29 @@ def test_telemetry_warnings_and_samples_reach_the_run_page(qtbot: Any, window: A
     assert charts.buffers["used"] == [7.0] and charts.buffers["total"] == [8.0]
     assert charts.buffers["util"] == [97.0] and charts.buffers["throttle_t"] == [1.0]
     assert window.run_panel.warnings.item(0).text() == "⚠ the GPU is throttling: hot (86 °C)"
+
+
+def test_the_planner_warns_on_setup_before_a_run_that_will_not_fit(qtbot: Any) -> None:
+    from app.app_state import AppState
+    from app.model_info import ModelInfo
+    from app.setup_panel import SetupPanel
+    from engine.hardware import gpus
+    from engine.hardware.profile import DeviceTarget
+    from engine.hardware.shapes import load_shape
+
+    state = AppState()
+    panel = SetupPanel(state)
+    qtbot.addWidget(panel)
+    laptop = DeviceTarget.from_spec(gpus.find_gpu("RTX 4060 laptop"))
+    state.hardware = laptop
+    state.set_model("llama-3.1-8b", ModelInfo("llama-3.1-8b", "llama", 8_000_000_000, False, "needs QLoRA", "",
+                                              shape=load_shape("llama-3.1-8b")))  # fmt: skip
+    panel.preset.setCurrentText("Balanced")
+    panel.form.editor("data.tokens_per_batch").setValue(16384)
+    panel.check_fit()
+    assert panel.warning.text().startswith("Will not fit on this GPU: even 256 tokens need")
+    state.set_model("qwen3-0.6b", ModelInfo("qwen3-0.6b", "qwen3", 600_000_000, False, "fits", "",
+                                            shape=load_shape("qwen3-0.6b")))  # fmt: skip
+    panel.form.editor("data.tokens_per_batch").setValue(2048)
+    panel.check_fit()
+    assert panel.warning.text() == ""
