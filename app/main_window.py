@@ -103,7 +103,8 @@ def optional_pages() -> list[tuple[str, QWidget]]:
 
 
 def run_app(argv: Sequence[str]) -> int:
-    app = QApplication.instance() or QApplication(list(argv))
+    existing = QApplication.instance()
+    app = existing if isinstance(existing, QApplication) else QApplication(list(argv))
     app.setApplicationName("TuneDeck")
     app.setWindowIcon(app_icon())
     window = MainWindow()
