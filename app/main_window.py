@@ -20,7 +20,7 @@ from app.hardware_panel import HardwarePanel
 from app.icon import app_icon
 from app.model_panel import ModelPanel
 from app.run_charts import configure_plots
-from app.run_controller import RunController
+from app.run_controller import FAILED, FINISHED, RunController
 from app.run_panel import RunPanel
 from app.setup_panel import SetupPanel
 from app.speed_panel import SpeedPanel
@@ -62,6 +62,8 @@ class MainWindow(QMainWindow):
             self.add_page(title, page)
             if hasattr(page, "resume_requested"):  # the Runs page: resume a stopped run here
                 page.resume_requested.connect(self.run_panel.resume_run)
+            if hasattr(page, "refresh"):  # pages listing runs show a run's end at once, not at their next poll
+                self.controller.state_changed.connect(lambda state, page=page: self._run_ended(state, page))
         self.run_panel.start_requested.connect(lambda: self.show_page("Run"))
         body = QWidget()
         layout = QHBoxLayout(body)
@@ -80,6 +82,10 @@ class MainWindow(QMainWindow):
         items = self.nav.findItems(title, Qt.MatchFlag.MatchExactly)
         if items:
             self.nav.setCurrentItem(items[0])
+
+    def _run_ended(self, state: str, page: QWidget) -> None:
+        if state in (FINISHED, FAILED):
+            page.refresh()  # type: ignore[attr-defined]
 
     def page_titles(self) -> list[str]:
         return [self.nav.item(i).text() for i in range(self.nav.count())]

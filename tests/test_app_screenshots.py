@@ -18,6 +18,7 @@ pytest_plugins = ["app_fixtures"]
 
 SCREENSHOTS = Path(__file__).resolve().parent.parent / "artifacts" / "screenshots"
 STEP_TIMEOUT_MS = 120_000
+MAIN_PAGES = ("This computer", "Model", "Dataset", "Setup", "Run", "Speed")
 
 
 def save_page(window: Any, title: str) -> Path:
@@ -54,4 +55,8 @@ def test_screenshots_and_compare_during_a_demo_run(qtbot: Any, window: Any) -> N
     saved += [save_page(window, "Run"), save_page(window, "Speed")]
     window.run_panel.stop_button.click()
     qtbot.waitUntil(lambda: window.controller.state == rc.FINISHED, timeout=STEP_TIMEOUT_MS)
+    runs = window.pages.widget(window.page_titles().index("Runs")) if "Runs" in window.page_titles() else None
+    if runs is not None:  # the run history page, when installed, shows this run's curve
+        runs.select_runs([record.id for record in runs.records])
+    saved += [save_page(window, title) for title in window.page_titles() if title not in MAIN_PAGES]  # Runs, Chat
     assert all(path.stat().st_size > 10_000 for path in saved)
