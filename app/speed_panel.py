@@ -45,7 +45,7 @@ class SpeedPanel(QWidget):
             "checkpointing": self.checkpoint_box,
             "moe_routing": self.moe_box,
         }
-        self.reasons = {name: _wrapping_label("starts with the run") for name in SWITCHES}
+        self.reasons = {name: _wrapping_label("known once the GPU is detected") for name in SWITCHES}
         self.results = {name: _wrapping_label("") for name in SWITCHES}
         self.rounds = QSpinBox(minimum=1, maximum=10, value=3)
         self.block = QSpinBox(minimum=2, maximum=20, value=3)
@@ -60,8 +60,10 @@ class SpeedPanel(QWidget):
         self.queue: list[str] = []
         self.compare: ABCompare | None = None
         controller.run_event.connect(self.on_event)
-        controller.state_changed.connect(lambda s: self.compare_button.setEnabled(s == RUNNING and not self.compare))
-        self.compare_button.setEnabled(False)
+        controller.state_changed.connect(self._state_changed)
+        state.hardware_changed.connect(self.show_plan)
+        state.model_changed.connect(self.show_plan)
+        self._state_changed(controller.state)
 
     def _build(self) -> None:
         grid = QGridLayout()
@@ -86,6 +88,28 @@ class SpeedPanel(QWidget):
         layout.addLayout(compare)
         layout.addWidget(self.compare_status)
         layout.addStretch(1)
+
+    def _state_changed(self, state: str) -> None:
+        """Switches work on a live run only; before one, the Setup page's speed settings apply."""
+        for control in self.controls.values():
+            control.setEnabled(self.controller.active)
+        self.compare_button.setEnabled(state == RUNNING and self.compare is None)
+
+    def show_plan(self) -> None:
+        """Before a run: what the profile for this GPU (and model) would choose, and why."""
+        if self.controller.active:
+            return
+        info = self.state.model_info
+        profile = info.profile if info is not None and info.profile is not None else self.state.profile
+        if profile is None:
+            return
+        choices = profile.choices()
+        for name in SWITCHES:
+            choice = choices.get(name)
+            text = f"Planned: {choice.reason}" if choice is not None else ""
+            if name == "moe_routing" and info is not None and not info.is_moe:
+                text = "No — this model has no MoE expert layers"
+            self.reasons[name].setText(html.escape(text))
 
     def settings(self) -> SpeedConfig:
         base = self.controller.current_speed()
@@ -152,7 +176,10 @@ class SpeedPanel(QWidget):
             self.controller.request_speed(self.compare.first_settings())
             return
         self.compare = None
-        self.compare_status.setText("Compare done. Speedups are on over off, mean ± standard deviation of rounds.")
+        self.compare_status.setText(
+            "Compare done: speedups are on over off, mean ± standard deviation over rounds. "
+            "Your own settings are back from the next step."
+        )
         self.compare_button.setEnabled(self.controller.state == RUNNING)
 
     def _finish_switch(self) -> None:

@@ -36,11 +36,15 @@ def test_screenshots_and_compare_during_a_demo_run(qtbot: Any, window: Any) -> N
     steps: list[int] = []
     window.controller.run_event.connect(lambda e: steps.append(e.step) if isinstance(e, StepMetrics) else None)
     saved = [save_page(window, title) for title in ("This computer", "Model", "Dataset", "Setup")]
+    speed = window.speed_panel
+    assert not speed.metadata_box.isEnabled(), "switches act on a live run only"
+    assert speed.reasons["metadata_cache"].text().startswith("Planned: ")
+    assert speed.reasons["moe_routing"].text() == "No — this model has no MoE expert layers"
     window.run_panel.start_button.click()
     qtbot.waitUntil(lambda: window.controller.state == rc.RUNNING, timeout=LOAD_TIMEOUT_MS)
     qtbot.waitUntil(lambda: len(steps) >= 4, timeout=STEP_TIMEOUT_MS)
 
-    speed = window.speed_panel
+    assert speed.metadata_box.isEnabled()
     speed.rounds.setValue(2)
     speed.block.setValue(2)
     assert speed.compare_button.isEnabled()
