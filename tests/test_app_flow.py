@@ -125,3 +125,14 @@ def test_a_stopped_run_is_in_the_history_and_resumes(qtbot: Any, window: Any) ->
     window.run_panel.stop_button.click()
     qtbot.waitUntil(lambda: window.controller.state == rc.FINISHED, timeout=STEP_TIMEOUT_MS)
     assert log.of(RunFinished)[-1].run_dir == stopped.run_dir
+
+
+def test_closing_the_window_during_a_run_stops_it_cleanly(qtbot: Any, window: Any) -> None:
+    prepare_demo(qtbot, window, max_steps=200)
+    log = EventLog(window.controller)
+    window.run_panel.start_button.click()
+    qtbot.waitUntil(lambda: log.last_step() >= 1, timeout=LOAD_TIMEOUT_MS)
+    window.close()  # stops the run (a checkpoint is saved) and joins its thread before the window goes
+    assert not window.controller.worker.isRunning()
+    qtbot.waitUntil(lambda: bool(log.of(RunFinished)), timeout=5_000)  # queued events still arrive
+    assert log.of(RunFinished)[-1].cancelled

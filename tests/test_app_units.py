@@ -24,9 +24,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 def run_python(code: str, home: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """Run ``code`` in a fresh interpreter (nothing imported yet), with its run history under ``home``."""
-    env = {"QT_QPA_PLATFORM": "offscreen", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "TUNEDECK_HOME": str(home)}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO, env=env)  # fmt: skip
+                          timeout=timeout, cwd=REPO, env=child_env(home))  # fmt: skip
+
+
+def child_env(home: Path) -> dict[str, str]:
+    """A clean environment for a child process: offscreen Qt, no network for models, run history in ``home``."""
+    return {"QT_QPA_PLATFORM": "offscreen", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "TUNEDECK_HOME": str(home)}
 
 
 def drive(compare: ABCompare, rates: dict[bool, list[float]]) -> list[SpeedConfig]:
@@ -290,3 +294,16 @@ def test_the_planner_warns_on_setup_before_a_run_that_will_not_fit(qtbot: Any) -
     panel.form.editor("data.tokens_per_batch").setValue(2048)
     panel.check_fit()
     assert panel.warning.text() == ""
+
+
+def test_tunedeck_without_arguments_opens_the_window(tmp_path: Path) -> None:
+    app = subprocess.Popen(
+        [sys.executable, "-m", "app"], cwd=REPO, env=child_env(tmp_path), stderr=subprocess.PIPE, text=True
+    )
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):  # still showing the window: the event loop is running
+            app.wait(timeout=6)
+    finally:
+        app.terminate()
+        _, errors = app.communicate(timeout=30)
+    assert "Traceback" not in errors, errors
