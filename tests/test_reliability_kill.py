@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import write_jsonl
 
 from engine import checkpoint as ckpt
 from engine.config import RunConfig
@@ -25,6 +26,10 @@ from engine.train import run
 
 KILLS = 5
 SEED = 8
+CHAT_ROWS = [  # the same rows as the chat_file fixture
+    {"messages": [{"role": "user", "content": f"say {i}"}, {"role": "assistant", "content": f"number {i}"}]}
+    for i in range(24)
+]
 
 CHILD = """
 import sys
@@ -42,6 +47,46 @@ for event in events:
         sys.exit(3)
 print("finished", flush=True)
 """
+
+
+# Dies by SIGKILL at an exact point of writing checkpoint step-000006, then runs CHILD.
+DIE_WHILE_SAVING = (
+    """
+import os, shutil, signal, sys
+from pathlib import Path
+import torch
+
+point = sys.argv.pop()
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+if point == "file":  # the optimizer state of step 6 is half written
+    real_save = torch.save
+    def save(obj, path, *args, **kwargs):
+        if ".tmp-step-000006" in str(path) and str(path).endswith("scheduler.pt"):
+            Path(path).write_bytes(b"half")
+            die()
+        return real_save(obj, path, *args, **kwargs)
+    torch.save = save
+elif point == "rename":  # every file written and fsynced, the folder not yet renamed into place
+    real_rename = Path.rename
+    def rename(self, target):
+        if Path(target).name == "step-000006":
+            die()
+        return real_rename(self, target)
+    Path.rename = rename
+elif point == "prune":  # step 6 in place, step 2 half deleted
+    real_rmtree = shutil.rmtree
+    def rmtree(path, *args, **kwargs):
+        if Path(path).name == ".trash-step-000002":
+            next(Path(path).iterdir()).unlink()
+            die()
+        return real_rmtree(path, *args, **kwargs)
+    shutil.rmtree = rmtree
+"""
+    + CHILD
+)
 
 
 def make_config(model_dir: Path, data: Path, out: Path) -> RunConfig:
@@ -72,10 +117,10 @@ def logged_steps(run_dir: Path) -> int:
     return count
 
 
-def start_child(target: Path, mode: str) -> subprocess.Popen[str]:
+def start_child(target: Path, mode: str, script: str = CHILD, *extra: str) -> subprocess.Popen[str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(target), mode],
+        [sys.executable, "-c", script, str(target), mode, *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -104,13 +149,21 @@ def check_every_checkpoint_is_whole(run_dir: Path) -> int:
     return ckpt.load_trainer_state(saved[-1]).step if saved else 0
 
 
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[list[tuple[int, float]], float]:
+    """The loss curve and wall time of the run never interrupted."""
+    folder = tmp_path_factory.mktemp("reference")
+    data = write_jsonl(folder / "chat.jsonl", CHAT_ROWS)
+    events = list(run(make_config(tiny_model_dir, data, folder)))
+    assert isinstance(events[-1], RunFinished), events[-1]
+    return curve(folder / "run"), events[-1].wall_time_s
+
+
 @pytest.mark.slow
 def test_sigkill_at_random_moments_resumes_the_same_curve(
-    tiny_model_dir: Path, chat_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny_model_dir: Path, chat_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], reference
 ) -> None:
-    reference = list(run(make_config(tiny_model_dir, chat_file, tmp_path / "ref")))
-    assert isinstance(reference[-1], RunFinished), reference[-1]
-    run_time = reference[-1].wall_time_s
+    want, run_time = reference
     config = make_config(tiny_model_dir, chat_file, tmp_path / "killed")
     config_file = tmp_path / "config.json"
     config.save(config_file)
@@ -128,7 +181,7 @@ def test_sigkill_at_random_moments_resumes_the_same_curve(
     finished = list(run(RunConfig(), resume=run_dir))
     assert not [e for e in finished if isinstance(e, RunFailed)], finished
     assert isinstance(finished[-1], RunFinished) and finished[-1].step == 20
-    got, want = curve(run_dir), curve(tmp_path / "ref" / "run")
+    got = curve(run_dir)
     assert [s for s, _ in got] == list(range(1, 21))
     assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6)
     with capsys.disabled():
@@ -137,3 +190,25 @@ def test_sigkill_at_random_moments_resumes_the_same_curve(
             print(*row, sep=", ")
     killed = [row for row in report if row[3] == -signal.SIGKILL]
     assert len(killed) >= KILLS - 1  # the kills landed while the run was going
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("point", "resumed_from"), [("file", 4), ("rename", 4), ("prune", 6)])
+def test_sigkill_inside_a_checkpoint_write_resumes_from_a_whole_one(
+    tiny_model_dir: Path, chat_file: Path, tmp_path: Path, point: str, resumed_from: int, reference
+) -> None:
+    config = make_config(tiny_model_dir, chat_file, tmp_path / "killed")
+    config_file = tmp_path / "config.json"
+    config.save(config_file)
+    child = start_child(config_file, "new", DIE_WHILE_SAVING, point)
+    child.communicate(timeout=120)
+    assert child.returncode == -signal.SIGKILL
+    run_dir = tmp_path / "killed" / "run"
+    assert check_every_checkpoint_is_whole(run_dir) == resumed_from
+    finished = list(run(RunConfig(), resume=run_dir))
+    assert isinstance(finished[-1], RunFinished), finished[-1]
+    assert next(e.start_step for e in finished if hasattr(e, "start_step")) == resumed_from
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000018", "step-000020"]
+    got, want = curve(run_dir), reference[0]
+    assert [s for s, _ in got] == list(range(1, 21))
+    assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6)
