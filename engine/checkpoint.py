@@ -42,6 +42,8 @@ class TrainerState:
     micro_batches: int
     train_rows: int
     total_steps: int
+    tokens_per_batch: int = 0
+    """Micro-batch budget in force (lowered after out-of-memory steps); 0 in checkpoints from before it was kept."""
 
 
 def checkpoint_name(step: int) -> str:

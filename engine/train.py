@@ -263,6 +263,11 @@ def _restore(session: Session) -> Iterator[Event]:
         yield Notice(f"checkpoint {checkpoint.name} was skipped: {problem}")
     else:
         yield Notice(f"{session.run_dir} has no usable checkpoint yet; training starts from the beginning")
+    if session.tokens_per_batch < session.config.data.tokens_per_batch:
+        yield Notice(
+            f"micro-batches stay at {session.tokens_per_batch} tokens, as lowered after running out of memory "
+            f"(data.tokens_per_batch is {session.config.data.tokens_per_batch})"
+        )
     _truncate_log(session.run_dir / METRICS_FILE, session.step)
     _truncate_log(session.run_dir / EVAL_FILE, session.step)
 
@@ -284,6 +289,8 @@ def _load_checkpoint(session: Session, checkpoint: Path) -> str | None:
         return f"it cannot be read ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
     set_peft_model_state_dict(session.model, {k: v.to(session.device) for k, v in weights.items()})
     session.step, session.micro_batches = state.step, state.micro_batches
+    if 0 < state.tokens_per_batch < session.tokens_per_batch:  # memory ran short before: do not hit it again
+        session.tokens_per_batch = state.tokens_per_batch
     return None
 
 
@@ -366,7 +373,9 @@ def save_adapter(model: Any, tokenizer: Any, folder: Path) -> Path:
 def _save_checkpoint(session: Session) -> CheckpointSaved:
     from peft import get_peft_model_state_dict
 
-    state = ckpt.TrainerState(session.step, session.micro_batches, len(session.data.train_rows), session.total_steps)
+    state = ckpt.TrainerState(
+        session.step, session.micro_batches, len(session.data.train_rows), session.total_steps, session.tokens_per_batch
+    )
     for log in (METRICS_FILE, EVAL_FILE):  # a durable checkpoint must not outlive the log lines before it
         ckpt.fsync_file(session.run_dir / log)
     path = ckpt.save_checkpoint(

@@ -109,6 +109,11 @@ def test_out_of_memory_step_is_retried_with_smaller_micro_batches(
     assert "64 tokens" in recovered[0].message
     assert [e.step for e in events if isinstance(e, StepMetrics)] == [1, 2, 3, 4, 5, 6]
     assert_same_curve(curve(tmp_path / "oom" / "run"), curve(tmp_path / "ref" / "run"), rel=1e-5)
+    last = ckpt.list_checkpoints(tmp_path / "oom" / "run" / "checkpoints")[-1]
+    assert ckpt.load_trainer_state(last).tokens_per_batch == 64  # a resumed run keeps the lowered budget
+    monkeypatch.undo()
+    resumed = list(run(RunConfig(), resume=tmp_path / "oom" / "run"))
+    assert any("stay at 64 tokens" in e.message for e in resumed if isinstance(e, Notice))
 
 
 def test_out_of_memory_at_the_smallest_setting_stops_with_a_clear_message(
