@@ -305,3 +305,13 @@ def test_resuming_a_run_with_a_damaged_config_names_the_file(tmp_path: Path, con
     (failed,) = list(run(RunConfig(), resume=tmp_path))
     assert isinstance(failed, RunFailed) and str(tmp_path / "config.json") in failed.message, failed
     assert "unexpected error" not in failed.message
+
+
+@pytest.mark.parametrize("device", ["cuda:abc", "cudax", "cuda:-1:2"])
+def test_a_malformed_device_is_a_clear_error(device: str) -> None:
+    from engine.errors import ModelLoadError
+    from engine.models import pick_device
+
+    with pytest.raises(ModelLoadError) as caught:
+        pick_device(device)
+    assert f"{device!r} is not a device" in caught.value.message or "no GPU" in caught.value.message
