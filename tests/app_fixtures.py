@@ -1,7 +1,7 @@
 """Qt fixtures for the app tests: the main window on the demo, and a guard against QThreads left running.
 
-Import the fixtures into a test module (``from app_fixtures import no_dangling_qthreads, window``); the guard
-is autouse there. A QThread still running after a test would keep training (or crash) during the next one.
+Load them in a test module with ``pytest_plugins = ["app_fixtures"]``; the guard is then autouse. A QThread
+still running after a test would keep training (or crash) during the next one.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ import pytest
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 from PySide6.QtCore import QThread
-
-LOAD_TIMEOUT_MS = 120_000
 
 
 @pytest.fixture(autouse=True)
@@ -51,19 +49,3 @@ def window(qtbot: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Itera
     win.show()
     yield win
     win.close()
-
-
-def prepare_demo(qtbot: Any, win: Any, max_steps: int) -> None:
-    """Detect the machine, pick the demo model and data, and set a short run (no intermediate checkpoints)."""
-    from engine.demo import DEMO_TRAIN_FILE
-
-    win.hardware_panel.detect()
-    qtbot.waitUntil(lambda: win.state.hardware is not None, timeout=LOAD_TIMEOUT_MS)
-    win.model_panel.choose("demo")
-    qtbot.waitUntil(lambda: win.state.model_info is not None, timeout=LOAD_TIMEOUT_MS)
-    win.data_panel.load(str(DEMO_TRAIN_FILE))
-    qtbot.waitUntil(lambda: win.state.data_report is not None, timeout=LOAD_TIMEOUT_MS)
-    form = win.setup_panel.form
-    form.editor("training.max_steps").setValue(max_steps)
-    form.editor("training.save_every").setValue(0)
-    form.editor("training.eval_every").setValue(0)

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app_fixtures import LOAD_TIMEOUT_MS, prepare_demo
+from app_demo import LOAD_TIMEOUT_MS, prepare_demo
 from PySide6.QtCore import QTimer
 
 from app import run_controller as rc

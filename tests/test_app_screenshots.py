@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from app_fixtures import LOAD_TIMEOUT_MS, prepare_demo
+from app_demo import LOAD_TIMEOUT_MS, prepare_demo
 
 from app import run_controller as rc
 from engine.events import StepMetrics

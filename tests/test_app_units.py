@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from app_fixtures import LOAD_TIMEOUT_MS
+from app_demo import LOAD_TIMEOUT_MS
 
 from app.ab_compare import ABCompare, nothing_to_do, switch_settings
 from app.worker import describe_error, training_threads
@@ -307,3 +307,36 @@ def test_tunedeck_without_arguments_opens_the_window(tmp_path: Path) -> None:
         app.terminate()
         _, errors = app.communicate(timeout=30)
     assert "Traceback" not in errors, errors
+
+
+def test_the_guard_fails_a_test_that_leaves_a_qthread_running(tmp_path: Path) -> None:
+    test_file = tmp_path / "test_leaky.py"
+    test_file.write_text(
+        textwrap.dedent("""
+        import time
+        from PySide6.QtCore import QThread
+
+        pytest_plugins = ["app_fixtures"]
+
+        class Sleeper(QThread):
+            def run(self):
+                time.sleep(0.5)
+
+        def test_leaks():
+            global thread
+            thread = Sleeper()
+            thread.start()
+
+        def test_joins():
+            thread = Sleeper()
+            thread.start()
+            thread.wait()
+    """)
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file), "--rootdir", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        env={**child_env(tmp_path), "PYTHONPATH": str(REPO / "tests")},
+    )  # fmt: skip
+    assert "2 passed, 1 error" in result.stdout, result.stdout + result.stderr  # the leak fails at teardown
+    assert "ERROR test_leaky.py::test_leaks" in result.stdout and "left 1 QThread(s) running" in result.stdout

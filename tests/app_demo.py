@@ -1,0 +1,24 @@
+"""Driving the main window through the demo set-up, shared by the app tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+LOAD_TIMEOUT_MS = 120_000
+"""Loading torch, the demo model and tokenizing the dataset on a busy two-core machine."""
+
+
+def prepare_demo(qtbot: Any, win: Any, max_steps: int) -> None:
+    """Detect the machine, pick the demo model and data, and set a short run (no intermediate checkpoints)."""
+    from engine.demo import DEMO_TRAIN_FILE
+
+    win.hardware_panel.detect()
+    qtbot.waitUntil(lambda: win.state.hardware is not None, timeout=LOAD_TIMEOUT_MS)
+    win.model_panel.choose("demo")
+    qtbot.waitUntil(lambda: win.state.model_info is not None, timeout=LOAD_TIMEOUT_MS)
+    win.data_panel.load(str(DEMO_TRAIN_FILE))
+    qtbot.waitUntil(lambda: win.state.data_report is not None, timeout=LOAD_TIMEOUT_MS)
+    form = win.setup_panel.form
+    form.editor("training.max_steps").setValue(max_steps)
+    form.editor("training.save_every").setValue(0)
+    form.editor("training.eval_every").setValue(0)
