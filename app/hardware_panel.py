@@ -71,8 +71,9 @@ class HardwarePanel(QWidget):
         for widget in (self.title, self.summary, self.versions):
             layout.addWidget(widget)
         layout.addWidget(QLabel("<b>What TuneDeck will do with it</b>"))
-        layout.addWidget(self.table, 1)
+        layout.addWidget(self.table)
         layout.addWidget(self.notes)
+        layout.addStretch(1)
 
     def detect(self) -> None:
         self.tasks.start(detect_machine, self._show, self._show_error)
@@ -86,7 +87,9 @@ class HardwarePanel(QWidget):
             f"{' (WSL)' if hardware.wsl else ''}"
         )
         self.show_profile(profile)
-        self.notes.setText("<br>".join(f"Note: {note}" for note in (*hardware.notes, *profile.notes)))
+        notes = [f"Note: {note}" for note in (*hardware.notes, *profile.notes)]
+        self.notes.setText("<br>".join([*notes, "<br><b>Next:</b> pick a model on the Model page (the built-in demo "
+                                        "is ready), then a dataset."]))  # fmt: skip
         self.state.set_hardware(hardware, profile)
 
     def show_profile(self, profile: Any) -> None:
@@ -98,6 +101,8 @@ class HardwarePanel(QWidget):
             for column, text in enumerate((SETTING_NAMES.get(name, name), shown, choice.reason)):
                 self.table.setItem(row, column, QTableWidgetItem(text))
         self.table.resizeRowsToContents()
+        rows = sum(self.table.rowHeight(row) for row in range(self.table.rowCount()))
+        self.table.setFixedHeight(rows + self.table.horizontalHeader().height() + 4)
 
     def _show_error(self, error: ErrorInfo) -> None:
         hint = f" — {error.hint}" if error.hint else ""
