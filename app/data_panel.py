@@ -51,6 +51,8 @@ class DataPanel(QWidget):
         super().__init__()
         self.state, self.tasks = state, tasks
         self.data_settings = data_settings or (lambda path: DataConfig(path=path))
+        self.report_model: str | None = None
+        state.model_changed.connect(self._model_changed)
         self.path_edit = QLineEdit(placeholderText=".jsonl / .json / .csv / .parquet file, or a saved dataset folder")
         open_file = QPushButton("Open file…")
         open_file.clicked.connect(self._open_file)
@@ -87,6 +89,7 @@ class DataPanel(QWidget):
         self.path_edit.setText(path)
         self.summary.setText(f"Reading {path}…")
         model, settings = self.state.model_name, self.data_settings(path)
+        self.report_model = model
         self.tasks.start(lambda: analyze_dataset(path, model, settings), self.show_report, self._show_error)
 
     def show_report(self, report: DatasetReport) -> None:
@@ -106,6 +109,12 @@ class DataPanel(QWidget):
             self.problems.addItem("none: every row can be used")
         self.preview.setHtml("<hr>".join(preview_html(pieces) for pieces in report.preview))
         self.state.set_data(report.path, report)
+
+    def _model_changed(self) -> None:
+        """Token counts and the preview depend on the tokenizer: redo them for a newly chosen model."""
+        known = self.state.model_info is not None
+        if known and self.state.data_path and self.report_model not in (None, self.state.model_name):
+            self.load(self.state.data_path)
 
     def _draw_histogram(self, lengths: list[int]) -> None:
         self.histogram.clear()

@@ -340,3 +340,21 @@ def test_the_guard_fails_a_test_that_leaves_a_qthread_running(tmp_path: Path) ->
     )  # fmt: skip
     assert "2 passed, 1 error" in result.stdout, result.stdout + result.stderr  # the leak fails at teardown
     assert "ERROR test_leaky.py::test_leaks" in result.stdout and "left 1 QThread(s) running" in result.stdout
+
+
+def test_a_local_model_folder_is_inspected_and_the_dataset_retokenized(
+    qtbot: Any, window: Any, tiny_model_dir: Path, chat_file: Path
+) -> None:
+    window.data_panel.load(str(chat_file))
+    qtbot.waitUntil(lambda: window.state.data_report is not None, timeout=LOAD_TIMEOUT_MS)
+    demo_tokens = window.state.data_report.total_tokens
+    panel = window.model_panel
+    panel.folder.setChecked(True)
+    panel.folder_edit.setText(str(tiny_model_dir))
+    panel.choose()
+    qtbot.waitUntil(lambda: window.state.model_info is not None, timeout=LOAD_TIMEOUT_MS)
+    info = window.state.model_info
+    assert info.family == "llama" and not info.is_moe and info.verdict == "fits"
+    assert "Family: llama" in panel.details.toPlainText() and "dense" in panel.details.toPlainText()
+    qtbot.waitUntil(lambda: window.data_panel.report_model == str(tiny_model_dir), timeout=LOAD_TIMEOUT_MS)
+    qtbot.waitUntil(lambda: window.state.data_report.total_tokens != demo_tokens, timeout=LOAD_TIMEOUT_MS)
