@@ -213,7 +213,14 @@ class RunConfig:
             raise ConfigError(f"config file not found: {path}") from err
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ConfigError(f"config file {path} is not valid JSON: {err}") from err
-        return cls.from_dict(raw)
+        except RecursionError as err:
+            raise ConfigError(f"config file {path} is nested too deeply to be a TuneDeck config") from err
+        except OSError as err:
+            raise ConfigError(f"cannot read config file {path}: {err.strerror or err}") from err
+        try:
+            return cls.from_dict(raw)
+        except ConfigError as err:
+            raise ConfigError(f"{path}: {err.message}", err.hint) from err
 
 
 def _section_from_dict(section: str, section_type: type, raw: Any) -> Any:

@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import datetime as dt
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 if TYPE_CHECKING:
     from peft import PeftModel
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    GenerativeModel = PreTrainedModel | PeftModel
+
 
 Row = dict[str, Any]
 """One chat row: ``{"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]}``."""
@@ -31,19 +34,9 @@ DEMO_TRAIN_FILE = DEMO_DIR / "data" / "train.jsonl"
 DEMO_EVAL_FILE = DEMO_DIR / "data" / "eval.jsonl"
 
 MONTHS = (
-    "January",
-    "February",
-    "March",
-    "April",
-    "May",
-    "June",
-    "July",
-    "August",
-    "September",
-    "October",
-    "November",
-    "December",
-)
+    "January", "February", "March", "April", "May", "June",
+    "July", "August", "September", "October", "November", "December",
+)  # fmt: skip
 MONTH_ABBREVIATIONS = tuple(name[:3] for name in MONTHS)
 
 # Years of the task: wide enough that the model must copy digits rather than memorise a few years.
@@ -63,7 +56,7 @@ def iso_date(date: dt.date) -> str:
 
 
 # The surface forms a user may type. Numeric forms carry their order, since 05/03 is ambiguous on its own.
-DATE_STYLES: dict[str, Callable[[dt.date], str]] = {
+DATE_STYLES: Mapping[str, Callable[[dt.date], str]] = {
     "month_day_year": lambda d: f"{MONTHS[d.month - 1]} {d.day}, {d.year}",
     "day_month_year": lambda d: f"{d.day} {MONTHS[d.month - 1]} {d.year}",
     "abbreviated": lambda d: f"{MONTH_ABBREVIATIONS[d.month - 1]} {d.day} {d.year}",
@@ -108,6 +101,9 @@ def make_demo_examples(n: int, seed: int) -> list[Row]:
     Days never repeat within one call, so slicing one call into train and eval gives an eval set whose dates
     the fine-tune has never seen (it must learn the rule, not memorise answers).
     """
+    days = dt.date(LAST_YEAR, 12, 31).toordinal() - dt.date(FIRST_YEAR, 1, 1).toordinal() + 1
+    if not 0 <= n <= days:
+        raise ValueError(f"n must be between 0 and {days} (one row per day), got {n}")
     rng = random.Random(seed)
     seen: set[dt.date] = set()
     rows: list[Row] = []
@@ -143,7 +139,7 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, row: Row) -> list[int]:
 
 @torch.inference_mode()
 def generate_answers(
-    model: PreTrainedModel | PeftModel,
+    model: GenerativeModel,
     tokenizer: PreTrainedTokenizerBase,
     rows: Sequence[Row],
     max_new_tokens: int = 16,
@@ -168,7 +164,7 @@ def generate_answers(
 
 
 def _generate_batch(
-    model: PreTrainedModel | PeftModel,
+    model: GenerativeModel,
     tokenizer: PreTrainedTokenizerBase,
     prompts: Sequence[list[int]],
     pad_id: int,
@@ -176,7 +172,9 @@ def _generate_batch(
 ) -> list[str]:
     ids, mask = _left_padded(prompts, pad_id)
     device = _input_device(model)
-    out = model.generate(
+    # Type checkers see ``generate`` through nn.Module.__getattr__ (peft forwards it, transformers wraps it).
+    generate = cast(Callable[..., torch.Tensor], model.generate)
+    out = generate(
         input_ids=ids.to(device),
         attention_mask=mask.to(device),
         max_new_tokens=max_new_tokens,
@@ -194,7 +192,7 @@ def reference_answer(row: Row) -> str:
 
 
 def evaluate_accuracy(
-    model: PreTrainedModel | PeftModel,
+    model: GenerativeModel,
     tokenizer: PreTrainedTokenizerBase,
     rows: Sequence[Row],
     max_new_tokens: int = 16,

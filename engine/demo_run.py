@@ -17,11 +17,20 @@ from typing import Any
 from engine.config import DEMO_MODEL, RunConfig
 from engine.control import RunControl
 
-# The recipe that teaches the demo task in about a minute on two CPU cores.
+# The recipe that teaches the demo task in about a minute on two CPU cores: 4 epochs of 1,024-token packed rows
+# (~340 steps) took the base model from 0% to 85-96% exact match over seeds (demo model of resources/demo).
 DEMO_SETTINGS: dict[str, dict[str, Any]] = {
     "data": {"max_seq_len": 128, "tokens_per_batch": 1024, "eval_fraction": 0.02},
-    "lora": {"rank": 16, "alpha": 32.0},
-    "training": {"max_steps": 60, "learning_rate": 2e-3, "warmup_steps": 5, "eval_every": 0, "save_every": 20},
+    "lora": {"rank": 16, "alpha": 32.0, "dropout": 0.0},
+    "training": {
+        "max_steps": 0,
+        "epochs": 4.0,
+        "learning_rate": 3e-3,
+        "warmup_steps": 10,
+        "schedule": "cosine",
+        "eval_every": 0,
+        "save_every": 100,
+    },
 }
 
 

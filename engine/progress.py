@@ -14,12 +14,14 @@ from engine.events import (
     EvalMetrics,
     Event,
     Notice,
+    OomRecovered,
     RunFailed,
     RunFinished,
     RunPaused,
     RunStarted,
     SpeedChanged,
     StepMetrics,
+    StepSkipped,
 )
 
 
@@ -50,6 +52,13 @@ class ProgressPrinter:
             pass  # checkpoints are frequent; the final folder is reported at the end
         elif isinstance(event, Notice):
             self.write(f"note: {event.message}")
+        elif isinstance(event, OomRecovered):
+            self.write(f"out of memory at step {event.step}: {event.message}")
+        elif isinstance(event, StepSkipped):
+            self.write(
+                f"step {event.step}: loss or gradient not finite, update skipped "
+                f"({event.consecutive} in a row, {event.total_skipped} in all)"
+            )
         elif isinstance(event, SpeedChanged):
             self.write(describe_speed(event))
         elif isinstance(event, RunPaused):

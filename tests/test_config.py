@@ -73,3 +73,16 @@ def test_every_config_field_has_help_text() -> None:
         for spec in dataclasses.fields(type(getattr(RunConfig(), section.name))):
             assert spec.metadata.get("help"), f"{section.name}.{spec.name} has no help"
     assert json.dumps(RunConfig().to_dict())
+
+
+def test_deeply_nested_or_unreadable_config_file(tmp_path: Path) -> None:
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        RunConfig.load(deep)
+    with pytest.raises(ConfigError, match="cannot read"):
+        RunConfig.load(tmp_path)  # a folder, not a file
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps({"lora": {"rank": -1}}))
+    with pytest.raises(ConfigError, match="wrong.json: lora.rank"):
+        RunConfig.load(wrong)
