@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from types import TracebackType
 
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QCloseEvent
@@ -24,7 +25,7 @@ from app.run_controller import FAILED, FINISHED, RunController
 from app.run_panel import RunPanel
 from app.setup_panel import SetupPanel
 from app.speed_panel import SpeedPanel
-from app.worker import TaskRunner
+from app.worker import TaskRunner, describe_error
 
 
 class MainWindow(QMainWindow):
@@ -114,8 +115,23 @@ def run_app(argv: Sequence[str]) -> int:
     app.setApplicationName("TuneDeck")
     app.setWindowIcon(app_icon())
     window = MainWindow()
+    install_error_hook(window)
     window.show()
     return app.exec()
+
+
+def install_error_hook(window: MainWindow) -> None:
+    """A bug in a slot must not end the session silently: say it in the window, keep the details on stderr."""
+    previous = sys.excepthook
+
+    def show(kind: type[BaseException], error: BaseException, trace: TracebackType | None) -> None:
+        previous(kind, error, trace)
+        info = describe_error(error)
+        window.statusBar().showMessage(
+            f"Something went wrong: {info.message}" + (f" — {info.hint}" if info.hint else "")
+        )
+
+    sys.excepthook = show
 
 
 if __name__ == "__main__":

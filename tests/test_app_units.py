@@ -358,3 +358,17 @@ def test_a_local_model_folder_is_inspected_and_the_dataset_retokenized(
     assert "Family: llama" in panel.details.toPlainText() and "dense" in panel.details.toPlainText()
     qtbot.waitUntil(lambda: window.data_panel.report_model == str(tiny_model_dir), timeout=LOAD_TIMEOUT_MS)
     qtbot.waitUntil(lambda: window.state.data_report.total_tokens != demo_tokens, timeout=LOAD_TIMEOUT_MS)
+
+
+def test_an_error_in_a_slot_is_shown_in_the_window(window: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.main_window import install_error_hook
+
+    monkeypatch.setattr(sys, "excepthook", lambda *args: None)
+    install_error_hook(window)
+    try:
+        raise FileNotFoundError(2, "No such file", "/data/missing.jsonl")
+    except FileNotFoundError as err:
+        sys.excepthook(type(err), err, err.__traceback__)
+    assert window.statusBar().currentMessage() == (
+        "Something went wrong: file not found: /data/missing.jsonl — check the path and pick the file again"
+    )
