@@ -127,5 +127,11 @@ class ABCompare:
             self.result.ratios.append(self._round_means[True] / self._round_means[False])
             self._round_means = {}
 
+    def abandon(self, reason: str) -> SpeedConfig:
+        """Stop measuring: the engine showed that the switch changes nothing here; returns the settings to restore."""
+        self.result.skipped_reason = reason
+        self._block = len(self._plan)
+        return self.restore_settings()
+
     def steps_needed(self) -> int:
         return len(self._plan) * self.block_steps + len(self._plan)

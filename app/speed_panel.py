@@ -146,6 +146,10 @@ class SpeedPanel(QWidget):
             self.show_state(event.state)
             if self.compare is not None:
                 self.compare.speed_applied(event.step)
+                idle = nothing_to_do(self.compare.switch, event.state)
+                if idle and not self.compare.done:  # e.g. offloading asked for on a GPU that shares host memory
+                    self.controller.request_speed(self.compare.abandon(idle))
+                    self._finish_switch()
         elif isinstance(event, StepMetrics) and self.compare is not None:
             request = self.compare.step_done(event.step, event.tokens_per_s)
             if request is not None:

@@ -372,3 +372,12 @@ def test_an_error_in_a_slot_is_shown_in_the_window(window: Any, monkeypatch: pyt
     assert window.statusBar().currentMessage() == (
         "Something went wrong: file not found: /data/missing.jsonl — check the path and pick the file again"
     )
+
+
+def test_a_switch_the_engine_cannot_apply_is_reported_not_measured() -> None:
+    compare = ABCompare(SpeedConfig(), "checkpointing", rounds=2, block_steps=2)
+    restore = compare.abandon("offloaded requested but the GPU shares memory with the CPU; plain recompute instead")
+    assert restore == SpeedConfig() and compare.done
+    assert compare.result.summary().startswith("nothing to do: offloaded requested but")
+    integrated = {"checkpointing": {"mode": "standard", "reason": "offloaded requested but GB10 shares memory"}}
+    assert nothing_to_do("checkpointing", integrated)
