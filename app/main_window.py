@@ -66,6 +66,7 @@ class MainWindow(QMainWindow):
             if hasattr(page, "refresh"):  # pages listing runs show a run's end at once, not at their next poll
                 self.controller.state_changed.connect(lambda state, page=page: self._run_ended(state, page))
         self.run_panel.start_requested.connect(lambda: self.show_page("Run"))
+        self.controller.telemetry.connect(self._telemetry_warning)
         body = QWidget()
         layout = QHBoxLayout(body)
         layout.addWidget(self.nav)
@@ -83,6 +84,11 @@ class MainWindow(QMainWindow):
         items = self.nav.findItems(title, Qt.MatchFlag.MatchExactly)
         if items:
             self.nav.setCurrentItem(items[0])
+
+    def _telemetry_warning(self, event: object) -> None:
+        """Spill and throttling warnings also go to the status bar, seen from every page."""
+        if type(event).__name__ == "TelemetryWarning":
+            self.statusBar().showMessage(f"⚠ {getattr(event, 'message', '')}")
 
     def _run_ended(self, state: str, page: QWidget) -> None:
         if state in (FINISHED, FAILED):

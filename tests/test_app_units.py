@@ -268,6 +268,7 @@ def test_telemetry_warnings_and_samples_reach_the_run_page(qtbot: Any, window: A
     assert charts.buffers["used"] == [7.0] and charts.buffers["total"] == [8.0]
     assert charts.buffers["util"] == [97.0] and charts.buffers["throttle_t"] == [1.0]
     assert window.run_panel.warnings.item(0).text() == "⚠ the GPU is throttling: hot (86 °C)"
+    assert window.statusBar().currentMessage() == "⚠ the GPU is throttling: hot (86 °C)"  # seen from every page
 
 
 def test_the_planner_warns_on_setup_before_a_run_that_will_not_fit(qtbot: Any) -> None:
