@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pyqtgraph as pg
@@ -32,6 +33,13 @@ from engine.config import DataConfig
 
 TRAINED_STYLE = "background:#c8f0d0;color:#0b3d17"
 PROMPT_STYLE = "color:#777"
+
+
+def demo_data_file() -> Path:
+    """The demo dataset, found without importing engine.demo (which loads torch)."""
+    import resources
+
+    return Path(resources.__file__).parent / "demo" / "data" / "train.jsonl"
 
 
 def preview_html(pieces: list[tuple[str, bool]]) -> str:
@@ -60,6 +68,9 @@ class DataPanel(QWidget):
         open_folder.clicked.connect(self._open_folder)
         load = QPushButton("Load")
         load.clicked.connect(lambda: self.load(self.path_edit.text().strip()))
+        demo = QPushButton("Demo data")
+        demo.setToolTip("the built-in demo task: dates in many formats -> ISO dates")
+        demo.clicked.connect(lambda: self.load(str(demo_data_file())))
         self.summary = QLabel("No dataset yet.")
         self.summary.setWordWrap(True)
         self.histogram = pg.PlotWidget(title="Tokens per example", background="w")
@@ -68,7 +79,7 @@ class DataPanel(QWidget):
         self.problems = QListWidget()
         self.preview = QTextBrowser()
         top = QHBoxLayout()
-        for widget in (self.path_edit, open_file, open_folder, load):
+        for widget in (self.path_edit, open_file, open_folder, load, demo):
             top.addWidget(widget)
         left = QSplitter(Qt.Orientation.Vertical)
         left.addWidget(self.histogram)

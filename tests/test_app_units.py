@@ -382,3 +382,10 @@ def test_a_switch_the_engine_cannot_apply_is_reported_not_measured() -> None:
     assert compare.result.summary().startswith("nothing to do: offloaded requested but")
     integrated = {"checkpointing": {"mode": "standard", "reason": "offloaded requested but GB10 shares memory"}}
     assert nothing_to_do("checkpointing", integrated)
+
+
+def test_the_demo_data_button_finds_the_demo_dataset() -> None:
+    from app.data_panel import demo_data_file
+    from engine.demo import DEMO_TRAIN_FILE
+
+    assert demo_data_file() == Path(DEMO_TRAIN_FILE) and demo_data_file().exists()
