@@ -54,9 +54,9 @@ class SpeedPanel(QWidget):
         self.compare_status = _wrapping_label("Compare alternates each switch on and off for a few steps per round.")
         self._build()
         self._updating = False
-        self.metadata_box.toggled.connect(lambda _: self._flip())
-        self.moe_box.toggled.connect(lambda _: self._flip())
-        self.checkpoint_box.currentTextChanged.connect(lambda _: self._flip())
+        self.metadata_box.toggled.connect(lambda _: self._flip("metadata_cache"))
+        self.moe_box.toggled.connect(lambda _: self._flip("moe_routing"))
+        self.checkpoint_box.currentTextChanged.connect(lambda _: self._flip("checkpointing"))
         self.queue: list[str] = []
         self.compare: ABCompare | None = None
         controller.run_event.connect(self.on_event)
@@ -111,18 +111,18 @@ class SpeedPanel(QWidget):
                 text = "No — this model has no MoE expert layers"
             self.reasons[name].setText(html.escape(text))
 
-    def settings(self) -> SpeedConfig:
+    def settings(self, switch: str) -> SpeedConfig:
+        """The run's settings with only ``switch`` taken from its control (the others stay as the user left them)."""
         base = self.controller.current_speed()
-        return dataclasses.replace(
-            base,
-            metadata_cache=self.metadata_box.isChecked(),
-            checkpointing=cast(Checkpointing, self.checkpoint_box.currentText()),
-            moe_routing="sync-free" if self.moe_box.isChecked() else "stock",
-        )
+        if switch == "metadata_cache":
+            return dataclasses.replace(base, metadata_cache=self.metadata_box.isChecked())
+        if switch == "checkpointing":
+            return dataclasses.replace(base, checkpointing=cast(Checkpointing, self.checkpoint_box.currentText()))
+        return dataclasses.replace(base, moe_routing="sync-free" if self.moe_box.isChecked() else "stock")
 
-    def _flip(self) -> None:
+    def _flip(self, switch: str) -> None:
         if not self._updating and self.controller.active:
-            self.controller.request_speed(self.settings())
+            self.controller.request_speed(self.settings(switch))
 
     def show_state(self, state: dict[str, dict[str, Any]]) -> None:
         """Mirror the engine's resolved choices without sending them back as requests."""

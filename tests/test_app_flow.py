@@ -89,6 +89,8 @@ def test_whole_flow_on_the_demo(qtbot: Any, window: Any, tmp_path: Path) -> None
     flipped = log.of(SpeedChanged)[-1]
     assert flipped.step > 0
     assert flipped.state["metadata_cache"]["on"] == window.speed_panel.metadata_box.isChecked()
+    requested = window.controller.current_speed()
+    assert (requested.checkpointing, requested.moe_routing) == ("auto", "auto"), "only the flipped switch changes"
     qtbot.waitUntil(lambda: log.last_step() > flipped.step + 1, timeout=STEP_TIMEOUT_MS)
     window.run_panel.charts.redraw_all()
     assert [step for step, _ in window.run_panel.charts.marks] == [flipped.step]
