@@ -6,10 +6,13 @@ a checkpoint first. Failures arrive as a RunFailed event and are shown as a mess
 
 from __future__ import annotations
 
+import contextlib
 import html
+import json
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from PySide6.QtCore import Signal
 from PySide6.QtGui import QColor
@@ -170,6 +173,8 @@ class RunPanel(QWidget):
             self.charts.add_eval(event.step, event.loss)
         elif isinstance(event, RunStarted):
             self.charts.set_device(event.device)
+            if event.start_step > 0:
+                self._load_history(Path(event.run_dir), event.start_step)
             self.progress.setRange(0, event.total_steps)
             self.progress.setValue(event.start_step)
             self.status.setText(
@@ -194,6 +199,23 @@ class RunPanel(QWidget):
         elif isinstance(event, RunFailed):
             self.show_error(event.message, event.hint)
             self.status.setText(f"The run stopped at step {event.step}.")
+
+    def _load_history(self, run_dir: Path, up_to_step: int) -> None:
+        """A resumed run's curves start where it stopped: draw the steps already in its logs first (newer lines
+        may be there already; their events are on the way and draw themselves)."""
+        for name, add in (("metrics.jsonl", self._add_logged_step), ("eval.jsonl", self._add_logged_eval)):
+            with contextlib.suppress(OSError):
+                for line in (run_dir / name).read_text(encoding="utf-8").splitlines():
+                    with contextlib.suppress(ValueError, KeyError, TypeError):
+                        record = json.loads(line)
+                        if int(record["step"]) <= up_to_step:
+                            add(record)
+
+    def _add_logged_step(self, record: dict[str, Any]) -> None:
+        self.charts.add_step(int(record["step"]), float(record["loss"]), float(record["tokens_per_s"]))
+
+    def _add_logged_eval(self, record: dict[str, Any]) -> None:
+        self.charts.add_eval(int(record["step"]), float(record["eval_loss"]))
 
     def _on_step(self, event: StepMetrics) -> None:
         self.charts.add_step(event.step, event.loss, event.tokens_per_s)

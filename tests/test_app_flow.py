@@ -123,6 +123,10 @@ def test_a_stopped_run_is_in_the_history_and_resumes(qtbot: Any, window: Any) ->
     window.run_panel.resume_run(stopped.run_dir)
     qtbot.waitUntil(lambda: len(log.of(RunStarted)) == 2, timeout=LOAD_TIMEOUT_MS)
     assert log.of(RunStarted)[-1].start_step == stopped.step
+    window.run_panel.charts.redraw_all()
+    steps = window.run_panel.charts.buffers["step"]
+    assert steps[: stopped.step] == list(range(1, stopped.step + 1)), "the resumed run's curve starts at step 1"
+    assert len(steps) == len(set(steps)), "no step drawn twice"
     qtbot.waitUntil(lambda: log.last_step() > stopped.step, timeout=STEP_TIMEOUT_MS)
     window.run_panel.stop_button.click()
     qtbot.waitUntil(lambda: window.controller.state == rc.FINISHED, timeout=STEP_TIMEOUT_MS)
