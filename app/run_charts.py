@@ -8,6 +8,9 @@ to make the window stutter), one chart takes 3-13 ms. Lines are drawn without an
 
 from __future__ import annotations
 
+import contextlib
+import json
+from pathlib import Path
 from typing import Any
 
 import pyqtgraph as pg
@@ -96,6 +99,31 @@ class RunCharts(QWidget):
         self._append("gpu", gpu_t=time_s, util=utilization or 0.0, temp=temperature or 0.0)
         if throttled:
             self._append("gpu", throttle_t=time_s, throttle_y=temperature or 0.0)
+
+    def add_sample(self, sample: Any, host_memory_bytes: int | None) -> None:
+        """One telemetry sample: the card's memory (the process's RAM on a CPU run), load, temperature, throttling."""
+        used = sample.memory_used_bytes if sample.memory_used_bytes is not None else sample.process_rss_bytes
+        total = sample.memory_total_bytes if sample.memory_total_bytes is not None else host_memory_bytes
+        if used is not None:
+            self.add_memory(sample.time_s, used, total)
+        self.add_gpu(sample.time_s, sample.utilization_pct, sample.temperature_c, bool(sample.throttle_reasons))
+
+    def load_history(self, run_dir: Path, up_to_step: int) -> None:
+        """A resumed run's curves start where it stopped: draw the steps already in its logs (newer lines may be
+        there already; their events are on the way and draw themselves)."""
+        for name, add in (("metrics.jsonl", self._add_logged_step), ("eval.jsonl", self._add_logged_eval)):
+            with contextlib.suppress(OSError):
+                for line in (run_dir / name).read_text(encoding="utf-8").splitlines():
+                    with contextlib.suppress(ValueError, KeyError, TypeError):
+                        record = json.loads(line)
+                        if int(record["step"]) <= up_to_step:
+                            add(record)
+
+    def _add_logged_step(self, record: dict[str, Any]) -> None:
+        self.add_step(int(record["step"]), float(record["loss"]), float(record["tokens_per_s"]))
+
+    def _add_logged_eval(self, record: dict[str, Any]) -> None:
+        self.add_eval(int(record["step"]), float(record["eval_loss"]))
 
     def mark_speed_change(self, step: int, label: str) -> None:
         """A vertical line on the tokens/s chart where a switch changed."""

@@ -6,13 +6,10 @@ a checkpoint first. Failures arrive as a RunFailed event and are shown as a mess
 
 from __future__ import annotations
 
-import contextlib
 import html
-import json
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from PySide6.QtCore import Signal
 from PySide6.QtGui import QColor
@@ -174,7 +171,7 @@ class RunPanel(QWidget):
         elif isinstance(event, RunStarted):
             self.charts.set_device(event.device)
             if event.start_step > 0:
-                self._load_history(Path(event.run_dir), event.start_step)
+                self.charts.load_history(Path(event.run_dir), event.start_step)
             self.progress.setRange(0, event.total_steps)
             self.progress.setValue(event.start_step)
             self.status.setText(
@@ -200,23 +197,6 @@ class RunPanel(QWidget):
             self.show_error(event.message, event.hint)
             self.status.setText(f"The run stopped at step {event.step}.")
 
-    def _load_history(self, run_dir: Path, up_to_step: int) -> None:
-        """A resumed run's curves start where it stopped: draw the steps already in its logs first (newer lines
-        may be there already; their events are on the way and draw themselves)."""
-        for name, add in (("metrics.jsonl", self._add_logged_step), ("eval.jsonl", self._add_logged_eval)):
-            with contextlib.suppress(OSError):
-                for line in (run_dir / name).read_text(encoding="utf-8").splitlines():
-                    with contextlib.suppress(ValueError, KeyError, TypeError):
-                        record = json.loads(line)
-                        if int(record["step"]) <= up_to_step:
-                            add(record)
-
-    def _add_logged_step(self, record: dict[str, Any]) -> None:
-        self.charts.add_step(int(record["step"]), float(record["loss"]), float(record["tokens_per_s"]))
-
-    def _add_logged_eval(self, record: dict[str, Any]) -> None:
-        self.charts.add_eval(int(record["step"]), float(record["eval_loss"]))
-
     def _on_step(self, event: StepMetrics) -> None:
         self.charts.add_step(event.step, event.loss, event.tokens_per_s)
         self.step_times.append(event.step_time_s)
@@ -231,13 +211,8 @@ class RunPanel(QWidget):
         if isinstance(event, TelemetryWarning):
             self._add_warning(event.message)
         elif isinstance(event, TelemetrySample):
-            used = event.memory_used_bytes if event.memory_used_bytes is not None else event.process_rss_bytes
-            total = event.memory_total_bytes
-            if total is None and self.state.hardware is not None:
-                total = self.state.hardware.host_memory_bytes
-            if used is not None:
-                self.charts.add_memory(event.time_s, used, total)
-            self.charts.add_gpu(event.time_s, event.utilization_pct, event.temperature_c, bool(event.throttle_reasons))
+            host = self.state.hardware.host_memory_bytes if self.state.hardware is not None else None
+            self.charts.add_sample(event, host)
 
     def _add_warning(self, message: str) -> None:
         item = QListWidgetItem(f"⚠ {message}")
