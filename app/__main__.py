@@ -6,6 +6,7 @@ stays light. Otherwise the window opens; Qt's own options (``-platform offscreen
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 
@@ -17,13 +18,22 @@ def wants_cli(args: Sequence[str]) -> bool:
     return bool(args) and (args[0] in CLI_OPTIONS or not args[0].startswith("-"))
 
 
+def has_display(args: Sequence[str] = ()) -> bool:
+    """False on a Linux machine without X11 or Wayland (a server, an SSH session), where Qt would abort."""
+    if not sys.platform.startswith("linux") or os.environ.get("QT_QPA_PLATFORM") or "-platform" in args:
+        return True
+    return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["--gui"]:  # the installed launcher's spelling of "open the window"
         args = args[1:]
-    if wants_cli(args):
+    if wants_cli(args) or not has_display(args):
         from engine.cli import main as cli_main
 
+        if not args:
+            print("No display found, so no window: here is the command line.\n", file=sys.stderr)
         return cli_main(args)
     from app.main_window import run_app
 

@@ -389,3 +389,11 @@ def test_the_demo_data_button_finds_the_demo_dataset() -> None:
     from engine.demo import DEMO_TRAIN_FILE
 
     assert demo_data_file() == Path(DEMO_TRAIN_FILE) and demo_data_file().exists()
+
+
+def test_without_a_display_tunedeck_shows_the_command_line(tmp_path: Path) -> None:
+    env = {key: value for key, value in child_env(tmp_path).items() if key != "QT_QPA_PLATFORM"}
+    command = [sys.executable, "-m", "app"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "No display found" in result.stderr and "tunedeck train" in result.stdout
