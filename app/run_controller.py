@@ -47,6 +47,7 @@ class RunController(QObject):
             raise RuntimeError("a run is already going")
         self.config = config
         self.speed_state, self.last_step = {}, 0
+        self._retire_worker()
         self.worker = TrainingWorker(config, resume)
         self.worker.run_event.connect(self._on_event)
         self.worker.finished.connect(self._on_worker_finished)
@@ -55,6 +56,16 @@ class RunController(QObject):
         self._telemetry = TelemetryBridge(interval_s=0.5, nvml=self._telemetry_nvml)
         self._telemetry.received.connect(self.telemetry)
         self._telemetry.start()
+
+    def _retire_worker(self) -> None:
+        """Let the previous run's thread return before its QThread object is dropped.
+
+        The run reports its end as an event a moment before the thread itself exits; destroying a QThread that
+        is still running aborts the whole process.
+        """
+        previous = self.worker
+        if previous is not None and not previous.wait(30_000):
+            raise RuntimeError("the previous run's thread did not finish")
 
     def pause(self) -> None:
         if self.worker is not None and self.state == RUNNING:
