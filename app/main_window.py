@@ -24,12 +24,13 @@ from app.run_charts import configure_plots
 from app.run_controller import FAILED, FINISHED, RunController
 from app.run_panel import RunPanel
 from app.setup_panel import SetupPanel
+from app.setup_view import SetupView, torch_missing
 from app.speed_panel import SpeedPanel
 from app.worker import TaskRunner, describe_error
 
 
 class MainWindow(QMainWindow):
-    """Pages: This computer, Model, Dataset, Setup, Run, Speed (and Runs, Chat when installed)."""
+    """Pages: This computer, Model, Dataset, Setup, Run, Speed, GPU setup (and Runs, Chat when installed)."""
 
     def __init__(self, *, detect_on_show: bool = True) -> None:
         super().__init__()
@@ -46,6 +47,7 @@ class MainWindow(QMainWindow):
         self.data_panel = DataPanel(self.state, self.tasks, self.setup_panel.data_settings)
         self.run_panel = RunPanel(self.state, self.controller, self.setup_panel.build_config)
         self.speed_panel = SpeedPanel(self.state, self.controller)
+        self.setup_view = SetupView(self.tasks)
         self.pages = QStackedWidget()
         self.nav = QListWidget()
         self.nav.setFixedWidth(170)
@@ -58,6 +60,7 @@ class MainWindow(QMainWindow):
             ("Setup", self.setup_panel),
             ("Run", self.run_panel),
             ("Speed", self.speed_panel),
+            ("GPU setup", self.setup_view),
         ]
         for title, page in [*pages, *optional_pages()]:
             self.add_page(title, page)
@@ -72,9 +75,15 @@ class MainWindow(QMainWindow):
         layout.addWidget(self.nav)
         layout.addWidget(self.pages, 1)
         self.setCentralWidget(body)
-        self.nav.setCurrentRow(0)
-        if detect_on_show:
-            QTimer.singleShot(0, self.hardware_panel.detect)  # after the first paint, never before
+        needs_torch = torch_missing()  # without torch, nothing but setup works: open there
+        if needs_torch:
+            self.show_page("GPU setup")
+        else:
+            self.nav.setCurrentRow(0)
+        if detect_on_show:  # after the first paint, never before
+            QTimer.singleShot(0, self.setup_view.refresh)
+            if not needs_torch:
+                QTimer.singleShot(0, self.hardware_panel.detect)
 
     def add_page(self, title: str, page: QWidget) -> None:
         self.nav.addItem(title)
@@ -98,6 +107,7 @@ class MainWindow(QMainWindow):
         return [self.nav.item(i).text() for i in range(self.nav.count())]
 
     def closeEvent(self, event: QCloseEvent) -> None:
+        self.setup_view.shutdown()
         self.controller.shutdown()
         self.tasks.wait_all()
         super().closeEvent(event)
