@@ -141,10 +141,10 @@ class SetupView(QWidget):
         self.log.setReadOnly(True)
         self.log.setMaximumBlockCount(5000)
         self.log.setPlaceholderText("uv's output appears here during an install or repair.")
-        self.warnings.hide()
-        self.stage.hide()
         self.result = QLabel("")
         self.result.setWordWrap(True)
+        for empty in (self.warnings, self.stage, self.result):
+            empty.hide()
         page = QVBoxLayout(self)
         for widget in (title, self.status):
             page.addWidget(widget)
@@ -192,7 +192,10 @@ class SetupView(QWidget):
         choice = self.choice()
         if choice is None:
             return
-        self.build_box.setItemText(0, f"Automatic ({choose_torch_build(self.driver).build})")  # type: ignore[arg-type]
+        automatic = choose_torch_build(self.driver)  # type: ignore[arg-type]
+        self.build_box.setItemText(
+            0, "Automatic (update the driver)" if automatic.blocked else f"Automatic ({automatic.build})"
+        )
         self.reason_label.setText(choice.reason)
         lines = [f"⚠ {text}" for text in choice.warnings]
         if choice.blocked and not choice.overridden:
@@ -233,6 +236,7 @@ class SetupView(QWidget):
             return
         self.log.clear()
         self.result.setText("")
+        self.result.hide()
         self.progress.setValue(0)
         self.step = (1, 1)
         self.worker = SetupJobWorker(self.jobs[name], self.layout, choice, self)
@@ -293,5 +297,6 @@ class SetupView(QWidget):
     def _finish(self, text: str, color: str) -> None:
         self._set_stage("")
         self.result.setText(text)
+        self.result.show()
         self.result.setStyleSheet(f"color: {color};")
         self.status.setText(self._status_text())

@@ -100,6 +100,8 @@ def test_old_driver_on_blackwell_says_update_and_blocks_install(qtbot: Any, task
     view = make_view(qtbot, tasks, make_layout(tmp_path), OLD_DRIVER_5090)
     assert "Update your NVIDIA driver to at least version 570" in view.warnings.text()
     assert not view.install_button.isEnabled() and not view.repair_button.isEnabled()
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    assert view.grab().save(str(SCREENSHOTS / "setup_view_old_driver.png"))
     view.build_box.setCurrentIndex(view.build_box.findData("cpu"))  # the user accepts the CPU build
     assert view.choice().overridden and view.install_button.isEnabled()
 
