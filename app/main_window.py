@@ -69,6 +69,7 @@ class MainWindow(QMainWindow):
             if hasattr(page, "refresh"):  # pages listing runs show a run's end at once, not at their next poll
                 self.controller.state_changed.connect(lambda state, page=page: self._run_ended(state, page))
         self.run_panel.start_requested.connect(lambda: self.show_page("Run"))
+        self.setup_view.installed.connect(lambda: None if torch_missing() else self.hardware_panel.detect())
         self.controller.telemetry.connect(self._telemetry_warning)
         body = QWidget()
         layout = QHBoxLayout(body)

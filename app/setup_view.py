@@ -48,6 +48,7 @@ STEPS = 1000  # progress bar resolution: stages and packages within a stage shar
 
 def torch_missing() -> bool:
     """True when torch is not installed; looks it up without importing it (that takes seconds and may crash)."""
+    importlib.invalidate_caches()  # a torch installed while the app runs must be seen
     return importlib.util.find_spec("torch") is None
 
 
@@ -58,12 +59,12 @@ class SetupJobWorker(QThread):
 
     def __init__(self, job: Job, layout: InstallLayout, choice: TorchChoice, parent: QObject | None = None) -> None:
         super().__init__(parent)
-        self.job, self.layout, self.choice = job, layout, choice
+        self.job, self.install_layout, self.choice = job, layout, choice
         self.cancel_token = CancelToken()
 
     def run(self) -> None:
         try:
-            for event in self.job(self.layout, self.choice, wheelhouse=None, cancel=self.cancel_token):
+            for event in self.job(self.install_layout, self.choice, wheelhouse=None, cancel=self.cancel_token):
                 self.setup_event.emit(event)
         except Exception as err:  # uv missing, a full disk: say so in the page instead of losing the thread
             info = describe_error(err)
@@ -84,6 +85,8 @@ def gb(size: int) -> str:
 class SetupView(QWidget):
     """The detected GPU and driver, the chosen build, disk space, and Install / Cancel / Repair."""
 
+    installed = Signal()  # an install or repair finished: pages that need torch can look again
+
     def __init__(
         self,
         tasks: TaskRunner,
@@ -94,7 +97,7 @@ class SetupView(QWidget):
     ) -> None:
         super().__init__()
         self.tasks, self.detect_job = tasks, detect
-        self.layout = layout if layout is not None else environment.current_layout()
+        self.install_layout = layout if layout is not None else environment.current_layout()
         self.jobs = {"install": install_job, "repair": repair_job}
         self.driver: DriverInfo | None = None
         self.worker: SetupJobWorker | None = None
@@ -107,7 +110,10 @@ class SetupView(QWidget):
         self.status = QLabel(self._status_text())
         self.status.setWordWrap(True)
         self.gpu_label, self.driver_label, self.reason_label = QLabel("Detecting…"), QLabel("…"), QLabel("")
-        self.space_label, self.folder_label = QLabel(""), QLabel(str(self.layout.root) if self.layout else "")
+        self.space_label, self.folder_label = (
+            QLabel(""),
+            QLabel(str(self.install_layout.root) if self.install_layout else ""),
+        )
         self.warnings = QLabel("")
         for label in (self.gpu_label, self.driver_label, self.reason_label, self.space_label, self.folder_label,
                       self.warnings):  # fmt: skip
@@ -146,17 +152,17 @@ class SetupView(QWidget):
         for empty in (self.warnings, self.stage, self.result):
             empty.hide()
         page = QVBoxLayout(self)
-        for widget in (title, self.status):
-            page.addWidget(widget)
+        page.addWidget(title)
+        page.addWidget(self.status)
         page.addLayout(form)
-        for widget in (self.warnings, self.stage, self.progress):
-            page.addWidget(widget)
+        for part in (self.warnings, self.stage, self.progress):
+            page.addWidget(part)
         page.addLayout(buttons)
         page.addWidget(self.result)
         page.addWidget(self.log, 1)
 
     def _status_text(self) -> str:
-        if self.layout is None:
+        if self.install_layout is None:
             return ("This is a developer checkout, not an installed TuneDeck: install torch into it with uv or pip. "
                     "The detection below still shows which build fits.")  # fmt: skip
         if torch_missing():
@@ -207,10 +213,10 @@ class SetupView(QWidget):
         self._update_buttons()
 
     def _show_space(self, choice: TorchChoice) -> None:
-        if self.layout is None:
+        if self.install_layout is None:
             self.space_label.setText(f"about {gb(choice.installed_bytes)} ({gb(choice.download_bytes)} download)")
             return
-        free = environment.free_bytes(self.layout.root)
+        free = environment.free_bytes(self.install_layout.root)
         text = (f"about {gb(choice.installed_bytes)} ({gb(choice.download_bytes)} download; a repair needs "
                 f"{gb(choice.installed_bytes + BASE_INSTALL_BYTES)}); {gb(free)} free on this drive")  # fmt: skip
         self.space_label.setText(text)
@@ -223,7 +229,7 @@ class SetupView(QWidget):
 
     def _update_buttons(self) -> None:
         choice, busy = self.choice(), self.running()
-        usable = self.layout is not None and choice is not None and not busy
+        usable = self.install_layout is not None and choice is not None and not busy
         self.install_button.setEnabled(usable and not (choice.blocked and not choice.overridden))  # type: ignore[union-attr]
         self.repair_button.setEnabled(usable and not (choice.blocked and not choice.overridden))  # type: ignore[union-attr]
         self.cancel_button.setEnabled(busy)
@@ -232,14 +238,14 @@ class SetupView(QWidget):
     def start_job(self, name: str) -> None:
         """Start ``install`` or ``repair`` with the build shown; events arrive through :meth:`show_event`."""
         choice = self.choice()
-        if self.layout is None or choice is None or self.running():
+        if self.install_layout is None or choice is None or self.running():
             return
         self.log.clear()
         self.result.setText("")
         self.result.hide()
         self.progress.setValue(0)
         self.step = (1, 1)
-        self.worker = SetupJobWorker(self.jobs[name], self.layout, choice, self)
+        self.worker = SetupJobWorker(self.jobs[name], self.install_layout, choice, self)
         self.worker.setup_event.connect(self.show_event)
         self.worker.finished.connect(self._job_ended)
         self.worker.start()
@@ -285,6 +291,7 @@ class SetupView(QWidget):
             self.progress.setValue(STEPS)
             restart = " Restart TuneDeck to use it." if event.restart_needed or torch_missing() else ""
             self._finish(f"✔ {event.summary}.{restart}", "#1b7f3b")
+            self.installed.emit()
         elif isinstance(event, SetupFailed):
             self._finish(f"✘ {event.message}" + (f"\n{event.hint}" if event.hint else ""), "#b00020")
         elif isinstance(event, SetupCancelled):

@@ -129,6 +129,8 @@ def test_install_shows_uv_progress_and_log(qtbot: Any, tasks: TaskRunner, tmp_pa
     view = make_view(qtbot, tasks, layout, RTX_5090)
     values: list[int] = []
     view.progress.valueChanged.connect(values.append)
+    announced: list[bool] = []
+    view.installed.connect(lambda: announced.append(True))
     qtbot.mouseClick(view.install_button, Qt.MouseButton.LeftButton)
     assert view.cancel_button.isEnabled() and not view.install_button.isEnabled()
     qtbot.waitUntil(lambda: not view.running(), timeout=20_000)
@@ -137,7 +139,7 @@ def test_install_shows_uv_progress_and_log(qtbot: Any, tasks: TaskRunner, tmp_pa
     assert 0 < min(v for v in values if v) < STEPS and values[-1] == STEPS, values
     log = view.log.toPlainText()
     assert "Prepared torch" in log and "Installed 3 packages" in log
-    assert layout.read_marker()["torch_build"] == "cu128"
+    assert layout.read_marker()["torch_build"] == "cu128" and announced == [True]
     assert view.install_button.isEnabled() and not view.cancel_button.isEnabled()
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     assert view.grab().save(str(SCREENSHOTS / "setup_view.png"))
