@@ -112,7 +112,9 @@ class SetupView(QWidget):
         self.gpu_label, self.driver_label, self.reason_label = QLabel("Detecting…"), QLabel("…"), QLabel("")
         self.space_label, self.folder_label = (
             QLabel(""),
-            QLabel(str(self.install_layout.root) if self.install_layout else ""),
+            QLabel(
+                str(self.install_layout.root) if self.install_layout else "not an installation (developer checkout)"
+            ),
         )
         self.warnings = QLabel("")
         for label in (self.gpu_label, self.driver_label, self.reason_label, self.space_label, self.folder_label,
@@ -179,7 +181,7 @@ class SetupView(QWidget):
     def show_driver(self, driver: DriverInfo) -> None:
         self.driver = driver
         gpus = [f"{gpu.name} ({gpu.sm})" for gpu in driver.gpus]
-        self.gpu_label.setText(", ".join(gpus) or "no NVIDIA GPU found" + (f" ({driver.note})" if driver.note else ""))
+        self.gpu_label.setText(", ".join(gpus) or "no NVIDIA GPU found")  # why not: in the choice's reason
         cuda = "{}.{}".format(*driver.cuda_version) if driver.cuda_version else "unknown"
         self.driver_label.setText(
             f"{driver.driver_version or 'unknown'}, supports CUDA {cuda}" if driver.source != "none" else "none"
