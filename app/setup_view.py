@@ -106,20 +106,25 @@ class SetupView(QWidget):
         self._update_buttons()
 
     def _build_ui(self) -> None:
-        title = QLabel("<h2>GPU setup</h2>")
         self.status = QLabel(self._status_text())
-        self.status.setWordWrap(True)
-        self.gpu_label, self.driver_label, self.reason_label = QLabel("Detecting…"), QLabel("…"), QLabel("")
-        self.space_label, self.folder_label = (
-            QLabel(""),
-            QLabel(
-                str(self.install_layout.root) if self.install_layout else "not an installation (developer checkout)"
-            ),
-        )
-        self.warnings = QLabel("")
-        for label in (self.gpu_label, self.driver_label, self.reason_label, self.space_label, self.folder_label,
-                      self.warnings):  # fmt: skip
+        self.warnings, self.stage, self.result = QLabel(""), QLabel(""), QLabel("")
+        for label in (self.status, self.warnings, self.result):
             label.setWordWrap(True)
+        for empty in (self.warnings, self.stage, self.result):
+            empty.hide()  # shown when they have something to say: no blank gaps
+        page = QVBoxLayout(self)
+        page.addWidget(QLabel("<h2>GPU setup</h2>"))
+        page.addWidget(self.status)
+        page.addLayout(self._detection_form())
+        for part in (self.warnings, self.stage):
+            page.addWidget(part)
+        self._add_job_area(page)
+
+    def _detection_form(self) -> QFormLayout:
+        """GPU, driver, build (with a manual choice), why, disk space and where it goes."""
+        folder = str(self.install_layout.root) if self.install_layout else "not an installation (developer checkout)"
+        self.gpu_label, self.driver_label = QLabel("Detecting…"), QLabel("…")
+        self.reason_label, self.space_label, self.folder_label = QLabel(""), QLabel(""), QLabel(folder)
         self.build_box = QComboBox()
         self.build_box.addItem("Automatic", None)
         for build in BUILDS:
@@ -127,10 +132,20 @@ class SetupView(QWidget):
         self.build_box.setMaximumWidth(260)
         self.build_box.currentIndexChanged.connect(self._show_choice)
         form = QFormLayout()
-        for name, widget in (("GPU", self.gpu_label), ("Driver", self.driver_label), ("torch build", self.build_box),
-                             ("Why", self.reason_label), ("Disk space", self.space_label),
-                             ("Installed in", self.folder_label)):  # fmt: skip
+        rows: list[tuple[str, QWidget]] = [("GPU", self.gpu_label), ("Driver", self.driver_label)]
+        rows += [("torch build", self.build_box), ("Why", self.reason_label), ("Disk space", self.space_label)]
+        rows.append(("Installed in", self.folder_label))
+        for name, widget in rows:
+            if isinstance(widget, QLabel):
+                widget.setWordWrap(True)  # long install paths wrap instead of widening the window
             form.addRow(name, widget)
+        return form
+
+    def _add_job_area(self, page: QVBoxLayout) -> None:
+        """Progress bar, Install / Cancel / Repair, the outcome, and uv's log."""
+        self.progress = QProgressBar()
+        self.progress.setRange(0, STEPS)
+        self.progress.setValue(0)
         self.install_button, self.cancel_button = QPushButton("Install torch"), QPushButton("Cancel")
         self.repair_button = QPushButton("Repair environment")
         self.repair_button.setToolTip("Rebuild the whole environment beside the old one and swap it in when it works")
@@ -141,24 +156,11 @@ class SetupView(QWidget):
         for button in (self.install_button, self.cancel_button, self.repair_button):
             buttons.addWidget(button)
         buttons.addStretch(1)
-        self.progress = QProgressBar()
-        self.progress.setRange(0, STEPS)
-        self.progress.setValue(0)
-        self.stage = QLabel("")
         self.log = QPlainTextEdit()
         self.log.setReadOnly(True)
         self.log.setMaximumBlockCount(5000)
         self.log.setPlaceholderText("uv's output appears here during an install or repair.")
-        self.result = QLabel("")
-        self.result.setWordWrap(True)
-        for empty in (self.warnings, self.stage, self.result):
-            empty.hide()
-        page = QVBoxLayout(self)
-        page.addWidget(title)
-        page.addWidget(self.status)
-        page.addLayout(form)
-        for part in (self.warnings, self.stage, self.progress):
-            page.addWidget(part)
+        page.addWidget(self.progress)
         page.addLayout(buttons)
         page.addWidget(self.result)
         page.addWidget(self.log, 1)
