@@ -10,9 +10,10 @@ step and checks that the same measurement catches it, so the soak test can fail.
 
 from __future__ import annotations
 
+import concurrent.futures
+import multiprocessing
 from pathlib import Path
 
-import pytest
 import torch
 
 from engine import train as train_module
@@ -46,21 +47,33 @@ def rss_slope(model_dir: Path, data: Path, out: Path, steps: int) -> float:
     return float((xs * (ys - ys.mean())).sum() / (xs * xs).sum())
 
 
+def measure_in_fresh_process(model_dir: Path, data: Path, out: Path, steps: int, leak: bool) -> float:
+    """Run ``rss_slope`` in a new interpreter: in a long test session, freed-but-resident heap pages would absorb
+    new allocations and hide growth from RSS."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        return pool.submit(_slope_child, model_dir, data, out, steps, leak).result(timeout=600)
+
+
+def _slope_child(model_dir: Path, data: Path, out: Path, steps: int, leak: bool) -> float:
+    torch.set_num_threads(1)
+    if leak:
+        kept: list[torch.Tensor] = []
+        real = train_module._forward_loss
+
+        def leaky(session, batch, num_items):  # type: ignore[no-untyped-def]
+            kept.append(torch.ones(64 * 1024, device=session.device))  # 256 KiB per forward, never released
+            return real(session, batch, num_items)
+
+        train_module._forward_loss = leaky  # only in this throwaway child process
+    return rss_slope(model_dir, data, out, steps)
+
+
 def test_host_memory_is_flat_over_a_long_run(tiny_model_dir: Path, chat_file: Path, tmp_path: Path) -> None:
-    slope = rss_slope(tiny_model_dir, chat_file, tmp_path, steps=150)
+    slope = measure_in_fresh_process(tiny_model_dir, chat_file, tmp_path, steps=150, leak=False)
     assert abs(slope) < TOLERANCE_BYTES_PER_STEP, f"resident memory grows by {slope / 1024:.1f} KiB per step"
 
 
-def test_the_soak_measurement_catches_a_leak(
-    tiny_model_dir: Path, chat_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    kept: list[torch.Tensor] = []
-    real = train_module._forward_loss
-
-    def leaky(session, batch, num_items):
-        kept.append(torch.ones(64 * 1024, device=session.device))  # 256 KiB per forward, never released
-        return real(session, batch, num_items)
-
-    monkeypatch.setattr(train_module, "_forward_loss", leaky)
-    slope = rss_slope(tiny_model_dir, chat_file, tmp_path, steps=40)
+def test_the_soak_measurement_catches_a_leak(tiny_model_dir: Path, chat_file: Path, tmp_path: Path) -> None:
+    slope = measure_in_fresh_process(tiny_model_dir, chat_file, tmp_path, steps=40, leak=True)
     assert slope > TOLERANCE_BYTES_PER_STEP, f"a 256 KiB/step leak measured as {slope / 1024:.1f} KiB per step"
