@@ -51,7 +51,7 @@ def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("UV_", "VIRTUAL_ENV", "XDG_", "PIP_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("UV_", "VIRTUAL_ENV", "XDG_", "PIP_", "TUNEDECK_"))}
     return {**env, "QT_QPA_PLATFORM": "offscreen", **extra}
 
 
