@@ -161,6 +161,11 @@ class SpeedConfig:
     attention_backend: Literal["auto", "varlen", "flash_attn", "flex", "sdpa"] = setting(
         "auto", "attention kernel used when the metadata cache is on", flag="--attention-backend"
     )
+    fused_loss: bool | None = setting(
+        None,
+        "compute the loss and its gradient from the hidden states in chunks, never holding the full logits",
+        flag="--fused-loss",
+    )
 
 
 @dataclass

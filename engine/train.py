@@ -411,7 +411,7 @@ def _longest_document(examples: list[TokenizedExample], rows: list[list[int]]) -
 def _forward_loss(session: Session, batch: PackedBatch, num_items: int) -> torch.Tensor:
     on_device = batch.to(session.device)
     inputs = session.speed.model_inputs(on_device)
-    return session.model(**inputs, labels=on_device.labels, num_items_in_batch=num_items).loss
+    return session.speed.loss(session.model, inputs, on_device.labels, num_items)
 
 
 def _accumulate(session: Session, rows: list[int]) -> tuple[float, list[PackedBatch]]:

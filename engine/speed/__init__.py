@@ -1,11 +1,13 @@
-"""The three speed optimizations behind one controller whose switches can flip between two training steps.
+"""The speed optimizations behind one controller whose switches can flip between two training steps.
 
 Each optimization lives in its own module with a pure core, a fallback and a docstring that says why:
 :mod:`engine.speed.metadata_cache` (packed-sequence metadata built once per batch, zero syncs),
 :mod:`engine.speed.offloaded_checkpoint` (checkpointed layer inputs in host memory, look-ahead prefetch) and
-:mod:`engine.speed.moe_routing` (experts on sorted token slices). They plug into transformers through its
+:mod:`engine.speed.moe_routing` (experts on sorted token slices) and :mod:`engine.speed.fused_loss` (the loss
+and its gradient from the hidden states in chunks, never the full logits). They plug into transformers through its
 registries (attention functions, experts implementations, the gradient-checkpointing function), so switching is
-a change of registered name or checkpoint function: no model reload, no reassigned library method.
+a change of registered name or checkpoint function: no model reload, no reassigned library method. The fused
+loss is the training loop's call to :meth:`SpeedController.loss` instead of the model's own forward.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from engine.config import SpeedConfig
 from engine.model_inputs import stock_model_inputs
 from engine.packing import PackedBatch
-from engine.speed import metadata_cache, moe_routing, offloaded_checkpoint
+from engine.speed import fused_loss, metadata_cache, moe_routing, offloaded_checkpoint
 from engine.speed.offloaded_checkpoint import ActivationOffloader
 
 __all__ = ["SpeedController", "transformers_model"]
@@ -66,6 +68,7 @@ class SpeedController:
         self._state: dict[str, dict[str, Any]] = {}
         self._checkpointing: str | None = None
         self._metadata_backend: str | None = None
+        self._fused_loss = False
         self._auto_checkpointing_tokens = 0
         metadata_cache.register_packed_attention()
         moe_routing.register_experts_implementations()
@@ -78,6 +81,7 @@ class SpeedController:
         self.settings = dataclasses.replace(settings)
         self._apply_metadata_cache(settings)
         self._apply_moe_routing(settings)
+        self._apply_fused_loss(settings)
         self._apply_checkpointing(settings.checkpointing, reason=None)
 
     def _apply_metadata_cache(self, settings: SpeedConfig) -> None:
@@ -101,6 +105,18 @@ class SpeedController:
         if mode == "stock" and settings.moe_routing == "stock":
             reason = f"switched off: transformers' {self.stock_experts or 'default'} experts implementation"
         self._state["moe_routing"] = {"mode": mode, "reason": reason}
+
+    def _apply_fused_loss(self, settings: SpeedConfig) -> None:
+        problem = fused_loss.unsupported_reason(self.hf_model)
+        if settings.fused_loss is False:
+            on, reason = False, "switched off: the model's own head and transformers' loss"
+        elif problem is not None:
+            on, reason = False, problem
+        else:
+            why = "loss and gradient from the hidden states in chunks: the full logits are never held"
+            on, reason = True, why if settings.fused_loss is None else f"switched on; {why}"
+        self._fused_loss = on
+        self._state["fused_loss"] = {"on": on, "reason": reason}
 
     def _apply_checkpointing(self, requested: str, reason: str | None) -> None:
         mode, why = self._resolve_checkpointing(requested)
@@ -149,6 +165,14 @@ class SpeedController:
             return inputs
         meta = metadata_cache.build_metadata(batch, self.device, self._metadata_backend)
         return metadata_cache.packed_inputs(inputs, meta)
+
+    def loss(
+        self, model: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor, num_items: int | torch.Tensor
+    ) -> torch.Tensor:
+        """The micro-batch loss (sum over counted tokens / ``num_items``), fused when that switch is on."""
+        if self._fused_loss:
+            return fused_loss.fused_causal_lm_loss(model, inputs, labels, num_items)
+        return model(**inputs, labels=labels, num_items_in_batch=num_items).loss
 
     def state(self) -> dict[str, Any]:
         """Resolved choices, each with a one-line reason."""

@@ -1,0 +1,221 @@
+"""Fused linear cross-entropy: the causal-LM loss from the last hidden states, never holding the full logits.
+
+Why: transformers computes ``logits = lm_head(hidden)`` for every token, upcasts them to float32 and lets
+cross-entropy keep its own float32 softmax for the backward. That is about 12 bytes per token per vocabulary
+entry (16-bit logits, their float32 copy, the float32 gradient): at 16k tokens × 152k vocabulary (Qwen3-0.6B)
+about 30 GB, far more than the model and its activations. Here the tokens go through the head in chunks; each
+chunk's logits give its log-sum-exp, its share of the loss sum and, in the same pass, its gradients with respect
+to the hidden states (and the head weight when that trains), after which the chunk's logits are dropped. Only
+the gradients (tokens × hidden, and vocab × hidden when the head trains) are kept for the backward, which just
+scales them by the incoming gradient. Positions whose label is ignored never reach the head at all.
+
+Numerics follow the stock path: each chunk's logits are computed in the model's dtype, then upcast to float32
+for the log-sum-exp and softmax, and the float32 gradient is cast back to the model's dtype before the matmuls
+that carry it to the hidden states, as autograd does through ``logits.float()``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+__all__ = [
+    "IGNORE_INDEX",
+    "LinearCrossEntropy",
+    "choose_chunk_size",
+    "fused_causal_lm_loss",
+    "linear_cross_entropy",
+    "linear_cross_entropy_sum",
+    "unsupported_reason",
+]
+
+IGNORE_INDEX = -100
+CHUNK_LOGIT_BYTES = 256 * 2**20
+"""Float32 bytes one chunk's logits may take; its softmax gradient takes as much again, its 16-bit logits half."""
+MIN_CHUNK_TOKENS = 16
+
+
+def choose_chunk_size(num_tokens: int, vocab_size: int, budget_bytes: int = CHUNK_LOGIT_BYTES) -> int:
+    """Tokens per chunk: as many as keep one chunk's float32 logits within ``budget_bytes``, in multiples of 16.
+
+    A large chunk keeps the head's matmul efficient; the budget (a few hundred MB of working set) keeps it
+    small against the model next to the full logits it replaces (30 GB at 16k × 152k).
+    """
+    fit = max(MIN_CHUNK_TOKENS, budget_bytes // (4 * max(1, vocab_size)) // MIN_CHUNK_TOKENS * MIN_CHUNK_TOKENS)
+    return max(1, min(num_tokens, fit))
+
+
+def _chunk_loss_and_grad(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    scale: float,
+    need_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(float32 loss sum, d(scale · loss sum)/d logits in the model dtype or None) for one chunk of tokens."""
+    logits = F.linear(hidden, weight, bias).float()
+    lse = torch.logsumexp(logits, dim=-1)
+    valid = labels != IGNORE_INDEX
+    safe = torch.where(valid, labels, 0)
+    target = logits.gather(1, safe[:, None]).squeeze(1)
+    loss_sum = torch.where(valid, lse - target, 0.0).sum()
+    if not need_grad:
+        return loss_sum, None
+    # softmax - one_hot, zero on ignored rows, times the scale, written over the logits' own buffer
+    grad = logits.sub_(lse[:, None]).exp_()
+    grad.scatter_add_(1, safe[:, None], torch.full_like(lse, -1.0)[:, None])
+    grad.mul_((valid.to(grad.dtype) * scale)[:, None])
+    return loss_sum, grad.to(hidden.dtype)
+
+
+def linear_cross_entropy_sum(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    scale: float = 1.0,
+    chunk_size: int | None = None,
+    weight_grad: bool = False,
+    input_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The pure core: (float32 loss sum, grad hidden, grad weight, grad bias) of ``scale · Σ CE(hidden Wᵀ + b)``.
+
+    ``hidden`` is (N, H), ``weight`` (V, H), ``labels`` (N,) with ``IGNORE_INDEX`` for positions that do not
+    count. Gradients are of the *scaled* sum (scale = 1/num_items gives the mean's gradient); grad weight and
+    grad bias are accumulated in float32 across chunks and returned in the parameters' dtype.
+    """
+    n = hidden.shape[0]
+    chunk = chunk_size or choose_chunk_size(n, weight.shape[0])
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    grad_hidden = torch.empty_like(hidden) if input_grad else None
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if weight_grad else None
+    grad_bias = None
+    if weight_grad and bias is not None:
+        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+    for start in range(0, n, chunk):
+        h = hidden[start : start + chunk]
+        need_grad = input_grad or weight_grad
+        loss_sum, grad_logits = _chunk_loss_and_grad(h, weight, bias, labels[start : start + chunk], scale, need_grad)
+        total += loss_sum
+        if grad_logits is None:
+            continue
+        if grad_hidden is not None:
+            torch.matmul(grad_logits, weight, out=grad_hidden[start : start + chunk])
+        if grad_weight is not None:
+            grad_weight.addmm_(grad_logits.t().float(), h.float())
+        if grad_bias is not None:
+            grad_bias += grad_logits.float().sum(0)
+        del grad_logits
+    grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
+    grad_bias = grad_bias.to(bias.dtype) if grad_bias is not None and bias is not None else None
+    return total, grad_hidden, grad_weight, grad_bias
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """``Σ CE(hidden Wᵀ + b, labels) / divisor`` whose forward already computes the gradients it will need.
+
+    The forward runs :func:`linear_cross_entropy_sum` and saves only grad hidden (and grad weight / bias when
+    they require grad); the backward scales them by the incoming gradient. Under ``torch.no_grad`` no gradient
+    is computed at all.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        labels: torch.Tensor,
+        divisor: float,
+        chunk_size: int | None,
+    ) -> torch.Tensor:
+        needs = ctx.needs_input_grad
+        total, grad_hidden, grad_weight, grad_bias = linear_cross_entropy_sum(
+            hidden,
+            weight,
+            labels,
+            bias=bias,
+            scale=1.0 / divisor,
+            chunk_size=chunk_size,
+            weight_grad=bool(needs[1] or (bias is not None and needs[2])),
+            input_grad=bool(needs[0]),
+        )
+        ctx.grads = (grad_hidden, grad_weight if needs[1] else None, grad_bias if needs[2] else None)
+        return total / divisor
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        grads = []
+        for grad in ctx.grads:
+            grads.append(None if grad is None else grad * grad_output.to(grad.dtype))
+        ctx.grads = None
+        return (*grads, None, None, None)
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    num_items: int | torch.Tensor | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Causal-LM loss from (…, T, H) hidden states and (…, T) unshifted labels, as transformers computes it.
+
+    Labels are shifted the way ``ForCausalLMLoss`` does (position t predicts label t+1, the last position
+    predicts nothing); the result is the float32 loss sum divided by ``num_items``, or the mean over counted
+    positions when it is None. Only positions with a label reach the head (one host sync to count them).
+    """
+    shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    keep = (shifted != IGNORE_INDEX).nonzero().squeeze(1)
+    divisor = float(num_items) if num_items is not None else float(keep.numel())
+    return LinearCrossEntropy.apply(flat.index_select(0, keep), weight, bias, shifted[keep], divisor, chunk_size)
+
+
+def _plain_linear(module: Any) -> bool:
+    """True for a head whose whole forward is ``F.linear(x, weight, bias)`` with a float weight."""
+    if type(module) is not torch.nn.Linear:  # peft LoRA layers, quantized linears and others run their own forward
+        return False
+    return module.weight.is_floating_point()
+
+
+def unsupported_reason(hf_model: Any) -> str | None:
+    """Why the fused loss cannot replace this model's own head and loss, or None when it can."""
+    config = hf_model.config.get_text_config()
+    head = hf_model.get_output_embeddings() if hasattr(hf_model, "get_output_embeddings") else None
+    if head is None or not hasattr(hf_model, "get_decoder"):
+        return f"{type(hf_model).__name__} has no separate decoder and output embedding"
+    if not _plain_linear(head):
+        return f"the output head is a {type(head).__name__} (LoRA or quantized): its own forward is needed"
+    if getattr(config, "final_logit_softcapping", None):
+        return "final logit soft-capping is applied after the head"
+    if getattr(config, "logit_scale", None) not in (None, 1, 1.0) or getattr(config, "logits_scaling", 1.0) != 1.0:
+        return "the logits are rescaled after the head"
+    if getattr(config, "output_router_logits", False):
+        return "the MoE router's auxiliary loss is added to the loss"
+    if getattr(hf_model, "loss_type", "ForCausalLM") not in (None, "ForCausalLM"):
+        return f"the model's loss is {hf_model.loss_type}, not plain causal-LM cross-entropy"
+    return None
+
+
+def fused_causal_lm_loss(
+    model: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor, num_items: int | torch.Tensor | None
+) -> torch.Tensor:
+    """The loss of ``model(**inputs, labels=labels, num_items_in_batch=num_items).loss`` without full logits.
+
+    Runs the decoder (LoRA layers included: they live inside it) without the head, then the fused loss
+    against the output embedding. Callers check :func:`unsupported_reason` first.
+    """
+    from engine.speed import transformers_model
+
+    hf_model = transformers_model(model)
+    head = hf_model.get_output_embeddings()
+    outputs = hf_model.get_decoder()(**inputs, num_items_in_batch=num_items)
+    hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
+    return linear_cross_entropy(hidden, head.weight, labels.to(hidden.device), bias=head.bias, num_items=num_items)

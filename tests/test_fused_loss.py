@@ -1,0 +1,193 @@
+"""The fused linear cross-entropy against a float32 reference, end to end against stock, and its memory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from speed_models import grads, max_relative_error, packed_batch, tiny_lora_model
+from torch.nn import functional as F
+
+from engine.config import SpeedConfig
+from engine.model_inputs import stock_model_inputs
+from engine.speed import SpeedController
+from engine.speed.fused_loss import (
+    IGNORE_INDEX,
+    LinearCrossEntropy,
+    choose_chunk_size,
+    fused_causal_lm_loss,
+    linear_cross_entropy,
+    unsupported_reason,
+)
+
+
+def reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, divisor: float) -> torch.Tensor:
+    """transformers' path: full logits, float32, cross-entropy summed over counted tokens / divisor."""
+    logits = (hidden @ weight.t()).float()
+    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum") / divisor
+
+
+def leaves(n: int, h: int, v: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float64).float().requires_grad_()
+    weight = (torch.randn(v, h, generator=g) * 0.5).requires_grad_()
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[torch.rand(n, generator=g) < 0.3] = IGNORE_INDEX
+    return hidden, weight, labels
+
+
+def loss_and_grads(fn, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[float, torch.Tensor, torch.Tensor]:
+    hidden.grad = weight.grad = None
+    loss = fn()
+    (loss * 0.7).backward()  # a non-unit incoming gradient: the backward must scale the saved gradients
+    return float(loss.detach()), hidden.grad.clone(), weight.grad.clone()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16, 64, 1000])
+def test_core_matches_float32_reference_for_every_chunk_size(chunk: int) -> None:
+    hidden, weight, labels = leaves(61, 24, 97, seed=chunk)  # vocab and tokens not multiples of any chunk
+    divisor = float((labels != IGNORE_INDEX).sum() + 3)
+    want = loss_and_grads(lambda: reference(hidden, weight, labels, divisor), hidden, weight)
+    got = loss_and_grads(lambda: LinearCrossEntropy.apply(hidden, weight, None, labels, divisor, chunk), hidden, weight)
+    assert got[0] == pytest.approx(want[0], rel=1e-5)
+    assert rel(got[1], want[1]) < 1e-5 and rel(got[2], want[2]) < 1e-5
+    ignored = labels == IGNORE_INDEX
+    assert torch.all(got[1][ignored] == 0)
+
+
+def test_tied_embeddings_get_both_gradients() -> None:
+    """Tied input/output embeddings: the weight's gradient is the sum of the lookup's and the head's."""
+    g = torch.Generator().manual_seed(3)
+    table = torch.randn(50, 12, generator=g, requires_grad=True)
+    ids = torch.randint(0, 50, (2, 9), generator=g)
+    labels = torch.randint(0, 50, (2, 9), generator=g)
+    labels[0, :3] = IGNORE_INDEX
+
+    def run(fused: bool) -> tuple[float, torch.Tensor]:
+        table.grad = None
+        hidden = torch.tanh(F.embedding(ids, table))
+        if fused:
+            loss = linear_cross_entropy(hidden, table, labels, num_items=11, chunk_size=4)
+        else:
+            shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
+            loss = reference(hidden.reshape(-1, 12), table, shifted, 11.0)
+        loss.backward()
+        return float(loss), table.grad.clone()
+
+    (want, want_grad), (got, got_grad) = run(False), run(True)
+    assert got == pytest.approx(want, rel=1e-5) and rel(got_grad, want_grad) < 1e-5
+
+
+def test_mean_without_num_items_and_no_gradient_under_no_grad() -> None:
+    hidden, weight, labels = leaves(20, 8, 31, seed=5)
+    want = F.cross_entropy(hidden[:-1] @ weight.t(), labels[1:], ignore_index=IGNORE_INDEX)
+    with torch.no_grad():
+        got = linear_cross_entropy(hidden, weight, labels, chunk_size=6)
+    assert not got.requires_grad and float(got) == pytest.approx(float(want), rel=1e-5)
+
+
+def test_chunk_size_keeps_float32_logits_within_budget() -> None:
+    assert choose_chunk_size(16384, 151936) * 151936 * 4 <= 256 * 2**20
+    assert choose_chunk_size(16384, 151936) % 16 == 0
+    assert choose_chunk_size(10, 256) == 10
+
+
+def test_tiny_llama_with_lora_matches_stock_loss_and_gradients() -> None:
+    model = tiny_lora_model("llama")
+    batch = packed_batch((5, 11, 8))
+    inputs = stock_model_inputs(model, batch)
+    model.zero_grad(set_to_none=True)
+    stock = model(**inputs, labels=batch.labels, num_items_in_batch=batch.trained_tokens).loss
+    stock.backward()
+    want = grads(model)
+    model.zero_grad(set_to_none=True)
+    fused = fused_causal_lm_loss(model, inputs, batch.labels, batch.trained_tokens)
+    fused.backward()
+    assert float(fused) == pytest.approx(float(stock), rel=1e-5)
+    assert max_relative_error(grads(model), want) < 1e-5
+
+
+def test_controller_switch_and_fallbacks() -> None:
+    model = tiny_lora_model("llama")
+    ctl = SpeedController(model, SpeedConfig(), torch.device("cpu"))
+    assert ctl.state()["fused_loss"]["on"]
+    ctl.apply(SpeedConfig(fused_loss=False))
+    assert ctl.state()["fused_loss"] == {
+        "on": False,
+        "reason": "switched off: the model's own head and transformers' loss",
+    }
+    softcapped = tiny_lora_model("llama")
+    softcapped.base_model.model.config.final_logit_softcapping = 30.0
+    assert "soft-capping" in unsupported_reason(softcapped.base_model.model)
+
+
+def test_lora_on_the_head_falls_back_with_a_reason() -> None:
+    from peft import LoraConfig, get_peft_model
+    from speed_models import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(
+        AutoModelForCausalLM.from_config(tiny_config("llama")), LoraConfig(target_modules=["lm_head"])
+    )
+    ctl = SpeedController(model, SpeedConfig(fused_loss=True), torch.device("cpu"))
+    assert not ctl.state()["fused_loss"]["on"] and "LoRA" in ctl.state()["fused_loss"]["reason"]
+
+
+class LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the largest tensor any operation produces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_fused_path_never_materialises_tokens_times_vocab() -> None:
+    n, h, v, chunk = 512, 16, 4096, 32
+    hidden, weight, labels = leaves(n, h, v, seed=9)
+    weight.requires_grad_(False)
+    for fused in (True, False):
+        with LargestTensor() as mode:
+            loss = (
+                LinearCrossEntropy.apply(hidden, weight, None, labels, 100.0, chunk)
+                if fused
+                else reference(hidden, weight, labels, 100.0)
+            )
+            loss.backward()
+        if fused:
+            assert mode.largest <= max(chunk * v, n * h)  # one chunk's logits at most
+        else:
+            assert mode.largest >= n * v  # the check can see full logits when they exist
+
+
+def test_switch_flipped_mid_run_keeps_the_loss_curve(tiny_model_dir: Path, chat_file: Path, tmp_path: Path) -> None:
+    from test_train import assert_same_curve, finish, losses, make_config
+
+    from engine.control import RunControl
+    from engine.events import SpeedChanged, StepMetrics
+    from engine.train import run
+
+    stock = make_config(tiny_model_dir, chat_file, tmp_path / "a", max_steps=4)
+    stock.speed.fused_loss = False
+    reference_dir = Path(finish(run(stock))[-1].run_dir)
+    control = RunControl()
+    changes = []
+    for event in run(make_config(tiny_model_dir, chat_file, tmp_path / "b", max_steps=4), control=control):
+        if isinstance(event, StepMetrics) and event.step == 2:
+            control.request_speed(SpeedConfig(fused_loss=False))
+        if isinstance(event, SpeedChanged):
+            changes.append(event)
+    assert [c.step for c in changes] == [0, 2]
+    assert changes[0].state["fused_loss"]["on"] and not changes[1].state["fused_loss"]["on"]
+    assert_same_curve(losses(tmp_path / "b" / "run"), losses(reference_dir))
