@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from speed_models import grads, max_relative_error, packed_batch, tiny_lora_model
+from speed_models import VOCAB, grads, max_relative_error, packed_batch, tiny_lora_model
 from torch.nn import functional as F
 
 from engine.config import SpeedConfig
@@ -97,19 +97,28 @@ def test_chunk_size_keeps_float32_logits_within_budget() -> None:
     assert choose_chunk_size(10, 256) == 10
 
 
-def test_tiny_llama_with_lora_matches_stock_loss_and_gradients() -> None:
-    model = tiny_lora_model("llama")
+@pytest.mark.parametrize(
+    ("model_type", "tied", "dtype"),
+    [("llama", False, torch.float32), ("qwen3", True, torch.float32), ("qwen3", True, torch.bfloat16)],
+)
+def test_tiny_model_with_lora_matches_stock_loss_and_gradients(model_type: str, tied: bool, dtype: torch.dtype) -> None:
+    model = tiny_lora_model(model_type, tie_word_embeddings=tied).to(dtype)
+    if tied:  # the tied table trains too: it gets the lookup's and the head's gradient
+        model.get_input_embeddings().weight.requires_grad_(True)
     batch = packed_batch((5, 11, 8))
     inputs = stock_model_inputs(model, batch)
     model.zero_grad(set_to_none=True)
     stock = model(**inputs, labels=batch.labels, num_items_in_batch=batch.trained_tokens).loss
     stock.backward()
-    want = grads(model)
+    want = {k: v.float() for k, v in grads(model).items()}
     model.zero_grad(set_to_none=True)
     fused = fused_causal_lm_loss(model, inputs, batch.labels, batch.trained_tokens)
     fused.backward()
+    got = {k: v.float() for k, v in grads(model).items()}
+    assert fused.dtype == stock.dtype == torch.float32
     assert float(fused) == pytest.approx(float(stock), rel=1e-5)
-    assert max_relative_error(grads(model), want) < 1e-5
+    assert max_relative_error(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert not tied or any("embed_tokens" in k for k in got)
 
 
 def test_controller_switch_and_fallbacks() -> None:
@@ -139,16 +148,17 @@ def test_lora_on_the_head_falls_back_with_a_reason() -> None:
 
 
 class LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the largest tensor any operation produces."""
+    """Records the largest tensor any operation produces (only those with a dimension ``of_size`` when given)."""
 
-    def __init__(self) -> None:
+    def __init__(self, of_size: int | None = None) -> None:
         super().__init__()
         self.largest = 0
+        self.of_size = of_size
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and (self.of_size is None or self.of_size in t.shape):
                 self.largest = max(self.largest, t.numel())
         return out
 
@@ -169,6 +179,24 @@ def test_fused_path_never_materialises_tokens_times_vocab() -> None:
             assert mode.largest <= max(chunk * v, n * h)  # one chunk's logits at most
         else:
             assert mode.largest >= n * v  # the check can see full logits when they exist
+
+
+def test_model_path_never_materialises_tokens_times_vocab() -> None:
+    model = tiny_lora_model("llama")
+    batch = packed_batch((30, 40, 26))
+    inputs = stock_model_inputs(model, batch)
+    tokens, chunk = batch.input_ids.numel(), 16
+    for fused in (True, False):
+        with LargestTensor(of_size=VOCAB) as mode:
+            if fused:
+                loss = fused_causal_lm_loss(model, inputs, batch.labels, batch.trained_tokens, chunk_size=chunk)
+            else:
+                loss = model(**inputs, labels=batch.labels, num_items_in_batch=batch.trained_tokens).loss
+            loss.backward()
+        if fused:  # one chunk's logits, or the head's own (vocab × hidden) weight
+            assert mode.largest <= max(chunk * VOCAB, model.get_output_embeddings().weight.numel())
+        else:
+            assert mode.largest >= tokens * VOCAB
 
 
 def test_switch_flipped_mid_run_keeps_the_loss_curve(tiny_model_dir: Path, chat_file: Path, tmp_path: Path) -> None:

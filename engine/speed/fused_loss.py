@@ -205,12 +205,17 @@ def unsupported_reason(hf_model: Any) -> str | None:
 
 
 def fused_causal_lm_loss(
-    model: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor, num_items: int | torch.Tensor | None
+    model: torch.nn.Module,
+    inputs: dict[str, Any],
+    labels: torch.Tensor,
+    num_items: int | torch.Tensor | None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """The loss of ``model(**inputs, labels=labels, num_items_in_batch=num_items).loss`` without full logits.
 
     Runs the decoder (LoRA layers included: they live inside it) without the head, then the fused loss
-    against the output embedding. Callers check :func:`unsupported_reason` first.
+    against the output embedding. Callers check :func:`unsupported_reason` first; ``chunk_size`` defaults to
+    :func:`choose_chunk_size`.
     """
     from engine.speed import transformers_model
 
@@ -218,4 +223,5 @@ def fused_causal_lm_loss(
     head = hf_model.get_output_embeddings()
     outputs = hf_model.get_decoder()(**inputs, num_items_in_batch=num_items)
     hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
-    return linear_cross_entropy(hidden, head.weight, labels.to(hidden.device), bias=head.bias, num_items=num_items)
+    labels = labels.to(hidden.device)
+    return linear_cross_entropy(hidden, head.weight, labels, bias=head.bias, num_items=num_items, chunk_size=chunk_size)
