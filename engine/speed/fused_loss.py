@@ -85,8 +85,8 @@ def linear_cross_entropy_sum(
     """The pure core: (float32 loss sum, grad hidden, grad weight, grad bias) of ``scale · Σ CE(hidden Wᵀ + b)``.
 
     ``hidden`` is (N, H), ``weight`` (V, H), ``labels`` (N,) with ``IGNORE_INDEX`` for positions that do not
-    count. Gradients are of the *scaled* sum (scale = 1/num_items gives the mean's gradient); grad weight and
-    grad bias are accumulated in float32 across chunks and returned in the parameters' dtype.
+    count. Gradients are of the *scaled* sum; grad hidden comes in the hidden states' dtype, grad weight and
+    grad bias are accumulated and returned in float32.
     """
     n = hidden.shape[0]
     chunk = chunk_size or choose_chunk_size(n, weight.shape[0])
@@ -110,8 +110,6 @@ def linear_cross_entropy_sum(
         if grad_bias is not None:
             grad_bias += grad_logits.float().sum(0)
         del grad_logits
-    grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
-    grad_bias = grad_bias.to(bias.dtype) if grad_bias is not None and bias is not None else None
     return total, grad_hidden, grad_weight, grad_bias
 
 
@@ -120,7 +118,10 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     The forward runs :func:`linear_cross_entropy_sum` and saves only grad hidden (and grad weight / bias when
     they require grad); the backward scales them by the incoming gradient. Under ``torch.no_grad`` no gradient
-    is computed at all.
+    is computed at all. The saved gradients are those of the plain sum and the backward applies
+    ``grad_output / divisor`` in float32: a float16 run's loss scale (65536, above float16's largest value) and
+    the 1/num_items factor never meet a 16-bit tensor on their own, so nothing overflows or flushes to zero
+    that the stock path would keep.
     """
 
     @staticmethod
@@ -139,19 +140,22 @@ class LinearCrossEntropy(torch.autograd.Function):
             weight,
             labels,
             bias=bias,
-            scale=1.0 / divisor,
+            scale=1.0,
             chunk_size=chunk_size,
             weight_grad=bool(needs[1] or (bias is not None and needs[2])),
             input_grad=bool(needs[0]),
         )
         ctx.grads = (grad_hidden, grad_weight if needs[1] else None, grad_bias if needs[2] else None)
+        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        ctx.divisor = divisor
         return total / divisor
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        factor = grad_output.float() / ctx.divisor
         grads = []
-        for grad in ctx.grads:
-            grads.append(None if grad is None else grad * grad_output.to(grad.dtype))
+        for grad, dtype in zip(ctx.grads, ctx.dtypes, strict=True):
+            grads.append(None if grad is None else (grad.float() * factor).to(dtype))
         ctx.grads = None
         return (*grads, None, None, None)
 
