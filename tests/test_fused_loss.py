@@ -101,6 +101,13 @@ def test_float16_loss_scale_neither_overflows_nor_flushes_gradients() -> None:
     assert torch.isfinite(got).all() and rel(got.float(), exact) < 2e-3
 
 
+def test_a_micro_batch_with_nothing_to_learn_gives_zero_loss_and_zero_gradient() -> None:
+    hidden = torch.randn(2, 5, 8, requires_grad=True)
+    loss = linear_cross_entropy(hidden, torch.randn(11, 8), torch.full((2, 5), IGNORE_INDEX), num_items=7)
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and torch.all(hidden.grad == 0)
+
+
 def test_chunk_size_keeps_float32_logits_within_budget() -> None:
     assert choose_chunk_size(16384, 151936) * 151936 * 4 <= 256 * 2**20
     assert choose_chunk_size(16384, 151936) % 16 == 0
