@@ -130,7 +130,9 @@ def lora_loss_and_grads(model_type: str, tied: bool, dtype: torch.dtype, fused: 
     return float(loss), {k: v.float() for k, v in grads(model).items()}
 
 
-@pytest.mark.parametrize(("model_type", "tied"), [("llama", False), ("qwen3", True)])
+@pytest.mark.parametrize(
+    ("model_type", "tied"), [("llama", False), ("qwen3", True), ("qwen3_moe", False), ("gpt_oss", False)]
+)
 def test_tiny_model_with_lora_matches_stock_loss_and_gradients(model_type: str, tied: bool) -> None:
     stock_loss, stock_grads = lora_loss_and_grads(model_type, tied, torch.float32, fused=False)
     fused_loss, fused_grads = lora_loss_and_grads(model_type, tied, torch.float32, fused=True)
@@ -159,6 +161,10 @@ def test_controller_switch_and_fallbacks() -> None:
     softcapped = tiny_lora_model("llama")
     softcapped.base_model.model.config.final_logit_softcapping = 30.0
     assert "soft-capping" in unsupported_reason(softcapped.base_model.model)
+    routed = tiny_lora_model("qwen3_moe")
+    assert unsupported_reason(routed.base_model.model) is None
+    routed.base_model.model.config.output_router_logits = True
+    assert "auxiliary loss" in unsupported_reason(routed.base_model.model)
 
 
 def test_lora_on_the_head_falls_back_with_a_reason() -> None:
