@@ -2,7 +2,7 @@
 
 Each optimization lives in its own module with a pure core, a fallback and a docstring that says why:
 :mod:`engine.speed.metadata_cache` (packed-sequence metadata built once per batch, zero syncs),
-:mod:`engine.speed.offloaded_checkpoint` (checkpointed layer inputs in host memory, look-ahead prefetch) and
+:mod:`engine.speed.offloaded_checkpoint` (checkpointed layer inputs in host memory, look-ahead prefetch),
 :mod:`engine.speed.moe_routing` (experts on sorted token slices) and :mod:`engine.speed.fused_loss` (the loss
 and its gradient from the hidden states in chunks, never the full logits). They plug into transformers through its
 registries (attention functions, experts implementations, the gradient-checkpointing function), so switching is
