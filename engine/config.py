@@ -163,7 +163,8 @@ class SpeedConfig:
     )
     fused_loss: bool | None = setting(
         None,
-        "compute the loss and its gradient from the hidden states in chunks, never holding the full logits",
+        "compute the loss and its gradient from the hidden states in chunks, never holding the full logits "
+        "(automatic: off)",
         flag="--fused-loss",
     )
 

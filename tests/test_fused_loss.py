@@ -152,6 +152,8 @@ def test_bfloat16_stays_within_the_stock_paths_own_rounding_noise() -> None:
 def test_controller_switch_and_fallbacks() -> None:
     model = tiny_lora_model("llama")
     ctl = SpeedController(model, SpeedConfig(), torch.device("cpu"))
+    assert not ctl.state()["fused_loss"]["on"], "automatic is opt-in until measured on GPUs"
+    ctl.apply(SpeedConfig(fused_loss=True))
     assert ctl.state()["fused_loss"]["on"]
     ctl.apply(SpeedConfig(fused_loss=False))
     assert ctl.state()["fused_loss"] == {
@@ -243,7 +245,9 @@ def test_switch_flipped_mid_run_keeps_the_loss_curve(tiny_model_dir: Path, chat_
     reference_dir = Path(finish(run(stock))[-1].run_dir)
     control = RunControl()
     changes = []
-    for event in run(make_config(tiny_model_dir, chat_file, tmp_path / "b", max_steps=4), control=control):
+    fused = make_config(tiny_model_dir, chat_file, tmp_path / "b", max_steps=4)
+    fused.speed.fused_loss = True
+    for event in run(fused, control=control):
         if isinstance(event, StepMetrics) and event.step == 2:
             control.request_speed(SpeedConfig(fused_loss=False))
         if isinstance(event, SpeedChanged):
