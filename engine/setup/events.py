@@ -5,17 +5,14 @@ The CLI prints them, the app's setup view re-emits them as Qt signals, the tests
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any
+
+from engine.events import Event
 
 
 @dataclass(frozen=True)
-class SetupEvent:
+class SetupEvent(Event):
     """Base of every setup event."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": type(self).__name__, **dataclasses.asdict(self)}
 
 
 @dataclass(frozen=True)
