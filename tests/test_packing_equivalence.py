@@ -4,20 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from speed_models import COMMON, VOCAB
 
 from engine.model_inputs import stock_model_inputs
 from engine.packing import IGNORE_INDEX, TokenizedExample, collate
 
-VOCAB = 256
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
 CONFIGS = {
     "llama": {},
     "qwen3": {"head_dim": 16},

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from engine.hardware.detect import running_under_wsl
+
 MODES = ("none", "standard", "offloaded")
 MIN_OFFLOAD_BYTES = 8 << 20
 """Below 8 MiB per layer input (e.g. 4k tokens × 1k hidden in bf16) offloading saves too little to pay for itself."""
@@ -41,14 +43,6 @@ def default_pinned_budget() -> int:
     except (ValueError, OSError, AttributeError):
         total = 16 << 30
     return total // 8 if running_under_wsl() else total // 2
-
-
-def running_under_wsl() -> bool:
-    try:
-        with open("/proc/version", encoding="utf-8") as f:
-            return "microsoft" in f.read().lower()
-    except OSError:
-        return False
 
 
 def offload_unsupported_reason(device: torch.device) -> str | None:
