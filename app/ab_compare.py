@@ -15,18 +15,24 @@ from dataclasses import dataclass, field
 
 from engine.config import SpeedConfig
 
-SWITCHES = ("metadata_cache", "checkpointing", "moe_routing")
 TITLES = {
     "metadata_cache": "Packed-sequence metadata caching",
+    "fused_loss": "Fused loss (no full logits)",
+    "fused_kernels": "Fused per-token kernels",
     "checkpointing": "Offloaded activation checkpointing",
+    "chunked_mlp": "MLP in sequence chunks (long context)",
     "moe_routing": "MoE routing on sorted tokens",
 }
+ON_OFF_SWITCHES = ("metadata_cache", "fused_loss", "fused_kernels", "chunked_mlp")
+"""Switches that are simply on or off (the others choose between modes)."""
+SWITCHES = tuple(name for name in TITLES if name in {f.name for f in dataclasses.fields(SpeedConfig)})
+"""The switches this engine has, in the order the speed page lists them."""
 
 
 def switch_settings(base: SpeedConfig, switch: str, on: bool) -> SpeedConfig:
     """``base`` with one switch on or off; checkpointing compares offloaded against standard recompute."""
-    if switch == "metadata_cache":
-        return dataclasses.replace(base, metadata_cache=on)
+    if switch in ON_OFF_SWITCHES:
+        return dataclasses.replace(base, **{switch: on})
     if switch == "checkpointing":
         return dataclasses.replace(base, checkpointing="offloaded" if on else "standard")
     if switch == "moe_routing":
@@ -40,7 +46,7 @@ def nothing_to_do(switch: str, state: dict[str, dict[str, object]]) -> str | Non
     reason = str(entry.get("reason", ""))
     if switch == "moe_routing" and "no MoE" in reason:
         return reason
-    if switch == "metadata_cache" and not entry.get("on") and not reason.startswith("switched off"):
+    if switch in ON_OFF_SWITCHES and not entry.get("on") and not reason.startswith(("switched off", "automatic")):
         return reason or "not supported by this model"
     if switch == "checkpointing" and "offloaded requested but" in reason:
         return reason

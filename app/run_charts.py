@@ -1,5 +1,8 @@
 """The live charts of a run: data is appended into plain buffers as events arrive and drawn on a timer.
 
+Memory and GPU load have one lane per GPU (a run on two cards draws two memory and two utilisation lines), so
+an imbalance between the cards shows at a glance.
+
 Drawing on every event would redraw up to hundreds of times a second on a fast GPU. Instead a timer redraws at
 most one changed chart per tick: repainting all four at once took 50-90 ms on a busy two-core machine (enough
 to make the window stutter), one chart takes 3-13 ms. Lines are drawn without antialiasing for the same reason
@@ -20,6 +23,45 @@ from PySide6.QtWidgets import QGridLayout, QWidget
 GIB = 1 << 30
 REDRAW_MS = 80
 CHARTS = ("loss", "speed", "memory", "gpu")
+LANE_COLORS = ("#9467bd", "#2ca02c", "#1f77b4", "#ff7f0e", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22")
+LANE_FIELDS = ("t", "used", "total", "gpu_t", "util", "temp")
+
+
+class Lane:
+    """One GPU's (or, on a CPU run, the process's) memory and load curves and their data."""
+
+    def __init__(self, charts: RunCharts, label: str, color: str, single: bool) -> None:
+        self.buffers: dict[str, list[float]] = {name: [] for name in LANE_FIELDS}
+        dashed = pg.QtCore.Qt.PenStyle.DashLine
+        prefix = "" if single else f"{label} "
+        util_color, temp_color = ("#2ca02c", "#ff7f0e") if single else (color, color)
+        self.used = charts.memory.plot(antialias=False, pen=pg.mkPen(color, width=2), name=f"{prefix}used")
+        self.total = charts.memory.plot(
+            antialias=False, pen=pg.mkPen("#999" if single else color, style=dashed), name=f"{prefix}total"
+        )
+        self.util = charts.gpu.plot(
+            antialias=False,
+            pen=pg.mkPen(util_color, width=2),
+            name=f"{prefix}utilisation %" if single else f"{label} %",
+        )
+        self.temp = charts.gpu.plot(
+            antialias=False,
+            pen=pg.mkPen(
+                temp_color, width=2 if single else 1, style=pg.QtCore.Qt.PenStyle.SolidLine if single else dashed
+            ),
+            name="temperature °C" if single else f"{label} °C",
+        )
+
+    def draw_memory(self) -> None:
+        b = self.buffers
+        self.used.setData(b["t"], b["used"])
+        if any(b["total"]):
+            self.total.setData(b["t"], b["total"])
+
+    def draw_gpu(self) -> None:
+        b = self.buffers
+        self.util.setData(b["gpu_t"], b["util"])
+        self.temp.setData(b["gpu_t"], b["temp"])
 
 
 def configure_plots() -> None:
@@ -41,12 +83,6 @@ class RunCharts(QWidget):
             plot.addLegend(offset=(-10, 10))
         self.train_curve = self.loss.plot(antialias=False, pen=pg.mkPen("#1f77b4", width=2), name="train")
         self.eval_curve = self.loss.plot(antialias=False, pen=None, symbol="o", symbolBrush="#d62728", name="eval")
-        self.used_curve = self.memory.plot(antialias=False, pen=pg.mkPen("#9467bd", width=2), name="used")
-        self.total_curve = self.memory.plot(
-            antialias=False, pen=pg.mkPen("#999", style=pg.QtCore.Qt.PenStyle.DashLine), name="total"
-        )
-        self.util_curve = self.gpu.plot(antialias=False, pen=pg.mkPen("#2ca02c", width=2), name="utilisation %")
-        self.temp_curve = self.gpu.plot(antialias=False, pen=pg.mkPen("#ff7f0e", width=2), name="temperature °C")
         self.throttle_dots = self.gpu.plot(
             antialias=False, pen=None, symbol="t", symbolBrush="#d62728", name="throttled"
         )
@@ -57,6 +93,8 @@ class RunCharts(QWidget):
         layout.addWidget(self.memory, 1, 0)
         layout.addWidget(self.gpu, 1, 1)
         self.buffers: dict[str, list[float]] = {}
+        self.lanes: dict[int | None, Lane] = {}
+        self.gpu_indices: tuple[int, ...] = ()
         self.marks: list[tuple[int, str]] = []
         self._drawn_marks = 0
         self._dirty: set[str] = set()
@@ -74,9 +112,14 @@ class RunCharts(QWidget):
         return plot
 
     def clear(self) -> None:
-        names = ("step", "loss", "eval_step", "eval_loss", "t", "used", "total", "gpu_t", "util", "temp",
-                 "throttle_t", "throttle_y", "speed_step", "speed")  # fmt: skip
+        names = ("step", "loss", "eval_step", "eval_loss", "throttle_t", "throttle_y", "speed_step", "speed")
         self.buffers = {name: [] for name in names}
+        for lane in self.lanes.values():
+            for curve in (lane.used, lane.total):
+                self.memory.removeItem(curve)
+            for curve in (lane.util, lane.temp):
+                self.gpu.removeItem(curve)
+        self.lanes = {}
         for line in getattr(self, "_mark_lines", []):
             self.speed.removeItem(line)
         self._mark_lines: list[Any] = []
@@ -90,13 +133,40 @@ class RunCharts(QWidget):
     def add_eval(self, step: int, loss: float) -> None:
         self._append("loss", eval_step=step, eval_loss=loss)
 
-    def add_memory(self, time_s: float, used_bytes: int, total_bytes: int | None) -> None:
-        self._append("memory", t=time_s, used=used_bytes / GIB, total=(total_bytes or 0) / GIB)
+    @property
+    def used_curve(self) -> Any:
+        """The first lane's memory line (the only one on a one-GPU or CPU run)."""
+        first = self.gpu_indices[0] if self.gpu_indices else None
+        return self._lane(next(iter(self.lanes), first)).used
 
-    def add_gpu(self, time_s: float, utilization: float | None, temperature: float | None, throttled: bool) -> None:
+    def set_gpus(self, indices: tuple[int, ...]) -> None:
+        """The cards of the next run: with more than one, every lane is labelled with its GPU."""
+        self.gpu_indices = tuple(indices)
+
+    def lane_buffers(self, gpu_index: int | None) -> dict[str, list[float]]:
+        return self._lane(gpu_index).buffers
+
+    def _lane(self, gpu_index: int | None) -> Lane:
+        if gpu_index not in self.lanes:
+            color = LANE_COLORS[len(self.lanes) % len(LANE_COLORS)]
+            label = f"GPU {gpu_index}" if gpu_index is not None else "process"
+            self.lanes[gpu_index] = Lane(self, label, color, single=len(self.gpu_indices) <= 1)
+        return self.lanes[gpu_index]
+
+    def add_memory(self, time_s: float, used_bytes: int, total_bytes: int | None, gpu_index: int | None = None) -> None:
+        self._append_lane(gpu_index, "memory", t=time_s, used=used_bytes / GIB, total=(total_bytes or 0) / GIB)
+
+    def add_gpu(
+        self,
+        time_s: float,
+        utilization: float | None,
+        temperature: float | None,
+        throttled: bool,
+        gpu_index: int | None = None,
+    ) -> None:
         if utilization is None and temperature is None:
             return
-        self._append("gpu", gpu_t=time_s, util=utilization or 0.0, temp=temperature or 0.0)
+        self._append_lane(gpu_index, "gpu", gpu_t=time_s, util=utilization or 0.0, temp=temperature or 0.0)
         if throttled:
             self._append("gpu", throttle_t=time_s, throttle_y=temperature or 0.0)
 
@@ -104,9 +174,10 @@ class RunCharts(QWidget):
         """One telemetry sample: the card's memory (the process's RAM on a CPU run), load, temperature, throttling."""
         used = sample.memory_used_bytes if sample.memory_used_bytes is not None else sample.process_rss_bytes
         total = sample.memory_total_bytes if sample.memory_total_bytes is not None else host_memory_bytes
+        lane = sample.gpu_index
         if used is not None:
-            self.add_memory(sample.time_s, used, total)
-        self.add_gpu(sample.time_s, sample.utilization_pct, sample.temperature_c, bool(sample.throttle_reasons))
+            self.add_memory(sample.time_s, used, total, lane)
+        self.add_gpu(sample.time_s, sample.utilization_pct, sample.temperature_c, bool(sample.throttle_reasons), lane)
 
     def load_history(self, run_dir: Path, up_to_step: int) -> None:
         """A resumed run's curves start where it stopped: draw the steps already in its logs (newer lines may be
@@ -137,6 +208,12 @@ class RunCharts(QWidget):
         self.gpu.setTitle("GPU utilisation % and temperature °C" if on_gpu else "GPU: none (this run is on the CPU)")
         self.gpu.plotItem.legend.setVisible(on_gpu)
 
+    def _append_lane(self, gpu_index: int | None, chart: str, **values: float) -> None:
+        buffers = self._lane(gpu_index).buffers
+        for name, value in values.items():
+            buffers[name].append(float(value))
+        self._dirty.add(chart)
+
     def _append(self, chart: str, **values: float) -> None:
         for name, value in values.items():
             self.buffers[name].append(float(value))
@@ -159,16 +236,13 @@ class RunCharts(QWidget):
         self.eval_curve.setData(self.buffers["eval_step"], self.buffers["eval_loss"])
 
     def _draw_memory(self) -> None:
-        b = self.buffers
-        self.used_curve.setData(b["t"], b["used"])
-        if any(b["total"]):
-            self.total_curve.setData(b["t"], b["total"])
+        for lane in self.lanes.values():
+            lane.draw_memory()
 
     def _draw_gpu(self) -> None:
-        b = self.buffers
-        self.util_curve.setData(b["gpu_t"], b["util"])
-        self.temp_curve.setData(b["gpu_t"], b["temp"])
-        self.throttle_dots.setData(b["throttle_t"], b["throttle_y"])
+        for lane in self.lanes.values():
+            lane.draw_gpu()
+        self.throttle_dots.setData(self.buffers["throttle_t"], self.buffers["throttle_y"])
 
     def _draw_speed(self) -> None:
         self.speed_curve.setData(self.buffers["speed_step"], self.buffers["speed"])

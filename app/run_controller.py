@@ -42,7 +42,8 @@ class RunController(QObject):
     def active(self) -> bool:
         return self.state in (LOADING, RUNNING, PAUSED, STOPPING)
 
-    def start(self, config: RunConfig, resume: str | Path | None = None) -> None:
+    def start(self, config: RunConfig, resume: str | Path | None = None, gpu_indices: list[int] | None = None) -> None:
+        """Start a run; ``gpu_indices`` are the cards it trains on (their telemetry lanes are charted)."""
         if self.active:
             raise RuntimeError("a run is already going")
         self.config = config
@@ -53,7 +54,7 @@ class RunController(QObject):
         self.worker.finished.connect(self._on_worker_finished)
         self._set_state(LOADING)
         self.worker.start()
-        self._telemetry = TelemetryBridge(interval_s=0.5, nvml=self._telemetry_nvml)
+        self._telemetry = TelemetryBridge(interval_s=0.5, nvml=self._telemetry_nvml, device_indices=gpu_indices)
         self._telemetry.received.connect(self.telemetry)
         self._telemetry.start()
 

@@ -26,6 +26,7 @@ from PySide6.QtWidgets import (
 
 from app import run_controller as rc
 from app.app_state import AppState
+from app.gpu_selector import GpuSelector
 from app.run_charts import RunCharts
 from app.setup_panel import fit_warning
 from app.worker import describe_error
@@ -52,11 +53,16 @@ def format_eta(seconds: float) -> str:
     return f"{hours}h {minutes:02d}m" if hours else f"{minutes}m {secs:02d}s"
 
 
+SHORT_NAMES = {"metadata_cache": "cache", "fused_loss": "fused loss", "fused_kernels": "kernels",
+               "chunked_mlp": "chunked mlp"}  # fmt: skip
+
+
 def speed_label(before: dict[str, dict[str, object]], after: dict[str, dict[str, object]]) -> str:
     """A short label for a tokens/s mark: what changed at that step ("cache off", "ckpt offloaded"); "" if nothing."""
     parts = []
-    if before.get("metadata_cache", {}).get("on") != after.get("metadata_cache", {}).get("on"):
-        parts.append("cache " + ("on" if after.get("metadata_cache", {}).get("on") else "off"))
+    for key, short in SHORT_NAMES.items():
+        if before.get(key, {}).get("on") != after.get(key, {}).get("on"):
+            parts.append(f"{short} " + ("on" if after.get(key, {}).get("on") else "off"))
     for key, short in (("checkpointing", "ckpt"), ("moe_routing", "moe")):
         if before.get(key, {}).get("mode") != after.get(key, {}).get("mode"):
             parts.append(f"{short} {after.get(key, {}).get('mode')}")
@@ -92,6 +98,7 @@ class RunPanel(QWidget):
         for label, lines in ((self.status, 2), (self.error, 2)):
             label.setFixedHeight(label.fontMetrics().lineSpacing() * lines + 6)
         self.charts = RunCharts()
+        self.gpu_selector = GpuSelector()
         self.warnings = QListWidget()
         self.warnings.setMaximumHeight(72)
         self.step_times: deque[float] = deque(maxlen=ETA_WINDOW)
@@ -100,6 +107,8 @@ class RunPanel(QWidget):
         controller.run_event.connect(self.on_event)
         controller.telemetry.connect(self.on_telemetry)
         controller.state_changed.connect(self._update_buttons)
+        state.hardware_changed.connect(lambda: self.gpu_selector.set_hardware(state.hardware))
+        self.gpu_selector.changed.connect(self._show_gpu_plan)
         self._update_buttons(controller.state)
 
     def _layout(self) -> None:
@@ -112,6 +121,7 @@ class RunPanel(QWidget):
         progress.addWidget(self.eta)
         layout = QVBoxLayout(self)
         layout.addWidget(QLabel("<h2>Run</h2>"))
+        layout.addWidget(self.gpu_selector)
         layout.addLayout(buttons)
         layout.addWidget(self.status)
         layout.addWidget(self.error)
@@ -120,9 +130,15 @@ class RunPanel(QWidget):
         layout.addWidget(self.warnings)
         layout.addWidget(self.charts, 1)
 
+    def _show_gpu_plan(self) -> None:
+        try:
+            self.gpu_selector.show_plan(self.build_config())
+        except Exception as err:  # an unfinished form: the Start button reports it
+            self.gpu_selector.plan.setText(describe_error(err).message)
+
     def start(self) -> None:
         try:
-            config = self.build_config()
+            config = self.gpu_selector.apply(self.build_config())
         except Exception as err:
             info = describe_error(err)
             self.show_error(info.message, info.hint)
@@ -132,7 +148,9 @@ class RunPanel(QWidget):
         if warning:  # the user may know better (another card, a smaller dataset): warn, do not refuse
             self._add_warning(warning)
         self.status.setText(f"Loading {config.model.name} and preparing the data…")
-        self.controller.start(config)
+        gpus = self.gpu_selector.selected()
+        self.charts.set_gpus(tuple(gpus))
+        self.controller.start(config, gpu_indices=gpus)
         self.start_requested.emit()
 
     def _reset_view(self) -> None:
@@ -156,7 +174,9 @@ class RunPanel(QWidget):
             return
         self._reset_view()
         self.status.setText(f"Resuming {folder}…")
-        self.controller.start(config, resume=folder)
+        gpus = self.gpu_selector.selected()
+        self.charts.set_gpus(tuple(gpus))
+        self.controller.start(config, resume=folder, gpu_indices=gpus)
         self.start_requested.emit()
 
     def show_error(self, message: str, hint: str | None) -> None:

@@ -1,4 +1,4 @@
-"""Speed page: the three optimizations, live. Each says whether it applies here and why; flipping one takes
+"""Speed page: the speed optimizations, live. Each says whether it applies here and why; flipping one takes
 effect at the next step (the tokens/s chart marks it), and Compare measures each one on the running job.
 """
 
@@ -20,7 +20,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.ab_compare import SWITCHES, TITLES, ABCompare, nothing_to_do
+from app.ab_compare import ON_OFF_SWITCHES, SWITCHES, TITLES, ABCompare, nothing_to_do
 from app.app_state import AppState
 from app.run_controller import RUNNING, RunController
 from engine.config import SpeedConfig
@@ -36,12 +36,13 @@ class SpeedPanel(QWidget):
     def __init__(self, state: AppState, controller: RunController) -> None:
         super().__init__()
         self.state, self.controller = state, controller
-        self.metadata_box = QCheckBox("on")
+        self.on_off = {name: QCheckBox("on") for name in SWITCHES if name in ON_OFF_SWITCHES}
+        self.metadata_box = self.on_off["metadata_cache"]
         self.checkpoint_box = QComboBox()
         self.checkpoint_box.addItems(CHECKPOINT_MODES)
         self.moe_box = QCheckBox("on")
         self.controls: dict[str, QWidget] = {
-            "metadata_cache": self.metadata_box,
+            **self.on_off,
             "checkpointing": self.checkpoint_box,
             "moe_routing": self.moe_box,
         }
@@ -54,7 +55,8 @@ class SpeedPanel(QWidget):
         self.compare_status = _wrapping_label("Compare alternates each switch on and off for a few steps per round.")
         self._build()
         self._updating = False
-        self.metadata_box.toggled.connect(lambda _: self._flip("metadata_cache"))
+        for name, box in self.on_off.items():
+            box.toggled.connect(lambda _=False, name=name: self._flip(name))
         self.moe_box.toggled.connect(lambda _: self._flip("moe_routing"))
         self.checkpoint_box.currentTextChanged.connect(lambda _: self._flip("checkpointing"))
         self.queue: list[str] = []
@@ -114,8 +116,8 @@ class SpeedPanel(QWidget):
     def settings(self, switch: str) -> SpeedConfig:
         """The run's settings with only ``switch`` taken from its control (the others stay as the user left them)."""
         base = self.controller.current_speed()
-        if switch == "metadata_cache":
-            return dataclasses.replace(base, metadata_cache=self.metadata_box.isChecked())
+        if switch in self.on_off:
+            return dataclasses.replace(base, **{switch: self.on_off[switch].isChecked()})
         if switch == "checkpointing":
             return dataclasses.replace(base, checkpointing=cast(Checkpointing, self.checkpoint_box.currentText()))
         return dataclasses.replace(base, moe_routing="sync-free" if self.moe_box.isChecked() else "stock")
@@ -128,10 +130,10 @@ class SpeedPanel(QWidget):
         """Mirror the engine's resolved choices without sending them back as requests."""
         self._updating = True
         try:
-            cache, ckpt, moe = (state.get(k, {}) for k in SWITCHES)
-            self.metadata_box.setChecked(bool(cache.get("on")))
-            self.checkpoint_box.setCurrentText(str(ckpt.get("mode", "none")))
-            self.moe_box.setChecked(moe.get("mode") not in (None, "stock"))
+            for name, box in self.on_off.items():
+                box.setChecked(bool(state.get(name, {}).get("on")))
+            self.checkpoint_box.setCurrentText(str(state.get("checkpointing", {}).get("mode", "none")))
+            self.moe_box.setChecked(state.get("moe_routing", {}).get("mode") not in (None, "stock"))
         finally:
             self._updating = False
         for name in SWITCHES:

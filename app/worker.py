@@ -185,11 +185,20 @@ class TelemetryBridge(QObject):
 
     received = Signal(object)
 
-    def __init__(self, parent: QObject | None = None, *, interval_s: float = 0.5, nvml: Any = ...) -> None:
+    def __init__(
+        self,
+        parent: QObject | None = None,
+        *,
+        interval_s: float = 0.5,
+        nvml: Any = ...,
+        device_indices: list[int] | None = None,
+    ) -> None:
         super().__init__(parent)
         from engine.hardware.telemetry import TelemetrySampler
 
-        self.sampler = TelemetrySampler(self.received.emit, interval_s=interval_s, nvml=nvml)
+        self.sampler = TelemetrySampler(
+            self.received.emit, interval_s=interval_s, nvml=nvml, device_indices=device_indices
+        )
 
     def start(self) -> None:
         self.sampler.start()

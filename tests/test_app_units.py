@@ -265,8 +265,9 @@ def test_telemetry_warnings_and_samples_reach_the_run_page(qtbot: Any, window: A
     window.controller.telemetry.emit(sample)
     window.controller.telemetry.emit(TelemetryWarning("throttling", "the GPU is throttling: hot (86 °C)", 1.0))
     charts = window.run_panel.charts
-    assert charts.buffers["used"] == [7.0] and charts.buffers["total"] == [8.0]
-    assert charts.buffers["util"] == [97.0] and charts.buffers["throttle_t"] == [1.0]
+    lane = charts.lane_buffers(0)
+    assert lane["used"] == [7.0] and lane["total"] == [8.0]
+    assert lane["util"] == [97.0] and charts.buffers["throttle_t"] == [1.0]
     assert window.run_panel.warnings.item(0).text() == "⚠ the GPU is throttling: hot (86 °C)"
     assert window.statusBar().currentMessage() == "⚠ the GPU is throttling: hot (86 °C)"  # seen from every page
 

@@ -92,3 +92,36 @@ def test_queue_delivery() -> None:
     finally:
         sampler.stop()
     assert isinstance(event, TelemetrySample)
+
+
+def test_several_gpus_give_one_sample_each_and_warn_per_card() -> None:
+    """A run on several GPUs: a lane per card; a spill on card 1 warns for card 1 only, naming it."""
+    cards = [FakeGpu("NVIDIA GeForce RTX 3090", (8, 6), 24, 60, used_gib=20) for _ in range(2)]
+    sampler = TelemetrySampler(nvml=FakeNvml(cards), device_indices=[0, 1])
+    sampler._open()
+    cards[1].processes = [SimpleNamespace(pid=os.getpid(), usedGpuMemory=int(25 * GIB))]
+    events = sampler.sample_events()
+    samples = [e for e in events if isinstance(e, TelemetrySample)]
+    warnings = [e for e in events if isinstance(e, TelemetryWarning)]
+    assert [s.gpu_index for s in samples] == [0, 1]
+    assert [w.message.split(":")[0] for w in warnings] == ["GPU 1"]
+    assert samples[1].process_gpu_memory_bytes == 25 * GIB and samples[0].process_gpu_memory_bytes is None
+
+
+def test_memory_of_child_processes_counts_as_the_runs() -> None:
+    """The ranks of a multi-GPU run are child processes of the app: their GPU memory is the run's."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        gpu = FakeGpu("NVIDIA GeForce RTX 4090", (8, 9), 24, 60)
+        gpu.processes = [
+            SimpleNamespace(pid=child.pid, usedGpuMemory=3 * GIB),
+            SimpleNamespace(pid=1, usedGpuMemory=GIB),
+        ]
+        sample = sampler_for(gpu).sample_events()[0]
+        assert isinstance(sample, TelemetrySample) and sample.process_gpu_memory_bytes == 3 * GIB
+    finally:
+        child.kill()
+        child.wait()

@@ -6,6 +6,7 @@ Heavy modules (torch, pynvml) are imported only when a command runs, so ``--help
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
@@ -129,6 +130,8 @@ def plan_main(argv: list[str] | None = None) -> int:
     target.add_argument("--gpu", help="a GPU by name, e.g. '4060 laptop', 'RTX 3090', 'H100' (default: this machine's)")
     target.add_argument("--vram", type=float, help="plan for a card with this many GiB")
     parser.add_argument("--list-gpus", action="store_true", help="list the GPUs the table knows and exit")
+    parser.add_argument("--gpus", type=int, default=1, help="plan for this many such GPUs: DDP or FSDP2, and why")
+    parser.add_argument("--parallel", choices=("auto", "ddp", "fsdp"), default="auto", help="force DDP or FSDP2")
     _common(parser)
     args = parser.parse_args(argv)
     from engine.hardware import gpus
@@ -147,13 +150,38 @@ def plan_main(argv: list[str] | None = None) -> int:
     except TuneDeckError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    parallel = _parallel_plan(args, shape, device, profile) if args.gpus > 1 else None
     if args.json:
-        print(json.dumps({"model": shape.display_name(), "gpu": device.label, "profile": profile.to_dict()}, indent=2))
+        report = {"model": shape.display_name(), "gpu": device.label, "profile": profile.to_dict()}
+        if parallel is not None:
+            report["parallel"] = dataclasses.asdict(parallel)
+        print(json.dumps(report, indent=2))
         return 0
     memory = f"{device.memory_bytes / GIB:.0f} GiB" if device.memory_bytes else "? GiB"
-    print(f"{shape.display_name()} on {device.label} ({memory}):")
+    count = f"{args.gpus} x " if args.gpus > 1 else ""
+    print(f"{shape.display_name()} on {count}{device.label} ({memory}):")
     print("\n".join(_profile_lines(profile)))
+    if parallel is not None:
+        print(f"Several GPUs: {parallel.reason}")
     return 0
+
+
+def _parallel_plan(args: argparse.Namespace, shape: Any, device: Any, profile: Any) -> Any:
+    """DDP or FSDP2 over ``args.gpus`` cards like ``device``, for the one-card plan's settings."""
+    from engine.hardware.parallel import choose_parallel
+    from engine.hardware.planner import TrainSetup, usable_bytes
+
+    plan = profile.memory_plan
+    setup = TrainSetup(
+        tokens=args.tokens or (plan.tokens if plan is not None and plan.tokens else args.max_seq_len),
+        qlora=bool(args.qlora if args.qlora is not None else plan is not None and plan.qlora),
+        lora_rank=args.lora_rank,
+        checkpointing=plan.checkpointing if plan is not None else "offloaded",
+    )
+    budget = usable_bytes(device.memory_bytes or 0)
+    return choose_parallel(
+        shape, setup, args.gpus, budget, requested=args.parallel, compute_capability=device.compute_capability
+    )
 
 
 def _plan_target(args: argparse.Namespace, gpus: Any, target_cls: Any) -> Any:

@@ -15,7 +15,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,6 +94,18 @@ def _windows_rss() -> int | None:
     return None
 
 
+def _process_family(pid: int) -> set[int]:
+    """``pid`` and its descendants: a run on several GPUs trains in child processes, one per card."""
+    family = {pid}
+    try:
+        import psutil
+
+        family |= {child.pid for child in psutil.Process(pid).children(recursive=True)}
+    except Exception:  # psutil missing, or the process just ended: the process itself is enough
+        pass
+    return family
+
+
 def _torch_reserved(device_index: int) -> int | None:
     """The allocator's reservation, only if this process already started CUDA (never initialises it)."""
     torch = sys.modules.get("torch")
@@ -115,20 +127,26 @@ class TelemetrySampler:
         *,
         interval_s: float = 0.5,
         device_index: int = 0,
+        device_indices: Sequence[int] | None = None,
         nvml: Any = ...,
         pid: int | None = None,
     ) -> None:
         self.callback = callback
         self.events: queue.Queue[Event] = queue.Queue()
         self.interval_s = interval_s
-        self.device_index = device_index
+        self.device_indices = tuple(device_indices) if device_indices else (device_index,)
+        """Every GPU of the run: a run on several GPUs gets one sample per card per tick (the app's lanes)."""
         self.pid = os.getpid() if pid is None else pid
         self._nvml = nvml
-        self._handle: Any = None
+        self._handles: dict[int, Any] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._active: set[str] = set()
+        self._active: set[tuple[str, int | None]] = set()
         self._start_time = time.monotonic()
+
+    @property
+    def device_index(self) -> int:
+        return self.device_indices[0]
 
     def start(self) -> None:
         if self._thread is not None and self._thread.is_alive():
@@ -159,7 +177,7 @@ class TelemetrySampler:
                     self._deliver(event)
                 self._stop.wait(self.interval_s)
         finally:
-            if self._handle is not None:
+            if self._handles:
                 safe_read(self._nvml.nvmlShutdown)
 
     def _open(self) -> None:
@@ -174,9 +192,12 @@ class TelemetrySampler:
             return
         try:
             self._nvml.nvmlInit()
-            self._handle = self._nvml.nvmlDeviceGetHandleByIndex(self.device_index)
-        except Exception:  # no driver (NVMLError_LibraryNotFound) or no such device: CPU path
-            self._handle = None
+        except Exception:  # no driver (NVMLError_LibraryNotFound): CPU path
+            return
+        for index in self.device_indices:
+            handle = safe_read(lambda index=index: self._nvml.nvmlDeviceGetHandleByIndex(index))
+            if handle is not None:  # a card that went away is left out, the others are still charted
+                self._handles[index] = handle
 
     def _deliver(self, event: Event) -> None:
         if self.callback is None:
@@ -186,19 +207,23 @@ class TelemetrySampler:
             self.callback(event)
 
     def sample_events(self) -> list[Event]:
-        """One sample and the warnings that start with it (also usable without the thread)."""
-        try:
-            sample = self._sample()
-        except Exception:
-            return []
-        return [sample, *self._warnings(sample)]
+        """One sample per GPU and the warnings that start with them (also usable without the thread)."""
+        events: list[Event] = []
+        cards: list[tuple[int | None, Any]] = list(self._handles.items()) or [(None, None)]
+        for index, handle in cards:
+            try:
+                sample = self._sample(index, handle)
+            except Exception:
+                continue
+            events += [sample, *self._warnings(sample)]
+        return events
 
-    def _sample(self) -> TelemetrySample:
+    def _sample(self, index: int | None = None, handle: Any = None) -> TelemetrySample:
         now = time.monotonic() - self._start_time
         rss = process_rss_bytes()
-        if self._handle is None:
+        if handle is None or index is None:
             return TelemetrySample(now, None, None, None, None, None, None, None, None, None, None, None, (), rss)
-        nvml, handle = self._nvml, self._handle
+        nvml = self._nvml
         memory = safe_read(lambda: nvml.nvmlDeviceGetMemoryInfo(handle))
         rates = safe_read(lambda: nvml.nvmlDeviceGetUtilizationRates(handle))
         milliwatts = safe_read(lambda: nvml.nvmlDeviceGetPowerUsage(handle))
@@ -206,10 +231,10 @@ class TelemetrySampler:
         mask = throttle_mask(nvml, handle) or 0
         return TelemetrySample(
             time_s=now,
-            gpu_index=self.device_index,
+            gpu_index=index,
             memory_used_bytes=int(memory.used) if memory is not None else None,
             memory_total_bytes=int(memory.total) if memory is not None else None,
-            process_gpu_memory_bytes=_torch_reserved(self.device_index) or self._process_memory(),
+            process_gpu_memory_bytes=_torch_reserved(index) or self._process_memory(handle),
             utilization_pct=float(rates.gpu) if rates is not None else None,
             memory_utilization_pct=float(rates.memory) if rates is not None else None,
             temperature_c=safe_read(lambda: float(nvml.nvmlDeviceGetTemperature(handle, 0))),
@@ -221,14 +246,14 @@ class TelemetrySampler:
             process_rss_bytes=rss,
         )
 
-    def _process_memory(self) -> int | None:
-        """NVML's per-process figure (None on Windows WDDM, where the driver does not report it)."""
-        processes = safe_read(lambda: self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)) or []
-        for process in processes:
-            if getattr(process, "pid", None) == self.pid:
-                used = getattr(process, "usedGpuMemory", None)
-                return int(used) if used else None
-        return None
+    def _process_memory(self, handle: Any) -> int | None:
+        """NVML's figure for this process and its children (the ranks of a multi-GPU run); None on Windows WDDM,
+        where the driver does not report it."""
+        processes = safe_read(lambda: self._nvml.nvmlDeviceGetComputeRunningProcesses(handle)) or []
+        family = _process_family(self.pid)
+        used = [getattr(p, "usedGpuMemory", None) for p in processes if getattr(p, "pid", None) in family]
+        total = sum(int(u) for u in used if u)
+        return total or None
 
     def _warnings(self, sample: TelemetrySample) -> list[TelemetryWarning]:
         found: dict[str, str] = {}
@@ -245,10 +270,12 @@ class TelemetrySampler:
         if serious:
             temp = f" at {sample.temperature_c:.0f} °C" if sample.temperature_c is not None else ""
             found[THROTTLE] = f"the GPU is throttling ({', '.join(serious)}){temp}: steps will be slower"
+        card = sample.gpu_index
+        prefix = f"GPU {card}: " if len(self.device_indices) > 1 else ""
         new = [
-            TelemetryWarning(code, message, sample.time_s)
+            TelemetryWarning(code, prefix + message, sample.time_s)
             for code, message in found.items()
-            if code not in self._active
+            if (code, card) not in self._active
         ]
-        self._active = set(found)
+        self._active = {key for key in self._active if key[1] != card} | {(code, card) for code in found}
         return new
