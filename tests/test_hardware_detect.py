@@ -74,13 +74,15 @@ def test_profile_per_card(name, cc, vram, sms, integrated, cls, dtype, attention
 
 @pytest.mark.parametrize(
     ("name", "routing"),
-    [("NVIDIA H200", "stock"), ("NVIDIA B200", "stock"), ("NVIDIA GeForce RTX 4090", "sync-free"),
+    [("NVIDIA H200", "sync-free"), ("NVIDIA B200", "sync-free"), ("NVIDIA GeForce RTX 4090", "sync-free"),
      ("NVIDIA GB10", "sync-free"), ("NVIDIA GeForce RTX 5090", "sync-free")],
 )  # fmt: skip
 def test_moe_routing_follows_grouped_mm_fast_path(name: str, routing: str) -> None:
     card = next(card for card in CARDS if card[0] == name)
     profile = build_profile(detect_one(*card[:5]), load_shape("qwen3-30b-a3b"))
     assert profile.moe_routing.value == routing
+    one_kernel = "one kernel" in profile.moe_routing.reason
+    assert one_kernel == (name in ("NVIDIA H200", "NVIDIA B200")), profile.moe_routing.reason
 
 
 def test_no_gpu_reports_cpu_path() -> None:

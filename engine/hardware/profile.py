@@ -18,6 +18,7 @@ from typing import Any
 from engine.config import RunConfig
 from engine.hardware import gpus
 from engine.hardware.detect import HardwareInfo
+from engine.hardware.moe_choice import auto_moe_routing
 from engine.hardware.planner import (
     GIB,
     MemoryPlan,
@@ -32,8 +33,6 @@ MFU_LORA = 0.24
 """Share of peak tensor throughput a LoRA step reaches (measured on the H200: Llama-3.2-1B, 37k tokens/s)."""
 MFU_QLORA = 0.08
 """QLoRA's share (measured on the H200: Llama-3.1-8B, ~1.9k tokens/s, fp32 activations after kbit preparation)."""
-GROUPED_MM_FAST_PATH = frozenset({(9, 0), (10, 0), (10, 3)})
-"""torch._grouped_mm runs its fused kernel in bf16 only on these; elsewhere it falls back with a host sync."""
 
 
 @dataclass(frozen=True)
@@ -170,12 +169,8 @@ def choose_metadata_cache(target: DeviceTarget) -> Choice:
 def choose_moe_routing(target: DeviceTarget, dtype: str, shape: ModelShape | None) -> Choice:
     if shape is not None and not shape.is_moe:
         return Choice("stock", f"MoE routing: {shape.display_name()} has no expert layers")
-    if not target.is_gpu:
-        return Choice("stock", "MoE routing stock: the CPU has no device syncs to avoid")
-    if target.compute_capability in GROUPED_MM_FAST_PATH and dtype == "bfloat16":
-        return Choice("stock", f"MoE routing stock: grouped_mm has its fused bf16 kernel on sm_{_sm(target)}, no syncs")
-    return Choice("sync-free", f"MoE routing sync-free: on sm_{_sm(target)} stock grouped_mm falls back to a host "
-                               "sync and a per-expert loop")  # fmt: skip
+    mode, reason = auto_moe_routing(True, target.is_gpu, target.compute_capability, dtype)
+    return Choice(mode, f"MoE routing {mode}: {reason}")
 
 
 def _default_checkpointing(target: DeviceTarget) -> Choice:

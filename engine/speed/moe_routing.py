@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engine.hardware.moe_choice import auto_moe_routing
+
 BINCOUNT_NAME = "tunedeck_bincount"
 SYNC_FREE_NAME = "tunedeck_sync_free"
 MODES = ("stock", "bincount", "sync-free")
@@ -192,15 +194,15 @@ def _is_experts_module(module: torch.nn.Module) -> bool:
 
 
 def resolve_mode(requested: str, model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
-    """(mode, reason) for this model and device; 'auto' picks sync-free where grouped_mm is fast."""
+    """(mode, reason) for this model and device; 'auto' follows engine.hardware.moe_choice (as the profile does)."""
     if not has_routable_experts(model):
         return "stock", "no MoE expert layers in this model"
     fast = grouped_mm_fast_path(device, dtype)
     where = f"{device.type} {str(dtype).removeprefix('torch.')}"
     if requested == "auto":
-        if fast and device.type == "cuda":
-            return "sync-free", f"grouped_mm has a fast path on {where}: no syncs"
-        return "bincount", f"grouped_mm has no fast path on {where}: one sync per layer, experts on slices"
+        on_gpu = device.type == "cuda"
+        capability = torch.cuda.get_device_capability(device) if on_gpu else None
+        return auto_moe_routing(True, on_gpu, capability, str(dtype).removeprefix("torch."))
     if requested == "sync-free" and not fast:
         return "sync-free", f"sync-free requested; grouped_mm has no fast path on {where}: experts loop (one sync)"
     return requested, f"{requested} requested"
