@@ -167,6 +167,12 @@ class SpeedConfig:
         "(automatic: off)",
         flag="--fused-loss",
     )
+    chunked_mlp: bool | None = setting(
+        None,
+        "run the MLP, norms and projections over chunks of the sequence during checkpointed recompute "
+        "(automatic: on for rows over 8,192 tokens under checkpointing)",
+        flag="--chunked-mlp",
+    )
 
 
 @dataclass

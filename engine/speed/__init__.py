@@ -20,7 +20,7 @@ import torch
 from engine.config import SpeedConfig
 from engine.model_inputs import stock_model_inputs
 from engine.packing import PackedBatch
-from engine.speed import fused_loss, metadata_cache, moe_routing, offloaded_checkpoint
+from engine.speed import chunked_mlp, fused_loss, metadata_cache, moe_routing, offloaded_checkpoint
 from engine.speed.offloaded_checkpoint import ActivationOffloader
 
 __all__ = ["SpeedController", "transformers_model"]
@@ -70,6 +70,8 @@ class SpeedController:
         self._metadata_backend: str | None = None
         self._fused_loss = False
         self._auto_checkpointing_tokens = 0
+        self.chunked = chunked_mlp.ChunkedModules(self.hf_model)
+        self._longest_tokens = 0
         metadata_cache.register_packed_attention()
         moe_routing.register_experts_implementations()
         self.apply(settings)
@@ -83,6 +85,7 @@ class SpeedController:
         self._apply_moe_routing(settings)
         self._apply_fused_loss(settings)
         self._apply_checkpointing(settings.checkpointing, reason=None)
+        self._apply_chunked_mlp(settings)
 
     def _apply_metadata_cache(self, settings: SpeedConfig) -> None:
         problem = metadata_cache.unsupported_reason(self.hf_model)
@@ -120,6 +123,15 @@ class SpeedController:
             on, reason = True, "switched on; loss and gradient from the hidden states in chunks, no full logits"
         self._fused_loss = on
         self._state["fused_loss"] = {"on": on, "reason": reason}
+
+    def _apply_chunked_mlp(self, settings: SpeedConfig) -> None:
+        mode = self._checkpointing or "none"
+        on, reason = chunked_mlp.resolve(settings.chunked_mlp, mode, self._longest_tokens)
+        if on:
+            self.chunked.install()
+        else:
+            self.chunked.remove()
+        self._state["chunked_mlp"] = {"on": on, "reason": reason}
 
     def _apply_checkpointing(self, requested: str, reason: str | None) -> None:
         mode, why = self._resolve_checkpointing(requested)
@@ -163,6 +175,9 @@ class SpeedController:
         if self.settings.checkpointing == "auto" and batch.num_tokens > self._auto_checkpointing_tokens:
             self._auto_checkpointing_tokens = batch.num_tokens  # re-decide only when batches grow
             self._apply_checkpointing("auto", reason=None)
+        if batch.num_tokens > self._longest_tokens:
+            self._longest_tokens = batch.num_tokens  # automatic chunking re-decides only when batches grow
+            self._apply_chunked_mlp(self.settings)
         inputs = stock_model_inputs(self.model, batch)
         if self._metadata_backend is None:
             return inputs

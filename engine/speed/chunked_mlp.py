@@ -1,0 +1,182 @@
+"""Per-token modules run over slices of the sequence, so their activations never exist for the whole row.
+
+Why: with checkpointing, a decoder layer's activations exist only while that one layer recomputes in backward,
+but for one layer of a long row they are still large. For Llama-3.1-8B with LoRA the MLP keeps its gate, up and
+activation outputs (3 x 14,336 x 2 bytes per token) plus the float32 copies of its input that each LoRA adapter
+saves (4 x (4,096 + 4,096 + 14,336) bytes): about 190 KB per token, 18 GB at 95k tokens; the q/k/v/o
+projections' LoRA copies and the norms' float32 copies add about 100 KB more. These modules treat every token
+alone, so they can run over chunks of the sequence: each chunk runs under its own (non-reentrant) checkpoint
+that keeps only the chunk's input, which is a slice of a tensor that is kept anyway, and backward recomputes
+one chunk at a time. Without gradients (the forward of a checkpointed layer) the chunks write into one output,
+so the full-width intermediates are not even transient.
+
+Exact: each token sees the same operations as unchunked (with LoRA dropout the masks are drawn per chunk, so
+equal in distribution rather than bit for bit). Cost: one more forward of these modules per chunk in backward
+and, for 4-bit layers, one weight dequantization per chunk; hence the switch is automatic only for long rows
+under checkpointing (:data:`AUTO_MIN_TOKENS`).
+
+The wrapped modules stay where they were in the module tree: :class:`TokenChunked` shares their children,
+parameters and buffers, so parameter names, state dicts and saved adapters do not change while it is on, and
+switching it off puts the original module object back. (While it is on, a scan of the tree for peft's LoRA
+layer class finds their children but not the q/k/v/o layers themselves; the training step never scans.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+__all__ = [
+    "AUTO_MIN_TOKENS",
+    "CHUNK_TOKENS",
+    "ChunkedModules",
+    "TokenChunked",
+    "chunked_call",
+    "per_token_targets",
+    "resolve",
+]
+
+CHUNK_TOKENS = 4096
+"""Tokens per chunk: 4k keeps every matmul large (4,096 x 4,096 x 14,336 for an 8B MLP, far above the cost of
+dequantizing its 4-bit weight once more) while the 8B MLP's chunk working set stays near 0.8 GB."""
+AUTO_MIN_TOKENS = 2 * CHUNK_TOKENS
+"""Automatic mode chunks rows longer than two chunks: below that the saving is at most half of a few hundred MB."""
+LAYER_TARGETS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp",
+)
+"""Per-token submodules of a decoder layer, by attribute path (the attention core mixes tokens: never chunked)."""
+
+
+def chunked_call(module: torch.nn.Module, hidden: torch.Tensor, chunk_tokens: int, *args: Any, **kwargs: Any) -> Any:
+    """``module(hidden, *args, **kwargs)`` computed over slices of ``hidden``'s sequence dimension (dim -2)."""
+    length = hidden.shape[-2] if hidden.dim() >= 2 else 0
+    if length <= chunk_tokens:
+        return module(hidden, *args, **kwargs)
+    pieces = hidden.split(chunk_tokens, dim=-2)
+    if not torch.is_grad_enabled():
+        return _into_one_output(module, pieces, length, *args, **kwargs)
+    outputs = [checkpoint(module, piece, *args, use_reentrant=False, **kwargs) for piece in pieces]
+    return torch.cat(outputs, dim=-2)
+
+
+def _into_one_output(
+    module: torch.nn.Module, pieces: tuple[torch.Tensor, ...], length: int, *args: Any, **kwargs: Any
+) -> torch.Tensor:
+    first = module(pieces[0], *args, **kwargs)
+    out = first.new_empty((*first.shape[:-2], length, first.shape[-1]))
+    out[..., : first.shape[-2], :] = first
+    start = first.shape[-2]
+    del first
+    for piece in pieces[1:]:
+        out[..., start : start + piece.shape[-2], :] = module(piece, *args, **kwargs)
+        start += piece.shape[-2]
+    return out
+
+
+class TokenChunked(torch.nn.Module):
+    """Stands in for a per-token module and runs it over chunks of the sequence.
+
+    It shares the wrapped module's child, parameter and buffer dictionaries, so the tree below it (and every
+    name in it) is the same as before; the wrapped module itself is kept unregistered.
+    """
+
+    def __init__(self, wrapped: torch.nn.Module, chunk_tokens: int) -> None:
+        super().__init__()
+        object.__setattr__(self, "wrapped", wrapped)
+        self._modules = wrapped._modules
+        self._parameters = wrapped._parameters
+        self._buffers = wrapped._buffers
+        self.chunk_tokens = chunk_tokens
+        self.training = wrapped.training
+
+    def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return chunked_call(self.wrapped, hidden, self.chunk_tokens, *args, **kwargs)
+
+    def train(self, mode: bool = True) -> TokenChunked:
+        self.wrapped.training = mode
+        return super().train(mode)
+
+    def extra_repr(self) -> str:
+        return f"{type(self.wrapped).__name__} in chunks of {self.chunk_tokens} tokens"
+
+
+def _is_dense_mlp(module: torch.nn.Module) -> bool:
+    """MoE blocks route tokens and may add an auxiliary loss over the whole batch: only plain MLPs qualify."""
+    names = set(dict(module.named_children()))
+    return {"gate_proj", "up_proj", "down_proj"} <= names or {"fc1", "fc2"} <= names
+
+
+def per_token_targets(hf_model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, str, torch.nn.Module]]:
+    """(parent, attribute, module) for every per-token module of the decoder layers, and the final norm."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    for layer in hf_model.modules():
+        if not isinstance(layer, GradientCheckpointingLayer):
+            continue
+        for path in LAYER_TARGETS:
+            *parents, name = path.split(".")
+            parent = layer.get_submodule(".".join(parents)) if parents else layer
+            module = getattr(parent, name, None)
+            if isinstance(module, torch.nn.Module) and (name != "mlp" or _is_dense_mlp(module)):
+                yield parent, name, module
+    decoder = hf_model.get_decoder() if hasattr(hf_model, "get_decoder") else None
+    norm = getattr(decoder, "norm", None)
+    if isinstance(norm, torch.nn.Module):
+        yield decoder, "norm", norm  # type: ignore[misc]
+
+
+@dataclass
+class ChunkedModules:
+    """Installs and removes the chunked stand-ins for one model; flipping it between steps is safe."""
+
+    hf_model: torch.nn.Module
+    installed: list[tuple[torch.nn.Module, str, TokenChunked]] = field(default_factory=list)
+
+    @property
+    def on(self) -> bool:
+        return bool(self.installed)
+
+    def install(self, chunk_tokens: int = CHUNK_TOKENS) -> int:
+        """Wrap every per-token module (or update the chunk size); returns how many are chunked."""
+        if self.installed:
+            for _, _, wrapper in self.installed:
+                wrapper.chunk_tokens = chunk_tokens
+            return len(self.installed)
+        for parent, name, module in list(per_token_targets(self.hf_model)):
+            if isinstance(module, TokenChunked):  # left behind by an earlier controller
+                module = module.wrapped
+            wrapper = TokenChunked(module, chunk_tokens)
+            parent._modules[name] = wrapper
+            self.installed.append((parent, name, wrapper))
+        return len(self.installed)
+
+    def remove(self) -> None:
+        """Put the original modules back."""
+        for parent, name, wrapper in self.installed:
+            parent._modules[name] = wrapper.wrapped
+        self.installed.clear()
+
+
+def resolve(
+    requested: bool | None, checkpointing: str, tokens: int, min_tokens: int = AUTO_MIN_TOKENS
+) -> tuple[bool, str]:
+    """(on, reason) for the switch: automatic is on for rows longer than ``min_tokens`` under checkpointing."""
+    if requested is False:
+        return False, "switched off: each per-token module runs over the whole row"
+    if requested:
+        return True, f"switched on; per-token modules run in chunks of {CHUNK_TOKENS:,} tokens"
+    if checkpointing == "none":
+        return False, "automatic: off without checkpointing (every activation is kept anyway)"
+    if tokens <= min_tokens:
+        return False, f"automatic: off for rows of up to {min_tokens:,} tokens"
+    return True, f"automatic: rows of {tokens:,} tokens under checkpointing run per-token modules in chunks"

@@ -1,0 +1,118 @@
+"""Per-token modules over sequence chunks: the same outputs and gradients as over the whole row."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from speed_models import grads, max_relative_error, packed_batch, step, tiny_lora_model
+
+from engine.config import SpeedConfig
+from engine.speed import SpeedController
+from engine.speed.chunked_mlp import AUTO_MIN_TOKENS, TokenChunked, chunked_call, resolve
+
+BATCH = packed_batch((23, 9, 17))  # 49 tokens: chunks of 8 leave a short last chunk
+BASE = SpeedConfig(metadata_cache=False, checkpointing="none", moe_routing="stock", fused_loss=False)
+
+
+def controller(model: torch.nn.Module, chunk_tokens: int | None, **settings: object) -> SpeedController:
+    ctl = SpeedController(model, dataclasses.replace(BASE, chunked_mlp=chunk_tokens is not None, **settings), "cpu")
+    if chunk_tokens is not None:
+        ctl.chunked.install(chunk_tokens)
+    return ctl
+
+
+def run_once(model_type: str, chunk_tokens: int | None, checkpointing: str) -> tuple[torch.Tensor, ...]:
+    model = tiny_lora_model(model_type, seed=1)  # LoRA on q/k/v/o and gate/up/down, nonzero B
+    ctl = controller(model, chunk_tokens, checkpointing=checkpointing)
+    loss, logits = step(model, ctl.model_inputs(BATCH), BATCH)
+    return loss, logits, grads(model)  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "standard", "offloaded"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_chunked_matches_whole_row(model_type: str, checkpointing: str) -> None:
+    ref_loss, ref_logits, ref_grads = run_once(model_type, None, "none")
+    loss, logits, got_grads = run_once(model_type, 8, checkpointing)
+    assert float((loss - ref_loss).abs()) <= 1e-6 * float(ref_loss.abs())
+    assert float((logits - ref_logits).abs().max()) <= 1e-6 * float(ref_logits.abs().max())
+    assert any("mlp.down_proj.lora_A" in name for name in got_grads)
+    assert max_relative_error(got_grads, ref_grads) <= 1e-6
+
+
+def test_the_comparison_can_fail() -> None:
+    _, _, ref_grads = run_once("llama", None, "none")
+    model = tiny_lora_model("llama", seed=1)
+    ctl = controller(model, 8, checkpointing="standard")
+    first = next(m for m in model.modules() if isinstance(m, TokenChunked) and "MLP" in type(m.wrapped).__name__)
+    with torch.no_grad():
+        first.wrapped.down_proj.base_layer.weight.mul_(1.01)  # a 1% different MLP must show up
+    step(model, ctl.model_inputs(BATCH), BATCH)
+    assert max_relative_error(grads(model), ref_grads) > 1e-4
+
+
+def test_without_gradients_the_chunks_fill_one_output() -> None:
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.SiLU(), torch.nn.Linear(48, 16))
+    hidden = torch.randn(1, 37, 16)
+    with torch.no_grad():
+        whole, chunked = mlp(hidden), chunked_call(mlp, hidden, 5)
+    assert chunked.shape == whole.shape and torch.allclose(chunked, whole, rtol=0, atol=1e-6)
+
+
+def test_names_and_state_dict_are_unchanged_and_removal_restores_the_modules() -> None:
+    model = tiny_lora_model("llama")
+    before = dict(model.named_parameters())
+    keys = list(model.state_dict())
+    mlps = [layer.mlp for layer in model.base_model.model.model.layers]
+    ctl = controller(model, 8)
+    wrapped = [m for m in model.modules() if isinstance(m, TokenChunked)]
+    assert len(wrapped) == 2 * 7 + 1  # per layer: 2 norms, q/k/v/o, mlp; and the final norm
+    assert dict(model.named_parameters()) == before and list(model.state_dict()) == keys
+    ctl.apply(dataclasses.replace(BASE, chunked_mlp=False))
+    assert [layer.mlp for layer in model.base_model.model.model.layers] == mlps
+    assert not any(isinstance(m, TokenChunked) for m in model.modules())
+
+
+def test_moe_blocks_are_not_chunked() -> None:
+    model = tiny_lora_model("qwen3_moe", experts=True)
+    controller(model, 8)
+    layers = model.base_model.model.model.layers
+    assert not any(isinstance(layer.mlp, TokenChunked) for layer in layers)
+    assert all(isinstance(layer.input_layernorm, TokenChunked) for layer in layers)
+
+
+def train(flip_at: int | None, steps: int = 4) -> list[float]:
+    model = tiny_lora_model("llama", seed=3)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ctl = controller(model, None, checkpointing="standard")
+    losses = []
+    for i in range(steps):
+        if i == flip_at:
+            ctl.apply(dataclasses.replace(BASE, checkpointing="standard", chunked_mlp=True))
+            ctl.chunked.install(8)
+        if flip_at is not None and i == flip_at + 1:
+            ctl.apply(dataclasses.replace(BASE, checkpointing="standard", chunked_mlp=False))
+        batch = packed_batch((20, 13, 11), seed=i)
+        out = model(**ctl.model_inputs(batch), labels=batch.labels, num_items_in_batch=batch.trained_tokens)
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(out.loss.detach()))
+    return losses
+
+
+def test_flipping_mid_run_keeps_the_losses() -> None:
+    assert train(1) == pytest.approx(train(None), rel=1e-6)
+
+
+def test_automatic_mode_chunks_long_rows_under_checkpointing() -> None:
+    assert resolve(None, "offloaded", AUTO_MIN_TOKENS + 1)[0] is True
+    assert resolve(None, "offloaded", AUTO_MIN_TOKENS)[0] is False
+    assert resolve(None, "none", 10 * AUTO_MIN_TOKENS)[0] is False
+    assert resolve(True, "none", 10)[0] is True and resolve(False, "standard", 10**6)[0] is False
+    model = tiny_lora_model("llama")
+    ctl = SpeedController(model, dataclasses.replace(BASE, checkpointing="standard"), torch.device("cpu"))
+    ctl.model_inputs(BATCH)
+    assert ctl.state()["chunked_mlp"]["on"] is False and "automatic" in ctl.state()["chunked_mlp"]["reason"]
+    assert not any(isinstance(m, TokenChunked) for m in model.modules())
