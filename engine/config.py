@@ -164,7 +164,7 @@ class SpeedConfig:
     fused_loss: bool | None = setting(
         None,
         "compute the loss and its gradient from the hidden states in chunks, never holding the full logits "
-        "(automatic: off)",
+        "(automatic: on where the model's head allows it)",
         flag="--fused-loss",
     )
     chunked_mlp: bool | None = setting(
@@ -172,6 +172,12 @@ class SpeedConfig:
         "run the MLP, norms and projections over chunks of the sequence during checkpointed recompute "
         "(automatic: on for rows over 8,192 tokens under checkpointing)",
         flag="--chunked-mlp",
+    )
+    fused_kernels: bool | None = setting(
+        None,
+        "fuse each layer's norms, rotary, SwiGLU and LoRA paths with torch.compile (automatic: on for CUDA "
+        "with triton, off on CPU)",
+        flag="--fused-kernels",
     )
 
 

@@ -50,6 +50,9 @@ class PackedBatch:
     """(D + 1,) int32 cumulative document lengths, starting at 0."""
     max_seqlen: int
     doc_lengths: tuple[int, ...]
+    loss_positions: torch.Tensor | None = None
+    """(K,) int64 flat positions t whose next label counts (``labels[t + 1] != IGNORE_INDEX``), found on the host
+    so the fused loss never asks the GPU which positions train (that would be a host sync per micro-batch)."""
 
     @property
     def num_tokens(self) -> int:
@@ -75,6 +78,7 @@ class PackedBatch:
             cu_seqlens=self.cu_seqlens,
             max_seqlen=self.max_seqlen,
             doc_lengths=self.doc_lengths,
+            loss_positions=None if self.loss_positions is None else self.loss_positions.to(device, **move),
         )
 
 
@@ -134,6 +138,7 @@ def collate(examples: Sequence[TokenizedExample]) -> PackedBatch:
     cu = [0]
     for n in lengths:
         cu.append(cu[-1] + n)
+    trained = [t for t in range(len(labels) - 1) if labels[t + 1] != IGNORE_INDEX]
     return PackedBatch(
         input_ids=torch.tensor([input_ids], dtype=torch.long),
         labels=torch.tensor([labels], dtype=torch.long),
@@ -142,6 +147,7 @@ def collate(examples: Sequence[TokenizedExample]) -> PackedBatch:
         cu_seqlens=torch.tensor(cu, dtype=torch.int32),
         max_seqlen=max(lengths),
         doc_lengths=lengths,
+        loss_positions=torch.tensor(trained, dtype=torch.long),
     )
 
 

@@ -108,6 +108,37 @@ def test_a_micro_batch_with_nothing_to_learn_gives_zero_loss_and_zero_gradient()
     assert float(loss.detach()) == 0.0 and torch.all(hidden.grad == 0)
 
 
+class RecordedOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Names of the aten operations run inside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+def test_packer_positions_equal_the_device_search_and_spare_its_sync() -> None:
+    """collate lists the trained positions on the host; with them the loss never runs nonzero (a host sync)."""
+    batch = packed_batch((5, 11, 1, 8))
+    shifted = F.pad(batch.labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
+    assert batch.loss_positions.tolist() == (shifted != IGNORE_INDEX).nonzero().squeeze(1).tolist()
+    assert batch.loss_positions.dtype == torch.long and batch.to("cpu").loss_positions is not None
+    hidden = torch.randn(1, batch.num_tokens, 8, requires_grad=True)
+    weight = torch.randn(VOCAB, 8)
+    results = {}
+    for positions in (None, batch.loss_positions):
+        with RecordedOps() as ops:
+            loss = linear_cross_entropy(hidden, weight, batch.labels, num_items=17, chunk_size=8, positions=positions)
+            (grad,) = torch.autograd.grad(loss, hidden)
+        results[positions is None] = (float(loss), grad, "nonzero" in ops.names)
+    (host_loss, host_grad, host_searched), (device_loss, device_grad, device_searched) = results[False], results[True]
+    assert device_searched and not host_searched  # the check sees nonzero when it runs
+    assert host_loss == device_loss and torch.equal(host_grad, device_grad)
+
+
 def test_chunk_size_keeps_float32_logits_within_budget() -> None:
     assert choose_chunk_size(16384, 151936) * 151936 * 4 <= 256 * 2**20
     assert choose_chunk_size(16384, 151936) % 16 == 0
@@ -152,7 +183,7 @@ def test_bfloat16_stays_within_the_stock_paths_own_rounding_noise() -> None:
 def test_controller_switch_and_fallbacks() -> None:
     model = tiny_lora_model("llama")
     ctl = SpeedController(model, SpeedConfig(), torch.device("cpu"))
-    assert not ctl.state()["fused_loss"]["on"], "automatic is opt-in until measured on GPUs"
+    assert ctl.state()["fused_loss"]["on"] and ctl.state()["fused_loss"]["reason"].startswith("automatic: loss")
     ctl.apply(SpeedConfig(fused_loss=True))
     assert ctl.state()["fused_loss"]["on"]
     ctl.apply(SpeedConfig(fused_loss=False))

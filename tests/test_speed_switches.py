@@ -14,11 +14,12 @@ from engine.speed import SpeedController
 BATCHES = [
     packed_batch(lengths, seed=i) for i, lengths in enumerate([(9, 20, 5), (30, 4), (12, 12, 12), (25, 7, 3, 9)])
 ]
-BASE = SpeedConfig(metadata_cache=False, checkpointing="none", moe_routing="stock")
+BASE = SpeedConfig(metadata_cache=False, checkpointing="none", moe_routing="stock", fused_loss=False)
 FLIPS = {
     "metadata_cache": True,
     "checkpointing": "offloaded",
     "moe_routing": "sync-free",
+    "fused_loss": True,
 }
 
 
@@ -31,11 +32,12 @@ def train(flip: str | None, steps: int = 4) -> list[float]:
         if flip is not None and i == steps // 2:
             ctl.apply(dataclasses.replace(BASE, **{flip: FLIPS[flip]}))
         batch = BATCHES[i % len(BATCHES)]
-        out = model(**ctl.model_inputs(batch), labels=batch.labels, num_items_in_batch=batch.trained_tokens)
-        out.loss.backward()
+        inputs = ctl.model_inputs(batch)
+        loss = ctl.loss(model, inputs, batch.labels, batch.trained_tokens, positions=batch.loss_positions)
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(float(out.loss))
+        losses.append(float(loss))
     return losses
 
 

@@ -3,9 +3,10 @@
 Each optimization lives in its own module with a pure core, a fallback and a docstring that says why:
 :mod:`engine.speed.metadata_cache` (packed-sequence metadata built once per batch, zero syncs),
 :mod:`engine.speed.offloaded_checkpoint` (checkpointed layer inputs in host memory, look-ahead prefetch),
-:mod:`engine.speed.moe_routing` (experts on sorted token slices) and :mod:`engine.speed.fused_loss` (the loss
-and its gradient from the hidden states in chunks, never the full logits). They plug into transformers through its
-registries (attention functions, experts implementations, the gradient-checkpointing function), so switching is
+:mod:`engine.speed.moe_routing` (experts on sorted token slices), :mod:`engine.speed.fused_loss` (the loss
+and its gradient from the hidden states in chunks, never the full logits) and :mod:`engine.speed.fused_kernels`
+(each layer's small per-token operations fused by a regional torch.compile). They plug into transformers through
+its registries (attention functions, experts implementations, the gradient-checkpointing function), so switching is
 a change of registered name or checkpoint function: no model reload, no reassigned library method. The fused
 loss is the training loop's call to :meth:`SpeedController.loss` instead of the model's own forward.
 """
@@ -20,7 +21,7 @@ import torch
 from engine.config import SpeedConfig
 from engine.model_inputs import stock_model_inputs
 from engine.packing import PackedBatch
-from engine.speed import chunked_mlp, fused_loss, metadata_cache, moe_routing, offloaded_checkpoint
+from engine.speed import chunked_mlp, fused_kernels, fused_loss, metadata_cache, moe_routing, offloaded_checkpoint
 from engine.speed.offloaded_checkpoint import ActivationOffloader
 
 __all__ = ["SpeedController", "transformers_model"]
@@ -69,6 +70,8 @@ class SpeedController:
         self._checkpointing: str | None = None
         self._metadata_backend: str | None = None
         self._fused_loss = False
+        self._fused_kernels = False
+        self.region_compiler = fused_kernels.RegionCompiler()
         self._auto_checkpointing_tokens = 0
         self.chunked = chunked_mlp.ChunkedModules(self.hf_model)
         self._longest_tokens = 0
@@ -84,6 +87,7 @@ class SpeedController:
         self._apply_metadata_cache(settings)
         self._apply_moe_routing(settings)
         self._apply_fused_loss(settings)
+        self._apply_fused_kernels(settings)
         self._apply_checkpointing(settings.checkpointing, reason=None)
         self._apply_chunked_mlp(settings)
 
@@ -116,13 +120,19 @@ class SpeedController:
         elif problem is not None:
             on, reason = False, problem
         elif settings.fused_loss is None:
-            # Opt-in until measured on GPUs: it saves the (tokens x vocab) logits but costs one host sync per
-            # micro-batch (finding the trained positions), which the sync-free step of the other switches avoids.
-            on, reason = False, "automatic: off (opt in with --fused-loss to save the full logits' memory)"
+            # No host sync: the packer lists the trained positions (PackedBatch.loss_positions).
+            on, reason = True, "automatic: loss and gradient from the hidden states in chunks, no full logits"
         else:
             on, reason = True, "switched on; loss and gradient from the hidden states in chunks, no full logits"
         self._fused_loss = on
         self._state["fused_loss"] = {"on": on, "reason": reason}
+
+    def _apply_fused_kernels(self, settings: SpeedConfig) -> None:
+        on, reason = fused_kernels.resolve(settings.fused_kernels, self.hf_model, self.device)
+        if on != self._fused_kernels:
+            self.region_compiler.switch(self.hf_model, on)
+            self._fused_kernels = on
+        self._state["fused_kernels"] = {"on": on, "reason": reason}
 
     def _apply_chunked_mlp(self, settings: SpeedConfig) -> None:
         mode = self._checkpointing or "none"
@@ -182,14 +192,24 @@ class SpeedController:
         if self._metadata_backend is None:
             return inputs
         meta = metadata_cache.build_metadata(batch, self.device, self._metadata_backend)
+        if self._fused_kernels:
+            fused_kernels.prepare_metadata(meta, self.hf_model)
         return metadata_cache.packed_inputs(inputs, meta)
 
     def loss(
-        self, model: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor, num_items: int | torch.Tensor
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        labels: torch.Tensor,
+        num_items: int | torch.Tensor,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The micro-batch loss (sum over counted tokens / ``num_items``), fused when that switch is on."""
+        """The micro-batch loss (sum over counted tokens / ``num_items``), fused when that switch is on.
+
+        ``positions`` (``PackedBatch.loss_positions`` on the device) spare the fused loss its one host sync.
+        """
         if self._fused_loss:
-            return fused_loss.fused_causal_lm_loss(model, inputs, labels, num_items)
+            return fused_loss.fused_causal_lm_loss(model, inputs, labels, num_items, positions=positions)
         return model(**inputs, labels=labels, num_items_in_batch=num_items).loss
 
     def state(self) -> dict[str, Any]:

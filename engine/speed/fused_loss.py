@@ -168,18 +168,22 @@ def linear_cross_entropy(
     bias: torch.Tensor | None = None,
     num_items: int | torch.Tensor | None = None,
     chunk_size: int | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal-LM loss from (…, T, H) hidden states and (…, T) unshifted labels, as transformers computes it.
 
     Labels are shifted the way ``ForCausalLMLoss`` does (position t predicts label t+1, the last position
     predicts nothing); the result is the float32 loss sum divided by ``num_items``, or the mean over counted
-    positions when it is None. Only positions with a label reach the head (one host sync to count them).
+    positions when it is None. Only positions with a label reach the head. ``positions`` are those flat
+    positions when the caller already knows them (the packer computes them on the host): then nothing here waits
+    for the GPU. Without them they are found on the device, which costs one host sync to count them.
     """
     shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
     flat = hidden.reshape(-1, hidden.shape[-1])
-    keep = (shifted != IGNORE_INDEX).nonzero().squeeze(1)
+    keep = (shifted != IGNORE_INDEX).nonzero().squeeze(1) if positions is None else positions.to(flat.device)
     divisor = float(num_items) if num_items is not None else float(keep.numel())
-    return LinearCrossEntropy.apply(flat.index_select(0, keep), weight, bias, shifted[keep], divisor, chunk_size)
+    targets = shifted.index_select(0, keep)
+    return LinearCrossEntropy.apply(flat.index_select(0, keep), weight, bias, targets, divisor, chunk_size)
 
 
 def _plain_linear(module: Any) -> bool:
@@ -214,12 +218,13 @@ def fused_causal_lm_loss(
     labels: torch.Tensor,
     num_items: int | torch.Tensor | None,
     chunk_size: int | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The loss of ``model(**inputs, labels=labels, num_items_in_batch=num_items).loss`` without full logits.
 
     Runs the decoder (LoRA layers included: they live inside it) without the head, then the fused loss
     against the output embedding. Callers check :func:`unsupported_reason` first; ``chunk_size`` defaults to
-    :func:`choose_chunk_size`.
+    :func:`choose_chunk_size`; ``positions`` (``PackedBatch.loss_positions``) make the step free of host syncs.
     """
     from engine.speed import transformers_model
 
@@ -228,4 +233,6 @@ def fused_causal_lm_loss(
     outputs = hf_model.get_decoder()(**inputs, num_items_in_batch=num_items)
     hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
     labels = labels.to(hidden.device)
-    return linear_cross_entropy(hidden, head.weight, labels, bias=head.bias, num_items=num_items, chunk_size=chunk_size)
+    return linear_cross_entropy(
+        hidden, head.weight, labels, bias=head.bias, num_items=num_items, chunk_size=chunk_size, positions=positions
+    )
