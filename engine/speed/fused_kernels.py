@@ -1,0 +1,128 @@
+"""Fused per-token operations: each decoder layer's attention, MLP and norms compiled by ``torch.compile``.
+
+Why: between its matmuls a decoder layer runs dozens of small element-wise kernels, each reading and writing
+the whole (tokens × hidden) activation: RMSNorm alone is a cast, a square, a mean, an add, a reciprocal square
+root, two multiplies and a cast back; rotary embeddings slice, negate, concatenate and multiply-add q and k;
+SwiGLU is a SiLU and a product; every LoRA projection adds ``B(A(x)) · scale`` to its base output. At 16k tokens
+these memory-bound kernels take a large share of a step on a big GPU. Inductor fuses each run of them into one
+Triton kernel, around the same cuBLAS matmuls and the same attention kernel.
+
+Regional: the compiled regions are the children of each decoder layer (attention with its LoRA projections,
+q/k norms and rotary; the MLP with its LoRA projections and SwiGLU; the two norms), never the whole model.
+Parameters are graph inputs, so one graph per module class serves every layer and compile time does not grow
+with depth. transformers wraps the layer's own forward in the gradient-checkpointing function, so compiling
+below the layer keeps both checkpoint functions (standard and offloaded) outside the graphs, recomputing
+compiled children; the price is that the two residual adds per layer stay eager.
+
+Dynamic shapes: regions compile with ``dynamic=True``, so the token count, the number of documents
+(``cu_seqlens``) and ``max_seqlen`` are symbolic: packed rows of any length reuse the same graphs, with no
+recompile from step to step. The attention metadata's masks are built before the layers run.
+
+Switching: on sets each region's ``_compiled_call_impl`` (what ``nn.Module.compile`` sets), off clears it, so
+``nn.Module.__call__`` runs the eager reference path again; no reload, no reassigned library method. Compiled
+code stays cached, so switching back on costs nothing. The first step after switching on compiles (tens of
+seconds); on CPU inductor compiles slowly and gains little, so automatic is on only for CUDA with triton.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["RegionCompiler", "compile_regions", "decoder_layers", "prepare_metadata", "resolve", "unsupported_reason"]
+
+
+def decoder_layers(hf_model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated decoder layers (transformers marks them as gradient-checkpointing layers)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [module for module in hf_model.modules() if isinstance(module, GradientCheckpointingLayer)]
+
+
+def compile_regions(hf_model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules that get compiled: every direct child of every decoder layer."""
+    return [child for layer in decoder_layers(hf_model) for child in layer.children()]
+
+
+def _quantized(hf_model: torch.nn.Module) -> bool:
+    return any(type(module).__module__.startswith("bitsandbytes") for module in hf_model.modules())
+
+
+def _has_experts(hf_model: torch.nn.Module) -> bool:
+    from engine.speed import moe_routing
+
+    return moe_routing.has_routable_experts(hf_model)
+
+
+def unsupported_reason(hf_model: torch.nn.Module) -> str | None:
+    """Why this model's layers cannot be compiled at all (None when they can)."""
+    if not decoder_layers(hf_model):
+        return f"{type(hf_model).__name__} has no transformers decoder layers to compile"
+    return None
+
+
+def _automatic(hf_model: torch.nn.Module, device: torch.device) -> tuple[bool, str]:
+    """The automatic choice and its reason."""
+    if device.type != "cuda":
+        return False, "automatic: off on CPU (inductor's CPU compile takes ~15 s per model and gains little)"
+    if importlib.util.find_spec("triton") is None:
+        return False, "automatic: off, triton is not installed (inductor generates Triton kernels for GPUs)"
+    if _quantized(hf_model):
+        return False, "automatic: off, bitsandbytes 4/8-bit layers are not verified under torch.compile"
+    if _has_experts(hf_model):
+        return False, "automatic: off, MoE expert layers are not verified under torch.compile"
+    return True, "automatic: norms, rotary, SwiGLU and LoRA paths fused per layer by torch.compile (Triton)"
+
+
+def resolve(requested: bool | None, hf_model: torch.nn.Module, device: torch.device) -> tuple[bool, str]:
+    """(on, reason) for the switch's setting: True / False as asked (when possible), None automatic."""
+    problem = unsupported_reason(hf_model)
+    if requested is False:
+        return False, "switched off: every layer runs eagerly (the reference path)"
+    if problem is not None:
+        return False, problem
+    if requested is None:
+        return _automatic(hf_model, device)
+    return True, "switched on; norms, rotary, SwiGLU and LoRA paths fused per layer by torch.compile"
+
+
+class RegionCompiler:
+    """Swaps compiled forwards of a model's layer regions in and out; compiled code is kept for reuse."""
+
+    def __init__(self, backend: str | Callable[..., Any] = "inductor") -> None:
+        self.backend = backend
+        self._compiled: dict[torch.nn.Module, Callable[..., Any]] = {}
+
+    def switch(self, hf_model: torch.nn.Module, on: bool) -> None:
+        """Compile (on) or restore the eager forward (off) of every region; safe between any two steps."""
+        for region in compile_regions(hf_model):
+            region._compiled_call_impl = self._compiled_for(region) if on else None
+
+    def _compiled_for(self, region: torch.nn.Module) -> Callable[..., Any]:
+        if region not in self._compiled:
+            self._compiled[region] = torch.compile(region._call_impl, backend=self.backend, dynamic=True)
+        return self._compiled[region]
+
+
+def _sliding_window(hf_model: torch.nn.Module) -> int | None:
+    config = hf_model.config.get_text_config()
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        return getattr(config, "sliding_window", None)
+    return None
+
+
+def prepare_metadata(meta: Any, hf_model: torch.nn.Module) -> None:
+    """Build the batch's attention masks (flex, sdpa backends) before the compiled layers read them.
+
+    Built lazily inside the first compiled attention call they would put host-side work (and a pinned upload)
+    into the graph; built here they are plain inputs.
+    """
+    windows = {None, _sliding_window(hf_model)}
+    for window in windows:
+        if meta.backend == "flex":
+            meta.block_mask(window)
+        elif meta.backend == "sdpa":
+            meta.dense_mask(window)
