@@ -140,3 +140,58 @@ def test_switch_states_and_automatic_choice(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(fused_kernels.importlib.util, "find_spec", lambda name: None)
     on, reason = fused_kernels.resolve(None, ctl.hf_model, cuda)
     assert not on and "triton" in reason
+
+
+def test_chunked_mlp_regions_compile_the_chunked_modules_without_breaks() -> None:
+    """With per-token modules in sequence chunks, the wrapped modules are compiled and run once per chunk."""
+    from engine.speed.chunked_mlp import TokenChunked
+
+    settings = SpeedConfig(metadata_cache=True, checkpointing="standard", chunked_mlp=True, fused_kernels=True)
+    model, reference_model = tiny_lora_model("llama"), tiny_lora_model("llama")
+    counter = CompileCounter()
+    ctl = controller(model, settings, backend=counter)
+    reference = controller(reference_model, dataclasses.replace(settings, fused_kernels=False))
+    for wrapper in [m for m in model.modules() if isinstance(m, TokenChunked)]:
+        wrapper.chunk_tokens = 16  # rows of 34-40 tokens: two or three chunks
+    for wrapper in [m for m in reference_model.modules() if isinstance(m, TokenChunked)]:
+        wrapper.chunk_tokens = 16
+    regions = fused_kernels.compile_regions(ctl.hf_model)
+    assert regions and not any(isinstance(r, TokenChunked) for r in regions)
+    assert all(r._compiled_call_impl is not None for r in regions)
+    for seed, lengths in enumerate(LENGTHS[:3]):
+        assert step_loss(model, ctl, lengths, seed) == pytest.approx(
+            step_loss(reference_model, reference, lengths, seed)
+        )
+        assert max_relative_error(grads(model), grads(reference_model)) < 1e-6
+        model.zero_grad(set_to_none=True)
+        reference_model.zero_grad(set_to_none=True)
+    assert counter.frame_count > 0 and graph_breaks() == 0, dict(counters["graph_break"])
+    ctl.apply(dataclasses.replace(settings, chunked_mlp=False))  # the whole attention block is a region again
+    assert all(r._compiled_call_impl is None for r in regions if r not in fused_kernels.compile_regions(ctl.hf_model))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("backend", ["varlen", "flex", "sdpa"])
+def test_cuda_attention_backends_compile_once_and_match_eager(backend: str) -> None:
+    """On the GPU: cu_seqlens and max_seqlen change with every row, yet the inductor graphs are reused."""
+    device = torch.device("cuda")
+    settings = SpeedConfig(metadata_cache=True, attention_backend=backend, checkpointing="none", fused_kernels=True)
+    losses: dict[bool, list[float]] = {}
+    for fused in (False, True):
+        counters.clear()
+        model = tiny_lora_model("qwen3").to(device, torch.bfloat16)
+        ctl = SpeedController(model, dataclasses.replace(settings, fused_kernels=fused), device)
+        assert ctl.state()["metadata_cache"]["backend"] == backend
+        losses[fused] = []
+        for seed, lengths in enumerate(LENGTHS[:4]):
+            batch = packed_batch(tuple(n * 8 for n in lengths), seed=seed).to(device)
+            inputs = ctl.model_inputs(batch)
+            loss = ctl.loss(model, inputs, batch.labels, batch.trained_tokens, positions=batch.loss_positions)
+            loss.backward()
+            losses[fused].append(float(loss.detach()))
+            if seed == 0:
+                graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs, "a new row length recompiled"
+    assert graphs > 0 and graph_breaks() == 0, dict(counters["graph_break"])
+    assert losses[True] == pytest.approx(losses[False], rel=2e-2)

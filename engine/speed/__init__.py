@@ -87,9 +87,9 @@ class SpeedController:
         self._apply_metadata_cache(settings)
         self._apply_moe_routing(settings)
         self._apply_fused_loss(settings)
-        self._apply_fused_kernels(settings)
         self._apply_checkpointing(settings.checkpointing, reason=None)
         self._apply_chunked_mlp(settings)
+        self._apply_fused_kernels(settings)
 
     def _apply_metadata_cache(self, settings: SpeedConfig) -> None:
         problem = metadata_cache.unsupported_reason(self.hf_model)
@@ -129,9 +129,8 @@ class SpeedController:
 
     def _apply_fused_kernels(self, settings: SpeedConfig) -> None:
         on, reason = fused_kernels.resolve(settings.fused_kernels, self.hf_model, self.device)
-        if on != self._fused_kernels:
-            self.region_compiler.switch(self.hf_model, on)
-            self._fused_kernels = on
+        self.region_compiler.switch(self.hf_model, on)  # after the chunked MLP switch: it changes the regions
+        self._fused_kernels = on
         self._state["fused_kernels"] = {"on": on, "reason": reason}
 
     def _apply_chunked_mlp(self, settings: SpeedConfig) -> None:
@@ -188,6 +187,7 @@ class SpeedController:
         if batch.num_tokens > self._longest_tokens:
             self._longest_tokens = batch.num_tokens  # automatic chunking re-decides only when batches grow
             self._apply_chunked_mlp(self.settings)
+            self._apply_fused_kernels(self.settings)
         inputs = stock_model_inputs(self.model, batch)
         if self._metadata_backend is None:
             return inputs

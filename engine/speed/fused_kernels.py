@@ -43,8 +43,20 @@ def decoder_layers(hf_model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def compile_regions(hf_model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules that get compiled: every direct child of every decoder layer."""
-    return [child for layer in decoder_layers(hf_model) for child in layer.children()]
+    """The modules that get compiled: every direct child of every decoder layer.
+
+    Under the chunked MLP switch a child runs in sequence chunks (``TokenChunked``): then the module it wraps is
+    compiled and called once per chunk, and an attention block whose projections are chunked compiles just those
+    projections (their LoRA paths), leaving its q/k norms and rotary eager.
+    """
+    from engine.speed.chunked_mlp import TokenChunked
+
+    regions: list[torch.nn.Module] = []
+    for layer in decoder_layers(hf_model):
+        for child in layer.children():
+            chunked = [module.wrapped for module in child.modules() if isinstance(module, TokenChunked)]
+            regions.extend(chunked or [child])
+    return regions
 
 
 def _quantized(hf_model: torch.nn.Module) -> bool:
@@ -95,11 +107,21 @@ class RegionCompiler:
     def __init__(self, backend: str | Callable[..., Any] = "inductor") -> None:
         self.backend = backend
         self._compiled: dict[torch.nn.Module, Callable[..., Any]] = {}
+        self._active: list[torch.nn.Module] = []
 
     def switch(self, hf_model: torch.nn.Module, on: bool) -> None:
-        """Compile (on) or restore the eager forward (off) of every region; safe between any two steps."""
-        for region in compile_regions(hf_model):
-            region._compiled_call_impl = self._compiled_for(region) if on else None
+        """Compile (on) or restore the eager forward (off) of every region; safe between any two steps.
+
+        Idempotent; call it again after the set of regions changed (the chunked MLP switch flipped).
+        """
+        wanted = compile_regions(hf_model) if on else []
+        keep = {id(region) for region in wanted}
+        for region in self._active:
+            if id(region) not in keep:
+                region._compiled_call_impl = None
+        for region in wanted:
+            region._compiled_call_impl = self._compiled_for(region)
+        self._active = wanted
 
     def _compiled_for(self, region: torch.nn.Module) -> Callable[..., Any]:
         if region not in self._compiled:
