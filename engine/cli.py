@@ -13,6 +13,7 @@ import importlib
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Literal, get_args, get_type_hints
 
 from engine.config import RunConfig, coerce_value
@@ -43,6 +44,7 @@ EPILOG = """examples:
   tunedeck train --demo                         fine-tune the built-in demo model (CPU, about a minute)
   tunedeck train --model ./my-model --data chats.jsonl --max-steps 200
   tunedeck train --resume runs/20261130-120000-my-model-chats
+  tunedeck train --model ./my-model --data chats.jsonl --gpus 2   one process per GPU (torchrun, DDP)
 """
 
 
@@ -182,6 +184,8 @@ def train_main(argv: list[str]) -> int:
 
 def _train_config(args: argparse.Namespace) -> RunConfig:
     base = RunConfig.load(args.config) if args.config else RunConfig()
+    if args.resume and not args.config:  # flags not given (--gpus among them) keep the run's own settings
+        base = RunConfig.load(Path(args.resume) / "config.json")
     if args.demo:
         from engine.demo_run import demo_config
 

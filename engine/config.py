@@ -36,6 +36,15 @@ def _require(condition: bool, name: str, message: str) -> None:
         raise ConfigError(f"{name}: {message}")
 
 
+def _gpus_spec_ok(spec: str) -> bool:
+    """'all', a count of at least 1, or distinct GPU indices separated by commas."""
+    text = spec.strip().lower()
+    if text == "all" or (text.isdigit() and int(text) >= 1):
+        return True
+    parts = [part.strip() for part in text.split(",")]
+    return "," in text and all(part.isdigit() for part in parts) and len(set(map(int, parts))) == len(parts)
+
+
 @dataclass
 class ModelConfig:
     """Which base model to fine-tune and how to load it."""
@@ -123,9 +132,22 @@ class TrainingConfig:
     max_bad_steps: int = setting(
         5, "stop the run after this many steps in a row with a non-finite loss or gradient (each is skipped)"
     )
+    gpus: str = setting(
+        "1",
+        "GPUs to train on: a count, 'all', or a comma list of GPU indices; more than one runs under torchrun, "
+        "one process per GPU (grad_accum stays the rows of one step over all GPUs; tokens_per_batch is per GPU)",
+        flag="--gpus",
+    )
+    parallel: Literal["auto", "ddp", "fsdp"] = setting(
+        "auto",
+        "how several GPUs share the model: DDP keeps a copy on each, FSDP2 shards the base weights "
+        "(auto: DDP unless the model does not fit one card)",
+        flag="--parallel",
+    )
 
     def __post_init__(self) -> None:
         _require(self.max_bad_steps >= 1, "training.max_bad_steps", f"must be at least 1, got {self.max_bad_steps}")
+        _require(_gpus_spec_ok(self.gpus), "training.gpus", f"must be a count, 'all' or GPU indices, got {self.gpus!r}")
         _require(self.max_steps >= 0, "training.max_steps", f"must be >= 0, got {self.max_steps}")
         _require(self.epochs > 0, "training.epochs", f"must be positive, got {self.epochs}")
         _require(self.learning_rate > 0, "training.learning_rate", f"must be positive, got {self.learning_rate}")

@@ -56,6 +56,8 @@ class StepMetrics(Event):
     tokens_per_s: float
     memory_bytes: int
     """Peak accelerator memory of the step (bytes); on CPU, the process's resident memory."""
+    rank_memory_bytes: list[int] | None = None
+    """With several GPUs: each rank's ``memory_bytes`` (``memory_bytes`` is then their maximum)."""
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,10 @@ or offloaded checkpointing; a non-finite loss skips the update; checkpoints, the
 written atomically and the logs are fsynced before each checkpoint, so a kill at any moment resumes from a
 consistent state; a failed write stops the run with a message naming the disk problem. Nothing a run reports
 or writes contains the Hugging Face token (engine.redact).
+
+Several GPUs (``training.gpus``): :func:`run` launches the ranks under torchrun (engine.distributed.launch) and
+yields rank 0's events; each rank runs :func:`run_rank`, this same loop with its :class:`Ranks` share of every
+step. engine.distributed says what a step means with W ranks.
 """
 
 from __future__ import annotations
@@ -36,6 +40,9 @@ from engine import guard
 from engine.config import RunConfig
 from engine.control import RunControl
 from engine.dataset import PreparedData, RowSchedule, prepare_data
+from engine.distributed.control import RankControl
+from engine.distributed.launch import resolve_gpus, run_ranks
+from engine.distributed.ranks import Ranks, plain_number
 from engine.errors import ConfigError, TuneDeckError
 from engine.events import (
     CheckpointSaved,
@@ -53,7 +60,7 @@ from engine.events import (
     StepSkipped,
 )
 from engine.models import add_lora, count_parameters, load_base_model, load_tokenizer, pick_device, pick_dtype
-from engine.packing import PackedBatch, TokenizedExample, collate
+from engine.packing import IGNORE_INDEX, PackedBatch, TokenizedExample, collate
 from engine.redact import known_tokens, redact, redact_event
 from engine.schedule import lr_lambda
 from engine.speed import SpeedController
@@ -94,6 +101,9 @@ class Session:
     """Largest micro-batch in tokens; lowered after an out-of-memory step (rows are then split, never reordered)."""
     offload_tried: bool = False
     non_finite: guard.NonFiniteCounter = field(init=False)
+    ranks: Ranks = field(default_factory=Ranks.single)
+    loss_module: torch.nn.Module | None = None
+    """DDP around the model, or the FSDP2 root; None in a one-process run."""
 
     def __post_init__(self) -> None:
         self.schedule = RowSchedule(len(self.data.train_rows), self.config.training.seed)
@@ -122,21 +132,58 @@ def _run(config: RunConfig, control: RunControl | None, resume: str | Path | Non
     try:
         if resume is not None:
             run_dir = Path(resume)
-            config = _load_run_config(run_dir)
-        else:
+            config = _resumed_config(_load_run_config(run_dir), config)
+        gpus = resolve_gpus(config.training.gpus, config.training.device)
+        config = _on_one_gpu(config, gpus)
+        if run_dir is None:
             run_dir = _new_run_dir(config)
+        if len(gpus) > 1:
+            yield from run_ranks(config, run_dir, resume is not None, gpus, control)
+            return
         session = yield from _start(config, run_dir, resume is not None)
         yield from _train(session, control)
-    except TuneDeckError as err:
-        yield RunFailed(err.message, err.hint, session.step if session else 0, str(run_dir) if run_dir else None)
     except Exception as err:  # the user gets a message and a log, never a dead app
-        log = _write_error_log(run_dir, err)
-        yield RunFailed(
-            f"unexpected error: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
-            f"details are in {log}" if log else None,
-            session.step if session else 0,
-            str(run_dir) if run_dir else None,
-        )
+        yield _failure(err, session, run_dir, write_log=True)
+
+
+def run_rank(
+    config: RunConfig, run_dir: Path, resuming: bool, ranks: Ranks, device: torch.device, control: RunControl
+) -> Iterator[Event]:
+    """One rank of a multi-GPU run (started by engine.distributed.worker); only rank 0's events are shown."""
+    tokens = known_tokens()
+    session: Session | None = None
+    try:
+        session = yield from _start(config, run_dir, resuming, ranks, device)
+        yield from _train(session, control)
+    except Exception as err:
+        yield redact_event(_failure(err, session, run_dir, write_log=ranks.is_main), tokens)
+
+
+def _failure(err: Exception, session: Session | None, run_dir: Path | None, write_log: bool) -> RunFailed:
+    step, folder = (session.step if session else 0), (str(run_dir) if run_dir else None)
+    if isinstance(err, TuneDeckError):
+        return RunFailed(err.message, err.hint, step, folder)
+    log = _write_error_log(run_dir, err) if write_log else None
+    return RunFailed(
+        f"unexpected error: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
+        f"details are in {log}" if log else None,
+        step,
+        folder,
+    )
+
+
+def _resumed_config(saved: RunConfig, given: RunConfig) -> RunConfig:
+    """A resumed run keeps its saved settings, except which GPUs it now runs on and how they share the model."""
+    training = dataclasses.replace(saved.training, gpus=given.training.gpus, parallel=given.training.parallel)
+    return dataclasses.replace(saved, training=training)
+
+
+def _on_one_gpu(config: RunConfig, gpus: list[int]) -> RunConfig:
+    """``--gpus 3`` style lists of one GPU train in this process on that GPU."""
+    if len(gpus) != 1 or gpus[0] == 0 or config.training.device not in ("auto", "cuda"):
+        return config
+    training = dataclasses.replace(config.training, device=f"cuda:{gpus[0]}")
+    return dataclasses.replace(config, training=training)
 
 
 def _write_error_log(run_dir: Path | None, err: Exception) -> Path | None:
@@ -200,25 +247,34 @@ def _total_steps(config: RunConfig, num_rows: int) -> int:
     return max(1, math.ceil(config.training.epochs * num_rows / config.training.grad_accum))
 
 
-def _start(config: RunConfig, run_dir: Path, resuming: bool) -> Generator[Event, None, Session]:
+def _start(
+    config: RunConfig, run_dir: Path, resuming: bool, ranks: Ranks | None = None, device: torch.device | None = None
+) -> Generator[Event, None, Session]:
+    ranks = ranks or Ranks.single()
     _seed_everything(config.training.seed)
-    device = pick_device(config.training.device)
+    device = device or pick_device(config.training.device)
     dtype = pick_dtype(config.model.dtype, device)
+    config = yield from _fit_to_ranks(config, ranks, device, dtype)
     tokenizer = load_tokenizer(config.model)
     data = prepare_data(config.data, tokenizer, config.training.seed)
     for message in data.notices:
         yield Notice(message)
     if config.model.allow_pickle_weights:
         yield Notice(PICKLE_WARNING)
-    model = add_lora(load_base_model(config.model, device, dtype), config.lora, config.model.qlora)
+    # FSDP2 shards from host memory, so a model too big for one card never lands whole on one
+    load_device = torch.device("cpu") if ranks.mode == "fsdp" else device
+    model = add_lora(load_base_model(config.model, load_device, dtype), config.lora, config.model.qlora)
     model.train()
+    trainable, total = count_parameters(model)
+    ranks.shard_layers(model, device)
+    loss_module = ranks.wrap(model, device)
     session = _make_session(config, run_dir, device, dtype, tokenizer, model, data)
+    session.ranks, session.loss_module = ranks, loss_module
     if resuming:
         yield from _restore(session)
-    trainable, total = count_parameters(model)
     yield RunStarted(
         run_dir=str(run_dir),
-        device=str(device),
+        device=_device_label(device, ranks),
         dtype=str(dtype).replace("torch.", ""),
         total_steps=session.total_steps,
         start_step=session.step,
@@ -231,6 +287,31 @@ def _start(config: RunConfig, run_dir: Path, resuming: bool) -> Generator[Event,
     )
     yield SpeedChanged(session.step, session.speed.state())
     return session
+
+
+def _fit_to_ranks(
+    config: RunConfig, ranks: Ranks, device: torch.device, dtype: torch.dtype
+) -> Generator[Event, None, RunConfig]:
+    """Say how the ranks share the model; FSDP2 needs every rank to run the same collectives in every step."""
+    if not ranks.distributed:
+        return config
+    yield Notice(f"training on {ranks.world} processes with {ranks.mode.upper()}: {ranks.reason}")
+    if ranks.mode != "fsdp":
+        return config
+    if dtype == torch.float16:
+        raise ConfigError("FSDP2 with float16 loss scaling is not supported", hint="use --parallel ddp")
+    if config.speed.checkpointing != "auto" or device.type != "cuda":
+        return config
+    # automatic checkpointing decides per GPU from its free memory; under FSDP2 a recompute gathers weights,
+    # so ranks deciding differently would wait on each other forever
+    yield Notice("FSDP2: activation checkpointing is fixed to standard recompute on every GPU")
+    return dataclasses.replace(config, speed=dataclasses.replace(config.speed, checkpointing="standard"))
+
+
+def _device_label(device: torch.device, ranks: Ranks) -> str:
+    if not ranks.distributed:
+        return str(device)
+    return f"{device.type} ×{ranks.world} ({ranks.mode.upper()})"
 
 
 def _make_session(
@@ -252,8 +333,10 @@ def _make_session(
 def _restore(session: Session) -> Iterator[Event]:
     """Continue from the newest whole checkpoint; damaged ones are skipped, none at all means starting over."""
     folder = session.run_dir / CHECKPOINT_DIR
-    ckpt.recover_interrupted(folder)
-    ckpt.recover_interrupted(session.run_dir)
+    if session.ranks.is_main:
+        ckpt.recover_interrupted(folder)
+        ckpt.recover_interrupted(session.run_dir)
+    session.ranks.barrier()
     for checkpoint in reversed(ckpt.list_checkpoints(folder)):
         problem = ckpt.checkpoint_problem(checkpoint)
         if problem is None:
@@ -268,13 +351,14 @@ def _restore(session: Session) -> Iterator[Event]:
             f"micro-batches stay at {session.tokens_per_batch} tokens, as lowered after running out of memory "
             f"(data.tokens_per_batch is {session.config.data.tokens_per_batch})"
         )
-    _truncate_log(session.run_dir / METRICS_FILE, session.step)
-    _truncate_log(session.run_dir / EVAL_FILE, session.step)
+    if session.ranks.is_main:
+        _truncate_log(session.run_dir / METRICS_FILE, session.step)
+        _truncate_log(session.run_dir / EVAL_FILE, session.step)
 
 
 def _load_checkpoint(session: Session, checkpoint: Path) -> str | None:
     """Put the checkpoint's state into the session; returns why it could not be read instead of raising."""
-    from peft import set_peft_model_state_dict
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
     state = ckpt.load_trainer_state(checkpoint)
     if state.train_rows != len(session.data.train_rows):
@@ -287,7 +371,10 @@ def _load_checkpoint(session: Session, checkpoint: Path) -> str | None:
         weights = ckpt.load_checkpoint(checkpoint, session.optimizer, session.scheduler)
     except Exception as err:  # safetensors, pickle and OS errors all mean "this one cannot be used"
         return f"it cannot be read ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
-    set_peft_model_state_dict(session.model, {k: v.to(session.device) for k, v in weights.items()})
+    session.ranks.shard_optimizer_state(session.optimizer)
+    sharded = get_peft_model_state_dict(session.model) if session.ranks.mode == "fsdp" else {}
+    weights = session.ranks.shard_like(sharded, {k: v.to(session.device) for k, v in weights.items()})
+    set_peft_model_state_dict(session.model, weights)
     session.step, session.micro_batches = state.step, state.micro_batches
     if 0 < state.tokens_per_batch < session.tokens_per_batch:  # memory ran short before: do not hit it again
         session.tokens_per_batch = state.tokens_per_batch
@@ -313,6 +400,8 @@ def _train(session: Session, control: RunControl) -> Iterator[Event]:
     started = time.perf_counter()
     training = session.config.training
     while session.step < session.total_steps:
+        if isinstance(control, RankControl):
+            control.sync()
         if control.stop_requested:
             break
         if control.paused:
@@ -325,10 +414,12 @@ def _train(session: Session, control: RunControl) -> Iterator[Event]:
         if requested is not None:
             session.speed.apply(requested)
             yield SpeedChanged(session.step, session.speed.state())
+        session.ranks.inject_fault(session.step + 1)
         metrics = yield from _step(session)
         if metrics is None:  # skipped: non-finite loss or gradient
             continue
-        _append_jsonl(session.run_dir / METRICS_FILE, _metrics_record(metrics))
+        if session.ranks.is_main:
+            _append_jsonl(session.run_dir / METRICS_FILE, _metrics_record(metrics))
         yield metrics
         if training.eval_every and session.step % training.eval_every == 0 and session.step < session.total_steps:
             yield from _evaluate(session)
@@ -341,10 +432,14 @@ def _finish(session: Session, wall_time: float, cancelled: bool) -> Iterator[Eve
     if not cancelled:
         yield from _evaluate(session)
     yield _save_checkpoint(session)
-    try:
-        adapter_dir = save_adapter(session.model, session.tokenizer, session.run_dir / ADAPTER_DIR)
-    except OSError as err:
-        raise ckpt.write_error(err, "final adapter", session.run_dir / ADAPTER_DIR) from err
+    adapter_dir = session.run_dir / ADAPTER_DIR
+    gathered = session.ranks.full_trainable_state(session.model)
+    if session.ranks.is_main:
+        try:
+            save_adapter(session.model, session.tokenizer, adapter_dir, gathered)
+        except OSError as err:
+            raise ckpt.write_error(err, "final adapter", adapter_dir) from err
+    session.ranks.barrier()
     yield RunFinished(
         step=session.step,
         run_dir=str(session.run_dir),
@@ -356,12 +451,12 @@ def _finish(session: Session, wall_time: float, cancelled: bool) -> Iterator[Eve
     )
 
 
-def save_adapter(model: Any, tokenizer: Any, folder: Path) -> Path:
-    """Write the adapter in PEFT format (with the tokenizer) atomically."""
+def save_adapter(model: Any, tokenizer: Any, folder: Path, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write the adapter in PEFT format (with the tokenizer) atomically; ``state_dict``: weights gathered by FSDP2."""
     tmp = folder.with_name(f".tmp-{folder.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": state_dict} if state_dict else {}))
         tokenizer.save_pretrained(tmp)
         ckpt.commit_folder(tmp, folder)
     except OSError:
@@ -376,16 +471,22 @@ def _save_checkpoint(session: Session) -> CheckpointSaved:
     state = ckpt.TrainerState(
         session.step, session.micro_batches, len(session.data.train_rows), session.total_steps, session.tokens_per_batch
     )
-    for log in (METRICS_FILE, EVAL_FILE):  # a durable checkpoint must not outlive the log lines before it
-        ckpt.fsync_file(session.run_dir / log)
-    path = ckpt.save_checkpoint(
-        session.run_dir / CHECKPOINT_DIR,
-        state,
-        get_peft_model_state_dict(session.model),
-        session.optimizer,
-        session.scheduler,
-        session.config.output.keep_checkpoints,
-    )
+    ranks = session.ranks
+    adapter = get_peft_model_state_dict(session.model, state_dict=ranks.full_trainable_state(session.model))
+    optimizer = ranks.checkpoint_optimizer(session.optimizer)  # gathered whole under FSDP2 (a collective)
+    path = session.run_dir / CHECKPOINT_DIR / ckpt.checkpoint_name(session.step)
+    if ranks.is_main:
+        for log in (METRICS_FILE, EVAL_FILE):  # a durable checkpoint must not outlive the log lines before it
+            ckpt.fsync_file(session.run_dir / log)
+        path = ckpt.save_checkpoint(
+            session.run_dir / CHECKPOINT_DIR,
+            state,
+            adapter,
+            optimizer,
+            session.scheduler,
+            session.config.output.keep_checkpoints,
+        )
+    ranks.barrier()  # nobody goes on before the checkpoint is whole
     return CheckpointSaved(session.step, str(path))
 
 
@@ -411,18 +512,45 @@ def _longest_document(examples: list[TokenizedExample], rows: list[list[int]]) -
 def _forward_loss(session: Session, batch: PackedBatch, num_items: int) -> torch.Tensor:
     on_device = batch.to(session.device)
     inputs = session.speed.model_inputs(on_device)
-    return session.speed.loss(session.model, inputs, on_device.labels, num_items)
+
+    def compute(model: torch.nn.Module) -> torch.Tensor:
+        return session.speed.loss(model, inputs, on_device.labels, num_items, positions=on_device.loss_positions)
+
+    # through DDP / the FSDP2 root, whose hooks must see the forward (the fused loss bypasses the model's own)
+    return session.loss_module(compute) if session.loss_module is not None else compute(session.model)
+
+
+def _without_labels(batch: PackedBatch) -> PackedBatch:
+    """The same tokens with nothing to learn: a padding pass that gives zero loss and zero gradient."""
+    ignored = torch.full_like(batch.labels, IGNORE_INDEX)
+    return dataclasses.replace(batch, labels=ignored, loss_positions=torch.zeros(0, dtype=torch.long))
+
+
+def _rank_batches(session: Session, per_row: list[list[PackedBatch]]) -> list[PackedBatch]:
+    """This rank's micro-batches of the step, padded so that every rank runs the same number of passes."""
+    ranks = session.ranks
+    if not ranks.distributed:
+        return [b for group in per_row for b in group]
+    mine = [b for group in ranks.share(per_row) for b in group]
+    shortest = min((b for group in per_row for b in group), key=lambda b: b.num_tokens)
+    return mine + [_without_labels(shortest)] * (ranks.passes([len(g) for g in per_row]) - len(mine))
 
 
 def _accumulate(session: Session, rows: list[int]) -> tuple[float, list[PackedBatch]]:
-    """Forward and backward over the step's rows; the loss is the sum over trained tokens / their count."""
+    """Forward and backward over the step's rows (this rank's share of them); the loss is the sum over trained
+    tokens / their count over the whole step, this rank's part of it under several ranks."""
     data = session.data
-    batches = [b for r in rows for b in _row_batches(data.train, data.train_rows[r], session.tokens_per_batch)]
+    per_row = [_row_batches(data.train, data.train_rows[r], session.tokens_per_batch) for r in rows]
+    batches = [b for group in per_row for b in group]
     num_items = sum(b.trained_tokens for b in batches)
+    mine = _rank_batches(session, per_row)
+    ranks = session.ranks
     total = torch.zeros((), device=session.device)
-    for batch in batches:
-        loss = _forward_loss(session, batch, num_items)
-        (session.scaler.scale(loss) if session.scaler is not None else loss).backward()
+    for i, batch in enumerate(mine):
+        with ranks.accumulating(session.loss_module, last=i == len(mine) - 1):
+            loss = _forward_loss(session, batch, num_items)
+            scaled = loss * ranks.loss_scale if ranks.distributed else loss
+            (session.scaler.scale(scaled) if session.scaler is not None else scaled).backward()
         total += loss.detach().float()
     return float(total), batches
 
@@ -435,6 +563,8 @@ def _accumulate_or_lower(session: Session, rows: list[int]) -> Generator[Event, 
         except Exception as err:
             if not guard.is_out_of_memory(err):
                 raise
+            if session.ranks.distributed:  # the other ranks are already waiting in this step's collectives
+                raise guard.out_of_memory_error(session.step + 1, session.tokens_per_batch) from err
         # outside the except block: the traceback (and the activations its frames hold) is gone by now
         guard.release_memory(session.optimizer, session.device)
         yield from _lower_memory(session, [session.data.train_rows[r] for r in rows], session.data.train)
@@ -459,7 +589,7 @@ def _clip_gradients(session: Session) -> float:
     max_norm = session.config.training.max_grad_norm or math.inf
     if session.scaler is not None:
         session.scaler.unscale_(session.optimizer)
-    return float(torch.nn.utils.clip_grad_norm_(session.trainable, max_norm))
+    return plain_number(torch.nn.utils.clip_grad_norm_(session.trainable, max_norm))
 
 
 def _optimizer_step(session: Session) -> None:
@@ -500,6 +630,9 @@ def _step(session: Session) -> Generator[Event, None, StepMetrics | None]:
     learning_rate = float(session.scheduler.get_last_lr()[0])
     rows = _next_rows(session)
     loss_value, batches = yield from _accumulate_or_lower(session, rows)
+    rank_memory: list[int] | None = None
+    if session.ranks.distributed:  # one small all-reduce: the step's loss and every rank's peak memory
+        loss_value, rank_memory = session.ranks.reduce_step(loss_value, _memory_bytes(session.device))
     grad_norm = _clip_gradients(session)
     if _is_bad_step(session, loss_value, grad_norm):
         yield _skip_update(session, loss_value, grad_norm)
@@ -523,7 +656,8 @@ def _step(session: Session) -> Generator[Event, None, StepMetrics | None]:
         trained_tokens=sum(b.trained_tokens for b in batches),
         step_time_s=elapsed,
         tokens_per_s=tokens / elapsed if elapsed > 0 else 0.0,
-        memory_bytes=_memory_bytes(session.device),
+        memory_bytes=max(rank_memory) if rank_memory else _memory_bytes(session.device),
+        rank_memory_bytes=rank_memory,
     )
 
 
@@ -542,16 +676,20 @@ def evaluate_loss(session: Session) -> tuple[float, int] | None:
     batches = [b for row in data.eval_rows for b in _row_batches(data.eval, row, session.tokens_per_batch)]
     if not batches:
         return None
+    mine = _rank_batches(session, [[b] for b in batches])
     session.model.eval()
     total, tokens = 0.0, 0
     try:
-        for batch in batches:
+        for batch in mine:
             n = batch.trained_tokens
-            total += float(_forward_loss(session, batch, n)) * n
-            tokens += n
+            loss = _forward_loss(session, batch, max(n, 1))  # a padding pass (n == 0) only keeps ranks in step
+            if n:
+                total += float(loss) * n
+                tokens += n
     finally:
         session.model.train()
-    return total / max(tokens, 1), tokens
+    total, tokens = session.ranks.reduce_sums(total, tokens)
+    return total / max(tokens, 1), int(tokens)
 
 
 def _evaluate(session: Session) -> Iterator[Event]:
@@ -568,7 +706,8 @@ def _evaluate(session: Session) -> Iterator[Event]:
         return
     loss, tokens = result
     session.last_eval = loss
-    _append_jsonl(session.run_dir / EVAL_FILE, {"step": session.step, "eval_loss": loss, "tokens": tokens})
+    if session.ranks.is_main:
+        _append_jsonl(session.run_dir / EVAL_FILE, {"step": session.step, "eval_loss": loss, "tokens": tokens})
     yield EvalMetrics(session.step, loss, tokens)
 
 

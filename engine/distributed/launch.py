@@ -1,0 +1,226 @@
+"""Starting a multi-GPU run under torchrun and turning rank 0's output back into the run's events.
+
+The launcher owns the run folder (it creates or reads it, as a one-process run does), then starts
+``python -m torch.distributed.run --standalone --nproc-per-node W -m engine.distributed.worker`` in its own
+session, with ``CUDA_VISIBLE_DEVICES`` naming the chosen GPUs and ``NCCL_NVLS_ENABLE=0`` unless set (NVLink
+multicast buffers failed to allocate on shared machines). Rank 0 prints each event as a marked JSON line; the
+launcher parses them back into the same event objects. Whatever happens — the run ends, fails, a rank dies, the
+consumer stops iterating — the whole process group is gone when the iterator ends: no orphans.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import engine
+from engine import events as ev
+from engine.config import RunConfig
+from engine.control import RunControl
+from engine.distributed.control import CONTROL_FILE, ControlMirror
+from engine.errors import ConfigError
+from engine.events import Event, RunFailed, RunFinished
+
+EVENT_MARK = "@tunedeck-event "
+LAUNCH_ENV = "TUNEDECK_LAUNCH"
+STDERR_TAIL = 60
+HINT_LINES = 12
+EXIT_GRACE_S = 60.0
+EVENT_TYPES: dict[str, type[Event]] = {
+    cls.__name__: cls
+    for cls in vars(ev).values()
+    if isinstance(cls, type) and issubclass(cls, Event) and cls is not Event
+}
+
+
+def resolve_gpus(spec: str, device: str) -> list[int]:
+    """The GPU indices (or, on the CPU, process slots) a ``training.gpus`` value names on this machine."""
+    spec = spec.strip().lower()
+    on_cpu = device == "cpu" or (device == "auto" and not _cuda_available())
+    if on_cpu and spec == "all":
+        return [0]  # CPU processes are for testing the distributed path; "all" GPUs of none is one process
+    available = (os.cpu_count() or 1) if on_cpu else _cuda_count()
+    if "," in spec:
+        indices = [int(part) for part in spec.split(",")]
+        missing = [i for i in indices if i >= available]
+        if missing and not on_cpu:
+            raise ConfigError(
+                f"training.gpus: GPU {missing[0]} does not exist (this machine has {available})",
+                hint="run `tunedeck detect` to see the GPUs",
+            )
+        return indices
+    count = available if spec == "all" else int(spec)
+    if count > available and not on_cpu:
+        raise ConfigError(
+            f"training.gpus: {count} GPUs asked for, this machine has {available}", hint="pass --gpus all"
+        )
+    return list(range(count))
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def event_from_dict(raw: dict[str, Any]) -> Event:
+    """The event a rank sent as JSON (``Event.to_dict``)."""
+    fields = dict(raw)
+    return EVENT_TYPES[fields.pop("kind")](**fields)
+
+
+def launch_command(world: int) -> list[str]:
+    """torchrun from this very Python, one process per GPU, a free rendezvous port."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={world}",
+        "-m",
+        "engine.distributed.worker",
+    ]
+
+
+def launch_env(config: RunConfig, run_dir: Path, resuming: bool, gpus: list[int]) -> dict[str, str]:
+    env = dict(os.environ)
+    if config.training.device != "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+    env.setdefault("NCCL_NVLS_ENABLE", "0")
+    root = str(Path(engine.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    env[LAUNCH_ENV] = json.dumps({"config": config.to_dict(), "run_dir": str(run_dir), "resume": resuming})
+    return env
+
+
+def run_ranks(
+    config: RunConfig, run_dir: Path, resuming: bool, gpus: list[int], control: RunControl
+) -> Iterator[Event]:
+    """Run on ``len(gpus)`` ranks, yielding rank 0's events; a rank that dies becomes a RunFailed."""
+    (run_dir / CONTROL_FILE).unlink(missing_ok=True)
+    mirror = ControlMirror(control, run_dir / CONTROL_FILE)
+    mirror.start()
+    process = subprocess.Popen(
+        launch_command(len(gpus)),
+        env=launch_env(config, run_dir, resuming, gpus),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        bufsize=1,
+        start_new_session=True,  # Ctrl-C reaches only the launcher, which turns it into a graceful stop
+    )
+    tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL)
+    reader = threading.Thread(target=_drain, args=(process.stderr, tail), daemon=True)
+    reader.start()
+    try:
+        yield from _events(process, tail, run_dir, reader)
+    finally:
+        mirror.close()
+        _end_group(process)
+        (run_dir / CONTROL_FILE).unlink(missing_ok=True)
+
+
+def _events(
+    process: subprocess.Popen[str], tail: collections.deque[str], run_dir: Path, reader: threading.Thread
+) -> Iterator[Event]:
+    last: Event | None = None
+    assert process.stdout is not None
+    for line in process.stdout:
+        if not line.startswith(EVENT_MARK):
+            tail.append(line.rstrip())
+            continue
+        event = event_from_dict(json.loads(line[len(EVENT_MARK) :]))
+        if isinstance(event, (RunFinished, RunFailed)):
+            last = event  # yielded once every rank has exited
+            continue
+        yield event
+    code = _wait(process)
+    reader.join(timeout=5)
+    yield _outcome(last, code, list(tail), run_dir)
+
+
+def _outcome(last: Event | None, code: int, tail: list[str], run_dir: Path) -> Event:
+    if isinstance(last, RunFinished) and code == 0:
+        return last
+    lines = [line for line in tail if line.strip()]
+    cause = _root_cause(lines)
+    if isinstance(last, RunFailed) and (cause is None or cause[0] == 0):
+        return last
+    rank, exit_code = cause or (None, code)
+    mark = f"tunedeck rank {rank}:"
+    own = next((line for line in reversed(lines) if rank is not None and line.startswith(mark)), None)
+    who = f"the training process of rank {rank}" if rank is not None else "a training process"
+    message = own or f"{who} stopped unexpectedly (exit code {exit_code})"
+    shown = ([f"rank 0 then reported: {last.message}"] if isinstance(last, RunFailed) else []) + lines[-HINT_LINES:]
+    hint = "last output of the training processes:\n" + "\n".join(shown) if shown else None
+    return RunFailed(message, hint, last.step if isinstance(last, RunFailed) else 0, str(run_dir))
+
+
+def _root_cause(lines: list[str]) -> tuple[int, int] | None:
+    """The rank and exit code torchrun names as the first failure, from its error summary."""
+    start = max((i for i, line in enumerate(lines) if "Root Cause" in line), default=None)
+    if start is None:
+        return None
+    rank = code = None
+    for line in lines[start:]:
+        if rank is None and (found := re.match(r"\s*rank\s*:\s*(\d+)", line)):
+            rank = int(found.group(1))
+        if code is None and (found := re.match(r"\s*exitcode\s*:\s*(-?\d+)", line)):
+            code = int(found.group(1))
+    return (rank, code if code is not None else 1) if rank is not None else None
+
+
+def _drain(stream: IO[str] | None, tail: collections.deque[str]) -> None:
+    if stream is None:
+        return
+    for line in stream:
+        tail.append(line.rstrip())
+
+
+def _wait(process: subprocess.Popen[str]) -> int:
+    try:
+        return process.wait(timeout=EXIT_GRACE_S)
+    except subprocess.TimeoutExpired:
+        _end_group(process)
+        return process.wait()
+
+
+def _end_group(process: subprocess.Popen[str]) -> None:
+    """Terminate torchrun and every rank (they share its session); SIGKILL whatever ignores SIGTERM."""
+    for sig, grace in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + grace
+        while _group_alive(process.pid) and time.monotonic() < deadline:
+            process.poll()  # reap torchrun, which is the group's leader
+            time.sleep(0.05)
+        if not _group_alive(process.pid):
+            break
+    process.poll()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -1,0 +1,52 @@
+"""One rank of a multi-GPU run, as torchrun starts it: ``python -m engine.distributed.worker``.
+
+The launcher passes the run (config, run folder, resuming or not) in the ``TUNEDECK_LAUNCH`` environment
+variable. Every rank trains; rank 0 prints the run's events on stdout, each line marked so the launcher can tell
+them from anything a library prints. A rank that fails says so on stderr and exits 1, which makes torchrun end
+the others. Imports nothing from Qt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from engine.config import RunConfig
+from engine.distributed.control import CONTROL_FILE, RankControl
+from engine.distributed.launch import EVENT_MARK, LAUNCH_ENV
+from engine.distributed.ranks import choose_mode, init_ranks
+from engine.events import RunFailed
+
+
+def main() -> int:
+    import torch.distributed as dist
+
+    from engine.quiet import quiet_libraries
+    from engine.train import run_rank
+
+    quiet_libraries()
+    launch = json.loads(os.environ[LAUNCH_ENV])
+    config = RunConfig.from_dict(launch["config"])
+    run_dir = Path(launch["run_dir"])
+    ranks, device = init_ranks(config.training.device)
+    failed = False
+    try:
+        ranks = choose_mode(ranks, config, device)
+        events = run_rank(config, run_dir, launch["resume"], ranks, device, RankControl(ranks, run_dir / CONTROL_FILE))
+    except Exception as err:  # a ConfigError from choosing the mode: every rank raises the same one
+        events = iter([RunFailed(getattr(err, "message", str(err)), getattr(err, "hint", None), 0, str(run_dir))])
+    for event in events:
+        if isinstance(event, RunFailed):
+            failed = True
+            print(f"tunedeck rank {ranks.rank}: {event.message}", file=sys.stderr, flush=True)
+        if ranks.is_main:
+            print(EVENT_MARK + json.dumps(event.to_dict()), flush=True)
+    if not failed:
+        dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""Several processes (gloo, CPU) against one: the same loss curve, resuming across process counts, stop, crash.
+
+A two-process run must train exactly the model a one-process run trains on the same global batch: each step's
+rows are shared out across the ranks and the gradients summed, so the curves agree to float32 reduction noise.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from helpers import write_jsonl
+
+from engine import events as ev
+from engine.config import RunConfig
+from engine.control import RunControl
+from engine.distributed.launch import event_from_dict, resolve_gpus
+from engine.distributed.ranks import FAULT_ENV
+from engine.errors import ConfigError
+from engine.events import RunFailed, RunFinished, RunPaused, RunResumed, StepMetrics
+from engine.train import run
+
+REL = 1e-5
+
+
+@pytest.fixture
+def varied_chat(tmp_path: Path) -> Path:
+    """Conversations of different lengths, so rows differ in trained tokens (normalization must be global)."""
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"say {i}" + " ok" * (i % 3)},
+                {"role": "assistant", "content": f"number {i}" + " yes" * (i % 4)},
+            ]
+        }
+        for i in range(30)
+    ]
+    return write_jsonl(tmp_path / "chat.jsonl", rows)
+
+
+def make_config(model: Path, data: Path, out: Path, name: str, **training: object) -> RunConfig:
+    raw = {
+        "model": {"name": str(model), "dtype": "float32"},
+        "data": {"path": str(data), "max_seq_len": 64, "tokens_per_batch": 96, "eval_fraction": 0.1},
+        "lora": {"rank": 4, "alpha": 8.0, "dropout": 0.0},
+        "training": {
+            "max_steps": 5,
+            "learning_rate": 5e-3,
+            "warmup_steps": 1,
+            "save_every": 2,
+            "eval_every": 3,
+            "grad_accum": 2,
+            "device": "cpu",
+            **training,
+        },
+        "output": {"dir": str(out), "name": name},
+    }
+    return RunConfig.from_dict(raw)
+
+
+def finished(events: list[ev.Event]) -> RunFinished:
+    failed = [e for e in events if isinstance(e, RunFailed)]
+    assert not failed, failed
+    assert isinstance(events[-1], RunFinished)
+    return events[-1]
+
+
+def curve(run_dir: Path) -> list[tuple[int, float, float]]:
+    """(step, loss, gradient norm) of each logged step: Adam hides a wrongly scaled gradient from the loss."""
+    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in records]
+
+
+def assert_same_curve(got: list[tuple[int, float, float]], want: list[tuple[int, float, float]]) -> None:
+    assert [s for s, _, _ in got] == [s for s, _, _ in want]
+    assert [v for _, v, _ in got] == pytest.approx([v for _, v, _ in want], rel=REL)
+    assert [g for _, _, g in got] == pytest.approx([g for _, _, g in want], rel=1e-4)
+
+
+def adapter(run_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(run_dir / "adapter" / "adapter_model.safetensors")
+
+
+def assert_no_children() -> None:
+    deadline = time.monotonic() + 5
+    while psutil.Process().children(recursive=True) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert psutil.Process().children(recursive=True) == []
+
+
+@pytest.mark.parametrize(
+    ("parallel", "grad_accum"),
+    [("ddp", 2), ("ddp", 3), ("fsdp", 2)],
+    ids=["ddp", "ddp-uneven-rows", "fsdp2"],
+)
+def test_two_processes_train_what_one_trains(
+    tiny_model_dir: Path, varied_chat: Path, tmp_path: Path, parallel: str, grad_accum: int
+) -> None:
+    one = finished(list(run(make_config(tiny_model_dir, varied_chat, tmp_path, "one", grad_accum=grad_accum))))
+    config = make_config(
+        tiny_model_dir, varied_chat, tmp_path, "two", grad_accum=grad_accum, gpus="2", parallel=parallel
+    )
+    events = list(run(config))
+    two = finished(events)
+    assert_same_curve(curve(Path(two.run_dir)), curve(Path(one.run_dir)))
+    assert two.eval_loss == pytest.approx(one.eval_loss, rel=REL)
+    want, got = adapter(Path(one.run_dir)), adapter(Path(two.run_dir))
+    assert got.keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-6)
+    steps = [e for e in events if isinstance(e, StepMetrics)]
+    assert all(s.rank_memory_bytes is not None and len(s.rank_memory_bytes) == 2 for s in steps)
+    assert all(s.memory_bytes == max(s.rank_memory_bytes or []) for s in steps)
+    assert sorted(p.name for p in (Path(two.run_dir) / "checkpoints").iterdir()) == ["step-000004", "step-000005"]
+    assert_no_children()
+
+
+def test_paused_and_stopped_ranks_resume_on_one_process(
+    tiny_model_dir: Path, varied_chat: Path, tmp_path: Path
+) -> None:
+    steps = {"max_steps": 30, "eval_every": 0, "save_every": 0}  # room for the requests to land mid-run
+    reference = finished(list(run(make_config(tiny_model_dir, varied_chat, tmp_path / "a", "run", **steps))))
+    control = RunControl()
+    seen: list[ev.Event] = []
+    config = make_config(tiny_model_dir, varied_chat, tmp_path / "b", "run", gpus="2", **steps)
+    for event in run(config, control=control):
+        seen.append(event)
+        if isinstance(event, StepMetrics) and event.step == 1:
+            control.pause()
+        elif isinstance(event, RunPaused):
+            control.resume()
+        elif isinstance(event, RunResumed):
+            control.stop()
+    stopped = finished(seen)
+    assert stopped.cancelled and 1 <= stopped.step < 30
+    assert any(isinstance(e, RunPaused) for e in seen) and any(isinstance(e, RunResumed) for e in seen)
+    assert (Path(stopped.run_dir) / "checkpoints" / f"step-{stopped.step:06d}").is_dir()
+    assert not (Path(stopped.run_dir) / "control.json").exists()
+    assert_no_children()
+
+    resumed = finished(list(run(config_with_gpus(config, "1"), resume=stopped.run_dir)))
+    assert not resumed.cancelled and resumed.step == 30
+    assert_same_curve(curve(Path(resumed.run_dir)), curve(Path(reference.run_dir)))
+
+
+def config_with_gpus(config: RunConfig, gpus: str) -> RunConfig:
+    raw = config.to_dict()
+    raw["training"]["gpus"] = gpus
+    return RunConfig.from_dict(raw)
+
+
+def test_one_process_checkpoint_resumes_on_two(tiny_model_dir: Path, varied_chat: Path, tmp_path: Path) -> None:
+    reference = finished(list(run(make_config(tiny_model_dir, varied_chat, tmp_path / "a", "run", max_steps=6))))
+    control = RunControl()
+    config = make_config(tiny_model_dir, varied_chat, tmp_path / "b", "run", max_steps=6)
+    for event in run(config, control=control):
+        if isinstance(event, StepMetrics) and event.step == 3:
+            control.stop()
+    resumed = finished(list(run(config_with_gpus(config, "2"), resume=tmp_path / "b" / "run")))
+    assert_same_curve(curve(Path(resumed.run_dir)), curve(Path(reference.run_dir)))
+
+
+def test_a_rank_that_dies_fails_the_run_and_leaves_no_process(
+    tiny_model_dir: Path, varied_chat: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(FAULT_ENV, "1:2")
+    events = list(run(make_config(tiny_model_dir, varied_chat, tmp_path, "crash", gpus="2")))
+    failed = events[-1]
+    assert isinstance(failed, RunFailed), events[-3:]
+    assert failed.message == "the training process of rank 1 stopped unexpectedly (exit code 3)"
+    assert failed.run_dir == str(tmp_path / "crash")
+    assert [e.step for e in events if isinstance(e, StepMetrics)] in ([], [1])
+    assert_no_children()
+
+
+def test_every_event_survives_the_trip_from_rank_zero() -> None:
+    samples = [
+        ev.StepMetrics(3, 9, 0.5, 1.25, 1e-4, 0.7, 96, 40, 0.1, 960.0, 123, [120, 123]),
+        ev.SpeedChanged(2, {"fused_loss": {"on": True, "reason": "x"}}),
+        ev.RunFinished(9, "r", "r/adapter", None, 1.0, 2.0, cancelled=True),
+        ev.RunFailed("boom", None, 0, None),
+    ]
+    for event in samples:
+        assert event_from_dict(json.loads(json.dumps(event.to_dict()))) == event
+
+
+@pytest.mark.parametrize("spec", ["0", "-1", "two", "1,1", "1,", ""])
+def test_bad_gpu_choices_are_config_errors(spec: str) -> None:
+    with pytest.raises(ConfigError, match=r"training\.gpus"):
+        RunConfig.from_dict({"training": {"gpus": spec}})
+
+
+def test_gpu_choices_on_the_cpu() -> None:
+    assert resolve_gpus("2", "cpu") == [0, 1]
+    assert resolve_gpus("all", "cpu") == [0]
+    assert resolve_gpus("0,1", "cpu") == [0, 1]
+    assert RunConfig.from_dict({"training": {"gpus": "all", "parallel": "fsdp"}}).training.parallel == "fsdp"
