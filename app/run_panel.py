@@ -166,8 +166,8 @@ class RunPanel(QWidget):
         if self.controller.active:
             self.show_error("a run is already going", "stop it first, then resume the other one")
             return
-        try:
-            config = RunConfig.load(Path(folder) / "config.json")
+        try:  # the saved settings, on the cards ticked now (a run resumes on more or fewer GPUs)
+            config = self.gpu_selector.apply(RunConfig.load(Path(folder) / "config.json"))
         except Exception as err:
             info = describe_error(err)
             self.show_error(info.message, info.hint)
