@@ -396,10 +396,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/speed.json"), help="JSON output path")
     parser.add_argument("--table", type=Path, default=None, help="markdown table path (default: beside --out)")
+    parser.add_argument(
+        "--long-context", action="store_true", help="longest 8B QLoRA row under 8/16/24 GiB (its own options)"
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--long-context" in argv:
+        from engine.bench_long_context import main as long_context_main
+
+        return long_context_main([arg for arg in argv if arg != "--long-context"])
     args = parse_args(argv)
     if not torch.cuda.is_available():
         print("tunedeck bench needs an NVIDIA GPU (torch sees none)", file=sys.stderr)

@@ -116,3 +116,14 @@ def test_automatic_mode_chunks_long_rows_under_checkpointing() -> None:
     ctl.model_inputs(BATCH)
     assert ctl.state()["chunked_mlp"]["on"] is False and "automatic" in ctl.state()["chunked_mlp"]["reason"]
     assert not any(isinstance(m, TokenChunked) for m in model.modules())
+
+
+def test_chunk_size_follows_the_mlp_width() -> None:
+    from transformers import LlamaConfig
+
+    from engine.speed.chunked_mlp import choose_chunk_tokens
+
+    llama_8b = LlamaConfig(hidden_size=4096, intermediate_size=14336)
+    qwen_small = LlamaConfig(hidden_size=1024, intermediate_size=3072)
+    assert choose_chunk_tokens(llama_8b) == 1024 and choose_chunk_tokens(qwen_small) == 6656
+    assert choose_chunk_tokens(LlamaConfig(hidden_size=64, intermediate_size=128)) == 8192

@@ -1,0 +1,100 @@
+"""The long-context bench: its search, and the 8B-style model build that never holds 16-bit weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.bench_long_context import (
+    build_quantized_model,
+    llama_8b_config,
+    longest_passing,
+    markdown,
+    one_document,
+    speed_settings,
+    with_lora,
+)
+
+
+def threshold_probe(limit: int, calls: list[int]) -> object:
+    def probe(tokens: int) -> bool:
+        calls.append(tokens)
+        return tokens <= limit
+
+    return probe
+
+
+def test_search_doubles_then_bisects_to_the_resolution() -> None:
+    calls: list[int] = []
+    found = longest_passing(threshold_probe(50_000, calls), 8192, resolution=2048)
+    assert calls[:4] == [8192, 16384, 32768, 65536]  # exponential until the first failure
+    assert found.longest is not None and found.shortest_failure is not None
+    assert found.longest <= 50_000 < found.shortest_failure and found.resolution <= 2048  # type: ignore[operator]
+    assert 50_000 - found.longest < 2048 and found.stopped == "resolution reached"
+    assert all(t % 256 == 0 for t in calls) and len(calls) == len(set(calls))
+
+
+def test_search_shrinks_when_the_first_probe_fails() -> None:
+    calls: list[int] = []
+    found = longest_passing(threshold_probe(3000, calls), 16384, resolution=512)
+    assert calls[:4] == [16384, 8192, 4096, 2048]
+    assert found.longest is not None and 3000 - 512 < found.longest <= 3000
+
+
+def test_search_reports_when_nothing_fits_or_time_runs_out() -> None:
+    assert longest_passing(threshold_probe(100, []), 4096, floor=512).longest is None
+    answers = iter([True, False, None])
+    found = longest_passing(lambda _: next(answers), 8192)
+    assert (found.longest, found.shortest_failure, found.stopped) == (8192, 16384, "time limit")
+    found = longest_passing(threshold_probe(10**9, []), 8192, ceiling=32768)
+    assert found.longest == 32768 and found.stopped == "ceiling"
+
+
+def test_growth_factor_narrows_the_bracket() -> None:
+    calls: list[int] = []
+    found = longest_passing(threshold_probe(60_000, calls), 50_000, growth=1.25, resolution=2048)
+    assert calls[:2] == [49_920, 62_208] and found.longest is not None and 60_000 - found.longest < 2048
+
+
+pytest.importorskip("bitsandbytes")
+
+
+def tiny_llama() -> object:
+    return llama_8b_config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+
+
+def test_quantized_build_has_no_16bit_linears_and_trains() -> None:
+    model = build_quantized_model(tiny_llama(), torch.device("cpu"), torch.bfloat16)
+    assert not any(p.device.type == "meta" for p in model.parameters())
+    assert not any(type(m) is torch.nn.Linear for m in model.get_decoder().modules())
+    assert sum(type(m).__name__ == "Linear4bit" for m in model.modules()) == 2 * 7
+    assert model.get_output_embeddings().weight.dtype == torch.bfloat16
+    peft_model = with_lora(model, "tunedeck")
+    batch = one_document(40, 256)
+    assert batch.num_tokens == 40 and batch.trained_tokens == 39
+    loss = peft_model(input_ids=batch.input_ids, labels=batch.labels).loss
+    loss.backward()
+    assert torch.isfinite(loss) and 4.0 < float(loss.detach()) < 7.0  # about ln(256) for a random model
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in peft_model.named_parameters() if "lora_B" in n)
+
+
+def test_variants_turn_the_memory_switches_on_or_off() -> None:
+    ours, stock = speed_settings("tunedeck"), speed_settings("stock")
+    assert ours.chunked_mlp and ours.fused_loss and ours.checkpointing == "offloaded" and ours.metadata_cache
+    assert not stock.chunked_mlp and not stock.fused_loss and stock.checkpointing == "standard"
+
+
+def test_table_lists_every_search() -> None:
+    probe = {"tokens": 16384, "ok": True, "peak_gib": 7.5, "steps": [{"seconds": 3.0}, {"seconds": 2.5}]}
+    report = {
+        "environment": {"gpu": "H200", "date": "2026-11-30", "versions": {"torch": "2.11"}},
+        "searches": [
+            {"variant": "tunedeck", "cap_gib": 8.0, "longest": 16384, "shortest_failure": 18432, "resolution": 2048,
+             "target": 14000, "probes": [probe, {"tokens": 18432, "ok": False}]},
+        ],
+    }  # fmt: skip
+    table = markdown(report)
+    assert "| tunedeck | 8 | 16,384 | 18,432 | 2,048 | 14,000 | 7.50 | 2.5 | 16,384✓, 18,432✗ |" in table
