@@ -12,9 +12,10 @@ rule of thumb was 2-5x off). One packed row of T tokens; the peak is the larger 
 Per-layer activation bytes were counted from the tensors autograd saves (``saved_tensors_hooks``) for
 transformers + peft: peft keeps LoRA weights in fp32 and casts each adapted module's 16-bit input to fp32
 separately (4 bytes x every adapted input width per token); RMSNorm keeps an fp32 copy of its input. The
-engine's QLoRA path (peft's ``prepare_model_for_kbit_training``) upcasts embeddings, norms and the output head to
-fp32, so the whole residual stream, and every activation, is fp32 there. Measured against the H200 in
-``benchmarks/planner_accuracy.md``.
+engine's QLoRA path keeps embeddings, norms and the output head in the 16-bit compute dtype
+(:func:`engine.models.prepare_quantized_for_training`); ``TrainSetup.kbit_upcast`` models peft's
+``prepare_model_for_kbit_training`` instead, which upcasts them to fp32, so that the whole residual stream, and
+every activation, is fp32 (what the 8B QLoRA rows of ``benchmarks/planner_accuracy.md`` measured).
 """
 
 from __future__ import annotations
@@ -64,8 +65,10 @@ class TrainSetup:
     """2 for bf16/fp16 training, 4 for fp32 (CPU)."""
     attention: AttentionBackend = "varlen"
     """The attention kernel requested; see :func:`effective_attention` for what runs."""
-    kbit_upcast: bool = True
-    """QLoRA through peft's prepare_model_for_kbit_training: non-4-bit weights and all activations in fp32."""
+    kbit_upcast: bool = False
+    """QLoRA through peft's prepare_model_for_kbit_training (non-4-bit weights and all activations in fp32) rather
+    than the engine's own preparation, which keeps them in the compute dtype (Llama-3.1-8B at 256 tokens:
+    ~9.3 GiB with the upcast, ~6.6 GiB without)."""
     native_gqa: bool = False
     """varlen_attn takes grouped K/V natively (torch >= 2.12); before, K/V are repeated to all heads."""
 
