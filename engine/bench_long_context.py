@@ -9,8 +9,9 @@ each in a fresh process: a process that ran out of memory keeps a fragmented cac
 The search doubles N until a probe fails, then bisects to the requested resolution.
 
 Variants: ``tunedeck`` (every memory switch on: QLoRA without the float32 upcast, offloaded checkpointing, fused
-loss, chunked per-token modules, metadata cache with varlen attention) and ``stock`` (transformers + peft as
-documented: ``prepare_model_for_kbit_training``, standard checkpointing, sdpa, the model's own loss).
+loss, chunked per-token modules, the input embedding in host memory, metadata cache with varlen attention) and
+``stock`` (transformers + peft as documented: ``prepare_model_for_kbit_training``, standard checkpointing, sdpa,
+the model's own loss).
 
     tunedeck bench --long-context --caps 8,16,24 --out benchmarks/long_context_h200.json
     tunedeck bench --long-context --smoke 4096,16384   # memory per phase, uncapped, in one process
@@ -198,11 +199,21 @@ def speed_settings(variant: str) -> Any:
     names = {f.name for f in dataclasses.fields(SpeedConfig)}
     if variant == "tunedeck":
         wanted: dict[str, Any] = dict(
-            metadata_cache=True, checkpointing="offloaded", fused_loss=True, chunked_mlp=True, fused_kernels=False
+            metadata_cache=True,
+            checkpointing="offloaded",
+            fused_loss=True,
+            chunked_mlp=True,
+            host_embedding=True,
+            fused_kernels=False,
         )
     else:
         wanted = dict(
-            metadata_cache=False, checkpointing="standard", fused_loss=False, chunked_mlp=False, fused_kernels=False
+            metadata_cache=False,
+            checkpointing="standard",
+            fused_loss=False,
+            chunked_mlp=False,
+            host_embedding=False,
+            fused_kernels=False,
         )
     return SpeedConfig(**{k: v for k, v in wanted.items() if k in names})
 
@@ -336,11 +347,17 @@ def search_cap(cap: float, variant: str, start: int, args: argparse.Namespace, d
     }  # fmt: skip
 
 
+def peak_gib(record: dict[str, Any]) -> float:
+    """The highest allocator peak over every phase of every step (a failed probe: its last phase's peak)."""
+    phases = [step[k]["peak_gib"] for step in record.get("steps") or [] for k in ("forward", "backward", "optimizer")]
+    return max(phases, default=record.get("peak_gib", 0.0))
+
+
 def summary(record: dict[str, Any]) -> dict[str, Any]:
     steps = record.get("steps") or []
     return {
         "cap_gib": record.get("cap_gib"), "variant": record.get("variant"), "tokens": record.get("tokens"),
-        "ok": record.get("ok"), "peak_gib": round(record.get("peak_gib", 0.0), 2),
+        "ok": record.get("ok"), "peak_gib": round(peak_gib(record), 2),
         "step_s": [round(s["seconds"], 1) for s in steps], "error": record.get("error", "")[:120],
     }  # fmt: skip
 
@@ -362,6 +379,33 @@ def run_searches(args: argparse.Namespace) -> list[dict[str, Any]]:
     for thread in threads:
         thread.join()
     return results
+
+
+def grid_over_lengths(lengths: list[int], cap: float, variant: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Probe several lengths at once, each in its own fresh process under the same cap (when device time is
+    too short for a sequential search); reported like a search whose bracket is the grid's."""
+    deadline = time.monotonic() + args.time_limit
+    records: list[dict[str, Any] | None] = [None] * len(lengths)
+
+    def work(i: int, tokens: int) -> None:
+        records[i] = probe_in_fresh_process(tokens, cap, variant, max(1.0, deadline - time.monotonic()))
+
+    threads = [threading.Thread(target=work, args=(i, t)) for i, t in enumerate(lengths)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    done = [r for r in records if r is not None]
+    for record in done:
+        print(json.dumps(summary(record)), flush=True)
+    passed = [r["tokens"] for r in done if r["ok"]]
+    failed = [r["tokens"] for r in done if not r["ok"] and r["tokens"] > max(passed, default=0)]
+    longest, shortest = max(passed, default=None), min(failed, default=None)
+    return {
+        "cap_gib": cap, "variant": variant, "start": None, "longest": longest, "shortest_failure": shortest,
+        "resolution": shortest - longest if longest and shortest else None, "stopped": "parallel grid",
+        "target": TARGETS.get(int(cap)) if variant == "tunedeck" else None, "probes": done,
+    }  # fmt: skip
 
 
 def smoke(lengths: list[int], variant: str) -> list[dict[str, Any]]:
@@ -422,7 +466,8 @@ def markdown(report: dict[str, Any]) -> str:
         "double quantization, LoRA r32 on all linear layers, batch size 1, one document filling the row, two full",
         "AdamW steps, each length in a fresh process, allocator capped with `set_per_process_memory_fraction`",
         "(the CUDA context, ~0.5 GiB on a real card, is not counted). `tunedeck` = QLoRA without the float32",
-        "upcast, offloaded checkpointing, fused loss, chunked per-token modules, metadata cache (varlen);",
+        "upcast, offloaded checkpointing, fused loss, chunked per-token modules, input embedding in host memory,",
+        "metadata cache (varlen); AdamW with float32 states for the LoRA weights;",
         "`stock` = transformers + peft (`prepare_model_for_kbit_training`, standard checkpointing, sdpa).",
         "",
         "| variant | cap GiB | longest that trains | shortest that failed | resolution | target | peak GiB at longest "
@@ -431,7 +476,7 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     for row in report["searches"]:
         best = next((p for p in row["probes"] if p["ok"] and p["tokens"] == row["longest"]), None)
-        peak = f"{best['peak_gib']:.2f}" if best else "-"
+        peak = f"{peak_gib(best):.2f}" if best else "-"
         step = f"{best['steps'][-1]['seconds']:.1f}" if best else "-"
         probes = ", ".join(f"{p['tokens']:,}{'✓' if p['ok'] else '✗'}" for p in row["probes"])
 
@@ -459,6 +504,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/long_context.json"), help="JSON (+ .md beside)")
     parser.add_argument("--probe", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--smoke", help="comma-separated lengths: memory per phase in one uncapped process")
+    parser.add_argument("--grid", help="comma-separated lengths probed at once under the first cap (no search)")
     args = parser.parse_args(argv)
     args.caps = [float(c) for c in args.caps.split(",") if c]
     args.starts = [int(s) for s in args.starts.split(",") if s]
@@ -477,6 +523,9 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"environment": environment(), "settings": {k: str(v) for k, v in vars(args).items()}}
     if args.smoke:
         report["smoke"] = smoke([int(t) for t in args.smoke.split(",")], args.variant)
+    elif args.grid:
+        lengths = [int(t) for t in args.grid.split(",")]
+        report["searches"] = [grid_over_lengths(lengths, args.caps[0], args.variants[0], args)]
     else:
         report["searches"] = run_searches(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -195,6 +195,11 @@ class SpeedConfig:
         "(automatic: on for rows over 8,192 tokens under checkpointing)",
         flag="--chunked-mlp",
     )
+    host_embedding: bool | None = setting(
+        None,
+        "look the frozen input embedding up in host memory, so its table takes no GPU memory (automatic: off)",
+        flag="--host-embedding",
+    )
     fused_kernels: bool | None = setting(
         None,
         "fuse each layer's norms, rotary, SwiGLU and LoRA paths with torch.compile (automatic: on for CUDA "

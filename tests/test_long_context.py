@@ -88,7 +88,8 @@ def test_variants_turn_the_memory_switches_on_or_off() -> None:
 
 
 def test_table_lists_every_search() -> None:
-    probe = {"tokens": 16384, "ok": True, "peak_gib": 7.5, "steps": [{"seconds": 3.0}, {"seconds": 2.5}]}
+    phases = {"forward": {"peak_gib": 7.0}, "backward": {"peak_gib": 7.5}, "optimizer": {"peak_gib": 6.9}}
+    probe = {"tokens": 16384, "ok": True, "steps": [{**phases, "seconds": 3.0}, {**phases, "seconds": 2.5}]}
     report = {
         "environment": {"gpu": "H200", "date": "2026-11-30", "versions": {"torch": "2.11"}},
         "searches": [
@@ -98,3 +99,7 @@ def test_table_lists_every_search() -> None:
     }  # fmt: skip
     table = markdown(report)
     assert "| tunedeck | 8 | 16,384 | 18,432 | 2,048 | 14,000 | 7.50 | 2.5 | 16,384✓, 18,432✗ |" in table
+
+
+def test_variants_differ_in_the_embedding_switch() -> None:
+    assert speed_settings("tunedeck").host_embedding is True and speed_settings("stock").host_embedding is False

@@ -22,6 +22,7 @@ from engine.config import SpeedConfig
 from engine.model_inputs import stock_model_inputs
 from engine.packing import PackedBatch
 from engine.speed import chunked_mlp, fused_kernels, fused_loss, metadata_cache, moe_routing, offloaded_checkpoint
+from engine.speed.host_embedding import HostEmbedding
 from engine.speed.offloaded_checkpoint import ActivationOffloader
 
 __all__ = ["SpeedController", "transformers_model"]
@@ -75,6 +76,7 @@ class SpeedController:
         self._auto_checkpointing_tokens = 0
         self.chunked = chunked_mlp.ChunkedModules(self.hf_model)
         self._longest_tokens = 0
+        self.host_embedding = HostEmbedding(self.hf_model, self.device)
         metadata_cache.register_packed_attention()
         moe_routing.register_experts_implementations()
         self.apply(settings)
@@ -89,6 +91,7 @@ class SpeedController:
         self._apply_fused_loss(settings)
         self._apply_checkpointing(settings.checkpointing, reason=None)
         self._apply_chunked_mlp(settings)
+        self._apply_host_embedding(settings)
         self._apply_fused_kernels(settings)
 
     def _apply_metadata_cache(self, settings: SpeedConfig) -> None:
@@ -141,6 +144,11 @@ class SpeedController:
         else:
             self.chunked.remove()
         self._state["chunked_mlp"] = {"on": on, "reason": reason}
+
+    def _apply_host_embedding(self, settings: SpeedConfig) -> None:
+        on, reason = self.host_embedding.resolve(settings.host_embedding)
+        self.host_embedding.switch(on)
+        self._state["host_embedding"] = {"on": on, "reason": reason}
 
     def _apply_checkpointing(self, requested: str, reason: str | None) -> None:
         mode, why = self._resolve_checkpointing(requested)
