@@ -465,9 +465,8 @@ def markdown(report: dict[str, Any]) -> str:
         "Random-init Llama-3.1-8B shape (vocab 128,256, hidden 4,096, 32 layers, 32/8 heads, MLP 14,336), NF4 with",
         "double quantization, LoRA r32 on all linear layers, batch size 1, one document filling the row, two full",
         "AdamW steps, each length in a fresh process, allocator capped with `set_per_process_memory_fraction`",
-        "(the CUDA context, ~0.5 GiB on a real card, is not counted). `tunedeck` = QLoRA without the float32",
-        "upcast, offloaded checkpointing, fused loss, chunked per-token modules, input embedding in host memory,",
-        "metadata cache (varlen); AdamW with float32 states for the LoRA weights;",
+        "(the CUDA context, ~0.5 GiB on a real card, is not counted). `tunedeck` = the memory switches of the",
+        "TuneDeck version that ran (each probe's `state` in the JSON lists them); AdamW with float32 states;",
         "`stock` = transformers + peft (`prepare_model_for_kbit_training`, standard checkpointing, sdpa).",
         "",
         "| variant | cap GiB | longest that trains | shortest that failed | resolution | target | peak GiB at longest "
