@@ -42,9 +42,9 @@ def varied_chat(tmp_path: Path) -> Path:
     return write_jsonl(tmp_path / "chat.jsonl", rows)
 
 
-def make_config(model: Path, data: Path, out: Path, name: str, **training: object) -> RunConfig:
+def make_config(model: Path, data: Path, out: Path, name: str, dtype: str = "float32", **training: object) -> RunConfig:
     raw = {
-        "model": {"name": str(model), "dtype": "float32"},
+        "model": {"name": str(model), "dtype": dtype},
         "data": {"path": str(data), "max_seq_len": 64, "tokens_per_batch": 96, "eval_fraction": 0.1},
         "lora": {"rank": 4, "alpha": 8.0, "dropout": 0.0},
         "training": {
@@ -201,3 +201,38 @@ def test_gpu_choices_on_the_cpu() -> None:
     assert resolve_gpus("all", "cpu") == [0]
     assert resolve_gpus("0,1", "cpu") == [0, 1]
     assert RunConfig.from_dict({"training": {"gpus": "all", "parallel": "fsdp"}}).training.parallel == "fsdp"
+
+
+def test_scaling_bench_runs_on_cpu_processes(tmp_path: Path) -> None:
+    from engine.bench_multi_gpu import main
+
+    out = tmp_path / "scaling"
+    argv = ["--shape=tiny", "--device=cpu", "--gpus=2", "--tokens=256", "--steps=2", "--warmup=1", "--speed=auto"]
+    assert main([*argv, f"--out={out}"]) == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert [r["gpus"] for r in report["results"]] == [1, 2]
+    assert report["ratio"] == pytest.approx(report["results"][1]["tokens_per_s"] / report["results"][0]["tokens_per_s"])
+    assert all(len(r["step_ms"]) == 2 and r["tokens_per_s"] > 0 for r in report["results"])
+    assert "tokens/s" in out.with_suffix(".md").read_text()
+    assert_no_children()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two NVIDIA GPUs")
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_gpus_train_what_one_gpu_trains(
+    tiny_model_dir: Path, varied_chat: Path, tmp_path: Path, parallel: str
+) -> None:
+    """bf16 on CUDA with NCCL: the 2-GPU curve equals the 1-GPU curve within bf16 noise."""
+    cuda = {"dtype": "bfloat16", "device": "auto", "max_steps": 6}
+    one = finished(list(run(make_config(tiny_model_dir, varied_chat, tmp_path, "one", **cuda))))
+    config = make_config(tiny_model_dir, varied_chat, tmp_path, "two", gpus="2", parallel=parallel, **cuda)
+    events = list(run(config))
+    two = finished(events)
+    got, want = curve(Path(two.run_dir)), curve(Path(one.run_dir))
+    assert [s for s, _, _ in got] == [s for s, _, _ in want]
+    assert [v for _, v, _ in got] == pytest.approx([v for _, v, _ in want], rel=2e-2)
+    steps = [e for e in events if isinstance(e, StepMetrics)]
+    assert all(len(s.rank_memory_bytes or []) == 2 and min(s.rank_memory_bytes or [0]) > 0 for s in steps)
+    assert adapter(Path(two.run_dir)).keys() == adapter(Path(one.run_dir)).keys()
+    assert_no_children()

@@ -157,7 +157,7 @@ def _events(
 
 
 def _outcome(last: Event | None, code: int, tail: list[str], run_dir: Path) -> Event:
-    if isinstance(last, RunFinished) and code == 0:
+    if isinstance(last, RunFinished):  # sent after the final barrier: the run folder is whole whatever exit follows
         return last
     lines = [line for line in tail if line.strip()]
     cause = _root_cause(lines)

@@ -44,6 +44,7 @@ def main() -> int:
         if ranks.is_main:
             print(EVENT_MARK + json.dumps(event.to_dict()), flush=True)
     if not failed:
+        ranks.barrier()  # no rank tears down its connections while another still uses them
         dist.destroy_process_group()
     return 1 if failed else 0
 

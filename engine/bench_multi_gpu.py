@@ -1,0 +1,237 @@
+"""How a run scales from 1 to N GPUs: tokens/s of the training step under DDP, one packed row per GPU.
+
+``python -m engine.bench_multi_gpu --gpus 2 --out benchmarks/multi_gpu_h200x2`` starts torchrun twice (1 rank,
+then N ranks), each rank training LoRA on a randomly initialised model of the named shape (engine.bench's
+DENSE_SHAPES; no download) with its own packed row of ``--tokens`` tokens, every speed switch on, bf16, through
+the same DDP wrapper and loss module as a real run (engine.distributed.ranks). A step is timed from a
+synchronized start to the slowest rank's end; the median step gives tokens/s = N x tokens / time. The issue's
+target is a 2-GPU/1-GPU ratio of at least 1.85. Writes ``OUT.json`` and a markdown table ``OUT.md``; prints the
+table last. ``--device cpu`` runs the same path on gloo processes (a smoke test of this script, not a measure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import SpeedConfig
+
+TARGET_RATIO = 1.85
+SPEED_PRESETS = ("all", "auto", "stock")
+
+
+def speed_settings(preset: str) -> SpeedConfig:
+    """``all``: every switch on (no checkpointing: the row fits); ``auto``: the engine's choices; ``stock``: off."""
+    switches = [f.name for f in dataclasses.fields(SpeedConfig) if f.default is None]  # the on/off/auto switches
+    if preset == "all":
+        return dataclasses.replace(SpeedConfig(), checkpointing="none", **dict.fromkeys(switches, True))
+    if preset == "stock":
+        return dataclasses.replace(
+            SpeedConfig(), checkpointing="none", moe_routing="stock", **dict.fromkeys(switches, False)
+        )
+    return SpeedConfig()
+
+
+# --- one rank ---------------------------------------------------------------------------------------------------
+
+
+def rank_main(args: argparse.Namespace) -> int:
+    """Under torchrun: time ``--steps`` DDP steps and (rank 0) write the result to ``--result``."""
+    import torch.distributed as dist
+
+    from engine.bench import DENSE_SHAPES, build_lora_model, packed_row
+    from engine.distributed.ranks import init_ranks
+    from engine.speed import SpeedController
+
+    ranks, device = init_ranks(args.device)
+    ranks = dataclasses.replace(ranks, mode="ddp" if ranks.distributed else "single")
+    shape = DENSE_SHAPES[args.shape]
+    model = build_lora_model(shape, device)
+    controller = SpeedController(model, speed_settings(args.speed), device)
+    loss_module = ranks.wrap(model, device)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    batch = packed_row(args.tokens, shape["vocab_size"], seed=ranks.rank).to(device)
+
+    def compute(m: torch.nn.Module) -> torch.Tensor:
+        inputs = controller.model_inputs(batch)
+        return controller.loss(m, inputs, batch.labels, batch.trained_tokens, positions=batch.loss_positions)
+
+    def step() -> None:
+        loss = loss_module(compute) if loss_module is not None else compute(model)
+        (loss * ranks.loss_scale).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    times = [_timed(step, ranks, device) for _ in range(args.warmup + args.steps)][args.warmup :]
+    memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    _, rank_memory = ranks.reduce_step(0.0, memory) if ranks.distributed else (0.0, [memory])
+    if ranks.is_main:
+        median = statistics.median(times)
+        result = {
+            "gpus": ranks.world,
+            "tokens_per_gpu": args.tokens,
+            "step_ms_median": median * 1e3,
+            "step_ms": [t * 1e3 for t in times],
+            "tokens_per_s": ranks.world * args.tokens / median,
+            "peak_memory_gib_per_rank": [m / 2**30 for m in rank_memory or []],
+            "speed": controller.state(),
+        }
+        Path(args.result).write_text(json.dumps(result, indent=2), encoding="utf-8")
+    if ranks.distributed:
+        ranks.barrier()  # no rank tears down its connections while another still uses them
+        dist.destroy_process_group()
+    return 0
+
+
+def _timed(step: Any, ranks: Any, device: torch.device) -> float:
+    """One step from a common start to the slowest rank's end (seconds)."""
+    _sync(device)
+    ranks.barrier()
+    start = time.perf_counter()
+    step()
+    _sync(device)
+    elapsed = time.perf_counter() - start
+    return max(ranks.reduce_sums(*[elapsed if r == ranks.rank else 0.0 for r in range(ranks.world)]))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --- the launcher -----------------------------------------------------------------------------------------------
+
+
+def measure(args: argparse.Namespace, world: int) -> dict[str, Any]:
+    """One torchrun of ``world`` ranks of this script; its rank 0's result."""
+    from engine.distributed.launch import launch_command
+
+    with tempfile.TemporaryDirectory() as folder:
+        result = Path(folder) / "result.json"
+        command = [*launch_command(world)[:-1], "engine.bench_multi_gpu", *_rank_args(args, result)]
+        env = dict(os.environ)
+        env.setdefault("NCCL_NVLS_ENABLE", "0")
+        if args.device != "cpu":
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(world)))
+        started = time.perf_counter()
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
+        if not result.exists():  # written by rank 0 after the timed steps; a teardown failure later is reported
+            tail = "\n".join((done.stdout + done.stderr).splitlines()[-30:])
+            raise RuntimeError(f"{world}-GPU measurement failed (exit {done.returncode}):\n{tail}")
+        measured = json.loads(result.read_text(encoding="utf-8"))
+        measured["wall_s"] = time.perf_counter() - started
+        measured["exit_code"] = done.returncode
+        return measured
+
+
+def _rank_args(args: argparse.Namespace, result: Path) -> list[str]:
+    return [
+        "--rank-worker",
+        f"--result={result}",
+        f"--shape={args.shape}",
+        f"--tokens={args.tokens}",
+        f"--steps={args.steps}",
+        f"--warmup={args.warmup}",
+        f"--speed={args.speed}",
+        f"--device={args.device}",
+    ]
+
+
+def environment(device: str) -> dict[str, Any]:
+    import peft
+    import transformers
+
+    info: dict[str, Any] = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+        "python": sys.version.split()[0],
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0"),
+    }
+    if device != "cpu" and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["gpu_count"] = torch.cuda.device_count()
+        info["cuda"] = torch.version.cuda
+        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    return info
+
+
+def markdown(report: dict[str, Any]) -> str:
+    env = report["environment"]
+    lines = [
+        f"# Multi-GPU scaling: {report['shape']}, {report['tokens_per_gpu']:,} tokens per GPU, DDP, bf16",
+        "",
+        f"{env.get('gpu', 'CPU')} x{report['gpus']}; torch {env['torch']}, CUDA {env.get('cuda', '-')}, "
+        f"NCCL {env.get('nccl', '-')}, transformers {env['transformers']}, peft {env['peft']}; "
+        f"NCCL_NVLS_ENABLE={env['NCCL_NVLS_ENABLE']}; speed switches: {report['speed']}; {env['date']}",
+        "",
+        "| GPUs | step (ms, median) | tokens/s | peak memory per GPU (GiB) |",
+        "|---:|---:|---:|---|",
+    ]
+    for row in report["results"]:
+        memory = ", ".join(f"{m:.1f}" for m in row["peak_memory_gib_per_rank"])
+        lines.append(f"| {row['gpus']} | {row['step_ms_median']:.1f} | {row['tokens_per_s']:,.0f} | {memory} |")
+    verdict = "meets" if report["ratio"] >= TARGET_RATIO else "misses"
+    lines += ["", f"**{report['gpus']}-GPU / 1-GPU tokens/s: {report['ratio']:.3f}x** ({verdict} {TARGET_RATIO}x)"]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m engine.bench_multi_gpu", description=__doc__.split("\n")[0])
+    parser.add_argument("--gpus", type=int, default=2, help="GPUs of the scaled run (compared with 1)")
+    parser.add_argument("--shape", default="llama-3.2-1b", help="a model shape of engine.bench.DENSE_SHAPES")
+    parser.add_argument("--tokens", type=int, default=16384, help="tokens of each GPU's packed row")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=4, help="untimed steps first (compilation, allocator)")
+    parser.add_argument("--speed", choices=SPEED_PRESETS, default="all", help="speed switches")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: gloo smoke test")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds allowed for each torchrun")
+    parser.add_argument("--out", type=Path, help="write OUT.json and OUT.md")
+    parser.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.rank_worker:
+        return rank_main(args)
+    results = [measure(args, 1), measure(args, args.gpus)]
+    report = {
+        "shape": args.shape,
+        "tokens_per_gpu": args.tokens,
+        "gpus": args.gpus,
+        "parallel": "ddp",
+        "dtype": "bfloat16",
+        "speed": args.speed,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "environment": environment(args.device),
+        "results": results,
+        "ratio": results[1]["tokens_per_s"] / results[0]["tokens_per_s"],
+        "target_ratio": TARGET_RATIO,
+    }
+    table = markdown(report)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        args.out.with_suffix(".md").write_text(table, encoding="utf-8")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
