@@ -21,9 +21,10 @@ TITLES = {
     "fused_kernels": "Fused per-token kernels",
     "checkpointing": "Offloaded activation checkpointing",
     "chunked_mlp": "MLP in sequence chunks (long context)",
+    "host_embedding": "Input embedding in host memory",
     "moe_routing": "MoE routing on sorted tokens",
 }
-ON_OFF_SWITCHES = ("metadata_cache", "fused_loss", "fused_kernels", "chunked_mlp")
+ON_OFF_SWITCHES = ("metadata_cache", "fused_loss", "fused_kernels", "chunked_mlp", "host_embedding")
 """Switches that are simply on or off (the others choose between modes)."""
 SWITCHES = tuple(name for name in TITLES if name in {f.name for f in dataclasses.fields(SpeedConfig)})
 """The switches this engine has, in the order the speed page lists them."""
