@@ -111,7 +111,7 @@ class SpeedPanel(QWidget):
             text = f"Planned: {choice.reason}" if choice is not None else ""
             if name == "moe_routing" and info is not None and not info.is_moe:
                 text = "No — this model has no MoE expert layers"
-            self.reasons[name].setText(html.escape(text))
+            self.reasons[name].setText(html.escape(text, quote=False))
 
     def settings(self, switch: str) -> SpeedConfig:
         """The run's settings with only ``switch`` taken from its control (the others stay as the user left them)."""
@@ -139,9 +139,9 @@ class SpeedPanel(QWidget):
         for name in SWITCHES:
             idle = nothing_to_do(name, state)
             text = f"No — {idle}" if idle else f"Yes — {state.get(name, {}).get('reason', '')}"
-            self.reasons[name].setText(html.escape(text))
+            self.reasons[name].setText(html.escape(text, quote=False))
             if idle:
-                self.results[name].setText(f"nothing to do: {html.escape(idle)}")
+                self.results[name].setText(f"nothing to do: {html.escape(idle, quote=False)}")
 
     def on_event(self, event: object) -> None:
         if isinstance(event, SpeedChanged):
@@ -173,7 +173,7 @@ class SpeedPanel(QWidget):
             name = self.queue.pop(0)
             idle = nothing_to_do(name, state)
             if idle:
-                self.results[name].setText(f"nothing to do: {html.escape(idle)}")
+                self.results[name].setText(f"nothing to do: {html.escape(idle, quote=False)}")
                 continue
             self.compare = ABCompare(self.controller.current_speed(), name, rounds=self.rounds.value(),
                                      block_steps=self.block.value())  # fmt: skip
@@ -191,7 +191,7 @@ class SpeedPanel(QWidget):
     def _finish_switch(self) -> None:
         assert self.compare is not None
         result = self.compare.result
-        self.results[result.switch].setText(html.escape(result.summary()))
+        self.results[result.switch].setText(html.escape(result.summary(), quote=False))
         self.compare = None
         self._next_switch()
 
