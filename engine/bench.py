@@ -9,6 +9,7 @@ module imports neither Qt nor ``datasets``, so it runs on a bare GPU machine: ``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -20,7 +21,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -76,14 +77,28 @@ MOE_SHAPES: dict[str, dict[str, Any]] = {
     ),
 }
 
-# Variants of the dense runs: name -> (metadata cache, checkpointing).
-DENSE_VARIANTS: dict[str, tuple[bool, Literal["none", "standard", "offloaded"]]] = {
-    "stock": (False, "none"),
-    "metadata_cache": (True, "none"),
-    "stock+standard_ckpt": (False, "standard"),
-    "stock+offloaded_ckpt": (False, "offloaded"),
-    "metadata_cache+standard_ckpt": (True, "standard"),
-    "all_on+offloaded_ckpt": (True, "offloaded"),
+STOCK = SpeedConfig(
+    metadata_cache=False,
+    checkpointing="none",
+    moe_routing="stock",
+    fused_loss=False,
+    chunked_mlp=False,
+    fused_kernels=False,
+)
+ALL_ON = dict(metadata_cache=True, fused_loss=True, fused_kernels=True)
+"""The throughput switches (the chunked MLP is for long rows on small cards: off here, as in stock)."""
+# Variants of the dense runs: stock, each switch alone, all on; without and with checkpointing.
+DENSE_VARIANTS: dict[str, SpeedConfig] = {
+    "stock": STOCK,
+    "metadata_cache": dataclasses.replace(STOCK, metadata_cache=True),
+    "fused_loss": dataclasses.replace(STOCK, fused_loss=True),
+    "fused_kernels": dataclasses.replace(STOCK, fused_kernels=True),
+    "all_on": dataclasses.replace(STOCK, **ALL_ON),
+    "stock+standard_ckpt": dataclasses.replace(STOCK, checkpointing="standard"),
+    "stock+offloaded_ckpt": dataclasses.replace(STOCK, checkpointing="offloaded"),
+    "metadata_cache+standard_ckpt": dataclasses.replace(STOCK, metadata_cache=True, checkpointing="standard"),
+    "all_on+standard_ckpt": dataclasses.replace(STOCK, checkpointing="standard", **ALL_ON),
+    "all_on+offloaded_ckpt": dataclasses.replace(STOCK, checkpointing="offloaded", **ALL_ON),
 }
 LONG_VARIANTS = ("metadata_cache+standard_ckpt", "all_on+offloaded_ckpt")
 MOE_MODES = {"eager": "eager", "stock_grouped_mm": "grouped_mm", "bincount": "bincount", "sync-free": "sync-free"}
@@ -108,10 +123,14 @@ def count_syncs() -> Iterator[list[int]]:
 
 
 def time_steps(step: Callable[[], None], warmup: int, steps: int) -> dict[str, Any]:
-    """Median ms/step after warm-up, peak memory over the timed steps, syncs in one extra step."""
+    """Median ms/step after warm-up, peak memory over the timed steps, syncs in one extra step.
+
+    The warm-up's wall time is reported too: with the fused kernels on it includes compiling them."""
+    start = time.perf_counter()
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
+    warmup_s = time.perf_counter() - start
     torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(steps):
@@ -122,7 +141,13 @@ def time_steps(step: Callable[[], None], warmup: int, steps: int) -> dict[str, A
     peak = torch.cuda.max_memory_allocated()
     with count_syncs() as syncs:
         step()
-    return {"ms_per_step": statistics.median(times), "ms_all": times, "peak_vram_gib": peak / 2**30, "syncs": syncs[0]}
+    return {
+        "ms_per_step": statistics.median(times),
+        "ms_all": times,
+        "warmup_s": warmup_s,
+        "peak_vram_gib": peak / 2**30,
+        "syncs": syncs[0],
+    }
 
 
 def matmul_peak_tflops(n: int = 8192, iters: int = 30) -> float:
@@ -183,46 +208,170 @@ def model_flops(model: Any, batch: PackedBatch) -> float:
     return 4 * linear * tokens + 3 * attention_fwd
 
 
+def train_step(model: Any, controller: Any, batch: PackedBatch, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    """One optimizer step through the controller, as the training loop runs it; returns the detached loss."""
+    inputs = controller.model_inputs(batch)
+    loss = controller.loss(model, inputs, batch.labels, batch.trained_tokens, positions=batch.loss_positions)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
 def dense_step(model: Any, controller: Any, batch: PackedBatch, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
-    n = batch.trained_tokens
-
-    def step() -> None:
-        inputs = controller.model_inputs(batch)
-        out = model(**inputs, labels=batch.labels, num_items_in_batch=n)
-        out.loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step
+    return functools.partial(train_step, model, controller, batch, optimizer)
 
 
 def bench_dense(name: str, args: argparse.Namespace, peak_tflops: float) -> list[dict[str, Any]]:
+    """Every selected variant of one dense shape, then its kernel profile and the loss comparison."""
     from engine.speed import SpeedController
 
     device = torch.device("cuda")
     model = build_lora_model(DENSE_SHAPES[name], device)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    controller = SpeedController(model, SpeedConfig(metadata_cache=False, checkpointing="none"), device)
+    controller = SpeedController(model, STOCK, device)
+    selected = [v for v in DENSE_VARIANTS if not args.variants or v in args.variants.split(",")]
+    runs = [(args.tokens, v) for v in selected] + [(args.long_tokens, v) for v in LONG_VARIANTS if args.long_tokens > 0]
+    vocab = DENSE_SHAPES[name]["vocab_size"]
+    batches = {tokens: packed_row(tokens, vocab).to(device) for tokens, _ in runs}
+    if args.compile_first:
+        compile_variants(model, controller, optimizer, [(batches[t], v) for t, v in runs], args.warmup)
     rows = []
-    for tokens, variants in ((args.tokens, list(DENSE_VARIANTS)), (args.long_tokens, list(LONG_VARIANTS))):
-        if tokens <= 0:
-            continue
-        batch = packed_row(tokens, DENSE_SHAPES[name]["vocab_size"]).to(device)
-        flops = model_flops(model, batch)
-        for variant in variants:
-            cache, ckpt = DENSE_VARIANTS[variant]
-            controller.apply(SpeedConfig(metadata_cache=cache, checkpointing=ckpt, moe_routing="stock"))
-            row = {"model": name, "tokens": tokens, "variant": variant, "state": controller.state()}
-            step = dense_step(model, controller, batch, optimizer)
-            row.update(_guarded(functools.partial(time_steps, step, args.warmup, args.steps)))
-            if "ms_per_step" in row:
-                row["tokens_per_s"] = tokens / row["ms_per_step"] * 1e3
-                row["mfu"] = flops / (row["ms_per_step"] / 1e3) / (peak_tflops * 1e12)
-            print(_row_line(row), flush=True)
-            rows.append(row)
-            torch.cuda.empty_cache()
-    controller.apply(SpeedConfig(metadata_cache=False, checkpointing="none"))
+    with timing_turn(args.timing_lock, args.peers, name):
+        for tokens, variant in runs:
+            row = time_variant(name, variant, model, controller, optimizer, batches[tokens], args, peak_tflops)
+            rows.append(log_row(row, args.rows_log))
+        if args.profile_dir is not None and "all_on" in selected:
+            controller.apply(DENSE_VARIANTS["all_on"])
+            step = dense_step(model, controller, batches[args.tokens], optimizer)
+            _guarded(lambda: profile_step(step, args.profile_dir / name))
+        if args.loss_steps > 0:
+            rows.append(log_row(compare_losses(name, model, controller, args), args.rows_log))
+    controller.apply(STOCK)
     return rows
+
+
+def time_variant(
+    name: str,
+    variant: str,
+    model: Any,
+    controller: Any,
+    optimizer: torch.optim.Optimizer,
+    batch: PackedBatch,
+    args: argparse.Namespace,
+    peak_tflops: float,
+) -> dict[str, Any]:
+    controller.apply(DENSE_VARIANTS[variant])
+    row = {"model": name, "tokens": batch.num_tokens, "variant": variant, "state": controller.state()}
+    step = dense_step(model, controller, batch, optimizer)
+    row.update(_guarded(functools.partial(time_steps, step, args.warmup, args.steps)))
+    row.update(compile_counts())
+    if "ms_per_step" in row:
+        row["tokens_per_s"] = batch.num_tokens / row["ms_per_step"] * 1e3
+        row["mfu"] = model_flops(model, batch) / (row["ms_per_step"] / 1e3) / (peak_tflops * 1e12)
+    print(_row_line(row), flush=True)
+    torch.cuda.empty_cache()
+    return row
+
+
+def compile_counts() -> dict[str, int]:
+    """Graphs compiled so far in this process and graph breaks seen (dynamo's counters)."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "compiled_graphs": counters["stats"]["unique_graphs"],
+        "graph_breaks": sum(counters["graph_break"].values()),
+    }
+
+
+def compile_variants(
+    model: Any, controller: Any, optimizer: torch.optim.Optimizer, runs: list[tuple[PackedBatch, str]], steps: int
+) -> None:
+    """Run the warm-up of every variant with fused kernels, so their compiles are done before anything is timed."""
+    for batch, variant in runs:
+        if DENSE_VARIANTS[variant].fused_kernels:
+            controller.apply(DENSE_VARIANTS[variant])
+            start = time.perf_counter()
+            _guarded(functools.partial(warm_up, model, controller, batch, optimizer, steps))
+            torch.cuda.synchronize()
+            print(f"compiled {variant} ({batch.num_tokens} tokens) in {time.perf_counter() - start:.1f} s", flush=True)
+    torch.cuda.empty_cache()
+
+
+def warm_up(model: Any, controller: Any, batch: PackedBatch, optimizer: torch.optim.Optimizer, steps: int) -> dict:
+    for _ in range(steps):
+        train_step(model, controller, batch, optimizer)
+    return {}
+
+
+@contextmanager
+def timing_turn(lock: Path | None, peers: int, name: str) -> Iterator[None]:
+    """Exclusive use of the GPU for timing when several bench processes share it (``--timing-lock``).
+
+    Each process first marks itself ready (its compiles are done), waits until all ``peers`` are, then times
+    its variants holding an exclusive lock: compiles run side by side, timed steps never overlap.
+    """
+    if lock is None:
+        yield
+        return
+    import fcntl
+
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    (lock.parent / f"{lock.name}.ready.{name}").touch()
+    while len(list(lock.parent.glob(f"{lock.name}.ready.*"))) < peers:
+        time.sleep(0.5)
+    with lock.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def log_row(row: dict[str, Any], path: Path | None) -> dict[str, Any]:
+    """Append a measured row to the JSON-lines log (so a run cut short keeps what it measured)."""
+    if path is not None:
+        with path.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(row, default=str) + "\n")
+    return row
+
+
+def profile_step(step: Callable[[], None], out: Path) -> dict[str, Any]:
+    """Top CUDA kernels of one step (after warm-up), written as a table under ``out``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    out.mkdir(parents=True, exist_ok=True)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
+    (out / "top_kernels.txt").write_text(table, encoding="utf-8")
+    return {}
+
+
+def compare_losses(name: str, model: Any, controller: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Stock and all-on losses over the same rows from the same LoRA init (fresh AdamW each), in bf16."""
+    device = torch.device("cuda")
+    vocab = DENSE_SHAPES[name]["vocab_size"]
+    rows = [
+        packed_row(args.loss_tokens - 256 * (i % 4), vocab, seed=100 + i).to(device) for i in range(args.loss_steps)
+    ]
+    init = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
+    curves: dict[str, list[float]] = {}
+    for variant in ("stock", "all_on"):
+        with torch.no_grad():
+            for k, v in model.named_parameters():
+                if k in init:
+                    v.copy_(init[k])
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        controller.apply(DENSE_VARIANTS[variant])
+        curves[variant] = [float(train_step(model, controller, batch, optimizer)) for batch in rows]
+    diffs = [abs(a - b) / abs(b) for a, b in zip(curves["all_on"], curves["stock"], strict=True)]
+    row = {"model": name, "loss_comparison": curves, "max_relative_difference": max(diffs), **compile_counts()}
+    print(f"{name:>14} losses over {len(rows)} steps: all_on vs stock max relative difference {max(diffs):.2e}")
+    return row
 
 
 def _guarded(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -239,7 +388,8 @@ def _row_line(row: dict[str, Any]) -> str:
         return f"{row['model']:>14} {row['tokens']:>6} {row['variant']:<30} ERROR {row['error']}"
     return (
         f"{row['model']:>14} {row['tokens']:>6} {row['variant']:<30} {row['ms_per_step']:9.1f} ms "
-        f"{row.get('tokens_per_s', 0):9.0f} tok/s {row['peak_vram_gib']:6.2f} GiB syncs {row['syncs']}"
+        f"{row.get('tokens_per_s', 0):9.0f} tok/s {row['peak_vram_gib']:6.2f} GiB syncs {row['syncs']} "
+        f"warm-up {row.get('warmup_s', 0):.1f} s graphs {row.get('compiled_graphs')} breaks {row.get('graph_breaks')}"
     )
 
 
@@ -317,6 +467,10 @@ def environment() -> dict[str, Any]:
     }
 
 
+def timed_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in rows if "variant" in r]
+
+
 def _find(rows: list[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
     return next((r for r in rows if all(r.get(k) == v for k, v in match.items()) and "ms_per_step" in r), None)
 
@@ -326,8 +480,11 @@ def ratios(dense: list[dict[str, Any]], moe: list[dict[str, Any]], tokens: int, 
     out: dict[str, Any] = {}
     for model in {r["model"] for r in dense}:
         pairs = {
-            "all_on_vs_stock": ("stock", "metadata_cache", tokens),
-            "all_on_vs_stock_with_ckpt": ("stock+standard_ckpt", "all_on+offloaded_ckpt", tokens),
+            "all_on_vs_stock": ("stock", "all_on", tokens),
+            "metadata_cache_alone_vs_stock": ("stock", "metadata_cache", tokens),
+            "fused_loss_alone_vs_stock": ("stock", "fused_loss", tokens),
+            "fused_kernels_alone_vs_stock": ("stock", "fused_kernels", tokens),
+            "all_on_offloaded_vs_stock_standard_ckpt": ("stock+standard_ckpt", "all_on+offloaded_ckpt", tokens),
             "offloaded_ckpt_alone_vs_standard": ("stock+standard_ckpt", "stock+offloaded_ckpt", tokens),
             "offloaded_vs_standard_step_time_long": (
                 "all_on+offloaded_ckpt",
@@ -339,6 +496,14 @@ def ratios(dense: list[dict[str, Any]], moe: list[dict[str, Any]], tokens: int, 
             a, b = _find(dense, model=model, variant=base, tokens=t), _find(dense, model=model, variant=fast, tokens=t)
             if a and b:
                 out[f"{model}:{key}"] = a["ms_per_step"] / b["ms_per_step"]
+        for variant in ("all_on", "all_on+offloaded_ckpt"):
+            row = _find(dense, model=model, variant=variant, tokens=tokens)
+            if row:
+                out[f"{model}:{variant}:mfu"] = row["mfu"]
+                out[f"{model}:{variant}:peak_vram_gib"] = row["peak_vram_gib"]
+        loss = next((r for r in dense if r.get("model") == model and "max_relative_difference" in r), None)
+        if loss:
+            out[f"{model}:loss_all_on_vs_stock_max_relative_difference"] = loss["max_relative_difference"]
         a = _find(dense, model=model, variant="metadata_cache+standard_ckpt", tokens=long_tokens)
         b = _find(dense, model=model, variant="all_on+offloaded_ckpt", tokens=long_tokens)
         if a and b:
@@ -353,6 +518,27 @@ def ratios(dense: list[dict[str, Any]], moe: list[dict[str, Any]], tokens: int, 
     return out
 
 
+def merged_rows(paths: list[Path]) -> tuple[dict[str, Any], float, list[dict[str, Any]]]:
+    """(environment, mean bf16 peak, dense rows) from the rows logs of bench processes that ran side by side."""
+    headers, rows = [], []
+    for path in paths:
+        for line in path.read_text(encoding="utf-8").splitlines():
+            row = json.loads(line)
+            (headers if "peak_tflops" in row else rows).append(row)
+    return headers[0]["environment"], statistics.mean(h["peak_tflops"] for h in headers), rows
+
+
+def carried_moe(path: Path) -> tuple[list[dict[str, Any]], str]:
+    """An earlier report's MoE rows and a line saying when and with what they were measured."""
+    earlier = json.loads(path.read_text(encoding="utf-8"))
+    source = earlier.get("moe_environment") or earlier.get("environment", {})
+    note = (
+        f"MoE rows carried over from the earlier report {path.name}: measured {source.get('date', '(date unknown)')} "
+        f"with torch {source.get('torch', '?')}, not re-run with the dense rows above."
+    )
+    return earlier.get("moe", []), note
+
+
 def markdown(report: dict[str, Any]) -> str:
     env = report["environment"]
     lines = [
@@ -365,7 +551,7 @@ def markdown(report: dict[str, Any]) -> str:
         "| model | tokens | variant | ms/step | tokens/s | peak VRAM GiB | syncs/step | MFU |",
         "|---|---:|---|---:|---:|---:|---:|---:|",
     ]
-    for r in report["dense"]:
+    for r in timed_rows(report["dense"]):
         if "error" in r:
             lines.append(f"| {r['model']} | {r['tokens']} | {r['variant']} | error: {r['error'][:80]} | | | | |")
             continue
@@ -373,12 +559,33 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {r['model']} | {r['tokens']:,} | {r['variant']} | {r['ms_per_step']:,.1f} | {r['tokens_per_s']:,.0f} "
             f"| {r['peak_vram_gib']:.2f} | {r['syncs']} | {r['mfu'] * 100:.1f}% |"
         )
+    losses = [r for r in report["dense"] if "max_relative_difference" in r]
+    if losses:
+        lines += [
+            "",
+            f"Losses over {report['settings'].get('loss_steps')} steps (rows of about "
+            f"{report['settings'].get('loss_tokens')} tokens, same LoRA init and rows, bf16, AdamW lr 1e-4):",
+            "",
+        ]
+        lines += ["| model | step 1 stock / all-on | last step stock / all-on | max relative difference |"]
+        lines += ["|---|---:|---:|---:|"]
+        for r in losses:
+            stock, fast = r["loss_comparison"]["stock"], r["loss_comparison"]["all_on"]
+            lines.append(
+                f"| {r['model']} | {stock[0]:.4f} / {fast[0]:.4f} | {stock[-1]:.4f} / {fast[-1]:.4f} "
+                f"| {r['max_relative_difference']:.2e} |"
+            )
+    if report.get("moe_note"):
+        lines += ["", report["moe_note"]]
     lines += ["", "| MoE block | dtype | tokens | routing | ms fwd+bwd | syncs |", "|---|---|---:|---|---:|---:|"]
     for r in report["moe"]:
         ms = f"{r['ms_per_step']:.2f}" if "ms_per_step" in r else f"error: {r['error'][:60]}"
         lines.append(f"| {r['block']} | {r['dtype']} | {r['tokens']:,} | {r['mode']} | {ms} | {r.get('syncs', '')} |")
     lines += ["", "| ratio | value |", "|---|---:|"]
-    lines += [f"| {k} | {v:.2f} |" for k, v in sorted(report["ratios"].items())]
+    lines += [
+        f"| {k} | {v:.2f} |" if abs(v) >= 0.01 else f"| {k} | {v:.2e} |" for k, v in sorted(report["ratios"].items())
+    ]
+    lines += ["", *report.get("notes", [])]
     return "\n".join(lines) + "\n"
 
 
@@ -394,6 +601,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--moe-tokens", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=5, help="timed steps (the median is reported)")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--variants", default="", help=f"dense variants to run (default all): {', '.join(DENSE_VARIANTS)}"
+    )
+    parser.add_argument("--loss-steps", type=int, default=20, help="steps of the all-on vs stock loss comparison")
+    parser.add_argument("--loss-tokens", type=int, default=4096, help="row length of the loss comparison")
+    parser.add_argument("--profile-dir", type=Path, default=None, help="write the all-on step's top kernels here")
+    parser.add_argument("--carry-moe", type=Path, default=None, help="take the MoE rows from this earlier report")
+    parser.add_argument("--note", action="append", default=[], help="a line for the report's notes (repeatable)")
+    parser.add_argument("--peak-tflops", type=float, default=0.0, help="bf16 peak for MFU (default: measure)")
+    parser.add_argument("--compile-first", action="store_true", help="compile every fused variant before timing")
+    parser.add_argument("--timing-lock", type=Path, default=None, help="lock file shared by parallel bench processes")
+    parser.add_argument("--peers", type=int, default=1, help="bench processes sharing --timing-lock")
+    parser.add_argument("--rows-log", type=Path, default=None, help="append every measured row to this JSON-lines file")
+    parser.add_argument("--merge", type=Path, nargs="*", default=None, help="build the report from these rows logs")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/speed.json"), help="JSON output path")
     parser.add_argument("--table", type=Path, default=None, help="markdown table path (default: beside --out)")
     parser.add_argument(
@@ -409,20 +630,29 @@ def main(argv: list[str] | None = None) -> int:
 
         return long_context_main([arg for arg in argv if arg != "--long-context"])
     args = parse_args(argv)
-    if not torch.cuda.is_available():
+    if args.merge is not None:
+        env, peak, dense = merged_rows(args.merge)
+    elif not torch.cuda.is_available():
         print("tunedeck bench needs an NVIDIA GPU (torch sees none)", file=sys.stderr)
         return 2
-    peak = matmul_peak_tflops()
-    print(f"bf16 matmul peak: {peak:.0f} TFLOP/s", flush=True)
-    dense = [row for name in filter(None, args.models.split(",")) for row in bench_dense(name, args, peak)]
+    else:
+        env, peak = environment(), args.peak_tflops or matmul_peak_tflops()
+        print(f"bf16 matmul peak: {peak:.0f} TFLOP/s", flush=True)
+        log_row({"environment": env, "peak_tflops": peak}, args.rows_log)
+        dense = [row for name in filter(None, args.models.split(",")) for row in bench_dense(name, args, peak)]
     moe = [
         row
         for name in filter(None, args.moe_blocks.split(","))
         for dtype in filter(None, args.moe_dtypes.split(","))
         for row in bench_moe(name, getattr(torch, dtype), args)
     ]
+    moe_note = None
+    if args.carry_moe is not None:
+        moe, moe_note = carried_moe(args.carry_moe)
     report = {
-        "environment": environment(),
+        "environment": env,
+        "moe_note": moe_note,
+        "notes": args.note,
         "peak_tflops": peak,
         "settings": {k: str(v) for k, v in vars(args).items()},
         "mfu_formula": model_flops.__doc__,

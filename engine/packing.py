@@ -64,7 +64,12 @@ class PackedBatch:
 
     @property
     def trained_tokens(self) -> int:
-        """Tokens that contribute to the loss (labels are shifted inside the model, so the first never does)."""
+        """Tokens that contribute to the loss (labels are shifted inside the model, so the first never does).
+
+        Counted from the host-side positions when the packer listed them: on a batch already on the GPU,
+        counting the labels would wait for the device."""
+        if self.loss_positions is not None:
+            return int(self.loss_positions.numel())
         return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
 
     def to(self, device: torch.device | str) -> PackedBatch:

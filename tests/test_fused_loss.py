@@ -126,6 +126,7 @@ def test_packer_positions_equal_the_device_search_and_spare_its_sync() -> None:
     shifted = F.pad(batch.labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
     assert batch.loss_positions.tolist() == (shifted != IGNORE_INDEX).nonzero().squeeze(1).tolist()
     assert batch.loss_positions.dtype == torch.long and batch.to("cpu").loss_positions is not None
+    assert batch.trained_tokens == int((shifted != IGNORE_INDEX).sum())  # counted without reading the labels
     hidden = torch.randn(1, batch.num_tokens, 8, requires_grad=True)
     weight = torch.randn(VOCAB, 8)
     results = {}
