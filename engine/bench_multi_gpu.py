@@ -16,6 +16,7 @@ import dataclasses
 import datetime
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -55,10 +56,12 @@ def rank_main(args: argparse.Namespace) -> int:
     from engine.distributed.ranks import init_ranks
     from engine.speed import SpeedController
 
+    began = time.perf_counter()
     ranks, device = init_ranks(args.device)
     ranks = dataclasses.replace(ranks, mode="ddp" if ranks.distributed else "single")
     shape = DENSE_SHAPES[args.shape]
     model = build_lora_model(shape, device)
+    _progress(ranks, began, f"{args.shape} built on {device}")
     controller = SpeedController(model, speed_settings(args.speed), device)
     loss_module = ranks.wrap(model, device)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
@@ -74,7 +77,11 @@ def rank_main(args: argparse.Namespace) -> int:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    times = [_timed(step, ranks, device) for _ in range(args.warmup + args.steps)][args.warmup :]
+    times = []
+    for index in range(args.warmup + args.steps):  # the first step compiles (fused kernels: about 75 s on an H200 host)
+        times.append(_timed(step, ranks, device))
+        _progress(ranks, began, f"step {index + 1}: {times[-1] * 1e3:.1f} ms")
+    times = times[args.warmup :]
     memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     _, rank_memory = ranks.reduce_step(0.0, memory) if ranks.distributed else (0.0, [memory])
     if ranks.is_main:
@@ -106,6 +113,15 @@ def _timed(step: Any, ranks: Any, device: torch.device) -> float:
     return max(ranks.reduce_sums(*[elapsed if r == ranks.rank else 0.0 for r in range(ranks.world)]))
 
 
+def _progress(ranks: Any, began: float, message: str) -> None:
+    """A line on stderr per stage, so a run cut short by a timeout still shows where its time went."""
+    print(
+        f"[{time.perf_counter() - began:7.1f} s] rank {ranks.rank}/{ranks.world}: {message}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -126,14 +142,24 @@ def measure(args: argparse.Namespace, world: int) -> dict[str, Any]:
         if args.device != "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(world)))
         started = time.perf_counter()
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
+        code = _run_group(command, env, args.timeout)
         if not result.exists():  # written by rank 0 after the timed steps; a teardown failure later is reported
-            tail = "\n".join((done.stdout + done.stderr).splitlines()[-30:])
-            raise RuntimeError(f"{world}-GPU measurement failed (exit {done.returncode}):\n{tail}")
+            raise RuntimeError(f"{world}-GPU measurement failed (torchrun exit code {code}); its output is above")
         measured = json.loads(result.read_text(encoding="utf-8"))
         measured["wall_s"] = time.perf_counter() - started
-        measured["exit_code"] = done.returncode
+        measured["exit_code"] = code
         return measured
+
+
+def _run_group(command: list[str], env: dict[str, str], timeout: float) -> int:
+    """Run torchrun in its own session, its output streamed to ours; past ``timeout`` the whole group is killed."""
+    process = subprocess.Popen(command, env=env, start_new_session=True)
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        print(f"(killed after {timeout:.0f} s)", file=sys.stderr, flush=True)
+        return process.wait()
 
 
 def _rank_args(args: argparse.Namespace, result: Path) -> list[str]:
@@ -209,7 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.rank_worker:
         return rank_main(args)
-    results = [measure(args, 1), measure(args, args.gpus)]
+    try:
+        results = [measure(args, 1), measure(args, args.gpus)]
+    except RuntimeError as err:
+        print(err, file=sys.stderr)
+        return 1
     report = {
         "shape": args.shape,
         "tokens_per_gpu": args.tokens,

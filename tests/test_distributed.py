@@ -42,7 +42,15 @@ def varied_chat(tmp_path: Path) -> Path:
     return write_jsonl(tmp_path / "chat.jsonl", rows)
 
 
-def make_config(model: Path, data: Path, out: Path, name: str, dtype: str = "float32", **training: object) -> RunConfig:
+def make_config(
+    model: Path,
+    data: Path,
+    out: Path,
+    name: str,
+    dtype: str = "float32",
+    speed: dict[str, object] | None = None,
+    **training: object,
+) -> RunConfig:
     raw = {
         "model": {"name": str(model), "dtype": dtype},
         "data": {"path": str(data), "max_seq_len": 64, "tokens_per_batch": 96, "eval_fraction": 0.1},
@@ -58,6 +66,7 @@ def make_config(model: Path, data: Path, out: Path, name: str, dtype: str = "flo
             **training,
         },
         "output": {"dir": str(out), "name": name},
+        "speed": speed or {},
     }
     return RunConfig.from_dict(raw)
 
@@ -87,11 +96,24 @@ def adapter(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(run_dir / "adapter" / "adapter_model.safetensors")
 
 
+def training_children() -> list[str]:
+    """torchrun and rank processes still under this test (torch.compile's worker pool is not one of them)."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            command = " ".join(child.cmdline())
+        except psutil.Error:  # gone meanwhile
+            continue
+        if "torch.distributed.run" in command or "engine.distributed" in command or "bench_multi_gpu" in command:
+            found.append(command)
+    return found
+
+
 def assert_no_children() -> None:
     deadline = time.monotonic() + 5
-    while psutil.Process().children(recursive=True) and time.monotonic() < deadline:
+    while training_children() and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert psutil.Process().children(recursive=True) == []
+    assert training_children() == []
 
 
 @pytest.mark.parametrize(
@@ -219,20 +241,28 @@ def test_scaling_bench_runs_on_cpu_processes(tmp_path: Path) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two NVIDIA GPUs")
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_two_gpus_train_what_one_gpu_trains(
-    tiny_model_dir: Path, varied_chat: Path, tmp_path: Path, parallel: str
-) -> None:
-    """bf16 on CUDA with NCCL: the 2-GPU curve equals the 1-GPU curve within bf16 noise."""
-    cuda = {"dtype": "bfloat16", "device": "auto", "max_steps": 6}
+def test_two_gpus_train_what_one_gpu_trains(tiny_model_dir: Path, varied_chat: Path, tmp_path: Path) -> None:
+    """bf16 on CUDA with NCCL: DDP's and FSDP2's curves equal one GPU's within bf16 noise.
+
+    Fused kernels stay off: their compile takes about 75 s per process on the H200 machines, and the scaling bench
+    runs them under DDP already."""
+    cuda = {"dtype": "bfloat16", "device": "auto", "max_steps": 6, "speed": {"fused_kernels": False}}
     one = finished(list(run(make_config(tiny_model_dir, varied_chat, tmp_path, "one", **cuda))))
-    config = make_config(tiny_model_dir, varied_chat, tmp_path, "two", gpus="2", parallel=parallel, **cuda)
-    events = list(run(config))
-    two = finished(events)
-    got, want = curve(Path(two.run_dir)), curve(Path(one.run_dir))
-    assert [s for s, _, _ in got] == [s for s, _, _ in want]
-    assert [v for _, v, _ in got] == pytest.approx([v for _, v, _ in want], rel=2e-2)
-    steps = [e for e in events if isinstance(e, StepMetrics)]
-    assert all(len(s.rank_memory_bytes or []) == 2 and min(s.rank_memory_bytes or [0]) > 0 for s in steps)
-    assert adapter(Path(two.run_dir)).keys() == adapter(Path(one.run_dir)).keys()
-    assert_no_children()
+    want = curve(Path(one.run_dir))
+    problems = {}
+    for parallel in ("ddp", "fsdp"):  # both run before any assertion: one GPU session answers for both
+        config = make_config(tiny_model_dir, varied_chat, tmp_path, parallel, gpus="2", parallel=parallel, **cuda)
+        events = list(run(config))
+        try:
+            two = finished(events)
+            got = curve(Path(two.run_dir))
+            assert [s for s, _, _ in got] == [s for s, _, _ in want]
+            assert [v for _, v, _ in got] == pytest.approx([v for _, v, _ in want], rel=2e-2)
+            steps = [e for e in events if isinstance(e, StepMetrics)]
+            assert all(len(s.rank_memory_bytes or []) == 2 and min(s.rank_memory_bytes or [0]) > 0 for s in steps)
+            assert adapter(Path(two.run_dir)).keys() == adapter(Path(one.run_dir)).keys()
+            print(parallel, "losses", [round(v, 4) for _, v, _ in got], "one GPU", [round(v, 4) for _, v, _ in want])
+        except AssertionError as err:
+            problems[parallel] = str(err)[:2000]
+        assert_no_children()
+    assert not problems, problems
