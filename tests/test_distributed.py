@@ -7,6 +7,9 @@ rows are shared out across the ranks and the gradients summed, so the curves agr
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -18,8 +21,8 @@ from helpers import write_jsonl
 from engine import events as ev
 from engine.config import RunConfig
 from engine.control import RunControl
-from engine.distributed.launch import event_from_dict, resolve_gpus
-from engine.distributed.ranks import FAULT_ENV
+from engine.distributed.launch import LAUNCH_ENV, event_from_dict, resolve_gpus
+from engine.distributed.ranks import FAULT_ENV, Ranks, choose_mode
 from engine.errors import ConfigError
 from engine.events import RunFailed, RunFinished, RunPaused, RunResumed, StepMetrics
 from engine.train import run
@@ -96,24 +99,28 @@ def adapter(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(run_dir / "adapter" / "adapter_model.safetensors")
 
 
-def training_children() -> list[str]:
-    """torchrun and rank processes still under this test (torch.compile's worker pool is not one of them)."""
+def training_processes(folder: Path | None) -> list[str]:
+    """torchrun and rank processes under this test, or anywhere running a run in ``folder`` (orphans included);
+    torch.compile's worker pool is not one of them."""
+    mine = {p.pid for p in psutil.Process().children(recursive=True)}
     found = []
-    for child in psutil.Process().children(recursive=True):
+    for process in psutil.process_iter():
         try:
-            command = " ".join(child.cmdline())
-        except psutil.Error:  # gone meanwhile
+            command = " ".join(process.cmdline())
+            if not any(mark in command for mark in ("torch.distributed.run", "engine.distributed", "bench_multi_gpu")):
+                continue
+            if process.pid in mine or (folder and str(folder) in process.environ().get(LAUNCH_ENV, "")):
+                found.append(command)
+        except psutil.Error:  # gone meanwhile, or not ours to inspect
             continue
-        if "torch.distributed.run" in command or "engine.distributed" in command or "bench_multi_gpu" in command:
-            found.append(command)
     return found
 
 
-def assert_no_children() -> None:
+def assert_no_children(folder: Path | None = None) -> None:
     deadline = time.monotonic() + 5
-    while training_children() and time.monotonic() < deadline:
+    while training_processes(folder) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert training_children() == []
+    assert training_processes(folder) == []
 
 
 @pytest.mark.parametrize(
@@ -140,7 +147,7 @@ def test_two_processes_train_what_one_trains(
     assert all(s.rank_memory_bytes is not None and len(s.rank_memory_bytes) == 2 for s in steps)
     assert all(s.memory_bytes == max(s.rank_memory_bytes or []) for s in steps)
     assert sorted(p.name for p in (Path(two.run_dir) / "checkpoints").iterdir()) == ["step-000004", "step-000005"]
-    assert_no_children()
+    assert_no_children(tmp_path)
 
 
 def test_paused_and_stopped_ranks_resume_on_one_process(
@@ -164,7 +171,7 @@ def test_paused_and_stopped_ranks_resume_on_one_process(
     assert any(isinstance(e, RunPaused) for e in seen) and any(isinstance(e, RunResumed) for e in seen)
     assert (Path(stopped.run_dir) / "checkpoints" / f"step-{stopped.step:06d}").is_dir()
     assert not (Path(stopped.run_dir) / "control.json").exists()
-    assert_no_children()
+    assert_no_children(tmp_path)
 
     resumed = finished(list(run(config_with_gpus(config, "1"), resume=stopped.run_dir)))
     assert not resumed.cancelled and resumed.step == 30
@@ -177,15 +184,52 @@ def config_with_gpus(config: RunConfig, gpus: str) -> RunConfig:
     return RunConfig.from_dict(raw)
 
 
-def test_one_process_checkpoint_resumes_on_two(tiny_model_dir: Path, varied_chat: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_one_process_checkpoint_resumes_on_two(
+    tiny_model_dir: Path, varied_chat: Path, tmp_path: Path, parallel: str
+) -> None:
     reference = finished(list(run(make_config(tiny_model_dir, varied_chat, tmp_path / "a", "run", max_steps=6))))
     control = RunControl()
     config = make_config(tiny_model_dir, varied_chat, tmp_path / "b", "run", max_steps=6)
     for event in run(config, control=control):
         if isinstance(event, StepMetrics) and event.step == 3:
             control.stop()
-    resumed = finished(list(run(config_with_gpus(config, "2"), resume=tmp_path / "b" / "run")))
+    two = RunConfig.from_dict({"training": {"gpus": "2", "parallel": parallel}})  # a resume keeps all else
+    resumed = finished(list(run(two, resume=tmp_path / "b" / "run")))
     assert_same_curve(curve(Path(resumed.run_dir)), curve(Path(reference.run_dir)))
+
+
+LAUNCHER = """
+import sys
+from engine.config import RunConfig
+from engine.train import run
+for event in run(RunConfig.load(sys.argv[1])):
+    print(type(event).__name__, flush=True)
+"""
+
+
+def test_ranks_save_and_exit_when_the_launcher_is_killed(
+    tiny_model_dir: Path, varied_chat: Path, tmp_path: Path
+) -> None:
+    """An app killed outright leaves no training processes behind: rank 0 sees it gone and stops the run."""
+    config = make_config(tiny_model_dir, varied_chat, tmp_path, "orphan", gpus="2", max_steps=100_000, eval_every=0)
+    config.save(tmp_path / "launch.json")
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, str(tmp_path / "launch.json")], stdout=subprocess.PIPE, text=True, env=env
+    )
+    assert launcher.stdout is not None
+    for line in launcher.stdout:
+        if line.startswith("StepMetrics"):
+            break
+    ranks = psutil.Process(launcher.pid).children(recursive=True)
+    assert len(ranks) >= 3  # torchrun and its two ranks
+    launcher.kill()
+    launcher.wait()
+    _, alive = psutil.wait_procs(ranks, timeout=60)
+    assert alive == []
+    assert list((tmp_path / "orphan" / "checkpoints").glob("step-*")), "the stop saved no checkpoint"
 
 
 def test_a_rank_that_dies_fails_the_run_and_leaves_no_process(
@@ -198,7 +242,16 @@ def test_a_rank_that_dies_fails_the_run_and_leaves_no_process(
     assert failed.message == "the training process of rank 1 stopped unexpectedly (exit code 3)"
     assert failed.run_dir == str(tmp_path / "crash")
     assert [e.step for e in events if isinstance(e, StepMetrics)] in ([], [1])
-    assert_no_children()
+    assert_no_children(tmp_path)
+
+
+def test_qlora_under_fsdp2_is_refused_with_a_hint() -> None:
+    config = RunConfig.from_dict({"model": {"qlora": True}, "training": {"parallel": "fsdp"}})
+    with pytest.raises(ConfigError, match="QLoRA") as caught:
+        choose_mode(Ranks(world=2), config, torch.device("cuda", 0))
+    assert "--parallel ddp" in (caught.value.hint or "")
+    auto = choose_mode(Ranks(world=2), RunConfig(), torch.device("cpu"))
+    assert (auto.mode, auto.reason) == ("ddp", "auto: DDP")
 
 
 def test_every_event_survives_the_trip_from_rank_zero() -> None:
@@ -264,5 +317,5 @@ def test_two_gpus_train_what_one_gpu_trains(tiny_model_dir: Path, varied_chat: P
             print(parallel, "losses", [round(v, 4) for _, v, _ in got], "one GPU", [round(v, 4) for _, v, _ in want])
         except AssertionError as err:
             problems[parallel] = str(err)[:2000]
-        assert_no_children()
+        assert_no_children(tmp_path)
     assert not problems, problems

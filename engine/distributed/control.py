@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import threading
 import time
 from dataclasses import asdict
@@ -41,15 +42,18 @@ def read_control(path: Path) -> dict[str, Any]:
 class RankControl(RunControl):
     """A rank's view of the launcher's requests; :meth:`sync` (a collective) refreshes it between steps."""
 
-    def __init__(self, ranks: Ranks, path: Path) -> None:
+    def __init__(self, ranks: Ranks, path: Path, launcher_pid: int | None = None) -> None:
         super().__init__()
         self.ranks = ranks
         self.path = path
+        self.launcher_pid = launcher_pid
         self._speed_seq = 0
 
     def sync(self) -> None:
-        """Take rank 0's reading of the control file on every rank."""
+        """Take rank 0's reading of the control file on every rank; a launcher that died asks for a stop."""
         record = read_control(self.path) if self.ranks.is_main else {}
+        if self.ranks.is_main and not _alive(self.launcher_pid):
+            record["stop"] = True  # the app or CLI was killed: save a checkpoint and end, leaving no orphan
         flags = torch.tensor(
             [int(bool(record.get("stop"))), int(bool(record.get("pause"))), int(record.get("speed_seq", 0))]
         )
@@ -75,6 +79,18 @@ class RankControl(RunControl):
             time.sleep(PAUSE_POLL_S)
             self.sync()
         return True
+
+
+def _alive(pid: int | None) -> bool:
+    if pid is None:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else (the pid was reused): treat as gone
+        return False
+    return True
 
 
 class ControlMirror:

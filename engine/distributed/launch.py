@@ -5,12 +5,14 @@ The launcher owns the run folder (it creates or reads it, as a one-process run d
 session, with ``CUDA_VISIBLE_DEVICES`` naming the chosen GPUs and ``NCCL_NVLS_ENABLE=0`` unless set (NVLink
 multicast buffers failed to allocate on shared machines). Rank 0 prints each event as a marked JSON line; the
 launcher parses them back into the same event objects. Whatever happens — the run ends, fails, a rank dies, the
-consumer stops iterating — the whole process group is gone when the iterator ends: no orphans.
+consumer stops iterating — torchrun and every rank are gone when the iterator ends; if the launcher itself is
+killed, rank 0 notices between two steps and the run stops as if asked (checkpoint, adapter): no orphans.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import re
@@ -105,7 +107,8 @@ def launch_env(config: RunConfig, run_dir: Path, resuming: bool, gpus: list[int]
     env.setdefault("NCCL_NVLS_ENABLE", "0")
     root = str(Path(engine.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-    env[LAUNCH_ENV] = json.dumps({"config": config.to_dict(), "run_dir": str(run_dir), "resume": resuming})
+    launch = {"config": config.to_dict(), "run_dir": str(run_dir), "resume": resuming, "launcher_pid": os.getpid()}
+    env[LAUNCH_ENV] = json.dumps(launch)
     return env
 
 
@@ -129,16 +132,21 @@ def run_ranks(
     tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL)
     reader = threading.Thread(target=_drain, args=(process.stderr, tail), daemon=True)
     reader.start()
+    ranks: list[Any] = []  # the rank processes, noted once they run: they outlive a torchrun that is killed
     try:
-        yield from _events(process, tail, run_dir, reader)
+        yield from _events(process, tail, run_dir, reader, ranks)
     finally:
         mirror.close()
-        _end_group(process)
+        _end_group(process, ranks)
         (run_dir / CONTROL_FILE).unlink(missing_ok=True)
 
 
 def _events(
-    process: subprocess.Popen[str], tail: collections.deque[str], run_dir: Path, reader: threading.Thread
+    process: subprocess.Popen[str],
+    tail: collections.deque[str],
+    run_dir: Path,
+    reader: threading.Thread,
+    ranks: list[Any],
 ) -> Iterator[Event]:
     last: Event | None = None
     assert process.stdout is not None
@@ -146,12 +154,14 @@ def _events(
         if not line.startswith(EVENT_MARK):
             tail.append(line.rstrip())
             continue
+        if not ranks:
+            ranks.extend(_rank_processes(process))
         event = event_from_dict(json.loads(line[len(EVENT_MARK) :]))
         if isinstance(event, (RunFinished, RunFailed)):
             last = event  # yielded once every rank has exited
             continue
         yield event
-    code = _wait(process)
+    code = _wait(process, ranks)
     reader.join(timeout=5)
     yield _outcome(last, code, list(tail), run_dir)
 
@@ -194,33 +204,47 @@ def _drain(stream: IO[str] | None, tail: collections.deque[str]) -> None:
         tail.append(line.rstrip())
 
 
-def _wait(process: subprocess.Popen[str]) -> int:
+def _wait(process: subprocess.Popen[str], ranks: list[Any]) -> int:
     try:
         return process.wait(timeout=EXIT_GRACE_S)
     except subprocess.TimeoutExpired:
-        _end_group(process)
+        _end_group(process, ranks)
         return process.wait()
 
 
-def _end_group(process: subprocess.Popen[str]) -> None:
-    """Terminate torchrun and every rank (they share its session); SIGKILL whatever ignores SIGTERM."""
-    for sig, grace in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            break
-        deadline = time.monotonic() + grace
-        while _group_alive(process.pid) and time.monotonic() < deadline:
-            process.poll()  # reap torchrun, which is the group's leader
-            time.sleep(0.05)
-        if not _group_alive(process.pid):
-            break
-    process.poll()
+def _rank_processes(process: subprocess.Popen[str]) -> list[Any]:
+    import psutil
 
-
-def _group_alive(pgid: int) -> bool:
     try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
+        return psutil.Process(process.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _end_group(process: subprocess.Popen[str], known: list[Any]) -> None:
+    """End torchrun and every rank (each rank runs in a session of its own): SIGTERM, then SIGKILL what is left."""
+    import psutil
+
+    ranks = list({p.pid: p for p in [*known, *_rank_processes(process)]}.values())
+    for sig, grace in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
+        ranks = [p for p in ranks if _running(p)]
+        if process.poll() is not None and not ranks:
+            return
+        if process.poll() is None:
+            process.send_signal(sig)  # torchrun passes SIGTERM on to its ranks itself
+        for rank in ranks:
+            with contextlib.suppress(psutil.Error):
+                rank.send_signal(sig)
+        deadline = time.monotonic() + grace
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=grace)
+        _, ranks = psutil.wait_procs(ranks, timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _running(member: Any) -> bool:
+    import psutil
+
+    try:
+        return member.is_running() and member.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
         return False
-    return True

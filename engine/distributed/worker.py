@@ -8,10 +8,12 @@ the others. Imports nothing from Qt.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 from pathlib import Path
+from typing import TextIO
 
 from engine.config import RunConfig
 from engine.distributed.control import CONTROL_FILE, RankControl
@@ -34,19 +36,29 @@ def main() -> int:
     failed = False
     try:
         ranks = choose_mode(ranks, config, device)
-        events = run_rank(config, run_dir, launch["resume"], ranks, device, RankControl(ranks, run_dir / CONTROL_FILE))
+        control = RankControl(ranks, run_dir / CONTROL_FILE, launch.get("launcher_pid"))
+        events = run_rank(config, run_dir, launch["resume"], ranks, device, control)
     except Exception as err:  # a ConfigError from choosing the mode: every rank raises the same one
         events = iter([RunFailed(getattr(err, "message", str(err)), getattr(err, "hint", None), 0, str(run_dir))])
     for event in events:
         if isinstance(event, RunFailed):
             failed = True
-            print(f"tunedeck rank {ranks.rank}: {event.message}", file=sys.stderr, flush=True)
+            _say(sys.stderr, f"tunedeck rank {ranks.rank}: {event.message}")
         if ranks.is_main:
-            print(EVENT_MARK + json.dumps(event.to_dict()), flush=True)
+            _say(sys.stdout, EVENT_MARK + json.dumps(event.to_dict()))
     if not failed:
         ranks.barrier()  # no rank tears down its connections while another still uses them
         dist.destroy_process_group()
     return 1 if failed else 0
+
+
+def _say(stream: TextIO, line: str) -> None:
+    """Write a line for the launcher; once it is gone (killed), keep training to the stop it causes."""
+    try:
+        print(line, file=stream, flush=True)
+    except (BrokenPipeError, ValueError):  # the pipe closed; later writes to the closed stream raise ValueError
+        with contextlib.suppress(OSError):
+            stream.close()
 
 
 if __name__ == "__main__":
