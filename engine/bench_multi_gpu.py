@@ -34,14 +34,14 @@ SPEED_PRESETS = ("all", "auto", "stock")
 
 
 def speed_settings(preset: str) -> SpeedConfig:
-    """``all``: every switch on (no checkpointing: the row fits); ``auto``: the engine's choices; ``stock``: off."""
-    switches = [f.name for f in dataclasses.fields(SpeedConfig) if f.default is None]  # the on/off/auto switches
+    """``all``: the switches engine.bench turns on together (no checkpointing: the row fits); ``auto``: the
+    engine's own choices; ``stock``: engine.bench's everything-off baseline."""
+    from engine.bench import ALL_ON, STOCK
+
     if preset == "all":
-        return dataclasses.replace(SpeedConfig(), checkpointing="none", **dict.fromkeys(switches, True))
+        return dataclasses.replace(STOCK, **ALL_ON)
     if preset == "stock":
-        return dataclasses.replace(
-            SpeedConfig(), checkpointing="none", moe_routing="stock", **dict.fromkeys(switches, False)
-        )
+        return STOCK
     return SpeedConfig()
 
 
@@ -202,7 +202,7 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"{env.get('gpu', 'CPU')} x{report['gpus']}; torch {env['torch']}, CUDA {env.get('cuda', '-')}, "
         f"NCCL {env.get('nccl', '-')}, transformers {env['transformers']}, peft {env['peft']}; "
-        f"NCCL_NVLS_ENABLE={env['NCCL_NVLS_ENABLE']}; speed switches: {report['speed']}; {env['date']}",
+        f"NCCL_NVLS_ENABLE={env['NCCL_NVLS_ENABLE']}; speed switches: {report['speed']} ({_on(report)}); {env['date']}",
         "",
         "| GPUs | step (ms, median) | tokens/s | peak memory per GPU (GiB) |",
         "|---:|---:|---:|---|",
@@ -213,6 +213,11 @@ def markdown(report: dict[str, Any]) -> str:
     verdict = "meets" if report["ratio"] >= TARGET_RATIO else "misses"
     lines += ["", f"**{report['gpus']}-GPU / 1-GPU tokens/s: {report['ratio']:.3f}x** ({verdict} {TARGET_RATIO}x)"]
     return "\n".join(lines) + "\n"
+
+
+def _on(report: dict[str, Any]) -> str:
+    on = [name for name, value in report["speed_settings"].items() if value is True]
+    return ", ".join(on) or "none forced on"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -247,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         "parallel": "ddp",
         "dtype": "bfloat16",
         "speed": args.speed,
+        "speed_settings": dataclasses.asdict(speed_settings(args.speed)),
         "steps": args.steps,
         "warmup": args.warmup,
         "environment": environment(args.device),
