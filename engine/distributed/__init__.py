@@ -23,4 +23,11 @@ What a step means with W ranks (the contract the tests check against a one-proce
   gloo barrier while it does, so a checkpoint is whole before anyone continues.
 - Stop, pause and speed changes reach the ranks through a control file in the run folder that rank 0 reads
   between steps and broadcasts, so every rank acts at the same step.
+
+Limits: with LoRA dropout the ranks draw their own masks, so only a dropout-free run matches one process
+exactly; an out-of-memory step ends a multi-GPU run (the other ranks are already waiting in that step's
+collectives) instead of being retried smaller; FSDP2 loads the base model into each rank's host memory before
+sharding it to the GPUs, refuses float16 loss scaling and 4-bit QLoRA, and fixes automatic checkpointing to
+standard recompute on GPUs (a per-GPU choice could differ between ranks, and their collectives would then
+never pair up).
 """
