@@ -245,6 +245,15 @@ def test_a_rank_that_dies_fails_the_run_and_leaves_no_process(
     assert_no_children(tmp_path)
 
 
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_every_row_of_a_step_is_trained_once_by_some_rank(world: int) -> None:
+    for rows in ([7], [1, 2], [3, 4, 5], [0, 1, 2, 3, 4, 5, 6]):
+        shares = [Ranks(rank=r, world=world).share(rows) for r in range(world)]
+        assert sorted(row for share in shares for row in share) == sorted(rows)
+        passes = Ranks(rank=0, world=world).passes([1] * len(rows))
+        assert passes == max(len(share) for share in shares) == -(-len(rows) // world)
+
+
 def test_qlora_under_fsdp2_is_refused_with_a_hint() -> None:
     config = RunConfig.from_dict({"model": {"qlora": True}, "training": {"parallel": "fsdp"}})
     with pytest.raises(ConfigError, match="QLoRA") as caught:
