@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -148,6 +149,13 @@ def test_two_processes_train_what_one_trains(
     assert all(s.memory_bytes == max(s.rank_memory_bytes or []) for s in steps)
     assert sorted(p.name for p in (Path(two.run_dir) / "checkpoints").iterdir()) == ["step-000004", "step-000005"]
     assert_no_children(tmp_path)
+
+    # the step-4 checkpoint the ranks wrote (gathered whole under FSDP2) resumes in one process
+    copy = tmp_path / "resumed"
+    shutil.copytree(two.run_dir, copy)
+    shutil.rmtree(copy / "checkpoints" / "step-000005")
+    finished(list(run(RunConfig(), resume=copy)))
+    assert_same_curve(curve(copy), curve(Path(one.run_dir)))
 
 
 def test_paused_and_stopped_ranks_resume_on_one_process(
