@@ -57,7 +57,8 @@ class HostEmbedding:
         """(on, reason): on only when asked for, on a GPU, for a model that allows it."""
         if not requested:
             why = "switched off" if requested is False else "automatic: off (opt in with --host-embedding)"
-            return False, f"{why}: the input embedding stays on the GPU"
+            where = "on the GPU" if self.device.type == "cuda" else "with the model"
+            return False, f"{why}: the input embedding stays {where}"
         if self.device.type != "cuda":
             return False, "the model already lives in host memory"
         problem = unsupported_reason(self.hf_model)
