@@ -99,6 +99,9 @@ DENSE_VARIANTS: dict[str, SpeedConfig] = {
     "metadata_cache+standard_ckpt": dataclasses.replace(STOCK, metadata_cache=True, checkpointing="standard"),
     "all_on+standard_ckpt": dataclasses.replace(STOCK, checkpointing="standard", **ALL_ON),
     "all_on+offloaded_ckpt": dataclasses.replace(STOCK, checkpointing="offloaded", **ALL_ON),
+    "all_on+offloaded_ckpt+chunked_mlp": dataclasses.replace(
+        STOCK, checkpointing="offloaded", chunked_mlp=True, **ALL_ON
+    ),
 }
 LONG_VARIANTS = ("metadata_cache+standard_ckpt", "all_on+offloaded_ckpt")
 MOE_MODES = {"eager": "eager", "stock_grouped_mm": "grouped_mm", "bincount": "bincount", "sync-free": "sync-free"}
