@@ -6,6 +6,7 @@ rows are shared out across the ranks and the gradients summed, so the curves agr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -25,7 +26,7 @@ from engine.control import RunControl
 from engine.distributed.launch import LAUNCH_ENV, event_from_dict, resolve_gpus
 from engine.distributed.ranks import FAULT_ENV, Ranks, choose_mode
 from engine.errors import ConfigError
-from engine.events import RunFailed, RunFinished, RunPaused, RunResumed, StepMetrics
+from engine.events import RunFailed, RunFinished, RunPaused, RunResumed, SpeedChanged, StepMetrics
 from engine.train import run
 
 REL = 1e-5
@@ -158,7 +159,7 @@ def test_two_processes_train_what_one_trains(
     assert_same_curve(curve(copy), curve(Path(one.run_dir)))
 
 
-def test_paused_and_stopped_ranks_resume_on_one_process(
+def test_paused_changed_and_stopped_ranks_resume_on_one_process(
     tiny_model_dir: Path, varied_chat: Path, tmp_path: Path
 ) -> None:
     steps = {"max_steps": 30, "eval_every": 0, "save_every": 0}  # room for the requests to land mid-run
@@ -173,10 +174,14 @@ def test_paused_and_stopped_ranks_resume_on_one_process(
         elif isinstance(event, RunPaused):
             control.resume()
         elif isinstance(event, RunResumed):
+            control.request_speed(dataclasses.replace(config.speed, metadata_cache=False))
+        elif isinstance(event, SpeedChanged) and not event.state["metadata_cache"]["on"]:
             control.stop()
     stopped = finished(seen)
     assert stopped.cancelled and 1 <= stopped.step < 30
     assert any(isinstance(e, RunPaused) for e in seen) and any(isinstance(e, RunResumed) for e in seen)
+    changed = [e for e in seen if isinstance(e, SpeedChanged)]
+    assert [e.state["metadata_cache"]["on"] for e in changed] == [True, False]
     assert (Path(stopped.run_dir) / "checkpoints" / f"step-{stopped.step:06d}").is_dir()
     assert not (Path(stopped.run_dir) / "control.json").exists()
     assert_no_children(tmp_path)
