@@ -688,8 +688,8 @@ def evaluate_loss(session: Session) -> tuple[float, int] | None:
                 tokens += n
     finally:
         session.model.train()
-    total, tokens = session.ranks.reduce_sums(total, tokens)
-    return total / max(tokens, 1), int(tokens)
+    total, all_tokens = session.ranks.reduce_sums(total, tokens)
+    return total / max(all_tokens, 1), int(all_tokens)
 
 
 def _evaluate(session: Session) -> Iterator[Event]:
