@@ -192,7 +192,7 @@ class SpeedConfig:
     chunked_mlp: bool | None = setting(
         None,
         "run the MLP, norms and projections over chunks of the sequence during checkpointed recompute "
-        "(automatic: on for rows over 8,192 tokens under checkpointing)",
+        "(automatic: on for rows over 8,192 tokens under checkpointing when GPU memory is short; it costs time)",
         flag="--chunked-mlp",
     )
     host_embedding: bool | None = setting(

@@ -127,3 +127,19 @@ def test_chunk_size_follows_the_mlp_width() -> None:
     qwen_small = LlamaConfig(hidden_size=1024, intermediate_size=3072)
     assert choose_chunk_tokens(llama_8b) == 1024 and choose_chunk_tokens(qwen_small) == 6656
     assert choose_chunk_tokens(LlamaConfig(hidden_size=64, intermediate_size=128)) == 8192
+
+
+def test_automatic_chunking_waits_until_memory_is_short() -> None:
+    """On a GPU the automatic switch chunks only when one layer's unchunked work would crowd free memory."""
+    from engine.speed.chunked_mlp import row_working_bytes
+
+    class Config:
+        intermediate_size, hidden_size = 14336, 4096
+
+    tokens = 4 * AUTO_MIN_TOKENS
+    working = row_working_bytes(Config(), tokens)
+    assert working == tokens * (10 * 14336 + 8 * 4096)
+    roomy = resolve(None, "offloaded", tokens, working_bytes=working, free_bytes=100 * working)
+    tight = resolve(None, "offloaded", tokens, working_bytes=working, free_bytes=2 * working)
+    assert roomy[0] is False and "fits in free GPU memory" in roomy[1]
+    assert tight[0] is True

@@ -138,7 +138,11 @@ class SpeedController:
 
     def _apply_chunked_mlp(self, settings: SpeedConfig) -> None:
         mode = self._checkpointing or "none"
-        on, reason = chunked_mlp.resolve(settings.chunked_mlp, mode, self._longest_tokens)
+        working = chunked_mlp.row_working_bytes(self.hf_model.config, self._longest_tokens)
+        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
+        on, reason = chunked_mlp.resolve(
+            settings.chunked_mlp, mode, self._longest_tokens, working_bytes=working, free_bytes=free
+        )
         if on:
             self.chunked.install()
         else:
