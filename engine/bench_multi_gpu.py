@@ -30,16 +30,19 @@ import torch
 from engine.config import SpeedConfig
 
 TARGET_RATIO = 1.85
-SPEED_PRESETS = ("all", "auto", "stock")
+SPEED_PRESETS = ("all", "all-eager", "auto", "stock")
 
 
 def speed_settings(preset: str) -> SpeedConfig:
-    """``all``: the switches engine.bench turns on together (no checkpointing: the row fits); ``auto``: the
-    engine's own choices; ``stock``: engine.bench's everything-off baseline."""
+    """``all``: the switches engine.bench turns on together (no checkpointing: the row fits); ``all-eager``: the
+    same without fused kernels (no minute-long compile per process); ``auto``: the engine's own choices;
+    ``stock``: engine.bench's everything-off baseline."""
     from engine.bench import ALL_ON, STOCK
 
     if preset == "all":
         return dataclasses.replace(STOCK, **ALL_ON)  # type: ignore[arg-type]  # ALL_ON holds only the on/off switches
+    if preset == "all-eager":
+        return dataclasses.replace(STOCK, **{**ALL_ON, "fused_kernels": False})  # type: ignore[arg-type]
     if preset == "stock":
         return STOCK
     return SpeedConfig()
