@@ -5,8 +5,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-import pytest
-
 from engine.hardware.detect import GpuInfo
 
 pytest_plugins = ["app_fixtures"]
@@ -85,3 +83,42 @@ def test_each_gpu_gets_its_own_lane(qtbot: Any) -> None:
     assert {"GPU 0 used", "GPU 1 used"} <= set(names)
     charts.clear()
     assert not charts.lanes and not charts.memory.plotItem.listDataItems()
+
+
+def test_two_gpu_run_view_screenshot(qtbot: Any) -> None:
+    """What a user with two cards sees: the selector with its plan, and a memory and load lane per GPU."""
+    from pathlib import Path
+
+    from PySide6.QtWidgets import QVBoxLayout, QWidget
+
+    from app.gpu_selector import GpuSelector
+    from app.run_charts import RunCharts
+    from engine.config import RunConfig
+    from engine.hardware.telemetry import TelemetrySample
+
+    page = QWidget()
+    selector, charts = GpuSelector(), RunCharts()
+    layout = QVBoxLayout(page)
+    layout.addWidget(selector)
+    layout.addWidget(charts, 1)
+    qtbot.addWidget(page)
+    page.resize(1100, 640)
+    selector.set_hardware(machine(24, 24))
+    selector.show_plan(RunConfig.from_dict({"model": {"name": "llama-3.2-1b"}}))
+    charts.set_device("cuda")
+    charts.set_gpus((0, 1))
+    for second in range(40):
+        for index in (0, 1):
+            used = 6 + min(second, 8) * 1.9 + 0.4 * index
+            sample = TelemetrySample(
+                float(second), index, int(used * GIB), 24 * GIB, None, 94.0 - 3 * index, None,
+                55.0 + second * 0.5 + 2 * index, None, None, None, None, (), None,
+            )  # fmt: skip
+            charts.add_sample(sample, None)
+    charts.redraw_all()
+    page.show()
+    qtbot.waitExposed(page)
+    folder = Path(__file__).resolve().parent.parent / "artifacts" / "screenshots"
+    folder.mkdir(parents=True, exist_ok=True)
+    assert page.grab().save(str(folder / "run-two-gpus.png"))
+    assert len(charts.lanes) == 2
