@@ -96,7 +96,8 @@ def test_committed_accuracy_table_is_within_15_percent() -> None:
     for row in data["rows"]:
         if row.get("kind") != "accuracy" or "peak_bytes" not in row or row.get("oom"):
             continue
-        predicted = estimate_memory(load_shape(row["shape"]), TrainSetup(**row["setup"]), cc).peak  # type: ignore[arg-type]
+        setup = TrainSetup(**{"fused_loss": False, **row["setup"]})  # the table measured stock cross-entropy
+        predicted = estimate_memory(load_shape(row["shape"]), setup, cc).peak  # type: ignore[arg-type]
         error = (predicted - row["peak_bytes"]) / row["peak_bytes"]
         assert abs(error) <= 0.15, (row["shape"], row["checkpointing"], row["tokens"], f"{error:+.1%}")
         checked += 1
@@ -162,7 +163,7 @@ def test_choose_prefers_no_recompute_when_it_fits() -> None:
 
 
 def test_choose_reports_what_would_fit() -> None:
-    plan = choose_memory_settings(load_shape("llama-3.1-8b"), usable_bytes(12 * GIB), min_tokens=8192)
+    plan = choose_memory_settings(load_shape("llama-3.1-8b"), usable_bytes(8 * GIB), min_tokens=8192)
     assert not plan.fits and plan.largest_possible_tokens and "max_seq_len" in plan.reasons["fit"]
 
 

@@ -4,9 +4,10 @@ The estimate follows what the engine actually keeps alive, term by term, rather 
 rule of thumb was 2-5x off). One packed row of T tokens; the peak is the larger of two moments:
 
 * the start of backward, at the loss: every activation saved by the decoder layers (or, with checkpointing,
-  only each layer's input) plus the cross-entropy working set, 12 bytes per token and vocabulary entry
-  (log-softmax output, its incoming gradient and its input gradient, all fp32). With vocabularies of
-  128k-152k this term dominates long rows: 12 x 16k x 152k = 30 GB for Qwen3-0.6B;
+  only each layer's input) plus the loss's working set. Stock cross-entropy keeps 12 bytes per token and
+  vocabulary entry (log-softmax output, its incoming gradient and its input gradient, all fp32): with
+  vocabularies of 128k-152k that dominates long rows, 12 x 16k x 152k = 30 GB for Qwen3-0.6B. The engine's fused
+  loss (on by default, ``TrainSetup.fused_loss``) keeps only the hidden-state gradient plus one chunk of logits;
 * with checkpointing, the recompute of one layer in backward: that layer's activations plus its gradients.
 
 Per-layer activation bytes were counted from the tensors autograd saves (``saved_tensors_hooks``) for
@@ -39,6 +40,8 @@ NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
 """4-bit codes, one uint8 absmax per 64 weights, one fp32 per 256 absmax values (double quantization)."""
 CROSS_ENTROPY_BYTES_PER_LOGIT = 12
 """fp32 log-softmax output + the gradient arriving from nll_loss + the gradient it produces."""
+FUSED_CHUNK_LOGIT_BYTES = 256 * MIB
+"""engine.speed.fused_loss.CHUNK_LOGIT_BYTES: fp32 logits of one chunk of tokens."""
 OFFLOAD_RING = 3
 """Layer inputs the offloaded mode keeps on the GPU at once: two in-flight copies plus the one in use."""
 MIN_OFFLOAD_BYTES = 8 * MIB
@@ -65,6 +68,8 @@ class TrainSetup:
     """2 for bf16/fp16 training, 4 for fp32 (CPU)."""
     attention: AttentionBackend = "varlen"
     """The attention kernel requested; see :func:`effective_attention` for what runs."""
+    fused_loss: bool = True
+    """The engine's chunked linear cross-entropy (engine.speed.fused_loss) rather than stock's full fp32 logits."""
     kbit_upcast: bool = False
     """QLoRA through peft's prepare_model_for_kbit_training (non-4-bit weights and all activations in fp32) rather
     than the engine's own preparation, which keeps them in the compute dtype (Llama-3.1-8B at 256 tokens:
@@ -242,7 +247,7 @@ def estimate_memory(
         activations = kept_inputs
         recompute = kept_inputs + per_layer + layer_mask + _layer_backward_bytes(shape, setup) * t
     final_norm = (4 * h + 4) * t
-    loss = final_norm + CROSS_ENTROPY_BYTES_PER_LOGIT * shape.vocab_size * t
+    loss = final_norm + loss_bytes(shape, setup)
     return MemoryEstimate(
         weights=weight_bytes(shape, setup),
         adapter=adapter_bytes(shape, setup),
@@ -254,6 +259,16 @@ def estimate_memory(
         attention=backend,
         parts={"per_layer_activations": per_layer, "checkpointed_inputs": kept_inputs},
     )
+
+
+def loss_bytes(shape: ModelShape, setup: TrainSetup) -> int:
+    """The loss's working set: stock's full fp32 logits, or the fused loss's hidden-state gradient and one chunk
+    (fp32 logits within FUSED_CHUNK_LOGIT_BYTES, reused for their gradient, plus 16-bit logits and gradient)."""
+    t, vocab = setup.tokens, shape.vocab_size
+    if not setup.fused_loss:
+        return CROSS_ENTROPY_BYTES_PER_LOGIT * vocab * t
+    chunk = min(t, max(16, FUSED_CHUNK_LOGIT_BYTES // (4 * vocab) // 16 * 16))
+    return setup.activation_bytes * shape.hidden_size * t + chunk * vocab * (4 + 2 + 2)
 
 
 def usable_bytes(vram_bytes: int, *, integrated: bool = False, other_used_bytes: int = 0) -> int:
