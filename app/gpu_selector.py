@@ -28,17 +28,6 @@ def gpus_setting(indices: list[int]) -> str:
     return ",".join(str(i) for i in indices) if len(indices) > 1 else "1"
 
 
-def parse_gpus_setting(value: str, available: list[int]) -> list[int]:
-    """The cards a ``training.gpus`` value means on this machine ("2" = the first two, "all", or "0,2")."""
-    value = value.strip().lower()
-    if value == "all":
-        return list(available)
-    if "," in value:
-        return [int(part) for part in value.split(",") if part.strip()]
-    count = int(value) if value.isdigit() else 1
-    return list(available[: max(count, 1)])
-
-
 class GpuSelector(QWidget):
     """Checkboxes for the detected GPUs and a one-line plan for the ticked ones."""
 

@@ -22,6 +22,10 @@ class RunControl:
         self._lock = threading.Lock()
         self._speed: SpeedConfig | None = None
 
+    def sync(self) -> None:
+        """Take in requests from outside this process, between two steps (the ranks of a multi-GPU run read
+        theirs from the launcher here); a run in one process gets them directly, so nothing to do."""
+
     def stop(self) -> None:
         self._stop.set()
         self._running.set()  # a paused run must wake up to stop

@@ -40,7 +40,6 @@ from engine import guard
 from engine.config import RunConfig
 from engine.control import RunControl
 from engine.dataset import PreparedData, RowSchedule, prepare_data
-from engine.distributed.control import RankControl
 from engine.distributed.launch import resolve_gpus, run_ranks
 from engine.distributed.ranks import Ranks, plain_number
 from engine.errors import ConfigError, TuneDeckError
@@ -400,8 +399,7 @@ def _train(session: Session, control: RunControl) -> Iterator[Event]:
     started = time.perf_counter()
     training = session.config.training
     while session.step < session.total_steps:
-        if isinstance(control, RankControl):
-            control.sync()
+        control.sync()
         if control.stop_requested:
             break
         if control.paused:
@@ -499,10 +497,12 @@ def _next_rows(session: Session) -> list[int]:
     return rows
 
 
-def _row_batches(examples: list[TokenizedExample], row: list[int], budget: int) -> list[PackedBatch]:
-    """One packed row as micro-batches of at most ``budget`` tokens (a single batch unless memory ran short)."""
-    groups = guard.split_row([len(examples[i]) for i in row], budget)
-    return [collate([examples[row[position]] for position in group]) for group in groups]
+def _row_groups(examples: list[TokenizedExample], row: list[int], budget: int) -> list[list[TokenizedExample]]:
+    """One packed row's documents as micro-batches of at most ``budget`` tokens (one unless memory ran short)."""
+    return [
+        [examples[row[position]] for position in group]
+        for group in guard.split_row([len(examples[i]) for i in row], budget)
+    ]
 
 
 def _longest_document(examples: list[TokenizedExample], rows: list[list[int]]) -> int:
@@ -526,36 +526,48 @@ def _without_labels(batch: PackedBatch) -> PackedBatch:
     return dataclasses.replace(batch, labels=ignored, loss_positions=torch.zeros(0, dtype=torch.long))
 
 
-def _rank_batches(session: Session, per_row: list[list[PackedBatch]]) -> list[PackedBatch]:
-    """This rank's micro-batches of the step, padded so that every rank runs the same number of passes."""
+def _rank_batches(session: Session, per_row: list[list[list[TokenizedExample]]]) -> list[PackedBatch]:
+    """This rank's micro-batches of the step (only its own rows are collated), padded so that every rank runs
+    the same number of passes."""
     ranks = session.ranks
+    mine = [collate(group) for row in ranks.share(per_row) for group in row]
     if not ranks.distributed:
-        return [b for group in per_row for b in group]
-    mine = [b for group in ranks.share(per_row) for b in group]
-    shortest = min((b for group in per_row for b in group), key=lambda b: b.num_tokens)
-    return mine + [_without_labels(shortest)] * (ranks.passes([len(g) for g in per_row]) - len(mine))
+        return mine
+    missing = ranks.passes([len(row) for row in per_row]) - len(mine)
+    if missing <= 0:
+        return mine
+    shortest = min((group for row in per_row for group in row), key=lambda g: sum(len(ex) for ex in g))
+    return mine + [_without_labels(collate(shortest))] * missing
 
 
-def _accumulate(session: Session, rows: list[int]) -> tuple[float, list[PackedBatch]]:
+@dataclass(frozen=True)
+class StepTokens:
+    """What a step trained on, over all ranks: tokens in its rows and tokens that count in the loss."""
+
+    tokens: int
+    trained: int
+
+
+def _accumulate(session: Session, rows: list[int]) -> tuple[float, StepTokens]:
     """Forward and backward over the step's rows (this rank's share of them); the loss is the sum over trained
     tokens / their count over the whole step, this rank's part of it under several ranks."""
     data = session.data
-    per_row = [_row_batches(data.train, data.train_rows[r], session.tokens_per_batch) for r in rows]
-    batches = [b for group in per_row for b in group]
-    num_items = sum(b.trained_tokens for b in batches)
+    documents = [data.train[i] for r in rows for i in data.train_rows[r]]
+    counted = StepTokens(sum(len(ex) for ex in documents), sum(ex.trained_tokens for ex in documents))
+    per_row = [_row_groups(data.train, data.train_rows[r], session.tokens_per_batch) for r in rows]
     mine = _rank_batches(session, per_row)
     ranks = session.ranks
     total = torch.zeros((), device=session.device)
     for i, batch in enumerate(mine):
         with ranks.accumulating(session.loss_module, last=i == len(mine) - 1):
-            loss = _forward_loss(session, batch, num_items)
+            loss = _forward_loss(session, batch, counted.trained)
             scaled = loss * ranks.loss_scale if ranks.distributed else loss
             (session.scaler.scale(scaled) if session.scaler is not None else scaled).backward()
         total += loss.detach().float()
-    return float(total), batches
+    return float(total), counted
 
 
-def _accumulate_or_lower(session: Session, rows: list[int]) -> Generator[Event, None, tuple[float, list[PackedBatch]]]:
+def _accumulate_or_lower(session: Session, rows: list[int]) -> Generator[Event, None, tuple[float, StepTokens]]:
     """Run the step's forward/backward, lowering memory use and retrying after each out-of-memory error."""
     while True:
         try:
@@ -629,7 +641,7 @@ def _step(session: Session) -> Generator[Event, None, StepMetrics | None]:
     start = time.perf_counter()
     learning_rate = float(session.scheduler.get_last_lr()[0])
     rows = _next_rows(session)
-    loss_value, batches = yield from _accumulate_or_lower(session, rows)
+    loss_value, counted = yield from _accumulate_or_lower(session, rows)
     rank_memory: list[int] | None = None
     if session.ranks.distributed:  # one small all-reduce: the step's loss and every rank's peak memory
         loss_value, rank_memory = session.ranks.reduce_step(loss_value, _memory_bytes(session.device))
@@ -644,7 +656,7 @@ def _step(session: Session) -> Generator[Event, None, StepMetrics | None]:
     elapsed = time.perf_counter() - start
     session.step += 1
     session.last_loss = loss_value
-    tokens = sum(b.num_tokens for b in batches)
+    tokens = counted.tokens
     return StepMetrics(
         step=session.step,
         total_steps=session.total_steps,
@@ -653,7 +665,7 @@ def _step(session: Session) -> Generator[Event, None, StepMetrics | None]:
         learning_rate=learning_rate,
         grad_norm=grad_norm,
         tokens=tokens,
-        trained_tokens=sum(b.trained_tokens for b in batches),
+        trained_tokens=counted.trained,
         step_time_s=elapsed,
         tokens_per_s=tokens / elapsed if elapsed > 0 else 0.0,
         memory_bytes=max(rank_memory) if rank_memory else _memory_bytes(session.device),
@@ -673,10 +685,10 @@ def _memory_bytes(device: torch.device) -> int:
 def evaluate_loss(session: Session) -> tuple[float, int] | None:
     """Mean loss per trained token over the held-out rows, or None without an eval split."""
     data = session.data
-    batches = [b for row in data.eval_rows for b in _row_batches(data.eval, row, session.tokens_per_batch)]
-    if not batches:
+    groups = [[g] for row in data.eval_rows for g in _row_groups(data.eval, row, session.tokens_per_batch)]
+    if not groups:
         return None
-    mine = _rank_batches(session, [[b] for b in batches])
+    mine = _rank_batches(session, groups)
     session.model.eval()
     total, tokens = 0.0, 0
     try:

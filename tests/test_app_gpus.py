@@ -50,7 +50,7 @@ def test_gpu_selector_advises_fsdp_when_the_model_does_not_fit_one_card(qtbot: A
 
 
 def test_one_card_or_none_needs_no_choice(qtbot: Any) -> None:
-    from app.gpu_selector import GpuSelector, parse_gpus_setting
+    from app.gpu_selector import GpuSelector
 
     selector = GpuSelector()
     qtbot.addWidget(selector)
@@ -58,8 +58,6 @@ def test_one_card_or_none_needs_no_choice(qtbot: Any) -> None:
     assert not selector.boxes and selector.title.text().startswith("Trains on: GPU 0")
     selector.set_hardware(SimpleNamespace(gpus=()))
     assert selector.title.text() == "Trains on: the CPU" and selector.selected() == []
-    assert parse_gpus_setting("all", [0, 1, 2]) == [0, 1, 2]
-    assert parse_gpus_setting("2", [0, 1, 2]) == [0, 1] and parse_gpus_setting("0,2", [0, 1, 2]) == [0, 2]
 
 
 def test_each_gpu_gets_its_own_lane(qtbot: Any) -> None:

@@ -278,7 +278,7 @@ def init_ranks(device_request: str) -> tuple[Ranks, torch.device]:
 
 
 def choose_mode(ranks: Ranks, config: Any, device: torch.device) -> Ranks:
-    """DDP or FSDP2 as requested; ``auto`` asks the planner (engine.hardware.parallel) when it is there."""
+    """DDP or FSDP2 as requested; ``auto`` asks the planner (engine.hardware.parallel)."""
     requested = config.training.parallel
     if requested == "fsdp" or requested == "ddp":
         mode, reason = requested, f"{'FSDP2' if requested == 'fsdp' else 'DDP'} requested"
@@ -294,11 +294,9 @@ def choose_mode(ranks: Ranks, config: Any, device: torch.device) -> Ranks:
 def _auto_mode(config: Any, world: int, device: torch.device) -> tuple[ParallelMode, str]:
     if device.type != "cuda":
         return "ddp", "auto: DDP"
-    try:
-        from engine.hardware.parallel import choose_for_run
-        from engine.hardware.planner import usable_bytes
-    except ImportError:
-        return "ddp", "auto: DDP"
+    from engine.hardware.parallel import choose_for_run
+    from engine.hardware.planner import usable_bytes
+
     plan = choose_for_run(config, world, usable_bytes(torch.cuda.get_device_properties(device).total_memory))
     mode: ParallelMode = "fsdp" if plan.mode == "fsdp" else "ddp"
     return mode, plan.reason

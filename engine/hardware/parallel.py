@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Literal
 from engine.hardware.planner import (
     GIB,
     SAFETY_MARGIN,
-    MemoryEstimate,
     TrainSetup,
     estimate_memory,
     weight_bytes,
@@ -51,15 +50,11 @@ def fsdp_peak(shape: ModelShape, setup: TrainSetup, gpus: int, compute_capabilit
     single = estimate_memory(shape, setup, compute_capability)
     layer_weights = (weight_bytes(shape, setup) - _non_layer_weights(shape, setup)) // max(shape.num_layers, 1)
     sharded = replace(single, weights=single.weights // gpus, adapter=single.adapter // gpus)
-    return _peak(sharded) + GATHERED_LAYERS * layer_weights
+    return sharded.peak + GATHERED_LAYERS * layer_weights
 
 
 def _non_layer_weights(shape: ModelShape, setup: TrainSetup) -> int:
     return shape.embedding_params() * setup.dtype_bytes
-
-
-def _peak(estimate: MemoryEstimate) -> int:
-    return estimate.peak
 
 
 def _fits(peak: int, budget_bytes: int) -> bool:
@@ -141,7 +136,11 @@ def choose_for_run(
         shape: ModelShape | None = load_shape(config.model.name)
     except TuneDeckError:
         shape = None
-    requested = config.training.parallel if hasattr(config.training, "parallel") else "auto"
     return choose_parallel(
-        shape, setup_for_run(config), gpus, budget_bytes, requested=requested, compute_capability=compute_capability
+        shape,
+        setup_for_run(config),
+        gpus,
+        budget_bytes,
+        requested=config.training.parallel,
+        compute_capability=compute_capability,
     )

@@ -210,17 +210,18 @@ class TelemetrySampler:
         """One sample per GPU and the warnings that start with them (also usable without the thread)."""
         events: list[Event] = []
         cards: list[tuple[int | None, Any]] = list(self._handles.items()) or [(None, None)]
+        rss = process_rss_bytes()
+        family = _process_family(self.pid) if self._handles else {self.pid}  # once per tick, not per card
         for index, handle in cards:
             try:
-                sample = self._sample(index, handle)
+                sample = self._sample(index, handle, rss, family)
             except Exception:
                 continue
             events += [sample, *self._warnings(sample)]
         return events
 
-    def _sample(self, index: int | None = None, handle: Any = None) -> TelemetrySample:
+    def _sample(self, index: int | None, handle: Any, rss: int | None, family: set[int]) -> TelemetrySample:
         now = time.monotonic() - self._start_time
-        rss = process_rss_bytes()
         if handle is None or index is None:
             return TelemetrySample(now, None, None, None, None, None, None, None, None, None, None, None, (), rss)
         nvml = self._nvml
@@ -234,7 +235,7 @@ class TelemetrySampler:
             gpu_index=index,
             memory_used_bytes=int(memory.used) if memory is not None else None,
             memory_total_bytes=int(memory.total) if memory is not None else None,
-            process_gpu_memory_bytes=_torch_reserved(index) or self._process_memory(handle),
+            process_gpu_memory_bytes=_torch_reserved(index) or self._process_memory(handle, family),
             utilization_pct=float(rates.gpu) if rates is not None else None,
             memory_utilization_pct=float(rates.memory) if rates is not None else None,
             temperature_c=safe_read(lambda: float(nvml.nvmlDeviceGetTemperature(handle, 0))),
@@ -246,11 +247,10 @@ class TelemetrySampler:
             process_rss_bytes=rss,
         )
 
-    def _process_memory(self, handle: Any) -> int | None:
+    def _process_memory(self, handle: Any, family: set[int]) -> int | None:
         """NVML's figure for this process and its children (the ranks of a multi-GPU run); None on Windows WDDM,
         where the driver does not report it."""
         processes = safe_read(lambda: self._nvml.nvmlDeviceGetComputeRunningProcesses(handle)) or []
-        family = _process_family(self.pid)
         used = [getattr(p, "usedGpuMemory", None) for p in processes if getattr(p, "pid", None) in family]
         total = sum(int(u) for u in used if u)
         return total or None
