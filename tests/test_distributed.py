@@ -159,10 +159,15 @@ def test_two_processes_train_what_one_trains(
     assert_same_curve(curve(copy), curve(Path(one.run_dir)))
 
 
+LONG_RUN_STEPS = 300
+
+
 def test_paused_changed_and_stopped_ranks_resume_on_one_process(
     tiny_model_dir: Path, varied_chat: Path, tmp_path: Path
 ) -> None:
-    steps = {"max_steps": 30, "eval_every": 0, "save_every": 0}  # room for the requests to land mid-run
+    # room for the requests to land mid-run: they reach the ranks through a file polled every 0.1 s, and a tiny
+    # model's step takes ~20 ms on two cores (30 steps once ended before the stop arrived)
+    steps = {"max_steps": LONG_RUN_STEPS, "eval_every": 0, "save_every": 0}
     reference = finished(list(run(make_config(tiny_model_dir, varied_chat, tmp_path / "a", "run", **steps))))
     control = RunControl()
     seen: list[ev.Event] = []
@@ -178,7 +183,7 @@ def test_paused_changed_and_stopped_ranks_resume_on_one_process(
         elif isinstance(event, SpeedChanged) and not event.state["metadata_cache"]["on"]:
             control.stop()
     stopped = finished(seen)
-    assert stopped.cancelled and 1 <= stopped.step < 30
+    assert stopped.cancelled and 1 <= stopped.step < LONG_RUN_STEPS
     assert any(isinstance(e, RunPaused) for e in seen) and any(isinstance(e, RunResumed) for e in seen)
     changed = [e for e in seen if isinstance(e, SpeedChanged)]
     assert [e.state["metadata_cache"]["on"] for e in changed] == [True, False]
@@ -187,7 +192,7 @@ def test_paused_changed_and_stopped_ranks_resume_on_one_process(
     assert_no_children(tmp_path)
 
     resumed = finished(list(run(config_with_gpus(config, "1"), resume=stopped.run_dir)))
-    assert not resumed.cancelled and resumed.step == 30
+    assert not resumed.cancelled and resumed.step == LONG_RUN_STEPS
     assert_same_curve(curve(Path(resumed.run_dir)), curve(Path(reference.run_dir)))
 
 
