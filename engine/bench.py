@@ -83,9 +83,10 @@ STOCK = SpeedConfig(
     moe_routing="stock",
     fused_loss=False,
     chunked_mlp=False,
+    lora_16bit=False,
     fused_kernels=False,
 )
-ALL_ON = dict(metadata_cache=True, fused_loss=True, fused_kernels=True)
+ALL_ON = dict(metadata_cache=True, fused_loss=True, lora_16bit=True, fused_kernels=True)
 """The throughput switches (the chunked MLP is for long rows on small cards: off here, as in stock)."""
 # Variants of the dense runs: stock, each switch alone, all on; without and with checkpointing.
 DENSE_VARIANTS: dict[str, SpeedConfig] = {
@@ -93,7 +94,9 @@ DENSE_VARIANTS: dict[str, SpeedConfig] = {
     "metadata_cache": dataclasses.replace(STOCK, metadata_cache=True),
     "fused_loss": dataclasses.replace(STOCK, fused_loss=True),
     "fused_kernels": dataclasses.replace(STOCK, fused_kernels=True),
+    "lora_16bit": dataclasses.replace(STOCK, lora_16bit=True),
     "all_on": dataclasses.replace(STOCK, **ALL_ON),
+    "all_on-lora_16bit": dataclasses.replace(STOCK, **{**ALL_ON, "lora_16bit": False}),
     "stock+standard_ckpt": dataclasses.replace(STOCK, checkpointing="standard"),
     "stock+offloaded_ckpt": dataclasses.replace(STOCK, checkpointing="offloaded"),
     "metadata_cache+standard_ckpt": dataclasses.replace(STOCK, metadata_cache=True, checkpointing="standard"),
@@ -340,17 +343,24 @@ def log_row(row: dict[str, Any], path: Path | None) -> dict[str, Any]:
 
 
 def profile_step(step: Callable[[], None], out: Path) -> dict[str, Any]:
-    """Top CUDA kernels of one step (after warm-up), written as a table under ``out``."""
+    """Where one step's device time goes (after warm-up): the top kernels, and the top operators with their
+    input shapes (which tell the LoRA matmuls, rank-wide, from the base ones), as tables under ``out``."""
     from torch.profiler import ProfilerActivity, profile
 
     step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         step()
         torch.cuda.synchronize()
     out.mkdir(parents=True, exist_ok=True)
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
-    (out / "top_kernels.txt").write_text(table, encoding="utf-8")
+    events = prof.key_averages()
+    kernels = events.table(sort_by="self_device_time_total", row_limit=60, max_name_column_width=100)
+    (out / "top_kernels.txt").write_text(kernels, encoding="utf-8")
+    shaped = prof.key_averages(group_by_input_shape=True)
+    ops = shaped.table(
+        sort_by="self_device_time_total", row_limit=80, max_name_column_width=60, max_shapes_column_width=90
+    )
+    (out / "top_ops.txt").write_text(ops, encoding="utf-8")
     return {}
 
 
@@ -487,6 +497,8 @@ def ratios(dense: list[dict[str, Any]], moe: list[dict[str, Any]], tokens: int, 
             "metadata_cache_alone_vs_stock": ("stock", "metadata_cache", tokens),
             "fused_loss_alone_vs_stock": ("stock", "fused_loss", tokens),
             "fused_kernels_alone_vs_stock": ("stock", "fused_kernels", tokens),
+            "lora_16bit_alone_vs_stock": ("stock", "lora_16bit", tokens),
+            "all_on_vs_all_on_without_lora_16bit": ("all_on-lora_16bit", "all_on", tokens),
             "all_on_offloaded_vs_stock_standard_ckpt": ("stock+standard_ckpt", "all_on+offloaded_ckpt", tokens),
             "offloaded_ckpt_alone_vs_standard": ("stock+standard_ckpt", "stock+offloaded_ckpt", tokens),
             "offloaded_vs_standard_step_time_long": (

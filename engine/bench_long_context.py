@@ -204,6 +204,7 @@ def speed_settings(variant: str) -> Any:
             fused_loss=True,
             chunked_mlp=True,
             host_embedding=True,
+            lora_16bit=True,
             fused_kernels=False,
         )
     else:
@@ -213,6 +214,7 @@ def speed_settings(variant: str) -> Any:
             fused_loss=False,
             chunked_mlp=False,
             host_embedding=False,
+            lora_16bit=False,
             fused_kernels=False,
         )
     return SpeedConfig(**{k: v for k, v in wanted.items() if k in names})

@@ -200,6 +200,12 @@ class SpeedConfig:
         "look the frozen input embedding up in host memory, so its table takes no GPU memory (automatic: off)",
         flag="--host-embedding",
     )
+    lora_16bit: bool | None = setting(
+        None,
+        "run the LoRA adapters in the model's 16-bit dtype with float32 master weights, instead of peft's float32 "
+        "copies of every adapted input (automatic: on for bf16/fp16 models)",
+        flag="--lora-16bit",
+    )
     fused_kernels: bool | None = setting(
         None,
         "fuse each layer's norms, rotary, SwiGLU and LoRA paths with torch.compile (automatic: on for CUDA "

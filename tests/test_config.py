@@ -84,5 +84,5 @@ def test_deeply_nested_or_unreadable_config_file(tmp_path: Path) -> None:
         RunConfig.load(tmp_path)  # a folder, not a file
     wrong = tmp_path / "wrong.json"
     wrong.write_text(json.dumps({"lora": {"rank": -1}}))
-    with pytest.raises(ConfigError, match="wrong.json: lora.rank"):
+    with pytest.raises(ConfigError, match=r"wrong\.json: lora\.rank"):
         RunConfig.load(wrong)

@@ -4,8 +4,9 @@ Each optimization lives in its own module with a pure core, a fallback and a doc
 :mod:`engine.speed.metadata_cache` (packed-sequence metadata built once per batch, zero syncs),
 :mod:`engine.speed.offloaded_checkpoint` (checkpointed layer inputs in host memory, look-ahead prefetch),
 :mod:`engine.speed.moe_routing` (experts on sorted token slices), :mod:`engine.speed.fused_loss` (the loss
-and its gradient from the hidden states in chunks, never the full logits) and :mod:`engine.speed.fused_kernels`
-(each layer's small per-token operations fused by a regional torch.compile). They plug into transformers through
+and its gradient from the hidden states in chunks, never the full logits), :mod:`engine.speed.lora_16bit` (LoRA
+adapters computed in the model's 16-bit dtype) and :mod:`engine.speed.fused_kernels` (each layer's small per-token
+operations fused by a regional torch.compile). They plug into transformers through
 its registries (attention functions, experts implementations, the gradient-checkpointing function), so switching is
 a change of registered name or checkpoint function: no model reload, no reassigned library method. The fused
 loss is the training loop's call to :meth:`SpeedController.loss` instead of the model's own forward.
@@ -21,8 +22,17 @@ import torch
 from engine.config import SpeedConfig
 from engine.model_inputs import stock_model_inputs
 from engine.packing import PackedBatch
-from engine.speed import chunked_mlp, fused_kernels, fused_loss, metadata_cache, moe_routing, offloaded_checkpoint
+from engine.speed import (
+    chunked_mlp,
+    fused_kernels,
+    fused_loss,
+    lora_16bit,
+    metadata_cache,
+    moe_routing,
+    offloaded_checkpoint,
+)
 from engine.speed.host_embedding import HostEmbedding
+from engine.speed.lora_16bit import Lora16Bit
 from engine.speed.offloaded_checkpoint import ActivationOffloader
 
 __all__ = ["SpeedController", "transformers_model"]
@@ -77,6 +87,7 @@ class SpeedController:
         self.chunked = chunked_mlp.ChunkedModules(self.hf_model)
         self._longest_tokens = 0
         self.host_embedding = HostEmbedding(self.hf_model, self.device)
+        self.lora_16bit = Lora16Bit(model)
         metadata_cache.register_packed_attention()
         moe_routing.register_experts_implementations()
         self.apply(settings)
@@ -92,6 +103,7 @@ class SpeedController:
         self._apply_checkpointing(settings.checkpointing, reason=None)
         self._apply_chunked_mlp(settings)
         self._apply_host_embedding(settings)
+        self._apply_lora_16bit(settings)
         self._apply_fused_kernels(settings)
 
     def _apply_metadata_cache(self, settings: SpeedConfig) -> None:
@@ -153,6 +165,11 @@ class SpeedController:
         on, reason = self.host_embedding.resolve(settings.host_embedding)
         self.host_embedding.switch(on)
         self._state["host_embedding"] = {"on": on, "reason": reason}
+
+    def _apply_lora_16bit(self, settings: SpeedConfig) -> None:
+        on, reason = lora_16bit.resolve(settings.lora_16bit, self.model, self.dtype)
+        self.lora_16bit.switch(on)
+        self._state["lora_16bit"] = {"on": on, "reason": reason}
 
     def _apply_checkpointing(self, requested: str, reason: str | None) -> None:
         mode, why = self._resolve_checkpointing(requested)

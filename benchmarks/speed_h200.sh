@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The dense speed benchmark on one H200 (run tool, kind nvidia-h200), from the repo root: both models in parallel
+# processes that compile side by side and then time one at a time (--timing-lock), plus each model's all-on profile.
+# Writes into ${OUT:-/tmp/speed}: <model>.jsonl (rows), <model>.log, prof/<model>/top_{kernels,ops}.txt.
+# Then, here: python -m engine.bench --merge OUT/*.jsonl --moe-blocks= --carry-moe benchmarks/speed_h200.json ...
+set -u
+OUT=${OUT:-/tmp/speed}
+VARIANTS=${VARIANTS:-stock,metadata_cache,fused_loss,lora_16bit,all_on-lora_16bit,all_on,stock+standard_ckpt,all_on+offloaded_ckpt}
+mkdir -p "$OUT/prof"
+export PYTHONPATH=. HF_HUB_OFFLINE=1
+LOCK="$OUT/lock/timing"
+for model in llama-3.2-1b qwen3-0.6b; do
+    timeout "${LIMIT:-540}" python3 -m engine.bench --models "$model" --moe-blocks= --tokens 16384 --long-tokens 0 \
+        --steps 3 --warmup 1 --loss-steps "${LOSS_STEPS:-20}" --loss-tokens 2048 --variants "$VARIANTS" \
+        --compile-first --timing-lock "$LOCK" --peers 2 --rows-log "$OUT/$model.jsonl" \
+        --profile-dir "$OUT/prof" --out "/tmp/speed-$model.json" > "$OUT/$model.log" 2>&1 &
+done
+wait
+rm -rf "$OUT/lock"
+grep -h " ms \|compiled\|ERROR\|Error" "$OUT"/*.log | tail -40
