@@ -9,12 +9,15 @@ VARIANTS=${VARIANTS:-stock,metadata_cache,fused_loss,lora_16bit,all_on-lora_16bi
 mkdir -p "$OUT/prof"
 export PYTHONPATH=. HF_HUB_OFFLINE=1
 LOCK="$OUT/lock/timing"
+# The bf16 matmul peak for MFU, measured on the idle GPU before the two processes start.
+PEAK=$(python3 -c "from engine.bench import matmul_peak_tflops; print(round(matmul_peak_tflops()))")
+echo "bf16 matmul peak (idle GPU): $PEAK TFLOP/s"
 for model in llama-3.2-1b qwen3-0.6b; do
     timeout "${LIMIT:-540}" python3 -m engine.bench --models "$model" --moe-blocks= --tokens 16384 --long-tokens 0 \
         --steps 3 --warmup 1 --loss-steps "${LOSS_STEPS:-20}" --loss-tokens 2048 --variants "$VARIANTS" \
         --compile-first --timing-lock "$LOCK" --peers 2 --rows-log "$OUT/$model.jsonl" \
-        --profile-dir "$OUT/prof" --out "/tmp/speed-$model.json" > "$OUT/$model.log" 2>&1 &
+        --peak-tflops "$PEAK" --profile-dir "$OUT/prof" --profile-variants "${PROFILE:-all_on}" --out "/tmp/speed-$model.json" > "${LOGS:-$OUT}/$model.log" 2>&1 &
 done
 wait
 rm -rf "$OUT/lock"
-grep -h " ms \|compiled\|ERROR\|Error" "$OUT"/*.log | tail -40
+grep -h " ms \|compiled\|ERROR\|Error\|relative" "${LOGS:-$OUT}"/*.log | tail -40

@@ -247,10 +247,10 @@ def bench_dense(name: str, args: argparse.Namespace, peak_tflops: float) -> list
         for tokens, variant in runs:
             row = time_variant(name, variant, model, controller, optimizer, batches[tokens], args, peak_tflops)
             rows.append(log_row(row, args.rows_log))
-        if args.profile_dir is not None and "all_on" in selected:
-            controller.apply(DENSE_VARIANTS["all_on"])
+        for variant in [v for v in args.profile_variants.split(",") if v in selected and args.profile_dir]:
+            controller.apply(DENSE_VARIANTS[variant])
             step = dense_step(model, controller, batches[args.tokens], optimizer)
-            _guarded(lambda: profile_step(step, args.profile_dir / name))
+            _guarded(functools.partial(profile_step, step, args.profile_dir / name, variant))
         if args.loss_steps > 0:
             rows.append(log_row(compare_losses(name, model, controller, args), args.rows_log))
     controller.apply(STOCK)
@@ -342,9 +342,10 @@ def log_row(row: dict[str, Any], path: Path | None) -> dict[str, Any]:
     return row
 
 
-def profile_step(step: Callable[[], None], out: Path) -> dict[str, Any]:
+def profile_step(step: Callable[[], None], out: Path, variant: str = "all_on") -> dict[str, Any]:
     """Where one step's device time goes (after warm-up): the top kernels, and the top operators with their
-    input shapes (which tell the LoRA matmuls, rank-wide, from the base ones), as tables under ``out``."""
+    input shapes (which tell the LoRA matmuls, rank-wide, from the base ones), as tables under ``out``
+    (``top_kernels.txt`` and ``top_ops.txt`` for all_on, prefixed by the variant's name for the others)."""
     from torch.profiler import ProfilerActivity, profile
 
     step()
@@ -355,12 +356,13 @@ def profile_step(step: Callable[[], None], out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     events = prof.key_averages()
     kernels = events.table(sort_by="self_device_time_total", row_limit=60, max_name_column_width=100)
-    (out / "top_kernels.txt").write_text(kernels, encoding="utf-8")
+    prefix = "top" if variant == "all_on" else variant.replace("+", "_")
+    (out / f"{prefix}_kernels.txt").write_text(kernels, encoding="utf-8")
     shaped = prof.key_averages(group_by_input_shape=True)
     ops = shaped.table(
         sort_by="self_device_time_total", row_limit=80, max_name_column_width=60, max_shapes_column_width=90
     )
-    (out / "top_ops.txt").write_text(ops, encoding="utf-8")
+    (out / f"{prefix}_ops.txt").write_text(ops, encoding="utf-8")
     return {}
 
 
@@ -621,7 +623,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--loss-steps", type=int, default=20, help="steps of the all-on vs stock loss comparison")
     parser.add_argument("--loss-tokens", type=int, default=4096, help="row length of the loss comparison")
-    parser.add_argument("--profile-dir", type=Path, default=None, help="write the all-on step's top kernels here")
+    parser.add_argument("--profile-dir", type=Path, default=None, help="write profiles of one step per variant here")
+    parser.add_argument("--profile-variants", default="all_on", help="variants to profile (with --profile-dir)")
     parser.add_argument("--carry-moe", type=Path, default=None, help="take the MoE rows from this earlier report")
     parser.add_argument("--note", action="append", default=[], help="a line for the report's notes (repeatable)")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="bf16 peak for MFU (default: measure)")

