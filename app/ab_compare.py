@@ -18,13 +18,14 @@ from engine.config import SpeedConfig
 TITLES = {
     "metadata_cache": "Packed-sequence metadata caching",
     "fused_loss": "Fused loss (no full logits)",
+    "lora_16bit": "LoRA adapters in 16-bit",
     "fused_kernels": "Fused per-token kernels",
     "checkpointing": "Offloaded activation checkpointing",
     "chunked_mlp": "MLP in sequence chunks (long context)",
     "host_embedding": "Input embedding in host memory",
     "moe_routing": "MoE routing on sorted tokens",
 }
-ON_OFF_SWITCHES = ("metadata_cache", "fused_loss", "fused_kernels", "chunked_mlp", "host_embedding")
+ON_OFF_SWITCHES = ("metadata_cache", "fused_loss", "lora_16bit", "fused_kernels", "chunked_mlp", "host_embedding")
 """Switches that are simply on or off (the others choose between modes)."""
 SWITCHES = tuple(name for name in TITLES if name in {f.name for f in dataclasses.fields(SpeedConfig)})
 """The switches this engine has, in the order the speed page lists them."""

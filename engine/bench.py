@@ -236,6 +236,7 @@ def bench_dense(name: str, args: argparse.Namespace, peak_tflops: float) -> list
     model = build_lora_model(DENSE_SHAPES[name], device)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     controller = SpeedController(model, STOCK, device)
+    controller.chunked.chunk_tokens = args.chunk_tokens  # None: the model's default chunk size
     selected = [v for v in DENSE_VARIANTS if not args.variants or v in args.variants.split(",")]
     runs = [(args.tokens, v) for v in selected] + [(args.long_tokens, v) for v in LONG_VARIANTS if args.long_tokens > 0]
     vocab = DENSE_SHAPES[name]["vocab_size"]
@@ -502,6 +503,11 @@ def ratios(dense: list[dict[str, Any]], moe: list[dict[str, Any]], tokens: int, 
             "lora_16bit_alone_vs_stock": ("stock", "lora_16bit", tokens),
             "all_on_vs_all_on_without_lora_16bit": ("all_on-lora_16bit", "all_on", tokens),
             "all_on_offloaded_vs_stock_standard_ckpt": ("stock+standard_ckpt", "all_on+offloaded_ckpt", tokens),
+            "all_on_offloaded_chunked_vs_stock_standard_ckpt": (
+                "stock+standard_ckpt",
+                "all_on+offloaded_ckpt+chunked_mlp",
+                tokens,
+            ),
             "offloaded_ckpt_alone_vs_standard": ("stock+standard_ckpt", "stock+offloaded_ckpt", tokens),
             "offloaded_vs_standard_step_time_long": (
                 "all_on+offloaded_ckpt",
@@ -513,7 +519,7 @@ def ratios(dense: list[dict[str, Any]], moe: list[dict[str, Any]], tokens: int, 
             a, b = _find(dense, model=model, variant=base, tokens=t), _find(dense, model=model, variant=fast, tokens=t)
             if a and b:
                 out[f"{model}:{key}"] = a["ms_per_step"] / b["ms_per_step"]
-        for variant in ("all_on", "all_on+offloaded_ckpt"):
+        for variant in ("all_on", "all_on+offloaded_ckpt", "all_on+offloaded_ckpt+chunked_mlp"):
             row = _find(dense, model=model, variant=variant, tokens=tokens)
             if row:
                 out[f"{model}:{variant}:mfu"] = row["mfu"]
@@ -621,6 +627,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--variants", default="", help=f"dense variants to run (default all): {', '.join(DENSE_VARIANTS)}"
     )
+    parser.add_argument("--chunk-tokens", type=int, default=None, help="chunk size of the chunked-MLP variants")
     parser.add_argument("--loss-steps", type=int, default=20, help="steps of the all-on vs stock loss comparison")
     parser.add_argument("--loss-tokens", type=int, default=4096, help="row length of the loss comparison")
     parser.add_argument("--profile-dir", type=Path, default=None, help="write profiles of one step per variant here")

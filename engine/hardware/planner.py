@@ -74,6 +74,9 @@ class TrainSetup:
     """QLoRA through peft's prepare_model_for_kbit_training (non-4-bit weights and all activations in fp32) rather
     than the engine's own preparation, which keeps them in the compute dtype (Llama-3.1-8B at 256 tokens:
     ~9.3 GiB with the upcast, ~6.6 GiB without)."""
+    lora_16bit: bool = True
+    """LoRA computed in the 16-bit training dtype (engine.speed.lora_16bit): adapted modules share their 16-bit
+    inputs instead of each keeping a float32 copy."""
     native_gqa: bool = False
     """varlen_attn takes grouped K/V natively (torch >= 2.12); before, K/V are repeated to all heads."""
 
@@ -155,7 +158,7 @@ def _lora_input_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     """Per token and layer: the inputs the adapters save for their weight gradients."""
     adapted = _adapted(shape, setup.lora_targets)
     act = setup.activation_bytes
-    if act != LORA_PARAM_BYTES:  # each adapted module casts its own fp32 copy of its input
+    if act != LORA_PARAM_BYTES and not setup.lora_16bit:  # each adapted module keeps its own fp32 input copy
         return LORA_PARAM_BYTES * sum(fan_in for _, fan_in, _ in adapted)
     names = {name for name, _, _ in adapted}
     shared = 0  # same dtype: modules reading one tensor share it; o_proj's input is the saved attention output
@@ -166,6 +169,18 @@ def _lora_input_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     if "down_proj" in names:
         shared += shape.shared_expert_intermediate_size if shape.is_moe else shape.intermediate_size
     return act * shared
+
+
+def _lora_compute_bytes(setup: TrainSetup) -> int:
+    """Bytes per element the adapters compute in: the activations' with 16-bit LoRA, else float32."""
+    return setup.activation_bytes if setup.lora_16bit else LORA_PARAM_BYTES
+
+
+def lora_weight_copy_bytes(shape: ModelShape, setup: TrainSetup) -> int:
+    """Per layer: the 16-bit copies of the LoRA weights that 16-bit LoRA's matmuls keep for the backward."""
+    if not setup.lora_16bit or setup.activation_bytes == LORA_PARAM_BYTES:
+        return 0
+    return lora_params(shape, setup) // shape.num_layers * setup.activation_bytes
 
 
 def _attention_bytes(shape: ModelShape, setup: TrainSetup, backend: str) -> int:
@@ -190,7 +205,7 @@ def layer_activation_bytes(shape: ModelShape, setup: TrainSetup, backend: str) -
     h = shape.hidden_size
     norms = 2 * (4 * h + 4)  # RMSNorm's fp32 input and its 1/rms
     qk_norm = 4 * (shape.q_dim + shape.kv_dim + shape.num_heads + shape.num_kv_heads) if shape.qk_norm else 0
-    lora_hidden = LORA_PARAM_BYTES * setup.lora_rank * len(_adapted(shape, setup.lora_targets))
+    lora_hidden = _lora_compute_bytes(setup) * setup.lora_rank * len(_adapted(shape, setup.lora_targets))
     return (
         norms
         + _lora_input_bytes(shape, setup)
@@ -205,7 +220,8 @@ def _layer_backward_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     """Per token: gradients alive while one layer runs backward (the MLP's are the widest)."""
     act = setup.activation_bytes
     width = shape.intermediate_size if not shape.is_moe else shape.experts_per_token * shape.expert_intermediate_size
-    return (3 * act + LORA_PARAM_BYTES) * width + 3 * act * shape.hidden_size
+    lora_output_grad = 0 if setup.lora_16bit or act == LORA_PARAM_BYTES else LORA_PARAM_BYTES
+    return (3 * act + lora_output_grad) * width + 3 * act * shape.hidden_size
 
 
 def _mask_bytes(shape: ModelShape, setup: TrainSetup, backend: str) -> tuple[int, int]:
@@ -240,12 +256,13 @@ def estimate_memory(
             else shape.num_layers * layer_input
         ),
     }[setup.checkpointing]
+    copies = lora_weight_copy_bytes(shape, setup)
     if setup.checkpointing == "none":
-        activations = shape.num_layers * (per_layer + layer_mask) - first_norm
+        activations = shape.num_layers * (per_layer + layer_mask + copies) - first_norm
         recompute = 0
     else:
         activations = kept_inputs
-        recompute = kept_inputs + per_layer + layer_mask + _layer_backward_bytes(shape, setup) * t
+        recompute = kept_inputs + per_layer + layer_mask + copies + _layer_backward_bytes(shape, setup) * t
     final_norm = (4 * h + 4) * t
     loss = final_norm + loss_bytes(shape, setup)
     return MemoryEstimate(

@@ -2,19 +2,24 @@
 
 Why: with checkpointing, a decoder layer's activations exist only while that one layer recomputes in backward,
 but for one layer of a long row they are still large. For Llama-3.1-8B with LoRA the MLP keeps its gate, up and
-activation outputs (3 x 14,336 x 2 bytes per token) plus the float32 copies of its input that each LoRA adapter
-saves (4 x (4,096 + 4,096 + 14,336) bytes): about 190 KB per token, 18 GB at 95k tokens; the q/k/v/o
-projections' LoRA copies and the norms' float32 copies add about 100 KB more. These modules treat every token
-alone, so they can run over chunks of the sequence: each chunk runs under its own (non-reentrant) checkpoint
-that keeps only the chunk's input, which is a slice of a tensor that is kept anyway, and backward recomputes
-one chunk at a time. Without gradients (the forward of a checkpointed layer) the chunks write into one output,
-so the full-width intermediates are not even transient.
+activation outputs (3 x 14,336 x 2 bytes per token) and their gradients in backward, 18 GB at 95k tokens before
+anything else; the norms of eager layers keep float32 copies of their inputs too. These modules treat every token
+alone, so they run over chunks of the sequence as one autograd function each (:class:`_ChunkedRun`): forward fills
+one output chunk by chunk without gradients and keeps only the module's input (a tensor that is kept anyway);
+backward recomputes one chunk at a time, so only one chunk's intermediates ever exist, and sums the chunks'
+parameter gradients before handing them on (one gradient per parameter, as DDP's hooks expect).
+
+Inside an offloaded layer's recompute the MLP's output feeds only the residual sum, whose result the recompute
+throws away, so the MLP is not run there at all (layers that normalise the MLP's output, Gemma-style, still run
+it): chunking then costs no extra MLP forward, only smaller matmuls and more calls. With compiled layers (the
+fused-kernels switch) only the MLPs are chunked; each chunked module is a compiled call per chunk.
 
 Chunk size (:func:`choose_chunk_tokens`) follows the MLP's width, so one chunk's working set stays near
 256 MB. Exact: each token sees the same operations as unchunked (with LoRA dropout the masks are drawn per chunk, so
-equal in distribution rather than bit for bit). Cost: one more forward of these modules per chunk in backward
-and, for 4-bit layers, one weight dequantization per chunk; hence the switch is automatic only for long rows
-under checkpointing (:data:`AUTO_MIN_TOKENS`).
+equal in distribution rather than bit for bit). Cost (H200, 16k tokens, offloaded checkpointing, compiled layers):
+1.30x the step time of Llama-3.2-1B and Qwen3-0.6B for 5.23 -> 3.61 and 2.65 -> 2.25 GiB; for 4-bit layers one
+weight dequantization per chunk. Hence the switch is automatic only for long rows under checkpointing
+(:data:`AUTO_MIN_TOKENS`) when memory is short.
 
 The wrapped modules stay where they were in the module tree: :class:`TokenChunked` shares their children,
 parameters and buffers, so parameter names, state dicts and saved adapters do not change while it is on, and
@@ -291,8 +296,9 @@ def resolve(
 ) -> tuple[bool, str]:
     """(on, reason) for the switch: automatic is on for rows longer than ``min_tokens`` under checkpointing and,
     when the GPU's free memory is known, only where one layer's unchunked working set would take more than
-    :data:`AUTO_FREE_SHARE` of it (measured on the H200 at 16,384 tokens, chunking cost 3.4x the step time of
-    Qwen3-0.6B and 3.7x of Llama-3.2-1B: worth it only where memory decides whether the row trains at all)."""
+    :data:`AUTO_FREE_SHARE` of it (measured on the H200 at 16,384 tokens under offloaded checkpointing, chunking
+    the MLPs of compiled layers cost 1.30x the step time of Llama-3.2-1B and Qwen3-0.6B for 5.23 -> 3.61 and
+    2.65 -> 2.25 GiB: worth it only where memory decides whether the row trains at all)."""
     if requested is False:
         return False, "switched off: each per-token module runs over the whole row"
     if requested:
