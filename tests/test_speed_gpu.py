@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from speed_models import grads, packed_batch, tiny_lora_model
@@ -131,3 +133,42 @@ def test_moe_routing_matches_eager_on_gpu(mode: str, dtype: torch.dtype) -> None
 def test_varlen_is_the_automatic_backend_here() -> None:
     choice = metadata_cache.choose_backend("auto", CUDA, torch.bfloat16)
     assert choice.name == "varlen", choice.reason
+
+
+def mixed_precision_model(model_type: str) -> torch.nn.Module:
+    """Base weights in bf16, LoRA weights in float32: what peft builds on a bf16 checkpoint."""
+    model = tiny_lora_model(model_type, hidden_size=256, head_dim=64, intermediate_size=512).to(CUDA)
+    for name, param in model.named_parameters():
+        if "lora_" not in name:
+            param.data = param.data.to(torch.bfloat16)
+    return model
+
+
+def test_lora_16bit_stays_within_the_float32_paths_bf16_noise_on_gpu() -> None:
+    settings = SpeedConfig(metadata_cache=True, checkpointing="none", fused_loss=False, fused_kernels=False)
+    exact = tiny_lora_model("qwen3", hidden_size=256, head_dim=64, intermediate_size=512).to(CUDA)
+    ctl = SpeedController(exact, settings, CUDA)
+    ref_logits, ref_grads = run_step(exact, ctl), grads(exact)
+    results = {}
+    for on in (False, True):
+        model = mixed_precision_model("qwen3")
+        ctl = SpeedController(model, dataclasses.replace(settings, lora_16bit=on), CUDA)
+        assert ctl.state()["lora_16bit"]["on"] is on
+        logits, got = run_step(model, ctl), grads(model)
+        results[on] = (relative_error(logits, ref_logits), max(relative_error(got[k], ref_grads[k]) for k in ref_grads))
+    for stock_error, fast_error in zip(results[False], results[True], strict=True):
+        assert fast_error <= 1.5 * stock_error + 2e-3, results
+
+
+def test_compiled_loss_kernel_matches_the_eager_reference_on_gpu() -> None:
+    from engine.speed.fused_loss import IGNORE_INDEX, linear_cross_entropy_sum
+
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    hidden = torch.randn(3000, 256, device=CUDA, generator=g).to(torch.bfloat16)
+    weight = (torch.randn(50000, 256, device=CUDA, generator=g) * 0.05).to(torch.bfloat16)
+    labels = torch.randint(0, 50000, (3000,), device=CUDA, generator=g)
+    labels[::7] = IGNORE_INDEX
+    eager = linear_cross_entropy_sum(hidden, weight, labels, chunk_size=512)
+    fast = linear_cross_entropy_sum(hidden, weight, labels, chunk_size=512, compiled=True)
+    assert abs(float(fast[0]) - float(eager[0])) <= 1e-4 * abs(float(eager[0]))
+    assert fast[1] is not None and eager[1] is not None and relative_error(fast[1], eager[1]) < 1e-2

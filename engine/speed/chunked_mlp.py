@@ -81,7 +81,9 @@ def choose_chunk_tokens(config: Any) -> int:
     Per token: gate, up and activation outputs in 16-bit (6 x intermediate), the float32 copy of the down
     projection's input that its LoRA adapter saves (4 x intermediate), and the gate and up adapters' float32
     copies of the hidden state (8 x hidden). Llama-3.1-8B: 176 KB per token, 1,024-token chunks; Qwen3-0.6B:
-    39 KB, 6,656-token chunks.
+    39 KB, 6,656-token chunks. The float32 terms are peft's path; with 16-bit LoRA (the default on GPUs) the
+    chunk's working set is smaller and the size errs on the safe side (the 8 GiB long-context row was measured
+    with it).
     """
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     intermediate = getattr(config, "intermediate_size", 0) or 0
