@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The dense speed benchmark on one H200 (run tool, kind nvidia-h200), from the repo root: both models in parallel
 # processes that compile side by side and then time one at a time (--timing-lock), plus each model's all-on profile.
-# Writes into ${OUT:-/tmp/speed}: <model>.jsonl (rows), <model>.log, prof/<model>/top_{kernels,ops}.txt.
+# Writes into ${OUT:-/tmp/speed}: <model>.jsonl (rows), <model>.log, prof/<model>/top_{kernels,ops}.txt, and for
+# the variants in $MEMORY prof/<model>/<variant>_memory_peak.txt (what is alive at the memory peak, by site).
 # Then, here: python -m engine.bench --merge OUT/*.jsonl --moe-blocks= --carry-moe benchmarks/speed_h200.json ...
 set -u
 OUT=${OUT:-/tmp/speed}
@@ -16,7 +17,8 @@ for model in llama-3.2-1b qwen3-0.6b; do
     timeout "${LIMIT:-540}" python3 -m engine.bench --models "$model" --moe-blocks= --tokens 16384 --long-tokens 0 \
         --steps 3 --warmup 1 --loss-steps "${LOSS_STEPS:-20}" --loss-tokens 2048 --variants "$VARIANTS" \
         --compile-first --timing-lock "$LOCK" --peers 2 --rows-log "$OUT/$model.jsonl" \
-        --peak-tflops "$PEAK" --profile-dir "$OUT/prof" --profile-variants "${PROFILE:-all_on}" --out "/tmp/speed-$model.json" > "${LOGS:-$OUT}/$model.log" 2>&1 &
+        --peak-tflops "$PEAK" --profile-dir "$OUT/prof" --profile-variants "${PROFILE:-all_on}" \
+        --memory-variants "${MEMORY:-}" --out "/tmp/speed-$model.json" > "${LOGS:-$OUT}/$model.log" 2>&1 &
 done
 wait
 rm -rf "$OUT/lock"

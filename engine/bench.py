@@ -248,14 +248,35 @@ def bench_dense(name: str, args: argparse.Namespace, peak_tflops: float) -> list
         for tokens, variant in runs:
             row = time_variant(name, variant, model, controller, optimizer, batches[tokens], args, peak_tflops)
             rows.append(log_row(row, args.rows_log))
-        for variant in [v for v in args.profile_variants.split(",") if v in selected and args.profile_dir]:
-            controller.apply(DENSE_VARIANTS[variant])
-            step = dense_step(model, controller, batches[args.tokens], optimizer)
-            _guarded(functools.partial(profile_step, step, args.profile_dir / name, variant))
+        if args.profile_dir is not None:
+            profile_variants(name, selected, model, controller, optimizer, batches[args.tokens], args)
         if args.loss_steps > 0:
             rows.append(log_row(compare_losses(name, model, controller, args), args.rows_log))
     controller.apply(STOCK)
     return rows
+
+
+def profile_variants(
+    name: str,
+    selected: list[str],
+    model: Any,
+    controller: Any,
+    optimizer: torch.optim.Optimizer,
+    batch: PackedBatch,
+    args: argparse.Namespace,
+) -> None:
+    """Kernel profiles (--profile-variants) and what is alive at the memory peak (--memory-variants)."""
+    from engine.bench_memory import record_peak
+
+    out = args.profile_dir / name
+    for variant in [v for v in args.profile_variants.split(",") if v in selected]:
+        controller.apply(DENSE_VARIANTS[variant])
+        _guarded(functools.partial(profile_step, dense_step(model, controller, batch, optimizer), out, variant))
+    for variant in [v for v in args.memory_variants.split(",") if v in selected]:
+        controller.apply(DENSE_VARIANTS[variant])
+        # one step after the switch first, so one-off allocations (buffers, compiles) stay out of the trace
+        _guarded(functools.partial(warm_up, model, controller, batch, optimizer, 1))
+        _guarded(functools.partial(record_peak, dense_step(model, controller, batch, optimizer), out, variant))
 
 
 def time_variant(
@@ -632,6 +653,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--loss-tokens", type=int, default=4096, help="row length of the loss comparison")
     parser.add_argument("--profile-dir", type=Path, default=None, help="write profiles of one step per variant here")
     parser.add_argument("--profile-variants", default="all_on", help="variants to profile (with --profile-dir)")
+    parser.add_argument(
+        "--memory-variants", default="", help="variants whose memory peak is broken down by allocation site"
+    )
     parser.add_argument("--carry-moe", type=Path, default=None, help="take the MoE rows from this earlier report")
     parser.add_argument("--note", action="append", default=[], help="a line for the report's notes (repeatable)")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="bf16 peak for MFU (default: measure)")
