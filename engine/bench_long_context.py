@@ -192,32 +192,20 @@ def build_quantized_model(config: Any, device: torch.device, dtype: torch.dtype 
 # --- one probe ----------------------------------------------------------------------------------------------------
 
 
+MEMORY_SWITCHES = ("metadata_cache", "fused_loss", "chunked_mlp", "host_embedding", "lora_16bit")
+"""The switches the tunedeck variant turns on (fused kernels stay off: 4-bit layers are not compiled)."""
+
+
 def speed_settings(variant: str) -> Any:
     """Every memory switch on (tunedeck) or transformers' own paths with standard checkpointing (stock)."""
     from engine.config import SpeedConfig
 
-    names = {f.name for f in dataclasses.fields(SpeedConfig)}
-    if variant == "tunedeck":
-        wanted: dict[str, Any] = dict(
-            metadata_cache=True,
-            checkpointing="offloaded",
-            fused_loss=True,
-            chunked_mlp=True,
-            host_embedding=True,
-            lora_16bit=True,
-            fused_kernels=False,
-        )
-    else:
-        wanted = dict(
-            metadata_cache=False,
-            checkpointing="standard",
-            fused_loss=False,
-            chunked_mlp=False,
-            host_embedding=False,
-            lora_16bit=False,
-            fused_kernels=False,
-        )
-    return SpeedConfig(**{k: v for k, v in wanted.items() if k in names})
+    on = variant == "tunedeck"
+    return SpeedConfig(
+        checkpointing="offloaded" if on else "standard",
+        fused_kernels=False,
+        **{name: on for name in MEMORY_SWITCHES},  # type: ignore[arg-type]
+    )
 
 
 def with_lora(model: Any, variant: str) -> Any:

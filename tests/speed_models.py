@@ -62,6 +62,16 @@ def tiny_lora_model(
     return peft_model
 
 
+def mixed_precision_lora_model(model_type: str, dtype: torch.dtype = torch.bfloat16, **overrides: Any) -> Any:
+    """:func:`tiny_lora_model` with base weights in ``dtype`` and LoRA weights in float32: what peft builds on a
+    16-bit checkpoint."""
+    model = tiny_lora_model(model_type, **overrides)
+    for name, param in model.named_parameters():
+        if "lora_" not in name:
+            param.data = param.data.to(dtype)
+    return model
+
+
 def packed_batch(lengths: tuple[int, ...], seed: int = 0) -> PackedBatch:
     g = torch.Generator().manual_seed(seed)
     docs = []

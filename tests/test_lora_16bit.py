@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
-from speed_models import grads, max_relative_error, packed_batch, tiny_lora_model
+from speed_models import grads, max_relative_error, mixed_precision_lora_model, packed_batch, tiny_lora_model
 
 from engine.config import SpeedConfig
 from engine.model_inputs import stock_model_inputs
@@ -14,15 +16,8 @@ from engine.speed.lora_16bit import Lora16Bit, adapted_layers, lora_update, reso
 TOKENS = (5, 11, 8)
 
 
-def mixed_precision_model(
-    model_type: str = "llama", dtype: torch.dtype = torch.bfloat16, **kw: object
-) -> torch.nn.Module:
-    """Base weights in ``dtype``, LoRA weights in float32: what peft builds on a bf16 model."""
-    model = tiny_lora_model(model_type, **kw)
-    for name, param in model.named_parameters():
-        if "lora_" not in name:
-            param.data = param.data.to(dtype)
-    return model
+def mixed_precision_model(model_type: str = "llama", dtype: torch.dtype = torch.bfloat16, **kw: Any) -> torch.nn.Module:
+    return mixed_precision_lora_model(model_type, dtype, **kw)
 
 
 def loss_and_grads(model: torch.nn.Module, on: bool) -> tuple[float, dict[str, torch.Tensor]]:

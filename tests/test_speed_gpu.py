@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from speed_models import grads, packed_batch, tiny_lora_model
+from speed_models import grads, mixed_precision_lora_model, packed_batch, tiny_lora_model
 
 from engine.config import SpeedConfig
 from engine.speed import SpeedController, metadata_cache, moe_routing
@@ -136,12 +136,7 @@ def test_varlen_is_the_automatic_backend_here() -> None:
 
 
 def mixed_precision_model(model_type: str) -> torch.nn.Module:
-    """Base weights in bf16, LoRA weights in float32: what peft builds on a bf16 checkpoint."""
-    model = tiny_lora_model(model_type, hidden_size=256, head_dim=64, intermediate_size=512).to(CUDA)
-    for name, param in model.named_parameters():
-        if "lora_" not in name:
-            param.data = param.data.to(torch.bfloat16)
-    return model
+    return mixed_precision_lora_model(model_type, hidden_size=256, head_dim=64, intermediate_size=512).to(CUDA)
 
 
 def test_lora_16bit_stays_within_the_float32_paths_bf16_noise_on_gpu() -> None:

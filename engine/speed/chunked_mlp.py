@@ -134,7 +134,7 @@ class _ChunkedRun(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, module: torch.nn.Module, chunk_tokens: int, discard: bool, hidden: torch.Tensor, *params: Any
     ) -> torch.Tensor:
-        ctx.module, ctx.chunk_tokens = module, chunk_tokens
+        ctx.module, ctx.chunk_tokens, ctx.params = module, chunk_tokens, params
         ctx.replay = ReplayState.capture(hidden.device)
         ctx.save_for_backward(hidden)
         if discard:
@@ -145,7 +145,7 @@ class _ChunkedRun(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
         (hidden,) = ctx.saved_tensors
-        params = [p for p in ctx.module.parameters() if p.requires_grad]
+        params = list(ctx.params)
         want_input = bool(ctx.needs_input_grad[3])
         grad_in = torch.empty_like(hidden) if want_input else None
         sums: list[torch.Tensor | None] = [None] * len(params)

@@ -20,6 +20,7 @@ into its base weights is unchanged. Switching off removes the variants and resto
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,33 +32,21 @@ __all__ = ["Lora16Bit", "adapted_layers", "resolve", "unsupported_reason"]
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
-def _lora_classes() -> tuple[type, type] | None:
-    try:
-        from peft.tuners.lora.layer import LoraLayer, LoraVariant
-    except ImportError:  # a peft without LoRA variants
-        return None
-    return LoraLayer, LoraVariant
-
-
 def adapted_layers(model: torch.nn.Module) -> Iterator[tuple[Any, str]]:
     """(layer, adapter name) of every plain (vanilla) LoRA adapter on a linear projection in the model."""
-    classes = _lora_classes()
-    if classes is None:
-        return
-    lora_layer = classes[0]
+    from peft.tuners.lora.layer import LoraLayer
+
     for module in model.modules():
-        if not isinstance(module, lora_layer) or not hasattr(module, "lora_A"):
+        if not isinstance(module, LoraLayer) or not hasattr(module, "lora_A"):
             continue
         for name, lora_a in module.lora_A.items():
-            plain = name not in module.lora_variant or isinstance(module.lora_variant[name], _Variant)
+            plain = name not in module.lora_variant or isinstance(module.lora_variant[name], _variant_class())
             if plain and isinstance(lora_a, torch.nn.Linear):
                 yield module, name
 
 
 def unsupported_reason(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
     """Why the switch has nothing to do for this model (None when it applies)."""
-    if _lora_classes() is None:
-        return "this peft has no LoRA variants"
     if dtype not in SIXTEEN_BIT:
         return f"the model computes in {str(dtype).removeprefix('torch.')}: the adapters already match it"
     if next(adapted_layers(model), None) is None:
@@ -87,12 +76,12 @@ def _delta(module: Any, adapter: str, like: torch.Tensor) -> torch.Tensor:
     return module.get_delta_weight(adapter).to(like.dtype)
 
 
+@functools.cache
 def _variant_class() -> type:
-    classes = _lora_classes()
-    assert classes is not None
-    base: type = classes[1]
+    """peft's LoRA variant interface, implemented once per process (peft is imported on first use)."""
+    from peft.tuners.lora.layer import LoraVariant
 
-    class Variant(base):  # type: ignore[misc, valid-type]
+    class Variant(LoraVariant):
         """Plain LoRA whose forward runs in the input's dtype; merging is plain LoRA's."""
 
         @staticmethod
@@ -122,9 +111,6 @@ def _variant_class() -> type:
     return Variant
 
 
-_Variant: type = _variant_class() if _lora_classes() is not None else object
-
-
 class Lora16Bit:
     """Installs (on) or removes (off) the 16-bit adapter path on every plain LoRA adapter of one model."""
 
@@ -145,7 +131,7 @@ class Lora16Bit:
     def install(self) -> None:
         if self._installed:
             return
-        variant = _Variant()
+        variant = _variant_class()()
         for layer, adapter in list(adapted_layers(self.model)):
             self._installed.append((layer, adapter, layer.cast_input_dtype_enabled))
             layer.lora_variant[adapter] = variant
