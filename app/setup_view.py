@@ -86,6 +86,7 @@ class SetupView(QWidget):
     """The detected GPU and driver, the chosen build, disk space, and Install / Cancel / Repair."""
 
     installed = Signal()  # an install or repair finished: pages that need torch can look again
+    job_ended = Signal()  # the job's thread is gone and the buttons show it
 
     def __init__(
         self,
@@ -260,6 +261,7 @@ class SetupView(QWidget):
             cancelled = self.worker is not None and self.worker.cancel_token.cancelled
             self._finish("Cancelled." if cancelled else "The job ended without a result; see the log.", "#a15c00")
         self._update_buttons()
+        self.job_ended.emit()
 
     def cancel(self) -> None:
         if self.running():
