@@ -97,13 +97,8 @@ def train_steps(model: Any, controller: Any, optimizer: Any, batch: Any, steps: 
 
 
 def setup_for(qlora: bool, mode: str, tokens: int, cache: bool) -> TrainSetup:
-    import inspect
-
-    from torch.nn.attention.varlen import varlen_attn
-
-    native_gqa = "enable_gqa" in inspect.signature(varlen_attn).parameters
     attention = "varlen" if cache else "sdpa"
-    return TrainSetup(tokens=tokens, qlora=qlora, checkpointing=mode, attention=attention, native_gqa=native_gqa)
+    return TrainSetup(tokens=tokens, qlora=qlora, checkpointing=mode, attention=attention)
 
 
 def measure_shape(name: str, qlora: bool, args: argparse.Namespace, deadline: float, rows: list[dict]) -> None:

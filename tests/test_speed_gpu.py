@@ -167,3 +167,25 @@ def test_compiled_loss_kernel_matches_the_eager_reference_on_gpu() -> None:
     fast = linear_cross_entropy_sum(hidden, weight, labels, chunk_size=512, compiled=True)
     assert abs(float(fast[0]) - float(eager[0])) <= 1e-4 * abs(float(eager[0]))
     assert fast[1] is not None and eager[1] is not None and relative_error(fast[1], eager[1]) < 1e-2
+
+
+@pytest.mark.parametrize("window", [None, 96])
+def test_grouped_flash_attention_matches_repeated_kv_on_gpu(window: int | None) -> None:
+    """The kernel fed grouped K/V equals the same kernel fed K/V repeated to every query head, gradients too."""
+    meta = metadata_cache.build_metadata(packed_batch(LENGTHS), CUDA, "varlen")
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    total = sum(LENGTHS)
+    q = torch.randn(total, 8, 64, device=CUDA, generator=g, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (
+        torch.randn(total, 2, 64, device=CUDA, generator=g, dtype=torch.bfloat16, requires_grad=True) for _ in range(2)
+    )
+    grad_out = torch.randn(total, 8, 64, device=CUDA, generator=g, dtype=torch.bfloat16)
+    results = []
+    for repeat in (True, False):
+        q.grad = k.grad = v.grad = None
+        kk, vv = (t.repeat_interleave(4, dim=1) if repeat else t for t in (k, v))
+        out = metadata_cache.grouped_flash_attention(q, kk, vv, meta, 0.125, window)
+        out.backward(grad_out)
+        results.append((out.detach(), q.grad, k.grad, v.grad))
+    for repeated, grouped in zip(*results, strict=True):
+        assert relative_error(grouped, repeated) < 1e-2

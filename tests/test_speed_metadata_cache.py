@@ -106,3 +106,54 @@ def test_gpt_oss_keeps_its_explicit_masks() -> None:
     state = ctl.state()["metadata_cache"]
     assert state["on"] is False and "sinks" in state["reason"]
     assert "attention_mask" in ctl.model_inputs(packed_batch(LENGTHS))
+
+
+def meta_metadata(lengths: tuple[int, ...]) -> metadata_cache.PackedAttentionMetadata:
+    """Metadata on the meta device: kernels' shape functions run, no GPU needed."""
+    host = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return metadata_cache.PackedAttentionMetadata(
+        backend="varlen",
+        cu_seqlens=host.to("meta"),
+        max_seqlen=max(lengths),
+        document_ids=torch.empty(sum(lengths), dtype=torch.int32, device="meta"),
+        host_cu_seqlens=host,
+        num_tokens=sum(lengths),
+    )
+
+
+@pytest.mark.parametrize("torch_params", ["2.11", "2.12"])
+def test_varlen_never_repeats_grouped_kv(torch_params: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Grouped K/V reach the flash kernel as they are, whether or not this torch's varlen_attn has enable_gqa:
+    nothing saved for backward has the K/V's shape widened to all query heads, and their gradients stay grouped."""
+    params = {"2.11": frozenset({"scale", "is_causal"}), "2.12": frozenset({"scale", "window_size", "enable_gqa"})}
+    monkeypatch.setattr(metadata_cache, "_varlen_params", lambda: params[torch_params])
+    direct: list[int] = []
+    grouped = metadata_cache.grouped_flash_attention
+    monkeypatch.setattr(metadata_cache, "grouped_flash_attention", lambda *a: direct.append(1) or grouped(*a))
+    meta = meta_metadata((700, 1300, 2096))
+    q = torch.empty(4096, 32, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.empty(4096, 8, 64, device="meta", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    saved: list[tuple[int, ...]] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        out = metadata_cache.varlen_attention(q, k, v, meta, 0.125, None)
+    out.sum().backward()
+    assert out.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+    assert direct == ([1] if torch_params == "2.11" else [])
+    assert (4096, 8, 64) in saved and saved.count((4096, 32, 64)) == 2, saved  # q and the output; K/V grouped
+
+
+def test_sliding_window_without_varlen_window_goes_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch whose varlen_attn has no window still runs a sliding window: the kernel takes it directly."""
+    monkeypatch.setattr(metadata_cache, "_varlen_params", lambda: frozenset({"scale", "is_causal"}))
+    calls: list[dict] = []
+    real = torch.ops.aten._flash_attention_forward
+
+    def record(*args: object, **kwargs: object) -> object:
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", record)
+    q, k, v = (torch.empty(4096, 4, 64, device="meta", dtype=torch.bfloat16) for _ in range(3))
+    out = metadata_cache.varlen_attention(q, k, v, meta_metadata((4096,)), 0.125, 512)
+    assert out.shape == q.shape
+    assert calls == [{"scale": 0.125, "window_size_left": 511, "window_size_right": 0}]

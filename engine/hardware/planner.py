@@ -77,8 +77,9 @@ class TrainSetup:
     lora_16bit: bool = True
     """LoRA computed in the 16-bit training dtype (engine.speed.lora_16bit): adapted modules share their 16-bit
     inputs instead of each keeping a float32 copy."""
-    native_gqa: bool = False
-    """varlen_attn takes grouped K/V natively (torch >= 2.12); before, K/V are repeated to all heads."""
+    native_gqa: bool = True
+    """The varlen kernel takes grouped K/V as they are (the engine's path); False models a path that repeats them
+    to all query heads first, as stock's SDPA does."""
 
     @property
     def activation_bytes(self) -> int:

@@ -247,9 +247,7 @@ def _memory_plan(
         budget = int(memory * 0.6)  # leave the operating system and the data pipeline their share
     dtype_bytes = 4 if choices["dtype"].value == "float32" else 2
     attention = choices["attention_backend"].value
-    base = TrainSetup(
-        lora_rank=lora_rank, dtype_bytes=dtype_bytes, attention=attention, native_gqa=_torch_at_least(2, 12)
-    )
+    base = TrainSetup(lora_rank=lora_rank, dtype_bytes=dtype_bytes, attention=attention)
     fixed_tokens = overrides.get("tokens_per_batch")
     checkpointing = overrides.get("checkpointing")
     return choose_memory_settings(
