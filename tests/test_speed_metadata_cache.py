@@ -157,3 +157,26 @@ def test_sliding_window_without_varlen_window_goes_to_the_kernel(monkeypatch: py
     out = metadata_cache.varlen_attention(q, k, v, meta_metadata((4096,)), 0.125, 512)
     assert out.shape == q.shape
     assert calls == [{"scale": 0.125, "window_size_left": 511, "window_size_right": 0}]
+
+
+def test_grouped_kernel_call_compiles_once_for_every_packed_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiled layers trace the direct kernel call (forward and its backward) with no graph break, and rows of
+    other lengths and document counts reuse the graph."""
+    import torch._dynamo.testing
+
+    monkeypatch.setattr(metadata_cache, "_varlen_params", lambda: frozenset({"scale", "is_causal"}))
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    attend = torch.compile(
+        lambda q, k, v, meta: metadata_cache.varlen_attention(q, k, v, meta, 0.125, None),
+        backend=counter,
+        fullgraph=True,
+        dynamic=True,
+    )
+    for lengths in [(700, 1300, 2096), (100, 900), (3000, 10, 2000, 5)]:
+        total = sum(lengths)
+        q = torch.empty(total, 32, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.empty(total, 8, 64, device="meta", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        attend(q, k, v, meta_metadata(lengths)).sum().backward()
+        assert k.grad.shape == k.shape
+    assert counter.frame_count == 1
