@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pyqtgraph as pg
 from PySide6.QtCore import QTimer
+from PySide6.QtGui import QFont, QFontMetrics
 from PySide6.QtWidgets import QGridLayout, QWidget
 
 GIB = 1 << 30
@@ -25,6 +27,27 @@ REDRAW_MS = 80
 CHARTS = ("loss", "speed", "memory", "gpu")
 LANE_COLORS = ("#9467bd", "#2ca02c", "#1f77b4", "#ff7f0e", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22")
 LANE_FIELDS = ("t", "used", "total", "gpu_t", "util", "temp")
+MARK_ROWS = 3
+"""Rows the labels of speed-change marks take, from the top of the tokens/s chart down."""
+MARK_GAP_PX = 6
+MARK_COLOR = "#d62728"
+
+
+def place_labels(steps: Sequence[float], widths_px: Sequence[float], steps_per_px: float) -> list[int | None]:
+    """The row of each mark's label, or None where it would overlap the labels already placed in every row.
+
+    Labels start at their mark and run right; marks are taken in step order, each into the highest row whose last
+    label ends (plus a small gap) before it. An A/B compare flips a switch every few steps: most of its marks
+    then keep only their line, and their labels show when the chart is zoomed in or as the line's tooltip.
+    """
+    row_ends = [float("-inf")] * MARK_ROWS
+    rows: list[int | None] = []
+    for step, width in zip(steps, widths_px, strict=True):
+        row = next((r for r, end in enumerate(row_ends) if step > end), None)
+        if row is not None:
+            row_ends[row] = step + (width + MARK_GAP_PX) * steps_per_px
+        rows.append(row)
+    return rows
 
 
 class Lane:
@@ -87,6 +110,7 @@ class RunCharts(QWidget):
             antialias=False, pen=None, symbol="t", symbolBrush="#d62728", name="throttled"
         )
         self.speed_curve = self.speed.plot(antialias=False, pen=pg.mkPen("#17becf", width=2), name="tokens/s")
+        self.speed.getViewBox().sigXRangeChanged.connect(lambda *_: self._dirty.add("speed"))  # labels re-place
         layout = QGridLayout(self)
         layout.addWidget(self.loss, 0, 0)
         layout.addWidget(self.speed, 0, 1)
@@ -96,7 +120,6 @@ class RunCharts(QWidget):
         self.lanes: dict[int | None, Lane] = {}
         self.gpu_indices: tuple[int, ...] = ()
         self.marks: list[tuple[int, str]] = []
-        self._drawn_marks = 0
         self._dirty: set[str] = set()
         self.clear()
         self.timer = QTimer(self, interval=REDRAW_MS)
@@ -123,7 +146,7 @@ class RunCharts(QWidget):
         for line in getattr(self, "_mark_lines", []):
             self.speed.removeItem(line)
         self._mark_lines: list[Any] = []
-        self.marks, self._drawn_marks = [], 0
+        self.marks = []
         self._dirty = set(CHARTS)
 
     def add_step(self, step: int, loss: float, tokens_per_s: float) -> None:
@@ -246,11 +269,29 @@ class RunCharts(QWidget):
 
     def _draw_speed(self) -> None:
         self.speed_curve.setData(self.buffers["speed_step"], self.buffers["speed"])
-        for index, (step, label) in enumerate(self.marks[self._drawn_marks :], start=self._drawn_marks):
-            # labels climb down in three rows so that marks a step or two apart stay readable
-            options = {"position": 0.95 - 0.12 * (index % 3), "color": "#d62728", "anchors": [(0, 0.5), (0, 0.5)]}
-            pen = pg.mkPen("#d62728", style=pg.QtCore.Qt.PenStyle.DotLine)
-            line = pg.InfiniteLine(pos=step, angle=90, pen=pen, label=label, labelOpts=options)
-            self.speed.addItem(line)
+        self._draw_marks()
+
+    def _draw_marks(self) -> None:
+        """Every speed change as a dotted line, labelled where the label has room at the chart's current zoom."""
+        for line in self._mark_lines:
+            self.speed.removeItem(line)
+        self._mark_lines = []
+        if not self.marks:
+            return
+        box = self.speed.getViewBox()
+        box.updateAutoRange()  # the curve's new points widen the range only at the next paint otherwise
+        (left, right), width_px = box.viewRange()[0], max(1.0, box.width())
+        metrics = QFontMetrics(QFont())
+        steps = [step for step, _ in self.marks]
+        widths = [metrics.horizontalAdvance(label) for _, label in self.marks]
+        rows = place_labels(steps, widths, (right - left) / width_px)
+        for (step, label), row in zip(self.marks, rows, strict=True):
+            pen = pg.mkPen(MARK_COLOR, style=pg.QtCore.Qt.PenStyle.DotLine)
+            if row is None:
+                line = pg.InfiniteLine(pos=step, angle=90, pen=pen)
+            else:
+                options = {"position": 0.95 - 0.12 * row, "color": MARK_COLOR, "anchors": [(0, 0.5), (0, 0.5)]}
+                line = pg.InfiniteLine(pos=step, angle=90, pen=pen, label=label, labelOpts=options)
+            line.setToolTip(f"step {step}: {label}")
+            self.speed.addItem(line, ignoreBounds=True)
             self._mark_lines.append(line)
-        self._drawn_marks = len(self.marks)
