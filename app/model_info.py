@@ -35,6 +35,14 @@ class ModelInfo:
     profile: Any = None
 
 
+def verdict_target(info: ModelInfo) -> str:
+    """What the verdict is for: the GPU by name, or the computer when the run would be on the CPU."""
+    profile = info.profile
+    if profile is None or getattr(profile, "device", "cpu") != "cuda":
+        return "this computer (CPU)"
+    return f"this GPU ({profile.gpu_name})" if profile.gpu_name else "this GPU"
+
+
 def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0", "false", "False")
 

@@ -18,7 +18,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.app_state import AppState
-from app.model_info import ModelInfo, download_model, format_params, inspect_model
+from app.model_info import ModelInfo, download_model, format_params, inspect_model, verdict_target
 from app.worker import ErrorInfo, TaskRunner
 from engine.config import DEMO_MODEL
 
@@ -127,7 +127,8 @@ class ModelPanel(QWidget):
         self.details.setHtml(
             f"<p>Family: <b>{info.family}</b> · {format_params(info.total_params)} parameters · "
             f"{'mixture of experts' if info.is_moe else 'dense'}</p>"
-            f"<p>Verdict for this GPU: <b style='color:{colour}'>{info.verdict}</b> — {info.verdict_reason}</p>"
+            f"<p>Verdict for {verdict_target(info)}: <b style='color:{colour}'>{info.verdict}</b> — "
+            f"{info.verdict_reason}</p>"
             f"<p><b>Settings the planner would use</b></p><table cellpadding='3'>{rows}</table>"
         )
         self.state.set_model(info.name, info)

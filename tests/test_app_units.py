@@ -358,6 +358,7 @@ def test_a_local_model_folder_is_inspected_and_the_dataset_retokenized(
     info = window.state.model_info
     assert info.family == "llama" and not info.is_moe and info.verdict == "fits"
     assert "Family: llama" in panel.details.toPlainText() and "dense" in panel.details.toPlainText()
+    assert "Verdict for this computer (CPU): fits" in panel.details.toPlainText()
     qtbot.waitUntil(lambda: window.data_panel.report_model == str(tiny_model_dir), timeout=LOAD_TIMEOUT_MS)
     qtbot.waitUntil(lambda: window.state.data_report.total_tokens != demo_tokens, timeout=LOAD_TIMEOUT_MS)
 
@@ -374,6 +375,22 @@ def test_an_error_in_a_slot_is_shown_in_the_window(window: Any, monkeypatch: pyt
     assert window.statusBar().currentMessage() == (
         "Something went wrong: file not found: /data/missing.jsonl — check the path and pick the file again"
     )
+
+
+def test_the_verdict_names_the_gpu_or_the_computer() -> None:
+    from types import SimpleNamespace
+
+    from app.model_info import ModelInfo, verdict_target
+
+    def info(profile: object) -> ModelInfo:
+        return ModelInfo("m", "llama", 1, False, "fits", "", profile=profile)
+
+    assert verdict_target(info(SimpleNamespace(device="cuda", gpu_name="NVIDIA GeForce RTX 4060"))) == (
+        "this GPU (NVIDIA GeForce RTX 4060)"
+    )
+    assert verdict_target(info(SimpleNamespace(device="cuda", gpu_name=None))) == "this GPU"
+    assert verdict_target(info(SimpleNamespace(device="cpu", gpu_name=None))) == "this computer (CPU)"
+    assert verdict_target(info(None)) == "this computer (CPU)"
 
 
 def test_a_switch_the_engine_cannot_apply_is_reported_not_measured() -> None:
