@@ -48,6 +48,8 @@ def fit_warning(config: RunConfig, model_info: Any, hardware: Any) -> str | None
     overrides: dict[str, Any] = {"qlora": config.model.qlora, "tokens_per_batch": config.data.tokens_per_batch}
     if config.speed.checkpointing != "auto":
         overrides["checkpointing"] = config.speed.checkpointing
+    if config.speed.chunked_mlp is not None:
+        overrides["chunked_mlp"] = config.speed.chunked_mlp
     profile = build_profile(
         hardware, model_info.shape, overrides=overrides, lora_rank=config.lora.rank, min_tokens=config.data.max_seq_len
     )

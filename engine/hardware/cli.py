@@ -54,6 +54,8 @@ def _hardware_lines(hardware: Any) -> list[str]:
 
 
 def _profile_lines(profile: Any) -> list[str]:
+    from engine.hardware.planner import SAFETY_MARGIN
+
     lines = ["Settings:"]
     for name, choice in profile.choices().items():
         value = (
@@ -66,7 +68,8 @@ def _profile_lines(profile: Any) -> list[str]:
     if plan is not None:
         verdict = "fits" if plan.fits else "does not fit"
         lines.append(
-            f"Memory: {verdict}; predicted peak {plan.estimate.gib():.1f} GiB, {plan.budget_bytes / GIB:.1f} GiB usable"
+            f"Memory: {verdict}; predicted peak {plan.estimate.gib():.1f} GiB (+{SAFETY_MARGIN:.0%} margin), "
+            f"{plan.budget_bytes / GIB:.1f} GiB usable"
         )
     if profile.tokens_per_second:
         lines.append(

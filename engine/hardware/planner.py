@@ -32,6 +32,7 @@ MIB = 1 << 20
 Checkpointing = Literal["none", "standard", "offloaded"]
 Optimizer = Literal["adamw", "adamw8bit", "sgd"]
 AttentionBackend = Literal["varlen", "flash_attn", "flex", "sdpa"]
+ChunkScope = Literal["all", "mlp"]
 
 OPTIMIZER_STATE_BYTES: dict[str, int] = {"adamw": 8, "adamw8bit": 2, "sgd": 0}
 LORA_PARAM_BYTES = 4
@@ -52,6 +53,34 @@ CONTEXT_BYTES = int(0.5 * GIB)
 """CUDA context and kernels outside the allocator (not counted by max_memory_allocated)."""
 SAFETY_MARGIN = 0.10
 """Headroom over the estimate for allocator fragmentation and estimation error when fitting a batch."""
+CHUNK_BYTES = 256 * MIB
+"""Working set one chunk of a chunked MLP may take (engine.speed.chunked_mlp): small beside an 8 GiB card's 1-2 GiB
+of activations, large enough that every matmul stays big (measured on the H200: 4,096-token chunks of the 8B MLP
+took 0.9 GiB, and at 8 GiB that one transient decided the longest row)."""
+MIN_CHUNK_TOKENS = 1024
+MAX_CHUNK_TOKENS = 8192
+CHUNK_MIN_ROW_TOKENS = 8192
+"""The engine chunks automatically only rows longer than this (and only under checkpointing, when memory is
+short): below it one layer's MLP activations are a few hundred MB even for an 8B model, and the extra recompute
+is not worth it (measured on the H200, 8B QLoRA at 32k tokens with 4,096-token chunks: 8.8 -> 13.7 s per step,
+18.8 -> 10.0 GiB peak)."""
+
+
+def chunk_tokens_for(intermediate_size: int, hidden_size: int) -> int | None:
+    """Tokens per chunk of the engine's chunked MLP, so that one chunk's working set stays near CHUNK_BYTES.
+
+    Per token: gate, up and activation outputs in 16-bit (6 x intermediate), the float32 copy of the down
+    projection's input that its LoRA adapter saves (4 x intermediate), and the gate and up adapters' float32
+    copies of the hidden state (8 x hidden). Llama-3.1-8B: 176 KB per token, 1,024-token chunks; Qwen3-0.6B:
+    39 KB, 6,656-token chunks. The float32 terms are peft's path; with 16-bit LoRA (the default on GPUs) the
+    chunk's working set is smaller and the size errs on the safe side (the 8 GiB long-context row was measured
+    with it). None when the widths are unknown.
+    """
+    per_token = 10 * intermediate_size + 8 * hidden_size
+    if per_token <= 0:
+        return None
+    tokens = CHUNK_BYTES // per_token // 512 * 512
+    return max(MIN_CHUNK_TOKENS, min(MAX_CHUNK_TOKENS, tokens))
 
 
 @dataclass(frozen=True)
@@ -80,6 +109,15 @@ class TrainSetup:
     native_gqa: bool = True
     """The varlen kernel takes grouped K/V as they are (the engine's path); False models a path that repeats them
     to all query heads first, as stock's SDPA does."""
+    chunk_tokens: int | None = None
+    """Per-token modules run over chunks of this many tokens under checkpointing (engine.speed.chunked_mlp);
+    None: over whole rows."""
+    chunk_min_tokens: int = 0
+    """Only rows longer than this are chunked (the engine's automatic mode: CHUNK_MIN_ROW_TOKENS)."""
+    chunk_scope: ChunkScope = "all"
+    """What runs in chunks: every per-token module (eager layers) or only the MLP (compiled layers)."""
+    host_embedding: bool = False
+    """The input embedding table lives in host memory (engine.speed.host_embedding)."""
 
     @property
     def activation_bytes(self) -> int:
@@ -150,6 +188,13 @@ def weight_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     return (linear + other) * setup.dtype_bytes
 
 
+def host_embedding_bytes(shape: ModelShape, setup: TrainSetup) -> int:
+    """What the input embedding table takes on the GPU: nothing to move when the output head shares it."""
+    if shape.tied_embeddings:
+        return 0
+    return shape.vocab_size * shape.hidden_size * (4 if setup.qlora and setup.kbit_upcast else setup.dtype_bytes)
+
+
 def adapter_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     """LoRA weights, their gradients and the optimizer state."""
     return lora_params(shape, setup) * (2 * LORA_PARAM_BYTES + OPTIMIZER_STATE_BYTES[setup.optimizer])
@@ -217,12 +262,54 @@ def layer_activation_bytes(shape: ModelShape, setup: TrainSetup, backend: str) -
     )
 
 
-def _layer_backward_bytes(shape: ModelShape, setup: TrainSetup) -> int:
-    """Per token: gradients alive while one layer runs backward (the MLP's are the widest)."""
+def _layer_backward_bytes(shape: ModelShape, setup: TrainSetup) -> tuple[int, int]:
+    """Per token: gradients alive while one layer runs backward, as (the MLP's, the hidden-size ones)."""
     act = setup.activation_bytes
     width = shape.intermediate_size if not shape.is_moe else shape.experts_per_token * shape.expert_intermediate_size
     lora_output_grad = 0 if setup.lora_16bit or act == LORA_PARAM_BYTES else LORA_PARAM_BYTES
-    return (3 * act + lora_output_grad) * width + 3 * act * shape.hidden_size
+    return (3 * act + lora_output_grad) * width, 3 * act * shape.hidden_size
+
+
+def _chunks(shape: ModelShape, setup: TrainSetup) -> bool:
+    """Whether the row runs its per-token modules in chunks (dense MLPs; MoE experts are never chunked)."""
+    chunk = setup.chunk_tokens
+    return bool(chunk) and setup.tokens > max(chunk or 0, setup.chunk_min_tokens) and not shape.is_moe
+
+
+def _attention_backward_bytes(shape: ModelShape, setup: TrainSetup, backend: str) -> int:
+    """Per token: what the flash kernels' backward allocates beyond the hidden-size gradients: a float32 query
+    gradient accumulator, and for grouped K/V their gradients for every query head before they are summed."""
+    if backend not in ("varlen", "flash_attn"):
+        return 0
+    return 4 * shape.q_dim + 2 * setup.activation_bytes * (shape.q_dim - shape.kv_dim)
+
+
+def chunk_split(shape: ModelShape, setup: TrainSetup) -> tuple[int, int]:
+    """Per token: (bytes of :func:`layer_activation_bytes` that chunking keeps to one chunk, bytes it adds to the
+    whole row).
+
+    A chunked module keeps only its input, so what it computes inside (the MLP's gate, up and activation outputs,
+    the LoRA down-projection's input, the adapters' rank-r outputs, a float32 LoRA path's input copies and, when
+    the norms are chunked, their float32 input copies) exists for one chunk at a time. Its input and output stay
+    whole: the norms' inputs (the residual stream before and after attention) become kept tensors of their own, as
+    do the module inputs that a float32 LoRA path did not share.
+    """
+    act, h = setup.activation_bytes, shape.hidden_size
+    adapted = {name: fan_in for name, fan_in, _ in _adapted(shape, setup.lora_targets)}
+    mlp_names = {"gate_proj", "up_proj", "down_proj"}
+    scope = set(adapted) if setup.chunk_scope == "all" else mlp_names & set(adapted)
+    lora_hidden = _lora_compute_bytes(setup) * setup.lora_rank * len(scope)
+    fp32_copies = act != LORA_PARAM_BYTES and not setup.lora_16bit
+    if fp32_copies:
+        lora_inputs = LORA_PARAM_BYTES * sum(fan_in for name, fan_in in adapted.items() if name in scope)
+        whole = act * h * (2 if setup.chunk_scope == "all" else 1)  # the inputs the float32 copies were made of
+    else:
+        lora_inputs = act * shape.intermediate_size if "down_proj" in adapted and not shape.is_moe else 0
+        whole = 0
+    norms = 2 * (4 * h + 4) if setup.chunk_scope == "all" else 0
+    if setup.chunk_scope == "all":
+        whole += 2 * act * h  # the chunked norms' inputs, the residual stream before and after attention
+    return _mlp_bytes(shape, setup) + lora_inputs + lora_hidden + norms, whole
 
 
 def _mask_bytes(shape: ModelShape, setup: TrainSetup, backend: str) -> tuple[int, int]:
@@ -258,16 +345,26 @@ def estimate_memory(
         ),
     }[setup.checkpointing]
     copies = lora_weight_copy_bytes(shape, setup)
+    width_grads, hidden_grads = _layer_backward_bytes(shape, setup)
     if setup.checkpointing == "none":
         activations = shape.num_layers * (per_layer + layer_mask + copies) - first_norm
         recompute = 0
     else:
         activations = kept_inputs
-        recompute = kept_inputs + per_layer + layer_mask + copies + _layer_backward_bytes(shape, setup) * t
+        chunk = setup.chunk_tokens if _chunks(shape, setup) else t
+        layer = per_layer
+        if chunk < t:
+            local, whole = chunk_split(shape, setup)
+            if setup.chunk_scope == "all":
+                whole -= act * h  # the layer's input, which the chunked first norm keeps: counted in kept_inputs
+            layer += (whole - local) * t + local * chunk
+        # the MLP's gradients and the attention kernel's backward buffers are alive one after the other
+        transient = max(width_grads * chunk, _attention_backward_bytes(shape, setup, backend) * t)
+        recompute = kept_inputs + layer + transient + layer_mask + copies + hidden_grads * t
     final_norm = (4 * h + 4) * t
     loss = final_norm + loss_bytes(shape, setup)
     return MemoryEstimate(
-        weights=weight_bytes(shape, setup),
+        weights=weight_bytes(shape, setup) - (host_embedding_bytes(shape, setup) if setup.host_embedding else 0),
         adapter=adapter_bytes(shape, setup),
         activations=activations,
         loss=loss,
@@ -403,6 +500,7 @@ def choose_memory_settings(
     ``preferred_tokens`` (recompute costs ~30% of step time); otherwise the mode that fits the largest batch.
     """
     base = base or TrainSetup()
+    max_tokens = max(max_tokens, min_tokens)
     options = [qlora] if qlora is not None else [False, True]
     for quantized in options:
         found: dict[Checkpointing, int] = {}
@@ -421,7 +519,9 @@ def choose_memory_settings(
             estimate = estimate_memory(shape, setup, compute_capability)
             reasons = _plan_reasons(shape, setup, estimate, budget_bytes, found, qlora is None, options)
             return MemoryPlan(budget_bytes, quantized, mode, tokens, estimate, reasons)
-    return _no_fit_plan(shape, base, budget_bytes, options[-1], checkpointing, can_offload, compute_capability, margin)
+    return _no_fit_plan(
+        shape, base, budget_bytes, options[-1], checkpointing, can_offload, compute_capability, margin, min_tokens
+    )
 
 
 def _no_fit_plan(
@@ -433,14 +533,16 @@ def _no_fit_plan(
     can_offload: bool,
     compute_capability: tuple[int, int] | None,
     margin: float,
+    wanted_tokens: int,
 ) -> MemoryPlan:
+    """No setting fits ``wanted_tokens``: the longest row that would, for the message."""
     mode: Checkpointing = checkpointing or ("offloaded" if can_offload else "standard")
     setup = replace(base, qlora=quantized, checkpointing=mode)
     possible = largest_tokens(
-        shape, setup, budget_bytes, min_tokens=256, max_tokens=max(256, setup.tokens),
+        shape, setup, budget_bytes, min_tokens=256, max_tokens=max(256, wanted_tokens),
         compute_capability=compute_capability, margin=margin,
     )  # fmt: skip
-    estimate = estimate_memory(shape, setup, compute_capability)
+    estimate = estimate_memory(shape, setup.with_tokens(max(256, wanted_tokens)), compute_capability)
     need = estimate_memory(shape, setup.with_tokens(256), compute_capability).peak * (1 + margin)
     why = (
         f"does not fit: even 256 tokens need ~{need / GIB:.1f} GiB, {budget_bytes / GIB:.1f} GiB usable"
@@ -483,4 +585,6 @@ def _plan_reasons(
         f"{setup.tokens:,} tokens per batch: predicted peak {estimate.gib():.1f} GiB of {usable:.1f} GiB usable "
         f"({SAFETY_MARGIN:.0%} margin kept)"
     )
+    if setup.checkpointing != "none" and _chunks(shape, setup):
+        tokens += f", with the MLPs in chunks of {setup.chunk_tokens:,} tokens"
     return {"qlora": qlora, "checkpointing": ckpt, "tokens_per_batch": tokens}

@@ -20,10 +20,12 @@ from engine.hardware import gpus
 from engine.hardware.detect import HardwareInfo
 from engine.hardware.moe_choice import auto_moe_routing
 from engine.hardware.planner import (
+    CHUNK_MIN_ROW_TOKENS,
     GIB,
     MemoryPlan,
     TrainSetup,
     choose_memory_settings,
+    chunk_tokens_for,
     training_flops_per_token,
     usable_bytes,
 )
@@ -247,7 +249,19 @@ def _memory_plan(
         budget = int(memory * 0.6)  # leave the operating system and the data pipeline their share
     dtype_bytes = 4 if choices["dtype"].value == "float32" else 2
     attention = choices["attention_backend"].value
-    base = TrainSetup(lora_rank=lora_rank, dtype_bytes=dtype_bytes, attention=attention)
+    chunked = overrides.get("chunked_mlp")
+    base = TrainSetup(
+        lora_rank=lora_rank,
+        dtype_bytes=dtype_bytes,
+        attention=attention,
+        # the engine runs long rows' MLPs in chunks under checkpointing when memory is short (on a GPU); planned
+        # for the compiled layers' scope, the MLP only, which keeps more than eager layers' chunked norms do
+        chunk_tokens=chunk_tokens_for(shape.intermediate_size, shape.hidden_size)
+        if target.is_gpu and chunked is not False
+        else None,
+        chunk_min_tokens=0 if chunked else CHUNK_MIN_ROW_TOKENS,
+        chunk_scope="mlp",
+    )
     fixed_tokens = overrides.get("tokens_per_batch")
     checkpointing = overrides.get("checkpointing")
     return choose_memory_settings(

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from engine.hardware import planner
 from engine.speed.offloaded_checkpoint import ReplayState, recomputing_offloaded_layer
 
 __all__ = [
@@ -49,18 +50,12 @@ __all__ = [
     "resolve",
 ]
 
-CHUNK_BYTES = 256 << 20
-"""Working set one chunk of the MLP may take: small beside an 8 GiB card's 1-2 GiB of activations, large enough
-that every matmul stays big (measured on the H200: 4,096-token chunks of the 8B MLP took 0.9 GiB, and at
-8 GiB that one transient decided the longest row)."""
-MIN_CHUNK_TOKENS = 1024
-MAX_CHUNK_TOKENS = 8192
+CHUNK_BYTES = planner.CHUNK_BYTES
+MIN_CHUNK_TOKENS = planner.MIN_CHUNK_TOKENS
+MAX_CHUNK_TOKENS = planner.MAX_CHUNK_TOKENS
 CHUNK_TOKENS = 4096
-"""Chunk size when the model does not say its MLP width."""
-AUTO_MIN_TOKENS = 8192
-"""Automatic mode chunks rows longer than this: below it one layer's MLP activations are a few hundred MB even for
-an 8B model, and the extra recompute is not worth it (measured on the H200, 8B QLoRA at 32k tokens with 4,096-token
-chunks: 8.8 -> 13.7 s per step, 18.8 -> 10.0 GiB peak)."""
+"""Chunk size for a model whose configuration does not give the MLP's width."""
+AUTO_MIN_TOKENS = planner.CHUNK_MIN_ROW_TOKENS
 AUTO_FREE_SHARE = 0.25
 """Automatic mode chunks only when one layer's unchunked per-token working set exceeds this share of free memory."""
 LAYER_TARGETS = (
@@ -76,23 +71,12 @@ LAYER_TARGETS = (
 
 
 def choose_chunk_tokens(config: Any) -> int:
-    """Tokens per chunk so that one chunk's MLP working set stays near :data:`CHUNK_BYTES`.
-
-    Per token: gate, up and activation outputs in 16-bit (6 x intermediate), the float32 copy of the down
-    projection's input that its LoRA adapter saves (4 x intermediate), and the gate and up adapters' float32
-    copies of the hidden state (8 x hidden). Llama-3.1-8B: 176 KB per token, 1,024-token chunks; Qwen3-0.6B:
-    39 KB, 6,656-token chunks. The float32 terms are peft's path; with 16-bit LoRA (the default on GPUs) the
-    chunk's working set is smaller and the size errs on the safe side (the 8 GiB long-context row was measured
-    with it).
-    """
+    """Tokens per chunk for a model's configuration (:func:`engine.hardware.planner.chunk_tokens_for`, which the
+    memory planner uses too)."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     intermediate = getattr(config, "intermediate_size", 0) or 0
     hidden = getattr(config, "hidden_size", 0) or 0
-    per_token = 10 * intermediate + 8 * hidden
-    if per_token <= 0:
-        return CHUNK_TOKENS
-    tokens = CHUNK_BYTES // per_token // 512 * 512
-    return max(MIN_CHUNK_TOKENS, min(MAX_CHUNK_TOKENS, tokens))
+    return planner.chunk_tokens_for(intermediate, hidden) or CHUNK_TOKENS
 
 
 def chunked_call(module: torch.nn.Module, hidden: torch.Tensor, chunk_tokens: int, *args: Any, **kwargs: Any) -> Any:
