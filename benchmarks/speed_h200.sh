@@ -4,6 +4,9 @@
 # Writes into ${OUT:-/tmp/speed}: <model>.jsonl (rows), <model>.log, prof/<model>/top_{kernels,ops}.txt, and for
 # the variants in $MEMORY prof/<model>/<variant>_memory_peak.txt (what is alive at the memory peak, by site).
 # Then, here: python -m engine.bench --merge OUT/*.jsonl --moe-blocks= --carry-moe benchmarks/speed_h200.json ...
+# CHUNK_TOKENS sets the chunked-MLP variants' chunk size (default: the model's own). The offloaded memory targets:
+#   VARIANTS=stock+standard_ckpt,all_on+offloaded_ckpt,all_on+offloaded_ckpt+chunked_mlp CHUNK_TOKENS=4096 \
+#   MEMORY=all_on+offloaded_ckpt,all_on+offloaded_ckpt+chunked_mlp LOSS_STEPS=0 benchmarks/speed_h200.sh
 set -u
 OUT=${OUT:-/tmp/speed}
 VARIANTS=${VARIANTS:-stock,metadata_cache,fused_loss,lora_16bit,all_on-lora_16bit,all_on,stock+standard_ckpt,all_on+offloaded_ckpt}
@@ -18,7 +21,7 @@ for model in llama-3.2-1b qwen3-0.6b; do
         --steps 3 --warmup 1 --loss-steps "${LOSS_STEPS:-20}" --loss-tokens 2048 --variants "$VARIANTS" \
         --compile-first --timing-lock "$LOCK" --peers 2 --rows-log "$OUT/$model.jsonl" \
         --peak-tflops "$PEAK" --profile-dir "$OUT/prof" --profile-variants "${PROFILE:-all_on}" \
-        --memory-variants "${MEMORY:-}" --out "/tmp/speed-$model.json" > "${LOGS:-$OUT}/$model.log" 2>&1 &
+        --memory-variants "${MEMORY:-}" ${CHUNK_TOKENS:+--chunk-tokens "$CHUNK_TOKENS"} --out "/tmp/speed-$model.json" > "${LOGS:-$OUT}/$model.log" 2>&1 &
 done
 wait
 rm -rf "$OUT/lock"
