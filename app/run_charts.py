@@ -33,21 +33,28 @@ MARK_GAP_PX = 6
 MARK_COLOR = "#d62728"
 
 
-def place_labels(steps: Sequence[float], widths_px: Sequence[float], steps_per_px: float) -> list[int | None]:
-    """The row of each mark's label, or None where it would overlap the labels already placed in every row.
+def place_labels(
+    steps: Sequence[float], widths_px: Sequence[float], steps_per_px: float, right_edge: float = float("inf")
+) -> list[tuple[int, bool] | None]:
+    """Where each mark's label goes: (row, whether it runs left of its line), or None where it would overlap the
+    labels already placed in every row.
 
-    Labels start at their mark and run right; marks are taken in step order, each into the highest row whose last
-    label ends (plus a small gap) before it. An A/B compare flips a switch every few steps: most of its marks
-    then keep only their line, and their labels show when the chart is zoomed in or as the line's tooltip.
+    Labels run right from their mark, or left where they would cross the chart's right edge; marks are taken in
+    step order, each into the highest row whose last label ends (plus a small gap) before this label starts. An
+    A/B compare flips a switch every few steps: most of its marks then keep only their line, and their labels
+    show when the chart is zoomed in or as the line's tooltip.
     """
     row_ends = [float("-inf")] * MARK_ROWS
-    rows: list[int | None] = []
+    places: list[tuple[int, bool] | None] = []
     for step, width in zip(steps, widths_px, strict=True):
-        row = next((r for r, end in enumerate(row_ends) if step > end), None)
+        span = (width + MARK_GAP_PX) * steps_per_px
+        left = step + span > right_edge
+        start, end = (step - span, step) if left else (step, step + span)
+        row = next((r for r, last in enumerate(row_ends) if start > last), None)
         if row is not None:
-            row_ends[row] = step + (width + MARK_GAP_PX) * steps_per_px
-        rows.append(row)
-    return rows
+            row_ends[row] = end
+        places.append(None if row is None else (row, left))
+    return places
 
 
 class Lane:
@@ -284,13 +291,15 @@ class RunCharts(QWidget):
         metrics = QFontMetrics(QFont())
         steps = [step for step, _ in self.marks]
         widths = [metrics.horizontalAdvance(label) for _, label in self.marks]
-        rows = place_labels(steps, widths, (right - left) / width_px)
-        for (step, label), row in zip(self.marks, rows, strict=True):
+        places = place_labels(steps, widths, (right - left) / width_px, right)
+        for (step, label), place in zip(self.marks, places, strict=True):
             pen = pg.mkPen(MARK_COLOR, style=pg.QtCore.Qt.PenStyle.DotLine)
-            if row is None:
+            if place is None:
                 line = pg.InfiniteLine(pos=step, angle=90, pen=pen)
             else:
-                options = {"position": 0.95 - 0.12 * row, "color": MARK_COLOR, "anchors": [(0, 0.5), (0, 0.5)]}
+                row, leftward = place
+                anchor = (1, 0.5) if leftward else (0, 0.5)
+                options = {"position": 0.95 - 0.12 * row, "color": MARK_COLOR, "anchors": [anchor, anchor]}
                 line = pg.InfiniteLine(pos=step, angle=90, pen=pen, label=label, labelOpts=options)
             line.setToolTip(f"step {step}: {label}")
             self.speed.addItem(line, ignoreBounds=True)
