@@ -8,7 +8,10 @@ rule of thumb was 2-5x off). One packed row of T tokens; the peak is the larger 
   vocabulary entry (log-softmax output, its incoming gradient and its input gradient, all fp32): with
   vocabularies of 128k-152k that dominates long rows, 12 x 16k x 152k = 30 GB for Qwen3-0.6B. The engine's fused
   loss (on by default, ``TrainSetup.fused_loss``) keeps only the hidden-state gradient plus one chunk of logits;
-* with checkpointing, the recompute of one layer in backward: that layer's activations plus its gradients.
+* with checkpointing, the recompute of one layer in backward: that layer's activations plus its gradients. Long
+  rows run the MLP (and, with eager layers, every per-token module) in chunks of the sequence
+  (``TrainSetup.chunk_tokens``, :func:`chunk_split`): its intermediates and their gradients exist for one chunk,
+  and the attention kernel's backward buffers (a float32 query-gradient accumulator) decide the peak instead.
 
 Per-layer activation bytes were counted from the tensors autograd saves (``saved_tensors_hooks``) for
 transformers + peft: peft keeps LoRA weights in fp32 and casts each adapted module's 16-bit input to fp32
@@ -304,7 +307,7 @@ def chunk_split(shape: ModelShape, setup: TrainSetup) -> tuple[int, int]:
         lora_inputs = LORA_PARAM_BYTES * sum(fan_in for name, fan_in in adapted.items() if name in scope)
         whole = act * h * (2 if setup.chunk_scope == "all" else 1)  # the inputs the float32 copies were made of
     else:
-        lora_inputs = act * shape.intermediate_size if "down_proj" in adapted and not shape.is_moe else 0
+        lora_inputs = act * shape.intermediate_size if "down_proj" in adapted else 0
         whole = 0
     norms = 2 * (4 * h + 4) if setup.chunk_scope == "all" else 0
     if setup.chunk_scope == "all":
