@@ -43,6 +43,13 @@ def verdict_target(info: ModelInfo) -> str:
     return f"this GPU ({profile.gpu_name})" if profile.gpu_name else "this GPU"
 
 
+def longest_row_html(info: ModelInfo) -> str:
+    """A paragraph on the longest row this model trains on this device, or "" when the planner has none."""
+    plan = getattr(info.profile, "memory_plan", None)
+    reason = plan.reasons.get("longest") if plan is not None else None
+    return f"<p>Longest row that trains here: {reason}</p>" if reason else ""
+
+
 def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0", "false", "False")
 

@@ -18,7 +18,14 @@ from PySide6.QtWidgets import (
 )
 
 from app.app_state import AppState
-from app.model_info import ModelInfo, download_model, format_params, inspect_model, verdict_target
+from app.model_info import (
+    ModelInfo,
+    download_model,
+    format_params,
+    inspect_model,
+    longest_row_html,
+    verdict_target,
+)
 from app.worker import ErrorInfo, TaskRunner
 from engine.config import DEMO_MODEL
 
@@ -129,6 +136,7 @@ class ModelPanel(QWidget):
             f"{'mixture of experts' if info.is_moe else 'dense'}</p>"
             f"<p>Verdict for {verdict_target(info)}: <b style='color:{colour}'>{info.verdict}</b> — "
             f"{info.verdict_reason}</p>"
+            f"{longest_row_html(info)}"
             f"<p><b>Settings the planner would use</b></p><table cellpadding='3'>{rows}</table>"
         )
         self.state.set_model(info.name, info)

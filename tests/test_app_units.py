@@ -359,6 +359,8 @@ def test_a_local_model_folder_is_inspected_and_the_dataset_retokenized(
     assert info.family == "llama" and not info.is_moe and info.verdict == "fits"
     assert "Family: llama" in panel.details.toPlainText() and "dense" in panel.details.toPlainText()
     assert "Verdict for this computer (CPU): fits" in panel.details.toPlainText()
+    assert "Longest row that trains here: " in panel.details.toPlainText()
+    assert "tokens, with LoRA and standard checkpointing" in panel.details.toPlainText()  # no offloading on a CPU
     qtbot.waitUntil(lambda: window.data_panel.report_model == str(tiny_model_dir), timeout=LOAD_TIMEOUT_MS)
     qtbot.waitUntil(lambda: window.state.data_report.total_tokens != demo_tokens, timeout=LOAD_TIMEOUT_MS)
 

@@ -35,6 +35,15 @@ def test_plan_json_with_vram_and_overrides(capsys: pytest.CaptureFixture[str]) -
     assert profile["fits"] is True
     assert profile["choices"]["qlora"]["value"] is True and profile["choices"]["checkpointing"]["value"] == "standard"
     assert profile["predicted_peak_gib"] <= profile["usable_gib"]
+    assert profile["longest_row_tokens"] > 16384  # offloaded, with the MLPs in chunks
+
+
+def test_plan_names_the_longest_row_and_how(capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan_main(["--model", "llama-3.1-8b", "--vram", "12"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("Longest row"))
+    assert line.startswith("Longest row that trains: ") and line.endswith(
+        "tokens, with QLoRA and offloaded checkpointing, the MLPs in chunks of 1,024 tokens"
+    )
 
 
 def test_plan_says_when_it_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:

@@ -313,3 +313,19 @@ def test_the_plan_counts_on_chunks_on_a_gpu_unless_they_are_switched_off() -> No
     assert chunked.tokens > 2 * whole.tokens > 8192
     assert "MLPs in chunks of 1,024 tokens" in chunked.reasons["tokens_per_batch"]
     assert "chunks" not in whole.reasons["tokens_per_batch"]
+
+
+def test_the_plan_names_the_longest_row_that_trains() -> None:
+    shape, budget = load_shape("llama-3.1-8b"), usable_bytes(12 * GIB)
+    chunked = choose_memory_settings(shape, budget, base=TrainSetup(chunk_tokens=1024, chunk_min_tokens=8192))
+    whole = choose_memory_settings(shape, budget)
+    for plan in (chunked, whole):
+        assert plan.longest_tokens is not None and plan.tokens is not None and plan.longest_tokens >= plan.tokens
+    assert chunked.longest_tokens > 2 * whole.longest_tokens  # type: ignore[operator]
+    longest = chunked.longest_tokens
+    setup = TrainSetup(tokens=longest, qlora=True, checkpointing="offloaded", chunk_tokens=1024, chunk_min_tokens=8192)
+    assert estimate_memory(shape, setup).peak * 1.1 <= budget  # it fits, and 256 more would not
+    assert estimate_memory(shape, setup.with_tokens(longest + 256)).peak * 1.1 > budget
+    how = "with QLoRA and offloaded checkpointing, the MLPs in chunks of 1,024 tokens"
+    assert chunked.reasons["longest"] == f"{longest:,} tokens, {how}"
+    assert "chunks" not in whole.reasons["longest"]

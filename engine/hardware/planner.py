@@ -460,10 +460,43 @@ class MemoryPlan:
     reasons: dict[str, str]
     largest_possible_tokens: int | None = None
     """When nothing fits at ``min_tokens``: the largest row that would fit at all (to suggest a shorter max_seq_len)."""
+    longest_tokens: int | None = None
+    """The longest row that trains on this budget with the plan's LoRA or QLoRA and the checkpointing that saves
+    the most memory (up to LONGEST_ROW_TOKENS, in steps of 256)."""
 
     @property
     def fits(self) -> bool:
         return self.tokens is not None
+
+
+LONGEST_ROW_TOKENS = 262_144
+"""How far :func:`longest_row` looks."""
+
+
+def longest_row(
+    shape: ModelShape,
+    setup: TrainSetup,
+    budget_bytes: int,
+    *,
+    can_offload: bool,
+    compute_capability: tuple[int, int] | None,
+    margin: float = SAFETY_MARGIN,
+) -> int | None:
+    """The longest row ``setup`` trains on ``budget_bytes`` with the checkpointing that saves the most memory
+    (None: not even 256 tokens)."""
+    mode: Checkpointing = "offloaded" if can_offload else "standard"
+    return largest_tokens(
+        shape, replace(setup, checkpointing=mode), budget_bytes, min_tokens=256, max_tokens=LONGEST_ROW_TOKENS,
+        compute_capability=compute_capability, margin=margin,
+    )  # fmt: skip
+
+
+def _longest_reason(shape: ModelShape, setup: TrainSetup, tokens: int, can_offload: bool) -> str:
+    mode = "offloaded" if can_offload else "standard"
+    how = f"{'QLoRA' if setup.qlora else 'LoRA'} and {mode} checkpointing"
+    if _chunks(shape, replace(setup, tokens=tokens, checkpointing=mode)):
+        how += f", the MLPs in chunks of {setup.chunk_tokens:,} tokens"
+    return f"{tokens:,} tokens, with {how}"
 
 
 def _mode_order(checkpointing: str | None, can_offload: bool) -> list[Checkpointing]:
@@ -521,7 +554,13 @@ def choose_memory_settings(
             setup = replace(base, qlora=quantized, checkpointing=mode, tokens=tokens)
             estimate = estimate_memory(shape, setup, compute_capability)
             reasons = _plan_reasons(shape, setup, estimate, budget_bytes, found, qlora is None, options)
-            return MemoryPlan(budget_bytes, quantized, mode, tokens, estimate, reasons)
+            longest = longest_row(
+                shape, setup, budget_bytes, can_offload=can_offload, compute_capability=compute_capability,
+                margin=margin,
+            )  # fmt: skip
+            if longest is not None:
+                reasons["longest"] = _longest_reason(shape, setup, longest, can_offload)
+            return MemoryPlan(budget_bytes, quantized, mode, tokens, estimate, reasons, longest_tokens=longest)
     return _no_fit_plan(
         shape, base, budget_bytes, options[-1], checkpointing, can_offload, compute_capability, margin, min_tokens
     )

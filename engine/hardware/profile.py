@@ -77,6 +77,7 @@ class Profile:
             "predicted_peak_gib": round(plan.estimate.gib(), 2) if plan else None,
             "usable_gib": round(plan.budget_bytes / GIB, 2) if plan else None,
             "fits": plan.fits if plan else None,
+            "longest_row_tokens": plan.longest_tokens if plan else None,
             "notes": list(self.notes),
         }
 
