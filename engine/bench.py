@@ -297,9 +297,21 @@ def time_variant(
     if "ms_per_step" in row:
         row["tokens_per_s"] = batch.num_tokens / row["ms_per_step"] * 1e3
         row["mfu"] = model_flops(model, batch) / (row["ms_per_step"] / 1e3) / (peak_tflops * 1e12)
+    row["planned_peak_gib"] = planned_peak_gib(name, row["state"], batch.num_tokens, torch.cuda.get_device_capability())
     print(_row_line(row), flush=True)
     torch.cuda.empty_cache()
     return row
+
+
+def planned_peak_gib(name: str, state: dict[str, Any], tokens: int, capability: tuple[int, int]) -> float:
+    """The memory planner's prediction for a variant's step, from the switches it ran with: beside the measured
+    peak it shows how far to trust the planner on this GPU."""
+    from engine.hardware.planner import GIB, estimate_memory, setup_from_speed_state
+    from engine.hardware.shapes import ModelShape
+
+    shape = ModelShape.from_config_dict(DENSE_SHAPES[name], name)
+    setup = setup_from_speed_state(state, shape, tokens, lora_rank=16)
+    return estimate_memory(shape, setup, capability).peak / GIB
 
 
 def compile_counts() -> dict[str, int]:
@@ -425,7 +437,8 @@ def _row_line(row: dict[str, Any]) -> str:
         return f"{row['model']:>14} {row['tokens']:>6} {row['variant']:<30} ERROR {row['error']}"
     return (
         f"{row['model']:>14} {row['tokens']:>6} {row['variant']:<30} {row['ms_per_step']:9.1f} ms "
-        f"{row.get('tokens_per_s', 0):9.0f} tok/s {row['peak_vram_gib']:6.2f} GiB syncs {row['syncs']} "
+        f"{row.get('tokens_per_s', 0):9.0f} tok/s {row['peak_vram_gib']:6.2f} GiB "
+        f"(planned {row.get('planned_peak_gib', float('nan')):.2f}) syncs {row['syncs']} "
         f"warm-up {row.get('warmup_s', 0):.1f} s graphs {row.get('compiled_graphs')} breaks {row.get('graph_breaks')}"
     )
 
@@ -592,16 +605,17 @@ def markdown(report: dict[str, Any]) -> str:
         f"peft {env['peft']}; bf16 matmul peak measured in this run: {report['peak_tflops']:.0f} TFLOP/s.",
         "Random-init models from architecture configs, LoRA r16 on all 7 projections, AdamW, one packed row.",
         "",
-        "| model | tokens | variant | ms/step | tokens/s | peak VRAM GiB | syncs/step | MFU |",
-        "|---|---:|---|---:|---:|---:|---:|---:|",
+        "| model | tokens | variant | ms/step | tokens/s | peak VRAM GiB | planned GiB | syncs/step | MFU |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in timed_rows(report["dense"]):
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['tokens']} | {r['variant']} | error: {r['error'][:80]} | | | | |")
+            lines.append(f"| {r['model']} | {r['tokens']} | {r['variant']} | error: {r['error'][:80]} | | | | | |")
             continue
+        planned = f"{r['planned_peak_gib']:.2f}" if "planned_peak_gib" in r else "-"
         lines.append(
             f"| {r['model']} | {r['tokens']:,} | {r['variant']} | {r['ms_per_step']:,.1f} | {r['tokens_per_s']:,.0f} "
-            f"| {r['peak_vram_gib']:.2f} | {r['syncs']} | {r['mfu'] * 100:.1f}% |"
+            f"| {r['peak_vram_gib']:.2f} | {planned} | {r['syncs']} | {r['mfu'] * 100:.1f}% |"
         )
     losses = [r for r in report["dense"] if "max_relative_difference" in r]
     if losses:

@@ -20,6 +20,7 @@ from engine.hardware.planner import (
     largest_tokens,
     layer_activation_bytes,
     lora_weight_copy_bytes,
+    setup_from_speed_state,
     usable_bytes,
 )
 from engine.hardware.shapes import BUILTIN_CONFIGS, ModelShape, load_shape
@@ -227,22 +228,9 @@ def test_load_shape_sources(tmp_path: Path) -> None:
 
 
 def setup_from_state(state: dict, shape: ModelShape, tokens: int, **fixed: object) -> TrainSetup:
-    """The planner's setup for a committed benchmark row, from the switches the engine reported for it. The
-    committed tables were measured with K/V repeated to every query head (torch 2.11, before they went to the
-    kernel grouped)."""
-    chunked = state["chunked_mlp"]["on"]
-    return TrainSetup(
-        tokens=tokens,
-        checkpointing=state["checkpointing"]["mode"],
-        fused_loss=state["fused_loss"]["on"],
-        lora_16bit=state["lora_16bit"]["on"],
-        host_embedding=state["host_embedding"]["on"],
-        attention=state["metadata_cache"]["backend"] if state["metadata_cache"]["on"] else "sdpa",
-        native_gqa=False,
-        chunk_tokens=chunk_tokens_for(shape.intermediate_size, shape.hidden_size) if chunked else None,
-        chunk_scope="mlp" if state["fused_kernels"]["on"] else "all",
-        **fixed,  # type: ignore[arg-type]
-    )
+    """The committed tables were measured with K/V repeated to every query head (torch 2.11, before they went to
+    the kernel grouped)."""
+    return setup_from_speed_state(state, shape, tokens, native_gqa=False, **fixed)
 
 
 def phase_peak(probe: dict) -> float:

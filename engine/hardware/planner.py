@@ -24,8 +24,9 @@ every activation, is fp32 (what the 8B QLoRA rows of ``benchmarks/planner_accura
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 from engine.hardware.shapes import ModelShape
 
@@ -189,6 +190,29 @@ def weight_bytes(shape: ModelShape, setup: TrainSetup) -> int:
         other_bytes = 4 if setup.kbit_upcast else setup.dtype_bytes
         return int(linear * NF4_BYTES_PER_PARAM) + other * other_bytes
     return (linear + other) * setup.dtype_bytes
+
+
+def setup_from_speed_state(
+    state: Mapping[str, Mapping[str, Any]], shape: ModelShape, tokens: int, **fixed: Any
+) -> TrainSetup:
+    """The setup to plan for a step that ran with the speed switches in ``state`` (``SpeedController.state()``,
+    as runs and benchmarks record it); ``fixed`` sets the rest (qlora, lora_rank, ...)."""
+
+    def on(name: str) -> bool:
+        return bool(state.get(name, {}).get("on", False))
+
+    cache = state.get("metadata_cache", {})
+    return TrainSetup(
+        tokens=tokens,
+        checkpointing=state.get("checkpointing", {}).get("mode", "none"),  # type: ignore[arg-type]
+        fused_loss=on("fused_loss"),
+        lora_16bit=on("lora_16bit"),
+        host_embedding=on("host_embedding"),
+        attention=cache.get("backend") if cache.get("on") else "sdpa",  # type: ignore[arg-type]
+        chunk_tokens=chunk_tokens_for(shape.intermediate_size, shape.hidden_size) if on("chunked_mlp") else None,
+        chunk_scope="mlp" if on("fused_kernels") else "all",
+        **fixed,
+    )
 
 
 def host_embedding_bytes(shape: ModelShape, setup: TrainSetup) -> int:
