@@ -9,6 +9,7 @@ module imports neither Qt nor ``datasets``, so it runs on a bare GPU machine: ``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -297,7 +298,9 @@ def time_variant(
     if "ms_per_step" in row:
         row["tokens_per_s"] = batch.num_tokens / row["ms_per_step"] * 1e3
         row["mfu"] = model_flops(model, batch) / (row["ms_per_step"] / 1e3) / (peak_tflops * 1e12)
-    row["planned_peak_gib"] = planned_peak_gib(name, row["state"], batch.num_tokens, torch.cuda.get_device_capability())
+    with contextlib.suppress(KeyError, ValueError, TypeError):  # a state the planner cannot read loses only this column
+        capability = torch.cuda.get_device_capability()
+        row["planned_peak_gib"] = planned_peak_gib(name, row["state"], batch.num_tokens, capability)
     print(_row_line(row), flush=True)
     torch.cuda.empty_cache()
     return row
