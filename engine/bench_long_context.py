@@ -268,6 +268,16 @@ def train_steps(model: Any, controller: Any, batch: Any, steps: int, device: tor
     return out
 
 
+def planned_peak_gib(state: dict[str, Any], tokens: int) -> float:
+    """The memory planner's prediction for a probe, from the switches it ran with."""
+    from engine.hardware.planner import estimate_memory, setup_from_speed_state
+    from engine.hardware.shapes import ModelShape
+
+    shape = ModelShape.from_config_dict(LLAMA_8B, "llama-3.1-8b")
+    setup = setup_from_speed_state(state, shape, tokens, qlora=True, lora_rank=LORA_RANK)
+    return estimate_memory(shape, setup).peak / GIB
+
+
 def probe(tokens: int, cap_gib: float | None, variant: str, steps: int = 2) -> dict[str, Any]:
     """Build, then train ``steps`` steps on a ``tokens``-token row under the cap; never raises for out of memory."""
     from engine.speed import SpeedController
@@ -287,6 +297,7 @@ def probe(tokens: int, cap_gib: float | None, variant: str, steps: int = 2) -> d
         controller = SpeedController(model, speed_settings(variant), device)
         result["steps"] = train_steps(model, controller, one_document(tokens, config.vocab_size), steps, device)
         result["state"] = controller.state()
+        result["planned_peak_gib"] = planned_peak_gib(result["state"], tokens)
         result["ok"] = True
     except torch.OutOfMemoryError as err:
         result["error"] = "out of memory: " + str(err).splitlines()[0][:160]
@@ -460,12 +471,13 @@ def markdown(report: dict[str, Any]) -> str:
         "`stock` = transformers + peft (`prepare_model_for_kbit_training`, standard checkpointing, sdpa).",
         "",
         "| variant | cap GiB | longest that trains | shortest that failed | resolution | target | peak GiB at longest "
-        "| s/step at longest | probes |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| planned GiB | s/step at longest | probes |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for row in report["searches"]:
         best = next((p for p in row["probes"] if p["ok"] and p["tokens"] == row["longest"]), None)
         peak = f"{peak_gib(best):.2f}" if best else "-"
+        planned = f"{best['planned_peak_gib']:.2f}" if best and "planned_peak_gib" in best else "-"
         step = f"{best['steps'][-1]['seconds']:.1f}" if best else "-"
         probes = ", ".join(f"{p['tokens']:,}{'✓' if p['ok'] else '✗'}" for p in row["probes"])
 
@@ -474,7 +486,7 @@ def markdown(report: dict[str, Any]) -> str:
 
         lines.append(
             f"| {row['variant']} | {row['cap_gib']:g} | {fmt(row['longest'])} | {fmt(row['shortest_failure'])} "
-            f"| {fmt(row['resolution'])} | {fmt(row['target'])} | {peak} | {step} | {probes} |"
+            f"| {fmt(row['resolution'])} | {fmt(row['target'])} | {peak} | {planned} | {step} | {probes} |"
         )
     lines += ["", *report.get("notes", [])]
     return "\n".join(lines) + "\n"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,6 +14,8 @@ from engine.bench_long_context import (
     longest_passing,
     markdown,
     one_document,
+    peak_gib,
+    planned_peak_gib,
     speed_settings,
     with_lora,
 )
@@ -89,7 +94,8 @@ def test_variants_turn_the_memory_switches_on_or_off() -> None:
 
 def test_table_lists_every_search() -> None:
     phases = {"forward": {"peak_gib": 7.0}, "backward": {"peak_gib": 7.5}, "optimizer": {"peak_gib": 6.9}}
-    probe = {"tokens": 16384, "ok": True, "steps": [{**phases, "seconds": 3.0}, {**phases, "seconds": 2.5}]}
+    probe = {"tokens": 16384, "ok": True, "steps": [{**phases, "seconds": 3.0}, {**phases, "seconds": 2.5}],
+             "planned_peak_gib": 7.8123}  # fmt: skip
     report = {
         "environment": {"gpu": "H200", "date": "2026-11-30", "versions": {"torch": "2.11"}},
         "searches": [
@@ -98,7 +104,17 @@ def test_table_lists_every_search() -> None:
         ],
     }  # fmt: skip
     table = markdown(report)
-    assert "| tunedeck | 8 | 16,384 | 18,432 | 2,048 | 14,000 | 7.50 | 2.5 | 16,384✓, 18,432✗ |" in table
+    assert "| tunedeck | 8 | 16,384 | 18,432 | 2,048 | 14,000 | 7.50 | 7.81 | 2.5 | 16,384✓, 18,432✗ |" in table
+
+
+def test_a_probe_s_planned_peak_is_the_planners_for_its_switches() -> None:
+    """The committed 8 GiB probe at 16,384 tokens: its switches give the plan the planner's tests hold to the
+    measurement (within 10% above; here with grouped K/V, which the engine now passes)."""
+    data = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "long_context_h200.json").read_text())
+    probe = next(p for s in data["searches"] if s["cap_gib"] == 8.0 for p in s["probes"] if p["tokens"] == 16384)
+    planned = planned_peak_gib(probe["state"], 16384)
+    assert planned < planned_peak_gib(probe["state"], 32768)
+    assert 0.95 * peak_gib(probe) < planned < 1.10 * peak_gib(probe)
 
 
 def test_variants_differ_in_the_embedding_switch() -> None:
