@@ -153,6 +153,7 @@ class RunCharts(QWidget):
         for line in getattr(self, "_mark_lines", []):
             self.speed.removeItem(line)
         self._mark_lines: list[Any] = []
+        self._drawn_marks: tuple[tuple[Any, ...], tuple[Any, ...]] = ((), ())
         self.marks = []
         self._dirty = set(CHARTS)
 
@@ -279,28 +280,33 @@ class RunCharts(QWidget):
         self._draw_marks()
 
     def _draw_marks(self) -> None:
-        """Every speed change as a dotted line, labelled where the label has room at the chart's current zoom."""
+        """Every speed change as a dotted line, labelled where the label has room at the chart's current zoom;
+        the lines are rebuilt only when a mark or a label's place changed."""
+        places: list[tuple[int, bool] | None] = []
+        if self.marks:
+            box = self.speed.getViewBox()
+            box.updateAutoRange()  # the curve's new points widen the range only at the next paint otherwise
+            (left, right), width_px = box.viewRange()[0], max(1.0, box.width())
+            metrics = QFontMetrics(QFont())
+            widths = [metrics.horizontalAdvance(label) for _, label in self.marks]
+            places = place_labels([step for step, _ in self.marks], widths, (right - left) / width_px, right)
+        drawn = (tuple(self.marks), tuple(places))
+        if drawn == self._drawn_marks:
+            return
         for line in self._mark_lines:
             self.speed.removeItem(line)
-        self._mark_lines = []
-        if not self.marks:
-            return
-        box = self.speed.getViewBox()
-        box.updateAutoRange()  # the curve's new points widen the range only at the next paint otherwise
-        (left, right), width_px = box.viewRange()[0], max(1.0, box.width())
-        metrics = QFontMetrics(QFont())
-        steps = [step for step, _ in self.marks]
-        widths = [metrics.horizontalAdvance(label) for _, label in self.marks]
-        places = place_labels(steps, widths, (right - left) / width_px, right)
-        for (step, label), place in zip(self.marks, places, strict=True):
-            pen = pg.mkPen(MARK_COLOR, style=pg.QtCore.Qt.PenStyle.DotLine)
-            if place is None:
-                line = pg.InfiniteLine(pos=step, angle=90, pen=pen)
-            else:
-                row, leftward = place
-                anchor = (1, 0.5) if leftward else (0, 0.5)
-                options = {"position": 0.95 - 0.12 * row, "color": MARK_COLOR, "anchors": [anchor, anchor]}
-                line = pg.InfiniteLine(pos=step, angle=90, pen=pen, label=label, labelOpts=options)
-            line.setToolTip(f"step {step}: {label}")
-            self.speed.addItem(line, ignoreBounds=True)
-            self._mark_lines.append(line)
+        self._mark_lines = [self._mark_line(step, label, place) for (step, label), place in zip(*drawn, strict=True)]
+        self._drawn_marks = drawn
+
+    def _mark_line(self, step: int, label: str, place: tuple[int, bool] | None) -> Any:
+        pen = pg.mkPen(MARK_COLOR, style=pg.QtCore.Qt.PenStyle.DotLine)
+        if place is None:
+            line = pg.InfiniteLine(pos=step, angle=90, pen=pen)
+        else:
+            row, leftward = place
+            anchor = (1, 0.5) if leftward else (0, 0.5)
+            options = {"position": 0.95 - 0.12 * row, "color": MARK_COLOR, "anchors": [anchor, anchor]}
+            line = pg.InfiniteLine(pos=step, angle=90, pen=pen, label=label, labelOpts=options)
+        line.setToolTip(f"step {step}: {label}")
+        self.speed.addItem(line, ignoreBounds=True)
+        return line

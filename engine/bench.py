@@ -27,35 +27,15 @@ from typing import Any
 import torch
 
 from engine.config import SpeedConfig
+from engine.hardware.shapes import BUILTIN_CONFIGS
 from engine.packing import PackedBatch, TokenizedExample, collate
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 DENSE_SHAPES: dict[str, dict[str, Any]] = {
-    "qwen3-0.6b": dict(
-        model_type="qwen3",
-        vocab_size=151936,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=65536,
-        tie_word_embeddings=True,
-    ),
-    "llama-3.2-1b": dict(
-        model_type="llama",
-        vocab_size=128256,
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=64,
-        max_position_embeddings=131072,
-        tie_word_embeddings=True,
-    ),
+    # the planner's built-in shapes, plus the context length the random-init model is built with
+    "qwen3-0.6b": dict(BUILTIN_CONFIGS["qwen3-0.6b"], max_position_embeddings=65536),
+    "llama-3.2-1b": dict(BUILTIN_CONFIGS["llama-3.2-1b"], max_position_embeddings=131072),
     "tiny": dict(  # smoke test of the bench itself
         model_type="qwen3",
         vocab_size=1024,
@@ -309,12 +289,11 @@ def time_variant(
 def planned_peak_gib(name: str, state: dict[str, Any], tokens: int, capability: tuple[int, int]) -> float:
     """The memory planner's prediction for a variant's step, from the switches it ran with: beside the measured
     peak it shows how far to trust the planner on this GPU."""
-    from engine.hardware.planner import GIB, estimate_memory, setup_from_speed_state
+    from engine.hardware.planner import GIB, state_peak_bytes
     from engine.hardware.shapes import ModelShape
 
     shape = ModelShape.from_config_dict(DENSE_SHAPES[name], name)
-    setup = setup_from_speed_state(state, shape, tokens, lora_rank=16)
-    return estimate_memory(shape, setup, capability).peak / GIB
+    return state_peak_bytes(shape, state, tokens, capability, lora_rank=16) / GIB
 
 
 def compile_counts() -> dict[str, int]:

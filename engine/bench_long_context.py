@@ -35,19 +35,11 @@ from typing import Any
 
 import torch
 
+from engine.hardware.shapes import BUILTIN_CONFIGS
+
 GIB = 1 << 30
 LLAMA_8B: dict[str, Any] = dict(
-    model_type="llama",
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    max_position_embeddings=131072,
-    rope_theta=500000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
+    BUILTIN_CONFIGS["llama-3.1-8b"], max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5
 )
 LORA_RANK = 32
 ROUND_TOKENS = 256
@@ -270,12 +262,11 @@ def train_steps(model: Any, controller: Any, batch: Any, steps: int, device: tor
 
 def planned_peak_gib(state: dict[str, Any], tokens: int) -> float:
     """The memory planner's prediction for a probe, from the switches it ran with."""
-    from engine.hardware.planner import estimate_memory, setup_from_speed_state
+    from engine.hardware.planner import state_peak_bytes
     from engine.hardware.shapes import ModelShape
 
     shape = ModelShape.from_config_dict(LLAMA_8B, "llama-3.1-8b")
-    setup = setup_from_speed_state(state, shape, tokens, qlora=True, lora_rank=LORA_RANK)
-    return estimate_memory(shape, setup).peak / GIB
+    return state_peak_bytes(shape, state, tokens, qlora=True, lora_rank=LORA_RANK) / GIB
 
 
 def probe(tokens: int, cap_gib: float | None, variant: str, steps: int = 2) -> dict[str, Any]:

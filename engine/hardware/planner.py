@@ -215,6 +215,17 @@ def setup_from_speed_state(
     )
 
 
+def state_peak_bytes(
+    shape: ModelShape,
+    state: Mapping[str, Mapping[str, Any]],
+    tokens: int,
+    compute_capability: tuple[int, int] | None = (9, 0),
+    **fixed: Any,
+) -> int:
+    """Predicted peak of a step that ran with the speed switches in ``state`` (:func:`setup_from_speed_state`)."""
+    return estimate_memory(shape, setup_from_speed_state(state, shape, tokens, **fixed), compute_capability).peak
+
+
 def host_embedding_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     """What the input embedding table takes on the GPU: nothing to move when the output head shares it."""
     if shape.tied_embeddings:

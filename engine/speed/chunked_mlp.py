@@ -50,9 +50,6 @@ __all__ = [
     "resolve",
 ]
 
-CHUNK_BYTES = planner.CHUNK_BYTES
-MIN_CHUNK_TOKENS = planner.MIN_CHUNK_TOKENS
-MAX_CHUNK_TOKENS = planner.MAX_CHUNK_TOKENS
 CHUNK_TOKENS = 4096
 """Chunk size for a model whose configuration does not give the MLP's width."""
 AUTO_MIN_TOKENS = planner.CHUNK_MIN_ROW_TOKENS
