@@ -177,16 +177,23 @@ class ChatView(QWidget):
     # --------------------------------------------------------------------------------------------- loading
 
     def refresh_runs(self) -> None:
-        """Fill the picker with the registry's runs that have an adapter to load."""
-        self.runs.clear()
+        """Fill the picker with the registry's runs that have an adapter to load, keeping the chosen one.
+
+        The main window calls this whenever a run ends, so a run finished in this session can be loaded at once.
+        """
         try:
             records = (self.registry or Registry()).runs()
         except Exception as err:  # a broken history must not break chatting with a folder
             self.status.setText(f"cannot read the run history: {err}")
             return
+        chosen = self.runs.currentData()
+        self.runs.clear()
         for record in records:
             if (Path(record.folder) / "adapter" / "adapter_config.json").exists():
                 self.runs.addItem(f"{record.name}  ({Path(record.model).name or record.model})", record.folder)
+        index = self.runs.findData(chosen) if chosen is not None else -1
+        self.runs.setCurrentIndex(max(index, 0) if self.runs.count() else -1)
+        self._update_buttons()
 
     def _browse(self) -> None:
         folder = QFileDialog.getExistingDirectory(self, "Run folder")

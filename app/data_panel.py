@@ -88,7 +88,6 @@ class DataPanel(QWidget):
         body.addWidget(left)
         body.addWidget(_titled("Preview (highlighted: tokens the model learns to predict)", self.preview))
         layout = QVBoxLayout(self)
-        layout.addWidget(QLabel("<h2>Dataset</h2>"))
         layout.addLayout(top)
         layout.addWidget(self.summary)
         layout.addWidget(body, 1)

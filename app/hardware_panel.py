@@ -54,7 +54,6 @@ class HardwarePanel(QWidget):
         super().__init__()
         self.state = state
         self.tasks = tasks
-        self.title = QLabel("<h2>This computer</h2>")
         self.summary = QLabel("Looking for an NVIDIA GPU…")
         self.summary.setWordWrap(True)
         self.versions = QLabel("")
@@ -68,7 +67,7 @@ class HardwarePanel(QWidget):
         self.notes = QLabel("")
         self.notes.setWordWrap(True)
         layout = QVBoxLayout(self)
-        for widget in (self.title, self.summary, self.versions):
+        for widget in (self.summary, self.versions):
             layout.addWidget(widget)
         layout.addWidget(QLabel("<b>What TuneDeck will do with it</b>"))
         layout.addWidget(self.table)

@@ -1,8 +1,10 @@
 """The main window: a list of pages on the left, the chosen page on the right. Navigation only.
 
 Each page is its own panel module; the window builds them, hands them the shared state and the run controller,
-and switches pages. Heavy modules (torch, transformers) are never imported here: hardware detection starts in
-the background once the window is on screen, so it appears in well under three seconds.
+puts each under the common page header, and switches pages. Heavy modules (torch, transformers) are never
+imported here: hardware detection starts in the background once the window is on screen, so it appears in well
+under three seconds. The window keeps its size, position and page between sessions (QSettings) and follows the
+system's light or dark look.
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ import sys
 from collections.abc import Sequence
 from types import TracebackType
 
-from PySide6.QtCore import Qt, QTimer
-from PySide6.QtGui import QCloseEvent
+from PySide6.QtCore import QSettings, Qt, QTimer
+from PySide6.QtGui import QCloseEvent, QGuiApplication
 from PySide6.QtWidgets import QApplication, QHBoxLayout, QListWidget, QMainWindow, QStackedWidget, QWidget
 
 from app.app_state import AppState
@@ -20,24 +22,33 @@ from app.data_panel import DataPanel
 from app.hardware_panel import HardwarePanel
 from app.icon import app_icon
 from app.model_panel import ModelPanel
-from app.run_charts import configure_plots
+from app.page_header import Page
 from app.run_controller import FAILED, FINISHED, RunController
 from app.run_panel import RunPanel
 from app.setup_panel import SetupPanel
 from app.setup_view import SetupView, torch_missing
 from app.speed_panel import SpeedPanel
+from app.theme import apply_look, style_plots, system_is_dark
 from app.worker import TaskRunner, describe_error
+
+DEFAULT_SIZE = (1280, 820)
+
+
+def app_settings() -> QSettings:
+    """Where the window keeps its state: an INI file in the user's configuration folder."""
+    return QSettings(QSettings.Format.IniFormat, QSettings.Scope.UserScope, "TuneDeck", "TuneDeck")
 
 
 class MainWindow(QMainWindow):
     """Pages: This computer, Model, Dataset, Setup, Run, Speed, GPU setup (and Runs, Chat when installed)."""
 
-    def __init__(self, *, detect_on_show: bool = True) -> None:
+    def __init__(self, *, detect_on_show: bool = True, settings: QSettings | None = None) -> None:
         super().__init__()
         self.setWindowTitle("TuneDeck")
         self.setWindowIcon(app_icon())
-        self.resize(1200, 780)
-        configure_plots()
+        self.settings = settings if settings is not None else app_settings()
+        self.dark = system_is_dark()
+        apply_look(self.dark)  # before the charts are built: they take the palette's colours
         self.state = AppState(self)
         self.tasks = TaskRunner(self)
         self.controller = RunController(self)
@@ -53,6 +64,7 @@ class MainWindow(QMainWindow):
         self.nav.setFixedWidth(170)
         self.nav.setStyleSheet("QListWidget { font-size: 14px; } QListWidget::item { padding: 8px 6px; }")
         self.nav.currentRowChanged.connect(self.pages.setCurrentIndex)
+        self._panels: dict[str, QWidget] = {}
         pages = [
             ("This computer", self.hardware_panel),
             ("Model", self.model_panel),
@@ -66,8 +78,7 @@ class MainWindow(QMainWindow):
             self.add_page(title, page)
             if hasattr(page, "resume_requested"):  # the Runs page: resume a stopped run here
                 page.resume_requested.connect(self.run_panel.resume_run)
-            if hasattr(page, "refresh"):  # pages listing runs show a run's end at once, not at their next poll
-                self.controller.state_changed.connect(lambda state, page=page: self._run_ended(state, page))
+        self.controller.state_changed.connect(self._run_ended)
         self.run_panel.start_requested.connect(lambda: self.show_page("Run"))
         self.setup_view.installed.connect(lambda: None if torch_missing() else self.hardware_panel.detect())
         self.controller.telemetry.connect(self._telemetry_warning)
@@ -76,11 +87,11 @@ class MainWindow(QMainWindow):
         layout.addWidget(self.nav)
         layout.addWidget(self.pages, 1)
         self.setCentralWidget(body)
+        hints = QGuiApplication.styleHints()
+        if hints is not None:  # the system switched between light and dark while the app is open
+            hints.colorSchemeChanged.connect(lambda scheme: self.set_look(scheme == Qt.ColorScheme.Dark))
         needs_torch = torch_missing()  # without torch, nothing but setup works: open there
-        if needs_torch:
-            self.show_page("GPU setup")
-        else:
-            self.nav.setCurrentRow(0)
+        self.restore_state(first_page="GPU setup" if needs_torch else None)
         if detect_on_show:  # after the first paint, never before
             QTimer.singleShot(0, self.setup_view.refresh)
             if not needs_torch:
@@ -88,26 +99,64 @@ class MainWindow(QMainWindow):
 
     def add_page(self, title: str, page: QWidget) -> None:
         self.nav.addItem(title)
-        self.pages.addWidget(page)
+        self.pages.addWidget(Page(title, page))
+        self._panels[title] = page
+
+    def page(self, title: str) -> QWidget | None:
+        """The panel shown under ``title`` (None when the page is not installed)."""
+        return self._panels.get(title)
 
     def show_page(self, title: str) -> None:
         items = self.nav.findItems(title, Qt.MatchFlag.MatchExactly)
         if items:
             self.nav.setCurrentItem(items[0])
 
+    def current_page(self) -> str:
+        item = self.nav.currentItem()
+        return item.text() if item is not None else ""
+
+    def set_look(self, dark: bool) -> None:
+        """Light or dark: the palette for every widget, and every chart recoloured from it."""
+        self.dark = dark
+        apply_look(dark)
+        style_plots([self])
+
     def _telemetry_warning(self, event: object) -> None:
         """Spill and throttling warnings also go to the status bar, seen from every page."""
         if type(event).__name__ == "TelemetryWarning":
             self.statusBar().showMessage(f"⚠ {getattr(event, 'message', '')}")
 
-    def _run_ended(self, state: str, page: QWidget) -> None:
-        if state in (FINISHED, FAILED):
-            page.refresh()  # type: ignore[attr-defined]
+    def _run_ended(self, state: str) -> None:
+        """Pages listing runs show a run's end (finished, stopped or failed) at once, not at their next poll."""
+        if state not in (FINISHED, FAILED):
+            return
+        runs, chat = self.page("Runs"), self.page("Chat")
+        if runs is not None:
+            runs.refresh()  # type: ignore[attr-defined]
+        if chat is not None:
+            chat.refresh_runs()  # type: ignore[attr-defined]
 
     def page_titles(self) -> list[str]:
         return [self.nav.item(i).text() for i in range(self.nav.count())]
 
+    def restore_state(self, first_page: str | None = None) -> None:
+        """Size, position and page as the user left them; ``first_page`` wins over the remembered page."""
+        geometry = self.settings.value("window/geometry")
+        if geometry is None or not self.restoreGeometry(geometry):
+            self.resize(*DEFAULT_SIZE)
+        page = first_page or str(self.settings.value("window/page", "") or "")
+        if page in self.page_titles():
+            self.show_page(page)
+        else:
+            self.nav.setCurrentRow(0)
+
+    def save_state(self) -> None:
+        self.settings.setValue("window/geometry", self.saveGeometry())
+        self.settings.setValue("window/page", self.current_page())
+        self.settings.sync()
+
     def closeEvent(self, event: QCloseEvent) -> None:
+        self.save_state()
         self.setup_view.shutdown()
         self.controller.shutdown()
         self.tasks.wait_all()

@@ -57,7 +57,6 @@ class ModelPanel(QWidget):
         self.download.hide()
         self.details = QTextBrowser()
         layout = QVBoxLayout(self)
-        layout.addWidget(QLabel("<h2>Model</h2>"))
         grid = QGridLayout()
         grid.addWidget(self.demo, 0, 0, 1, 3)
         grid.addWidget(self.folder, 1, 0)

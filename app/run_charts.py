@@ -22,6 +22,8 @@ from PySide6.QtCore import QTimer
 from PySide6.QtGui import QFont, QFontMetrics
 from PySide6.QtWidgets import QGridLayout, QWidget
 
+from app.theme import current_chart_colors, style_plot
+
 GIB = 1 << 30
 REDRAW_MS = 80
 CHARTS = ("loss", "speed", "memory", "gpu")
@@ -95,8 +97,9 @@ class Lane:
 
 
 def configure_plots() -> None:
-    """White charts with dark axes, like the rest of the window; call before creating plot widgets."""
-    pg.setConfigOptions(antialias=False, background="w", foreground="#333")
+    """Charts in the window's colours (light or dark); call before creating plot widgets."""
+    colors = current_chart_colors()
+    pg.setConfigOptions(antialias=False, background=colors.background, foreground=colors.foreground)
 
 
 class RunCharts(QWidget):
@@ -139,6 +142,7 @@ class RunCharts(QWidget):
         if left:
             plot.setLabel("left", left)
         plot.showGrid(x=True, y=True, alpha=0.2)
+        style_plot(plot, current_chart_colors())
         return plot
 
     def clear(self) -> None:

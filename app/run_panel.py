@@ -12,12 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from PySide6.QtCore import Signal
-from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
-    QListWidget,
-    QListWidgetItem,
     QProgressBar,
     QPushButton,
     QVBoxLayout,
@@ -27,8 +24,10 @@ from PySide6.QtWidgets import (
 from app import run_controller as rc
 from app.app_state import AppState
 from app.gpu_selector import GpuSelector
+from app.notices import NoticeList
 from app.run_charts import RunCharts
 from app.setup_panel import fit_warning
+from app.theme import ERROR_COLOR
 from app.worker import describe_error
 from engine.config import RunConfig
 from engine.events import (
@@ -90,7 +89,7 @@ class RunPanel(QWidget):
         self.status.setWordWrap(True)
         self.error = QLabel("")
         self.error.setWordWrap(True)
-        self.error.setStyleSheet("color:#b00020; font-weight:bold")
+        self.error.setStyleSheet(f"color:{ERROR_COLOR}; font-weight:bold")
         self.progress = QProgressBar()
         self.eta = QLabel("")
         self.eta.setFixedWidth(120)
@@ -100,7 +99,7 @@ class RunPanel(QWidget):
             label.setFixedHeight(label.fontMetrics().lineSpacing() * lines + 6)
         self.charts = RunCharts()
         self.gpu_selector = GpuSelector()
-        self.warnings = QListWidget()
+        self.warnings = NoticeList()
         self.warnings.setMaximumHeight(72)
         self.step_times: deque[float] = deque(maxlen=ETA_WINDOW)
         self.speed_state: dict[str, dict[str, object]] = {}
@@ -121,7 +120,6 @@ class RunPanel(QWidget):
         progress.addWidget(self.progress, 1)
         progress.addWidget(self.eta)
         layout = QVBoxLayout(self)
-        layout.addWidget(QLabel("<h2>Run</h2>"))
         layout.addWidget(self.gpu_selector)
         layout.addLayout(buttons)
         layout.addWidget(self.status)
@@ -181,7 +179,7 @@ class RunPanel(QWidget):
         self.start_requested.emit()
 
     def show_error(self, message: str, hint: str | None) -> None:
-        advice = f"<br><span style='color:#333'>What to do: {html.escape(hint)}</span>" if hint else ""
+        advice = f"<br><span style='font-weight:normal'>What to do: {html.escape(hint)}</span>" if hint else ""
         self.error.setText(html.escape(message) + advice)
 
     def on_event(self, event: object) -> None:
@@ -206,9 +204,9 @@ class RunPanel(QWidget):
                 self.charts.mark_speed_change(event.step, label)
             self.speed_state = event.state
         elif isinstance(event, Notice):
-            self.warnings.addItem(f"Note: {event.message}")
-        elif isinstance(event, CheckpointSaved):
-            self.warnings.addItem(f"Checkpoint saved at step {event.step}")
+            self.warnings.add(f"Note: {event.message}")
+        elif isinstance(event, CheckpointSaved):  # one line, updated: not a list growing every few steps
+            self.warnings.add(f"Last checkpoint: step {event.step}", key="checkpoint")
         elif isinstance(event, RunFinished):
             what = "Stopped" if event.cancelled else "Finished"
             loss = f", last loss {event.final_loss:.3f}" if event.final_loss is not None else ""
@@ -236,9 +234,7 @@ class RunPanel(QWidget):
             self.charts.add_sample(event, host)
 
     def _add_warning(self, message: str) -> None:
-        item = QListWidgetItem(f"⚠ {message}")
-        item.setForeground(QColor("#b00020"))
-        self.warnings.insertItem(0, item)  # newest on top, where the user looks
+        self.warnings.add(message, warning=True)
 
     def _update_buttons(self, state: str) -> None:
         self.start_button.setEnabled(not self.controller.active)

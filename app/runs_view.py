@@ -31,6 +31,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.theme import current_chart_colors, style_plot
 from engine.errors import TuneDeckError
 from engine.registry import Registry, RunRecord
 
@@ -120,12 +121,12 @@ class RunsView(QWidget):
         return table
 
     def _build_chart(self) -> pg.PlotWidget:
-        pg.setConfigOptions(antialias=True, background="w", foreground="#333")
         chart = pg.PlotWidget(title="Loss of the selected runs")
         chart.setLabel("bottom", "step")
         chart.setLabel("left", "loss")
         chart.showGrid(x=True, y=True, alpha=0.2)
         chart.addLegend(offset=(-10, 10))
+        style_plot(chart, current_chart_colors())
         return chart
 
     def _build_buttons(self) -> QHBoxLayout:

@@ -82,7 +82,6 @@ class SetupPanel(QWidget):
         top.addWidget(self.preset)
         top.addStretch(1)
         layout = QVBoxLayout(self)
-        layout.addWidget(QLabel("<h2>Setup</h2>"))
         layout.addLayout(top)
         layout.addWidget(self.chosen)
         layout.addWidget(self.warning)

@@ -114,7 +114,6 @@ class SetupView(QWidget):
         for empty in (self.warnings, self.stage, self.result):
             empty.hide()  # shown when they have something to say: no blank gaps
         page = QVBoxLayout(self)
-        page.addWidget(QLabel("<h2>GPU setup</h2>"))
         page.addWidget(self.status)
         page.addLayout(self._detection_form())
         for part in (self.warnings, self.stage):

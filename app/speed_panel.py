@@ -83,7 +83,6 @@ class SpeedPanel(QWidget):
             compare.addWidget(widget)
         compare.addStretch(1)
         layout = QVBoxLayout(self)
-        layout.addWidget(QLabel("<h2>Speed switches</h2>"))
         layout.addWidget(_wrapping_label("Flip a switch during a run: it applies from the next step, and the "
                                          "tokens/s chart on the Run page marks the moment."))  # fmt: skip
         layout.addLayout(grid)

@@ -40,10 +40,13 @@ def no_dangling_qthreads(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 @pytest.fixture
 def window(qtbot: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """The main window with its run folder and run history under tmp_path; closed (run stopped, threads joined)."""
+    from PySide6.QtCore import QSettings
+
     from app.main_window import MainWindow
 
     monkeypatch.setenv("TUNEDECK_HOME", str(tmp_path / "home"))
-    win = MainWindow(detect_on_show=False)
+    settings = QSettings(str(tmp_path / "window.ini"), QSettings.Format.IniFormat)
+    win = MainWindow(detect_on_show=False, settings=settings)
     win.setup_panel.form.editor("output.dir").setText(str(tmp_path / "runs"))
     qtbot.addWidget(win)
     win.show()

@@ -1,0 +1,60 @@
+"""Every page starts the same way: its title and one line saying what the page is for.
+
+The main window puts a :class:`Page` (header above the panel) in its page stack, so the panels themselves carry
+no title and every page lines up alike.
+"""
+
+from __future__ import annotations
+
+from PySide6.QtWidgets import QFrame, QLabel, QVBoxLayout, QWidget
+
+PAGE_TEXT = {
+    "This computer": "The GPU TuneDeck found, and what it will use on it, each choice with its reason.",
+    "Model": "The model to fine-tune: the built-in demo, a local folder or a Hugging Face hub id.",
+    "Dataset": "The examples to learn from, checked row by row, with the tokens that will be trained.",
+    "Setup": "How long and how hard to train: a preset, or every setting under Advanced.",
+    "Run": "Start, pause and stop the run, and watch its loss, speed and memory live.",
+    "Speed": "Each speed optimization, whether it is on here and why; flip one live or measure them.",
+    "GPU setup": "Install or repair the torch build that matches this computer's GPU.",
+    "Runs": "Every run so far: compare their loss curves, resume a stopped one, export a finished one.",
+    "Chat": "Talk to a fine-tuned model, with the base model's answer to the same prompt beside it.",
+}
+"""The one-line explanation under each page's title."""
+
+
+class PageHeader(QWidget):
+    """A page's title (large, bold) and one line of explanation, over a thin rule."""
+
+    def __init__(self, title: str, text: str, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.title = QLabel(title)
+        font = self.title.font()
+        font.setPointSizeF(font.pointSizeF() * 1.5)
+        font.setBold(True)
+        self.title.setFont(font)
+        self.text = QLabel(text)
+        self.text.setWordWrap(True)
+        rule = QFrame()
+        rule.setFrameShape(QFrame.Shape.HLine)
+        rule.setFrameShadow(QFrame.Shadow.Sunken)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(11, 8, 11, 0)
+        layout.setSpacing(2)
+        layout.addWidget(self.title)
+        layout.addWidget(self.text)
+        layout.addSpacing(4)
+        layout.addWidget(rule)
+
+
+class Page(QWidget):
+    """A panel under its header; ``panel`` is the page's own widget."""
+
+    def __init__(self, title: str, panel: QWidget, text: str | None = None) -> None:
+        super().__init__()
+        self.panel = panel
+        self.header = PageHeader(title, PAGE_TEXT.get(title, "") if text is None else text)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.setSpacing(0)
+        layout.addWidget(self.header)
+        layout.addWidget(panel, 1)
