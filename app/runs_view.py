@@ -1,9 +1,10 @@
-"""The runs page: past runs in a table, their loss curves overlaid, and resume, rename and delete.
+"""The runs page: past runs in a table, their loss curves overlaid, and resume, export, rename and delete.
 
 Rows come from the run registry; curves from each run folder's ``metrics.jsonl`` and ``eval.jsonl``, so a run
 still training shows its newest steps on the next refresh (every few seconds). Selecting several runs draws them
 on one chart in distinct colours (train as lines, eval as dashed lines with dots): the way to see which settings
-worked. The panel starts nothing itself: resuming emits ``resume_requested(folder)`` for the main window.
+worked. Resuming emits ``resume_requested(folder)`` for the main window; Export opens the export dialog for the
+selected run.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.export_panel import ExportDialog
 from app.theme import current_chart_colors, style_plot
 from engine.errors import TuneDeckError
 from engine.registry import Registry, RunRecord
@@ -83,6 +85,11 @@ def _cells(record: RunRecord) -> tuple[str, ...]:
     return (record.name, model, Path(record.dataset).name, date, steps, loss, speed, status)
 
 
+def has_adapter(record: RunRecord) -> bool:
+    """Whether the run wrote an adapter (when it finished or was stopped): only then is there anything to export."""
+    return (Path(record.folder) / "adapter" / "adapter_config.json").exists()
+
+
 class RunsView(QWidget):
     """Table of runs above an overlay chart of the selected runs' loss curves, with the run actions."""
 
@@ -92,6 +99,7 @@ class RunsView(QWidget):
         super().__init__(parent)
         self.registry = registry if registry is not None else Registry()
         self.records: list[RunRecord] = []
+        self.export_dialog: ExportDialog | None = None
         self.table = self._build_table()
         self.chart = self._build_chart()
         self.message = QLabel("")
@@ -131,15 +139,18 @@ class RunsView(QWidget):
 
     def _build_buttons(self) -> QHBoxLayout:
         self.resume_button = QPushButton("Resume")
+        self.export_button = QPushButton("Export…")
+        self.export_button.setToolTip("The adapter, a merged model or a GGUF file, in a folder of your choice")
         self.rename_button = QPushButton("Rename…")
         self.delete_button = QPushButton("Delete…")
         refresh = QPushButton("Refresh")
         self.resume_button.clicked.connect(self.resume_selected)
+        self.export_button.clicked.connect(self.export_selected)
         self.rename_button.clicked.connect(lambda: self.rename_selected())
         self.delete_button.clicked.connect(lambda: self.delete_selected())
         refresh.clicked.connect(self.refresh)
         row = QHBoxLayout()
-        for button in (self.resume_button, self.rename_button, self.delete_button):
+        for button in (self.resume_button, self.export_button, self.rename_button, self.delete_button):
             row.addWidget(button)
         row.addStretch(1)
         row.addWidget(refresh)
@@ -183,6 +194,7 @@ class RunsView(QWidget):
     def _selection_changed(self) -> None:
         selected = self.selected_records()
         self.resume_button.setEnabled(len(selected) == 1 and selected[0].resumable)
+        self.export_button.setEnabled(len(selected) == 1 and has_adapter(selected[0]))
         self.rename_button.setEnabled(len(selected) == 1)
         self.delete_button.setEnabled(len(selected) == 1)
         self.draw(selected)
@@ -214,6 +226,15 @@ class RunsView(QWidget):
         selected = self.selected_records()
         if len(selected) == 1 and selected[0].resumable:
             self.resume_requested.emit(selected[0].folder)
+
+    def export_selected(self) -> ExportDialog | None:
+        """Open the export dialog for the selected run (it works in the background; the window stays usable)."""
+        selected = self.selected_records()
+        if len(selected) != 1 or not has_adapter(selected[0]):
+            return None
+        self.export_dialog = ExportDialog(selected[0].folder, selected[0].name, self)
+        self.export_dialog.open()
+        return self.export_dialog
 
     def rename_selected(self, name: str | None = None) -> None:
         selected = self.selected_records()

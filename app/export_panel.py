@@ -1,0 +1,247 @@
+"""Export a run: its adapter, a merged model, or (when the engine has it) a GGUF file for llama.cpp and Ollama.
+
+The export runs in a background thread (a merge loads the whole base model and can take minutes); the dialog
+shows each stage, says clearly what went wrong, and offers to open the folder when it is done. Exports go to
+``<run folder>/exports/<kind>`` unless the user picks another folder. GGUF is offered only when
+``engine.export`` provides ``export_gguf``; otherwise its choice is disabled and its tooltip says why.
+"""
+
+from __future__ import annotations
+
+import html
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from PySide6.QtCore import QUrl
+from PySide6.QtGui import QDesktopServices
+from PySide6.QtWidgets import (
+    QButtonGroup,
+    QCheckBox,
+    QComboBox,
+    QDialog,
+    QFileDialog,
+    QGridLayout,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QProgressBar,
+    QPushButton,
+    QRadioButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.theme import ERROR_COLOR
+from app.worker import ErrorInfo, TaskRunner
+
+Report = Callable[[str, float, float | None], None]
+MERGED_DTYPES = ("bfloat16", "float16", "float32")
+KINDS = {
+    "adapter": "Adapter only: small; loads on the same base model with peft",
+    "merged": "Merged model: the base with the adapter folded in; loads anywhere, no peft needed",
+    "gguf": "GGUF: one file for llama.cpp, Ollama and LM Studio",
+}
+NO_GGUF = "GGUF export is not part of this TuneDeck's engine yet (engine.export has no export_gguf)."
+
+
+def gguf_quants() -> tuple[str, ...]:
+    """The GGUF quantisations the engine can write, or () when it has no GGUF export."""
+    try:
+        export = importlib.import_module("engine.export")
+    except ImportError:
+        return ()
+    if not callable(getattr(export, "export_gguf", None)):
+        return ()
+    return tuple(getattr(export, "GGUF_QUANTS", ()))
+
+
+def export_job(kind: str, run_folder: Path, target: Path, option: str, overwrite: bool) -> Callable[[Report], Path]:
+    """A job for the background thread: runs the export and reports its stages through ``report``."""
+
+    def job(report: Report) -> Path:
+        import engine.export as export
+
+        if kind == "adapter":
+            report("Copying the adapter and its tokenizer…", 0, None)
+            return export.export_adapter(run_folder, target, overwrite=overwrite)
+        if kind == "merged":
+            report(f"Loading the base model and merging the adapter ({option})…", 0, None)
+            return export.export_merged(run_folder, target, dtype=option, overwrite=overwrite)
+        if kind == "gguf":
+
+            def progress(event: Any) -> None:
+                total = event.total or None
+                report(event.message or event.stage, float(event.done), None if total is None else float(total))
+
+            report("Preparing the GGUF export…", 0, None)
+            return export.export_gguf(run_folder, target, quant=option, overwrite=overwrite, on_progress=progress)
+        raise ValueError(f"unknown export kind {kind!r}")
+
+    return job
+
+
+class ExportDialog(QDialog):
+    """What to export, where to, the progress, and Open folder once it is written."""
+
+    def __init__(self, run_folder: str | Path, run_name: str = "", parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.run_folder = Path(run_folder)
+        self.setWindowTitle(f"Export {run_name or self.run_folder.name}")
+        self.tasks = TaskRunner(self)
+        self.result: Path | None = None
+        self.quants = gguf_quants()
+        self.kinds = {kind: QRadioButton(text) for kind, text in KINDS.items()}
+        self.dtype = QComboBox()
+        self.dtype.addItems(MERGED_DTYPES)
+        self.quant = QComboBox()
+        self.quant.addItems(self.quants)
+        if "q8_0" in self.quants:
+            self.quant.setCurrentText("q8_0")
+        self.target = QLineEdit()
+        self.overwrite = QCheckBox("Replace what is already in that folder")
+        self.progress = QProgressBar()
+        self.status = QLabel("")
+        self.error = QLabel("")
+        self.export_button = QPushButton("Export")
+        self.open_button = QPushButton("Open folder")
+        self.close_button = QPushButton("Close")
+        self._build()
+        self._connect()
+        self.kinds["adapter"].setChecked(True)
+        self._set_idle()
+
+    def _build(self) -> None:
+        choices = QGridLayout()
+        group = QButtonGroup(self)
+        for row, button in enumerate(self.kinds.values()):
+            group.addButton(button)
+            choices.addWidget(button, row, 0)
+        choices.addWidget(self.dtype, 1, 1)
+        choices.addWidget(self.quant, 2, 1)
+        choices.setColumnStretch(0, 1)
+        if not self.quants:
+            for widget in (self.kinds["gguf"], self.quant):
+                widget.setEnabled(False)
+                widget.setToolTip(NO_GGUF)
+        folder = QHBoxLayout()
+        browse = QPushButton("Choose…")
+        browse.clicked.connect(self._browse)
+        folder.addWidget(QLabel("Folder:"))
+        folder.addWidget(self.target, 1)
+        folder.addWidget(browse)
+        for label in (self.status, self.error):
+            label.setWordWrap(True)
+        self.error.setStyleSheet(f"color:{ERROR_COLOR}")
+        buttons = QHBoxLayout()
+        buttons.addWidget(self.export_button)
+        buttons.addWidget(self.open_button)
+        buttons.addStretch(1)
+        buttons.addWidget(self.close_button)
+        layout = QVBoxLayout(self)
+        layout.addWidget(QLabel(f"Run folder: {html.escape(str(self.run_folder))}"))
+        layout.addLayout(choices)
+        layout.addLayout(folder)
+        layout.addWidget(self.overwrite)
+        layout.addWidget(self.progress)
+        layout.addWidget(self.status)
+        layout.addWidget(self.error)
+        layout.addLayout(buttons)
+        self.resize(640, self.sizeHint().height())
+
+    def _connect(self) -> None:
+        for button in self.kinds.values():
+            button.toggled.connect(self._suggest_target)
+        self.dtype.currentTextChanged.connect(self._suggest_target)
+        self.quant.currentTextChanged.connect(self._suggest_target)
+        self.export_button.clicked.connect(self.start)
+        self.open_button.clicked.connect(self.open_folder)
+        self.close_button.clicked.connect(self.reject)
+
+    def kind(self) -> str:
+        return next(kind for kind, button in self.kinds.items() if button.isChecked())
+
+    def option(self) -> str:
+        """The merged model's dtype or the GGUF quantisation ("" for the adapter)."""
+        return {"merged": self.dtype.currentText(), "gguf": self.quant.currentText()}.get(self.kind(), "")
+
+    def _suggest_target(self) -> None:
+        if not any(button.isChecked() for button in self.kinds.values()):
+            return
+        name = "-".join(part for part in (self.kind(), self.option()) if part)
+        self.target.setText(str(self.run_folder / "exports" / name))
+        self.dtype.setEnabled(self.kind() == "merged")
+        self.quant.setEnabled(self.kind() == "gguf" and bool(self.quants))
+
+    def _browse(self) -> None:
+        folder = QFileDialog.getExistingDirectory(self, "Export into", str(self.run_folder))
+        if folder:
+            self.target.setText(folder)
+
+    def busy(self) -> bool:
+        return self.tasks.busy()
+
+    def start(self) -> None:
+        """Export in the background with the current choices."""
+        text = self.target.text().strip()
+        if not text:
+            self.show_error(ErrorInfo("choose a folder to export into"))
+            return
+        self.result = None
+        self.error.setText("")
+        self.open_button.setEnabled(False)
+        self.export_button.setEnabled(False)
+        self.close_button.setEnabled(False)
+        self.progress.setRange(0, 0)  # busy until a stage reports its size
+        job = export_job(self.kind(), self.run_folder, Path(text), self.option(), self.overwrite.isChecked())
+        self.tasks.start(job, self._done, self.show_error, self._progress)
+
+    def _progress(self, what: str, done: float, total: Any) -> None:
+        self.status.setText(what)
+        if total:
+            self.progress.setRange(0, 1000)
+            self.progress.setValue(round(1000 * min(1.0, done / float(total))))
+        else:
+            self.progress.setRange(0, 0)
+
+    def _done(self, path: Any) -> None:
+        self.result = Path(path)
+        self._set_idle()
+        self.progress.setRange(0, 1)
+        self.progress.setValue(1)
+        self.status.setText(f"Exported to {self.result}")
+        self.open_button.setEnabled(True)
+
+    def show_error(self, error: ErrorInfo) -> None:
+        self._set_idle()
+        self.status.setText("The export did not finish; nothing was left half-written.")
+        advice = (error.hint or "").replace("pass --overwrite", f"tick “{self.overwrite.text()}”")
+        hint = f"<br>What to do: {html.escape(advice)}" if advice else ""
+        self.error.setText(f"<b>Export failed:</b> {html.escape(error.message)}{hint}")
+
+    def _set_idle(self) -> None:
+        self.progress.setRange(0, 1)
+        self.progress.setValue(0)
+        self.export_button.setEnabled(True)
+        self.close_button.setEnabled(True)
+        self.open_button.setEnabled(self.result is not None)
+
+    def export_folder(self) -> Path | None:
+        """The folder holding the last export (the export itself, or the folder of an exported file)."""
+        if self.result is None:
+            return None
+        return self.result if self.result.is_dir() else self.result.parent
+
+    def open_folder(self) -> None:
+        folder = self.export_folder()
+        if folder is not None:
+            QDesktopServices.openUrl(QUrl.fromLocalFile(str(folder)))
+
+    def reject(self) -> None:
+        if not self.busy():  # an export cannot be cut short half-way: Close waits until it is done
+            super().reject()
+
+    def done(self, result: int) -> None:  # type: ignore[override]
+        self.tasks.wait_all()
+        super().done(result)
