@@ -34,6 +34,15 @@ from app.worker import TaskRunner, describe_error
 DEFAULT_SIZE = (1280, 820)
 
 
+def default_size() -> tuple[int, int]:
+    """The first start's size: 1280x820, or nine tenths of a smaller screen."""
+    screen = QGuiApplication.primaryScreen()
+    if screen is None:
+        return DEFAULT_SIZE
+    room = screen.availableGeometry()
+    return min(DEFAULT_SIZE[0], int(room.width() * 0.9)), min(DEFAULT_SIZE[1], int(room.height() * 0.9))
+
+
 def app_settings() -> QSettings:
     """Where the window keeps its state: an INI file in the user's configuration folder."""
     return QSettings(QSettings.Format.IniFormat, QSettings.Scope.UserScope, "TuneDeck", "TuneDeck")
@@ -143,7 +152,7 @@ class MainWindow(QMainWindow):
         """Size, position and page as the user left them; ``first_page`` wins over the remembered page."""
         geometry = self.settings.value("window/geometry")
         if geometry is None or not self.restoreGeometry(geometry):
-            self.resize(*DEFAULT_SIZE)
+            self.resize(*default_size())
         page = first_page or str(self.settings.value("window/page", "") or "")
         if page in self.page_titles():
             self.show_page(page)

@@ -10,13 +10,17 @@ from pathlib import Path
 import pytest
 from helpers import build_model, build_tokenizer, write_jsonl
 
-os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+# Qt without a display, on one 1920x1200 screen (offscreen's own is 800x800: a window restored from saved settings
+# would be cut down to it).
+_SCREEN = Path(tempfile.mkdtemp(prefix="tunedeck-screen-")) / "screen.json"
+_SCREEN.write_text('{"screens": [{"name": "test", "x": 0, "y": 0, "width": 1920, "height": 1200}]}')
+os.environ.setdefault("QT_QPA_PLATFORM", f"offscreen:configfile={_SCREEN}")
 os.environ.setdefault("TUNEDECK_HOME", tempfile.mkdtemp(prefix="tunedeck-home-"))  # never the user's run registry
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from PySide6.QtCore import QSettings
+from PySide6.QtCore import QSettings  # noqa: E402  (after QT_QPA_PLATFORM)
 
 # The window's remembered size and page go to a throwaway folder, never the user's settings.
 QSettings.setPath(QSettings.Format.IniFormat, QSettings.Scope.UserScope, tempfile.mkdtemp(prefix="tunedeck-qt-"))
