@@ -15,6 +15,11 @@ from dataclasses import dataclass, field
 
 from engine.config import SpeedConfig
 
+ALL = "all"
+"""The pseudo-switch of "all on vs all off"."""
+SPEED_SWITCHES = ("metadata_cache", "fused_loss", "lora_16bit", "fused_kernels")
+"""What "all on vs all off" flips (with MoE routing): the switches that trade nothing for speed. The memory savers
+(checkpointing, chunked MLP, host embedding) cost time by design and stay as the run has them."""
 TITLES = {
     "metadata_cache": "Packed-sequence metadata caching",
     "fused_loss": "Fused loss (no full logits)",
@@ -24,6 +29,7 @@ TITLES = {
     "chunked_mlp": "MLP in sequence chunks (long context)",
     "host_embedding": "Input embedding in host memory",
     "moe_routing": "MoE routing on sorted tokens",
+    ALL: "All speed switches together",
 }
 ON_OFF_SWITCHES = ("metadata_cache", "fused_loss", "lora_16bit", "fused_kernels", "chunked_mlp", "host_embedding")
 """Switches that are simply on or off (the others choose between modes)."""
@@ -32,7 +38,14 @@ SWITCHES = tuple(name for name in TITLES if name in {f.name for f in dataclasses
 
 
 def switch_settings(base: SpeedConfig, switch: str, on: bool) -> SpeedConfig:
-    """``base`` with one switch on or off; checkpointing compares offloaded against standard recompute."""
+    """``base`` with one switch on or off; checkpointing compares offloaded against standard recompute.
+
+    :data:`ALL` on is TuneDeck's automatic choice for every speed switch (on wherever it applies here); off is
+    every one of them off: stock transformers and peft.
+    """
+    if switch == ALL:
+        flags = {name: None if on else False for name in SPEED_SWITCHES}
+        return dataclasses.replace(base, **flags, moe_routing="auto" if on else "stock")
     if switch in ON_OFF_SWITCHES:
         return dataclasses.replace(base, **{switch: on})
     if switch == "checkpointing":
@@ -70,6 +83,19 @@ class Measurement:
     @property
     def spread(self) -> float:
         return statistics.stdev(self.ratios) if len(self.ratios) > 1 else 0.0
+
+    @property
+    def percent(self) -> float | None:
+        """The speed-up in percent (negative: slower with the switch on)."""
+        return None if self.speedup is None else (self.speedup - 1) * 100
+
+    def short(self) -> str:
+        """The result in a few words for a table cell: "+12.3% ± 1.1%"."""
+        if self.skipped_reason:
+            return "nothing to do here"
+        if self.percent is None:
+            return "not measured"
+        return f"{self.percent:+.1f}% ± {self.spread * 100:.1f}%"
 
     def summary(self) -> str:
         if self.skipped_reason:

@@ -98,7 +98,7 @@ class MainWindow(QMainWindow):
         self.setCentralWidget(body)
         hints = QGuiApplication.styleHints()
         if hints is not None:  # the system switched between light and dark while the app is open
-            hints.colorSchemeChanged.connect(lambda scheme: self.set_look(scheme == Qt.ColorScheme.Dark))
+            hints.colorSchemeChanged.connect(self._scheme_changed)
         needs_torch = torch_missing()  # without torch, nothing but setup works: open there
         self.restore_state(first_page="GPU setup" if needs_torch else None)
         if detect_on_show:  # after the first paint, never before
@@ -129,6 +129,9 @@ class MainWindow(QMainWindow):
         self.dark = dark
         apply_look(dark)
         style_plots([self])
+
+    def _scheme_changed(self, scheme: Qt.ColorScheme) -> None:
+        self.set_look(scheme == Qt.ColorScheme.Dark)
 
     def _telemetry_warning(self, event: object) -> None:
         """Spill and throttling warnings also go to the status bar, seen from every page."""

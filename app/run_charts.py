@@ -7,6 +7,10 @@ Drawing on every event would redraw up to hundreds of times a second on a fast G
 most one changed chart per tick: repainting all four at once took 50-90 ms on a busy two-core machine (enough
 to make the window stutter), one chart takes 3-13 ms. Lines are drawn without antialiasing for the same reason
 (2-4x cheaper to paint).
+
+Speed changes are dotted lines on the tokens/s chart without text: an A/B compare flips a switch every few steps,
+and text labels there overlapped or had to be dropped. Pointing at the chart names the nearest change in one
+readout at the top of the chart, so labels never overlap at any zoom.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ from typing import Any
 
 import pyqtgraph as pg
 from PySide6.QtCore import QTimer
-from PySide6.QtGui import QFont, QFontMetrics
 from PySide6.QtWidgets import QGridLayout, QWidget
 
 from app.theme import current_chart_colors, style_plot
@@ -29,34 +32,17 @@ REDRAW_MS = 80
 CHARTS = ("loss", "speed", "memory", "gpu")
 LANE_COLORS = ("#9467bd", "#2ca02c", "#1f77b4", "#ff7f0e", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22")
 LANE_FIELDS = ("t", "used", "total", "gpu_t", "util", "temp")
-MARK_ROWS = 3
-"""Rows the labels of speed-change marks take, from the top of the tokens/s chart down."""
-MARK_GAP_PX = 6
+MARK_HOVER_PX = 8
+"""How close (in pixels) the pointer must be to a change's line for the readout to name it."""
 MARK_COLOR = "#d62728"
 
 
-def place_labels(
-    steps: Sequence[float], widths_px: Sequence[float], steps_per_px: float, right_edge: float = float("inf")
-) -> list[tuple[int, bool] | None]:
-    """Where each mark's label goes: (row, whether it runs left of its line), or None where it would overlap the
-    labels already placed in every row.
-
-    Labels run right from their mark, or left where they would cross the chart's right edge; marks are taken in
-    step order, each into the highest row whose last label ends (plus a small gap) before this label starts. An
-    A/B compare flips a switch every few steps: most of its marks then keep only their line, and their labels
-    show when the chart is zoomed in or as the line's tooltip.
-    """
-    row_ends = [float("-inf")] * MARK_ROWS
-    places: list[tuple[int, bool] | None] = []
-    for step, width in zip(steps, widths_px, strict=True):
-        span = (width + MARK_GAP_PX) * steps_per_px
-        left = step + span > right_edge
-        start, end = (step - span, step) if left else (step, step + span)
-        row = next((r for r, last in enumerate(row_ends) if start > last), None)
-        if row is not None:
-            row_ends[row] = end
-        places.append(None if row is None else (row, left))
-    return places
+def nearest_mark(marks: Sequence[tuple[int, str]], step: float, steps_per_px: float) -> tuple[int, str] | None:
+    """The change whose line is nearest to ``step``, if within :data:`MARK_HOVER_PX` pixels of it."""
+    if not marks:
+        return None
+    best = min(marks, key=lambda mark: abs(mark[0] - step))
+    return best if abs(best[0] - step) <= MARK_HOVER_PX * steps_per_px else None
 
 
 class Lane:
@@ -111,7 +97,8 @@ class RunCharts(QWidget):
         self.loss = self._plot("Loss", "step", "loss")
         self.memory = self._plot("Memory (GiB)", "seconds", "GiB")
         self.gpu = self._plot("GPU utilisation % and temperature °C", "seconds", "")
-        self.speed = self._plot("Tokens per second", "step", "tokens/s")
+        self.speed = self._plot("Tokens per second (dotted: a speed switch changed; point at one)", "step",
+                                "tokens/s")  # fmt: skip
         for plot in (self.loss, self.memory, self.gpu):  # tokens/s has one curve and labelled marks: no legend
             plot.addLegend(offset=(-10, 10))
         self.train_curve = self.loss.plot(antialias=False, pen=pg.mkPen("#1f77b4", width=2), name="train")
@@ -120,7 +107,11 @@ class RunCharts(QWidget):
             antialias=False, pen=None, symbol="t", symbolBrush="#d62728", name="throttled"
         )
         self.speed_curve = self.speed.plot(antialias=False, pen=pg.mkPen("#17becf", width=2), name="tokens/s")
-        self.speed.getViewBox().sigXRangeChanged.connect(lambda *_: self._dirty.add("speed"))  # labels re-place
+        self.mark_readout = pg.TextItem("", anchor=(0, 0))
+        self.mark_readout.setZValue(10)
+        self.mark_readout.hide()
+        self.speed.addItem(self.mark_readout, ignoreBounds=True)
+        self.speed.scene().sigMouseMoved.connect(self._pointer_moved)
         layout = QGridLayout(self)
         layout.addWidget(self.loss, 0, 0)
         layout.addWidget(self.speed, 0, 1)
@@ -157,8 +148,10 @@ class RunCharts(QWidget):
         for line in getattr(self, "_mark_lines", []):
             self.speed.removeItem(line)
         self._mark_lines: list[Any] = []
-        self._drawn_marks: tuple[tuple[Any, ...], tuple[Any, ...]] = ((), ())
+        self._drawn_marks: tuple[tuple[int, str], ...] = ()
         self.marks = []
+        if hasattr(self, "mark_readout"):
+            self.mark_readout.hide()
         self._dirty = set(CHARTS)
 
     def add_step(self, step: int, loss: float, tokens_per_s: float) -> None:
@@ -284,33 +277,41 @@ class RunCharts(QWidget):
         self._draw_marks()
 
     def _draw_marks(self) -> None:
-        """Every speed change as a dotted line, labelled where the label has room at the chart's current zoom;
-        the lines are rebuilt only when a mark or a label's place changed."""
-        places: list[tuple[int, bool] | None] = []
-        if self.marks:
-            box = self.speed.getViewBox()
-            box.updateAutoRange()  # the curve's new points widen the range only at the next paint otherwise
-            (left, right), width_px = box.viewRange()[0], max(1.0, box.width())
-            metrics = QFontMetrics(QFont())
-            widths = [metrics.horizontalAdvance(label) for _, label in self.marks]
-            places = place_labels([step for step, _ in self.marks], widths, (right - left) / width_px, right)
-        drawn = (tuple(self.marks), tuple(places))
+        """Every speed change as a dotted line; the lines are rebuilt only when a change was added."""
+        drawn = tuple(self.marks)
         if drawn == self._drawn_marks:
             return
         for line in self._mark_lines:
             self.speed.removeItem(line)
-        self._mark_lines = [self._mark_line(step, label, place) for (step, label), place in zip(*drawn, strict=True)]
+        pen = pg.mkPen(MARK_COLOR, style=pg.QtCore.Qt.PenStyle.DotLine)
+        self._mark_lines = []
+        for step, label in drawn:
+            line = pg.InfiniteLine(pos=step, angle=90, pen=pen)
+            line.setToolTip(f"step {step}: {label}")
+            self.speed.addItem(line, ignoreBounds=True)
+            self._mark_lines.append(line)
         self._drawn_marks = drawn
 
-    def _mark_line(self, step: int, label: str, place: tuple[int, bool] | None) -> Any:
-        pen = pg.mkPen(MARK_COLOR, style=pg.QtCore.Qt.PenStyle.DotLine)
-        if place is None:
-            line = pg.InfiniteLine(pos=step, angle=90, pen=pen)
-        else:
-            row, leftward = place
-            anchor = (1, 0.5) if leftward else (0, 0.5)
-            options = {"position": 0.95 - 0.12 * row, "color": MARK_COLOR, "anchors": [anchor, anchor]}
-            line = pg.InfiniteLine(pos=step, angle=90, pen=pen, label=label, labelOpts=options)
-        line.setToolTip(f"step {step}: {label}")
-        self.speed.addItem(line, ignoreBounds=True)
-        return line
+    def _pointer_moved(self, scene_pos: Any) -> None:
+        box = self.speed.getViewBox()
+        if not box.sceneBoundingRect().contains(scene_pos):
+            self.mark_readout.hide()
+            return
+        self.show_mark_near(box.mapSceneToView(scene_pos).x())
+
+    def show_mark_near(self, step: float) -> str:
+        """Name the change nearest to ``step`` at the top of the chart; returns the text shown ("" for none)."""
+        box = self.speed.getViewBox()
+        (left, right), (_, top) = box.viewRange()
+        mark = nearest_mark(self.marks, step, (right - left) / max(1.0, box.width()))
+        if mark is None:
+            self.mark_readout.hide()
+            return ""
+        text = f"step {mark[0]}: {mark[1]}"
+        colors = current_chart_colors()
+        self.mark_readout.setText(text, color=colors.foreground)
+        self.mark_readout.fill = pg.mkBrush(colors.background)
+        self.mark_readout.setAnchor((1, 0) if mark[0] > (left + right) / 2 else (0, 0))  # stays inside the chart
+        self.mark_readout.setPos(mark[0], top)
+        self.mark_readout.show()
+        return text

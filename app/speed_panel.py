@@ -1,5 +1,6 @@
-"""Speed page: the speed optimizations, live. Each says whether it applies here and why; flipping one takes
-effect at the next step (the tokens/s chart marks it), and Compare measures each one on the running job.
+"""Speed page: the speed optimizations, live. Each says whether it is on here and why; flipping one takes
+effect at the next step (the tokens/s chart marks it). Compare measures each one on the running job, and "All on
+vs all off" measures them together; the results are drawn as bars with their spread.
 """
 
 from __future__ import annotations
@@ -20,13 +21,27 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.ab_compare import ON_OFF_SWITCHES, SWITCHES, TITLES, ABCompare, nothing_to_do
+from app.ab_compare import ALL, ON_OFF_SWITCHES, SWITCHES, TITLES, ABCompare, Measurement, nothing_to_do
 from app.app_state import AppState
-from app.run_controller import RUNNING, RunController
+from app.compare_chart import CompareChart
+from app.run_controller import LOADING, RUNNING, RunController
+from app.switch_words import describe_plan, describe_state
 from engine.config import SpeedConfig
 from engine.events import RunFailed, RunFinished, SpeedChanged, StepMetrics
 
 CHECKPOINT_MODES = ("none", "standard", "offloaded")
+PLANNED_AT_START = "Decided when the run starts, from the model and this GPU"
+SHORT_TITLES = {
+    ALL: "all on vs all off",
+    "metadata_cache": "metadata cache",
+    "fused_loss": "fused loss",
+    "lora_16bit": "LoRA in 16-bit",
+    "fused_kernels": "fused kernels",
+    "checkpointing": "offloaded ckpt",
+    "chunked_mlp": "chunked MLP",
+    "host_embedding": "host embedding",
+    "moe_routing": "MoE routing",
+}
 Checkpointing = Literal["auto", "none", "standard", "offloaded"]
 
 
@@ -50,9 +65,18 @@ class SpeedPanel(QWidget):
         self.results = {name: _wrapping_label("") for name in SWITCHES}
         self.rounds = QSpinBox(minimum=1, maximum=10, value=3)
         self.block = QSpinBox(minimum=2, maximum=20, value=3)
-        self.compare_button = QPushButton("Compare (A/B on this run)")
-        self.compare_button.clicked.connect(self.start_compare)
-        self.compare_status = _wrapping_label("Compare alternates each switch on and off for a few steps per round.")
+        self.compare_button = QPushButton("Compare each switch")
+        self.compare_button.setToolTip("Measure each switch on this run: on and off for a few steps per round")
+        self.compare_button.clicked.connect(lambda: self.start_compare())
+        self.all_button = QPushButton("All on vs all off")
+        self.all_button.setToolTip(
+            "TuneDeck's speed switches as chosen for this GPU against all of them off (stock transformers and "
+            "peft). Memory savers (checkpointing, chunked MLP, host embedding) stay as they are."
+        )
+        self.all_button.clicked.connect(lambda: self.start_compare([ALL]))
+        self.compare_status = _wrapping_label("Compare alternates a switch on and off for a few steps per round.")
+        self.chart = CompareChart()
+        self.measured: dict[str, Measurement] = {}
         self._build()
         self._updating = False
         for name, box in self.on_off.items():
@@ -60,6 +84,7 @@ class SpeedPanel(QWidget):
         self.moe_box.toggled.connect(lambda _: self._flip("moe_routing"))
         self.checkpoint_box.currentTextChanged.connect(lambda _: self._flip("checkpointing"))
         self.queue: list[str] = []
+        self.batch: list[str] = []
         self.compare: ABCompare | None = None
         controller.run_event.connect(self.on_event)
         controller.state_changed.connect(self._state_changed)
@@ -69,17 +94,18 @@ class SpeedPanel(QWidget):
 
     def _build(self) -> None:
         grid = QGridLayout()
-        for column, title in enumerate(("Optimization", "Switch", "Applies here? Why", "Measured")):
+        for column, title in enumerate(("Optimization", "Switch", "On here? Why", "Measured")):
             grid.addWidget(QLabel(f"<b>{title}</b>"), 0, column)
         for row, name in enumerate(SWITCHES, start=1):
             grid.addWidget(QLabel(TITLES[name]), row, 0)
             grid.addWidget(self.controls[name], row, 1)
             grid.addWidget(self.reasons[name], row, 2)
             grid.addWidget(self.results[name], row, 3)
-        grid.setColumnStretch(2, 2)
-        grid.setColumnStretch(3, 2)
+        grid.setColumnStretch(2, 4)
+        grid.setColumnStretch(3, 1)
         compare = QHBoxLayout()
-        for widget in (self.compare_button, QLabel("rounds"), self.rounds, QLabel("steps per block"), self.block):
+        for widget in (self.compare_button, self.all_button, QLabel("rounds"), self.rounds, QLabel("steps per block"),
+                       self.block):  # fmt: skip
             compare.addWidget(widget)
         compare.addStretch(1)
         layout = QVBoxLayout(self)
@@ -88,13 +114,20 @@ class SpeedPanel(QWidget):
         layout.addLayout(grid)
         layout.addLayout(compare)
         layout.addWidget(self.compare_status)
-        layout.addStretch(1)
+        layout.addWidget(self.chart, 1)
 
     def _state_changed(self, state: str) -> None:
         """Switches work on a live run only; before one, the Setup page's speed settings apply."""
         for control in self.controls.values():
             control.setEnabled(self.controller.active)
-        self.compare_button.setEnabled(state == RUNNING and self.compare is None)
+        for button in (self.compare_button, self.all_button):
+            button.setEnabled(state == RUNNING and self.compare is None)
+        if state == LOADING:  # a new run: the last run's measurements no longer apply
+            self.measured.clear()
+            self.chart.show_results([])
+            for label in self.results.values():
+                label.setText("")
+                label.setToolTip("")
 
     def show_plan(self) -> None:
         """Before a run: what the profile for this GPU (and model) would choose, and why."""
@@ -107,9 +140,9 @@ class SpeedPanel(QWidget):
         choices = profile.choices()
         for name in SWITCHES:
             choice = choices.get(name)
-            text = f"Planned: {choice.reason}" if choice is not None else ""
+            text = describe_plan(name, choice.value, choice.reason) if choice is not None else PLANNED_AT_START
             if name == "moe_routing" and info is not None and not info.is_moe:
-                text = "No — this model has no MoE expert layers"
+                text = "Not here — this model has no MoE expert layers"
             self.reasons[name].setText(html.escape(text, quote=False))
 
     def settings(self, switch: str) -> SpeedConfig:
@@ -137,10 +170,9 @@ class SpeedPanel(QWidget):
             self._updating = False
         for name in SWITCHES:
             idle = nothing_to_do(name, state)
-            text = f"No — {idle}" if idle else f"Yes — {state.get(name, {}).get('reason', '')}"
-            self.reasons[name].setText(html.escape(text, quote=False))
-            if idle:
-                self.results[name].setText(f"nothing to do: {html.escape(idle, quote=False)}")
+            self.reasons[name].setText(html.escape(describe_state(name, state.get(name, {}), idle), quote=False))
+            if idle and name not in self.measured:
+                self.results[name].setText("nothing to do here")
 
     def on_event(self, event: object) -> None:
         if isinstance(event, SpeedChanged):
@@ -161,9 +193,12 @@ class SpeedPanel(QWidget):
             self._finish_switch()
             self.queue.clear()
 
-    def start_compare(self) -> None:
-        self.queue = list(SWITCHES)
-        self.compare_button.setEnabled(False)
+    def start_compare(self, switches: list[str] | None = None) -> None:
+        """Measure ``switches`` one after the other (every switch by default; ``[ALL]`` for all on vs all off)."""
+        self.queue = list(SWITCHES) if switches is None else list(switches)
+        self.batch = list(self.queue)
+        for button in (self.compare_button, self.all_button):
+            button.setEnabled(False)
         self._next_switch()
 
     def _next_switch(self) -> None:
@@ -172,27 +207,39 @@ class SpeedPanel(QWidget):
             name = self.queue.pop(0)
             idle = nothing_to_do(name, state)
             if idle:
-                self.results[name].setText(f"nothing to do: {html.escape(idle, quote=False)}")
+                self._show_result(Measurement(name, skipped_reason=idle))
                 continue
             self.compare = ABCompare(self.controller.current_speed(), name, rounds=self.rounds.value(),
                                      block_steps=self.block.value())  # fmt: skip
             self.compare_status.setText(f"Measuring {TITLES[name]}: {self.compare.steps_needed()} steps…")
-            self.results[name].setText("measuring…")
+            if name in self.results:
+                self.results[name].setText("measuring…")
             self.controller.request_speed(self.compare.first_settings())
             return
         self.compare = None
+        together = self.measured.get(ALL) if self.batch == [ALL] else None
+        lead = f"{TITLES[ALL]}: {together.summary()}. " if together is not None else "Compare done: "
         self.compare_status.setText(
-            "Compare done: speedups are on over off, mean ± standard deviation over rounds. "
-            "Your own settings are back from the next step."
+            f"{lead}Speed-ups are on over off, mean ± standard deviation over rounds (a whisker that crosses "
+            "zero is within the noise). Your own settings are back from the next step."
         )
-        self.compare_button.setEnabled(self.controller.state == RUNNING)
+        self._state_changed(self.controller.state)
 
     def _finish_switch(self) -> None:
         assert self.compare is not None
-        result = self.compare.result
-        self.results[result.switch].setText(html.escape(result.summary(), quote=False))
+        self._show_result(self.compare.result)
         self.compare = None
         self._next_switch()
+
+    def _show_result(self, result: Measurement) -> None:
+        """A few words in the table (the full sentence as its tooltip) and the bar on the chart."""
+        self.measured[result.switch] = result
+        if result.switch in self.results:
+            self.results[result.switch].setText(html.escape(result.short(), quote=False))
+            self.results[result.switch].setToolTip(result.summary())
+        order = [ALL, *SWITCHES]
+        rows = sorted(self.measured.values(), key=lambda m: order.index(m.switch))
+        self.chart.show_results([(SHORT_TITLES.get(m.switch, m.switch), m) for m in rows])
 
 
 def _wrapping_label(text: str) -> QLabel:

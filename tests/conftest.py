@@ -26,6 +26,13 @@ from PySide6.QtCore import QSettings  # noqa: E402  (after QT_QPA_PLATFORM)
 QSettings.setPath(QSettings.Format.IniFormat, QSettings.Scope.UserScope, tempfile.mkdtemp(prefix="tunedeck-qt-"))
 
 
+@pytest.fixture(autouse=True)
+def throwaway_window_settings(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Each test starts with no remembered window state (size, page), as on a first start."""
+    folder = tmp_path_factory.mktemp("qt-settings")
+    QSettings.setPath(QSettings.Format.IniFormat, QSettings.Scope.UserScope, str(folder))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer Llama (hidden 64) with its tokenizer, as a local Hugging Face folder."""

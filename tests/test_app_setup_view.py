@@ -194,7 +194,7 @@ def test_window_opens_on_setup_when_torch_is_missing(qtbot: Any, tmp_path: Path,
     monkeypatch.setenv("TUNEDECK_HOME", str(tmp_path / "home"))
     window = MainWindow(detect_on_show=False)
     qtbot.addWidget(window)
-    assert window.pages.currentWidget() is window.setup_view
+    assert window.pages.currentWidget().panel is window.setup_view
     assert "not installed yet" in window.setup_view.status.text() or "developer" in window.setup_view.status.text()
     window.close()
 
@@ -232,7 +232,7 @@ def test_window_without_torch_never_imports_it(tmp_path: Path) -> None:
             if window.setup_view.driver is not None:
                 break
             window.tasks.wait_all(100)
-        assert window.pages.currentWidget() is window.setup_view
+        assert window.pages.currentWidget().panel is window.setup_view
         assert window.setup_view.driver is not None
         window.close()
         window.tasks.wait_all()
@@ -240,7 +240,8 @@ def test_window_without_torch_never_imports_it(tmp_path: Path) -> None:
         assert not attempts and "torch" not in sys.modules, attempts
         print("ok")
     """)
-    env = {**os.environ, "QT_QPA_PLATFORM": "offscreen", "TUNEDECK_HOME": str(tmp_path / "home")}
+    env = {**os.environ, "QT_QPA_PLATFORM": "offscreen", "TUNEDECK_HOME": str(tmp_path / "home"),
+           "XDG_CONFIG_HOME": str(tmp_path / "config")}  # fmt: skip
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 

@@ -29,8 +29,10 @@ def run_python(code: str, home: Path, timeout: float = 120) -> subprocess.Comple
 
 
 def child_env(home: Path) -> dict[str, str]:
-    """A clean environment for a child process: offscreen Qt, no network for models, run history in ``home``."""
-    return {"QT_QPA_PLATFORM": "offscreen", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "TUNEDECK_HOME": str(home)}
+    """A clean environment for a child process: offscreen Qt, no network for models, run history and window
+    settings in ``home``."""
+    return {"QT_QPA_PLATFORM": "offscreen", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "TUNEDECK_HOME": str(home),
+            "XDG_CONFIG_HOME": str(home / "config")}  # fmt: skip
 
 
 def drive(compare: ABCompare, rates: dict[bool, list[float]]) -> list[SpeedConfig]:

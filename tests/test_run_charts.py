@@ -1,41 +1,37 @@
-"""Speed-change marks on the tokens/s chart: every change drawn, labels only where they stay readable."""
+"""Speed-change marks on the tokens/s chart: every change drawn as a line, named on pointing, never overlapping."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
+from PySide6.QtCore import QPointF
 
-from app.run_charts import MARK_ROWS, place_labels
+from app.run_charts import nearest_mark
 
 pytest_plugins = ["app_fixtures"]
 
+MARKS = [(10, "cache off"), (12, "cache on"), (40, "kernels off")]
+
 
 @pytest.mark.parametrize(
-    ("steps", "widths", "steps_per_px", "places"),
+    ("step", "steps_per_px", "found"),
     [
-        ([10, 40, 70], [50, 50, 50], 0.1, [(0, False)] * 3),  # far apart: one row
-        ([10, 12, 14], [50, 50, 50], 0.1, [(0, False), (1, False), (2, False)]),  # close: they climb down the rows
-        ([10, 11, 12, 13, 14], [50] * 5, 0.1, [(0, False), (1, False), (2, False), None, None]),  # line only
-        ([10, 11, 12, 13, 17], [50] * 5, 0.1, [(0, False), (1, False), (2, False), None, (0, False)]),
-        ([10, 11, 12, 13, 14], [50] * 5, 0.01, [(0, False)] * 5),  # zoomed in: all fit
-        ([], [], 0.1, []),
+        (10.2, 0.1, (10, "cache off")),
+        (11.3, 0.1, (12, "cache on")),  # the nearest one wins
+        (20.0, 0.1, None),  # 80 px from any line
+        (20.0, 2.0, (12, "cache on")),  # zoomed far out: 4 px away
+        (41.0, 0.1, None),
     ],
 )
-def test_labels_take_the_first_free_row(steps: list, widths: list, steps_per_px: float, places: list) -> None:
-    assert place_labels(steps, widths, steps_per_px) == places
+def test_the_nearest_change_within_a_few_pixels(step: float, steps_per_px: float, found: Any) -> None:
+    assert nearest_mark(MARKS, step, steps_per_px) == found
+    assert nearest_mark([], step, steps_per_px) is None
 
 
-def test_a_label_at_the_right_edge_runs_left_of_its_line() -> None:
-    assert place_labels([10, 95], [50, 50], 0.1, right_edge=100) == [(0, False), (0, True)]
-    assert place_labels([92, 95], [50, 50], 0.1, right_edge=100) == [(0, False), (1, True)]  # 89.4-95 overlaps 92-97.6
+def test_a_compare_s_dense_marks_are_lines_and_pointing_names_one(qtbot: Any) -> None:
+    import pyqtgraph as pg
 
-
-def labelled(charts: Any) -> list[Any]:
-    return [line.label for line in charts._mark_lines if getattr(line, "label", None) is not None]
-
-
-def test_a_compare_s_dense_marks_never_overlap_and_zooming_in_shows_them(qtbot: Any) -> None:
     from app.run_charts import RunCharts
 
     charts = RunCharts()
@@ -51,17 +47,21 @@ def test_a_compare_s_dense_marks_never_overlap_and_zooming_in_shows_them(qtbot: 
     charts.redraw_all()
     assert [line.value() for line in charts._mark_lines] == flips  # every change has its line
     assert all(line.toolTip().startswith(f"step {int(line.value())}: kernels") for line in charts._mark_lines)
-    shown = labelled(charts)
-    assert 1 <= len(shown) < len(flips)
-    boxes = [label.sceneBoundingRect() for label in shown]
-    for i, box in enumerate(boxes):
-        assert not any(box.intersects(other) for other in boxes[i + 1 :]), "two mark labels overlap"
-    plot_area = charts.speed.getViewBox().sceneBoundingRect()
-    assert all(plot_area.contains(box) for box in boxes), "a mark label runs off the chart"
+    texts = [item for item in charts.speed.getPlotItem().items if isinstance(item, pg.TextItem)]
+    assert texts == [charts.mark_readout] and not charts.mark_readout.isVisible(), "no label until pointed at"
 
-    charts.speed.setXRange(8, 20, padding=0)  # zoomed in: the labels there have room
-    charts.redraw_all()
-    assert len(labelled(charts)) > len(shown) and len(labelled(charts)) >= MARK_ROWS
+    box = charts.speed.getViewBox()
+    box.updateAutoRange()
+    middle = sum(box.viewRange()[1]) / 2
+    charts.speed.scene().sigMouseMoved.emit(box.mapViewToScene(QPointF(20.1, middle)))
+    assert charts.mark_readout.isVisible() and charts.mark_readout.toPlainText() == "step 20: kernels on"
+    charts.speed.scene().sigMouseMoved.emit(box.mapViewToScene(QPointF(119, middle)))
+    assert charts.mark_readout.toPlainText() == "step 119: kernels off"
+    qtbot.wait(50)  # the text item places itself at the next paint
+    readout = charts.mark_readout.mapRectToScene(charts.mark_readout.boundingRect())
+    assert box.sceneBoundingRect().contains(readout), "the readout at the right edge stays inside the chart"
+    charts.speed.scene().sigMouseMoved.emit(box.mapViewToScene(QPointF(90, middle)))
+    assert not charts.mark_readout.isVisible(), "no change near the pointer"
 
     charts.clear()
     charts.redraw_all()
