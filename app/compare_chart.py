@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QEvent
 from PySide6.QtWidgets import QWidget
 
 from app.ab_compare import Measurement
@@ -71,8 +71,8 @@ class CompareChart(pg.PlotWidget):
                               pen=pg.mkPen(color))  # fmt: skip
         self._add(bar)
         if spread > 0:
-            whisker = pg.ErrorBarItem(x=[percent], y=[y], left=spread, right=spread, beam=BAR_HEIGHT / 2,
-                                      pen=pg.mkPen(text_color, width=1.5))  # fmt: skip
+            whisker = pg.ErrorBarItem(x=np.array([percent]), y=np.array([y]), left=spread, right=spread,
+                                      beam=BAR_HEIGHT / 2, pen=pg.mkPen(text_color, width=1.5))  # fmt: skip
             self._add(whisker)
         end = percent + spread if percent >= 0 else percent - spread
         self._add_text(end, y, f"  {measurement.short()}  ", text_color, anchor=(0, 0.5) if percent >= 0 else (1, 0.5))
@@ -86,8 +86,6 @@ class CompareChart(pg.PlotWidget):
         self.addItem(item)
         self._drawn.append(item)
 
-    def changeEvent(self, event: QEvent) -> None:
-        """Redraw in the new look when the application's palette changes (light/dark)."""
-        super().changeEvent(event)
-        if event.type() == QEvent.Type.PaletteChange and hasattr(self, "_drawn"):
-            self._draw()
+    def restyle(self) -> None:
+        """Redraw in the application's current colours (the window calls this when the look changes)."""
+        self._draw()

@@ -232,6 +232,8 @@ class RunsView(QWidget):
         selected = self.selected_records()
         if len(selected) != 1 or not has_adapter(selected[0]):
             return None
+        if self.export_dialog is not None and not self.export_dialog.busy():
+            self.export_dialog.close()
         self.export_dialog = ExportDialog(selected[0].folder, selected[0].name, self)
         self.export_dialog.open()
         return self.export_dialog

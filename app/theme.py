@@ -127,4 +127,8 @@ def style_plots(widgets: Iterable[QWidget]) -> None:
     colors = current_chart_colors()
     for widget in widgets:
         for plot in widget.findChildren(pg.PlotWidget):
-            style_plot(plot, colors)
+            restyle = getattr(plot, "restyle", None)  # a chart with coloured items of its own redraws them
+            if callable(restyle):
+                restyle()
+            else:
+                style_plot(plot, colors)
