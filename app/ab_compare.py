@@ -17,7 +17,7 @@ from engine.config import SpeedConfig
 
 ALL = "all"
 """The pseudo-switch of "all on vs all off"."""
-SPEED_SWITCHES = ("metadata_cache", "fused_loss", "lora_16bit", "fused_kernels")
+SPEED_SWITCHES = ("metadata_cache", "fused_loss", "lora_16bit", "fused_kernels", "lean_recompute", "dequant_once")
 """What "all on vs all off" flips (with MoE routing): the switches that trade nothing for speed. The memory savers
 (checkpointing, chunked MLP, host embedding) cost time by design and stay as the run has them."""
 TITLES = {
@@ -28,10 +28,13 @@ TITLES = {
     "checkpointing": "Offloaded activation checkpointing",
     "chunked_mlp": "MLP in sequence chunks (long context)",
     "host_embedding": "Input embedding in host memory",
+    "lean_recompute": "Lean recompute (skip unread projections)",
+    "dequant_once": "4-bit weights dequantized once per layer",
     "moe_routing": "MoE routing on sorted tokens",
     ALL: "All speed switches together",
 }
-ON_OFF_SWITCHES = ("metadata_cache", "fused_loss", "lora_16bit", "fused_kernels", "chunked_mlp", "host_embedding")
+ON_OFF_SWITCHES = ("metadata_cache", "fused_loss", "lora_16bit", "fused_kernels", "chunked_mlp", "host_embedding",
+                   "lean_recompute", "dequant_once")  # fmt: skip
 """Switches that are simply on or off (the others choose between modes)."""
 SWITCHES = tuple(name for name in TITLES if name in {f.name for f in dataclasses.fields(SpeedConfig)})
 """The switches this engine has, in the order the speed page lists them."""

@@ -40,6 +40,8 @@ SHORT_TITLES = {
     "checkpointing": "offloaded ckpt",
     "chunked_mlp": "chunked MLP",
     "host_embedding": "host embedding",
+    "lean_recompute": "lean recompute",
+    "dequant_once": "dequant once",
     "moe_routing": "MoE routing",
 }
 Checkpointing = Literal["auto", "none", "standard", "offloaded"]
