@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pyqtgraph as pg
+from PySide6.QtGui import QFontMetrics
 from PySide6.QtWidgets import QWidget
 
 from app.ab_compare import Measurement
@@ -49,7 +50,10 @@ class CompareChart(pg.PlotWidget):
         style_plot(self, colors)
         count = max(1, len(self.rows))
         ys = [count - 1 - index for index in range(len(self.rows))]  # the first row on top
-        self.getPlotItem().getAxis("left").setTicks([[(y, label) for y, (label, _) in zip(ys, self.rows, strict=True)]])
+        axis = self.getPlotItem().getAxis("left")
+        axis.setTicks([[(y, label) for y, (label, _) in zip(ys, self.rows, strict=True)]])
+        widest = max((QFontMetrics(axis.font()).horizontalAdvance(label) for label, _ in self.rows), default=0)
+        axis.setWidth(widest + 16)  # before the first paint: pyqtgraph would only widen the axis after it
         measured = [(y, m) for y, (_, m) in zip(ys, self.rows, strict=True) if m.percent is not None]
         zero = pg.InfiniteLine(pos=0, angle=90, pen=pg.mkPen(colors.foreground, width=1))
         self._add(zero)

@@ -32,6 +32,7 @@ from app.theme import apply_look, style_plots, system_is_dark
 from app.worker import TaskRunner, describe_error
 
 DEFAULT_SIZE = (1280, 820)
+NAV_STYLE = "QListWidget { font-size: 14px; } QListWidget::item { padding: 8px 6px; }"
 
 
 def default_size() -> tuple[int, int]:
@@ -71,7 +72,7 @@ class MainWindow(QMainWindow):
         self.pages = QStackedWidget()
         self.nav = QListWidget()
         self.nav.setFixedWidth(170)
-        self.nav.setStyleSheet("QListWidget { font-size: 14px; } QListWidget::item { padding: 8px 6px; }")
+        self.nav.setStyleSheet(NAV_STYLE)
         self.nav.currentRowChanged.connect(self.pages.setCurrentIndex)
         self._panels: dict[str, QWidget] = {}
         pages = [
@@ -128,6 +129,8 @@ class MainWindow(QMainWindow):
         """Light or dark: the palette for every widget, and every chart recoloured from it."""
         self.dark = dark
         apply_look(dark)
+        self.nav.setStyleSheet("")  # a widget with a style sheet keeps the colours it was polished with
+        self.nav.setStyleSheet(NAV_STYLE)
         style_plots([self])
 
     def _scheme_changed(self, scheme: Qt.ColorScheme) -> None:

@@ -97,8 +97,7 @@ class RunCharts(QWidget):
         self.loss = self._plot("Loss", "step", "loss")
         self.memory = self._plot("Memory (GiB)", "seconds", "GiB")
         self.gpu = self._plot("GPU utilisation % and temperature °C", "seconds", "")
-        self.speed = self._plot("Tokens per second (dotted: a speed switch changed; point at one)", "step",
-                                "tokens/s")  # fmt: skip
+        self.speed = self._plot("Tokens/s (dotted: a switch changed)", "step", "tokens/s")
         for plot in (self.loss, self.memory, self.gpu):  # tokens/s has one curve and labelled marks: no legend
             plot.addLegend(offset=(-10, 10))
         self.train_curve = self.loss.plot(antialias=False, pen=pg.mkPen("#1f77b4", width=2), name="train")

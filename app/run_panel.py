@@ -23,6 +23,7 @@ from PySide6.QtWidgets import (
 
 from app import run_controller as rc
 from app.app_state import AppState
+from app.export_panel import ExportDialog
 from app.gpu_selector import GpuSelector
 from app.notices import NoticeList
 from app.run_charts import RunCharts
@@ -86,6 +87,11 @@ class RunPanel(QWidget):
         self.pause_button.clicked.connect(controller.pause)
         self.resume_button.clicked.connect(controller.resume)
         self.stop_button.clicked.connect(controller.stop)
+        self.export_button = QPushButton("Export…")
+        self.export_button.setToolTip("Export the run that just ended: its adapter, a merged model or a GGUF file")
+        self.export_button.clicked.connect(self.export_run)
+        self.ended_run: str | None = None
+        """The folder of the last run that ended with an adapter (what Export… exports)."""
         self.status = QLabel("Ready: choose a model and a dataset, then Start.")
         self.status.setWordWrap(True)
         self.error = QLabel("")
@@ -117,6 +123,7 @@ class RunPanel(QWidget):
         for button in (self.start_button, self.pause_button, self.resume_button, self.stop_button):
             buttons.addWidget(button)
         buttons.addStretch(1)
+        buttons.addWidget(self.export_button)
         progress = QHBoxLayout()
         progress.addWidget(self.progress, 1)
         progress.addWidget(self.eta)
@@ -212,6 +219,8 @@ class RunPanel(QWidget):
             what = "Stopped" if event.cancelled else "Finished"
             loss = f", last loss {event.final_loss:.3f}" if event.final_loss is not None else ""
             self.status.setText(f"{what} at step {event.step}{loss}. Adapter: {event.adapter_dir}")
+            self.ended_run = event.run_dir if Path(event.adapter_dir, "adapter_config.json").exists() else None
+            self.export_button.setEnabled(self.ended_run is not None and not self.controller.active)
             self.eta.setText("")
         elif isinstance(event, RunFailed):
             self.show_error(event.message, event.hint)
@@ -234,6 +243,12 @@ class RunPanel(QWidget):
             host = self.state.hardware.host_memory_bytes if self.state.hardware is not None else None
             self.charts.add_sample(event, host)
 
+    def export_run(self) -> None:
+        """The export dialog for the run that just ended (the Runs page exports any other)."""
+        if self.ended_run is not None:
+            self.export_dialog = ExportDialog(self.ended_run, Path(self.ended_run).name, self)
+            self.export_dialog.open()
+
     def _add_warning(self, message: str) -> None:
         self.warnings.add(message, warning=True)
 
@@ -242,6 +257,7 @@ class RunPanel(QWidget):
         self.pause_button.setEnabled(state == rc.RUNNING)
         self.resume_button.setEnabled(state == rc.PAUSED)
         self.stop_button.setEnabled(state in (rc.LOADING, rc.RUNNING, rc.PAUSED))
+        self.export_button.setEnabled(not self.controller.active and self.ended_run is not None)
         if state == rc.PAUSED:
             self.status.setText("Paused: the model stays loaded; Resume continues the same run.")
         elif state == rc.RUNNING and self.status.text().startswith("Paused"):

@@ -29,6 +29,11 @@ def test_a_finished_demo_run_is_chatted_with_and_exported(qtbot: Any, window: An
     finished = ends[-1]
     assert not finished.cancelled and finished.step == 8
 
+    assert window.run_panel.export_button.isEnabled(), "the Run page exports the run that just ended"
+    window.run_panel.export_button.click()
+    assert window.run_panel.export_dialog.run_folder == Path(finished.run_dir)
+    window.run_panel.export_dialog.reject()
+
     reply = chat_with(qtbot, window, finished.run_dir)
     assert reply.strip(), "the fine-tuned model answered"
 

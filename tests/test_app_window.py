@@ -82,6 +82,8 @@ def test_light_and_dark_looks_colour_the_widgets_and_every_chart(window: Any) ->
     for plot in plots:
         background, text = plot_colors(plot)
         assert background < 80 and text > 180
+    QApplication.processEvents()  # the palette reaches the widgets through posted events
+    assert window.page("Runs").palette().color(QPalette.ColorRole.Window).lightness() < 80
     window.set_look(False)
     assert QApplication.instance().palette().color(QPalette.ColorRole.Window).lightness() > 180
     for plot in plots:
