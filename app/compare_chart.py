@@ -62,10 +62,16 @@ class CompareChart(pg.PlotWidget):
         for y, (_, measurement) in zip(ys, self.rows, strict=True):
             if measurement.percent is None:
                 self._add_text(0, y, measurement.short(), colors.foreground, anchor=(0, 0.5))
-        extent = max((abs(m.percent or 0) + m.spread * 100 for _, m in measured), default=5.0)
-        self.setXRange(-extent * 1.35 if any((m.percent or 0) < 0 for _, m in measured) else -extent * 0.1,
-                       extent * 1.45, padding=0)  # fmt: skip
+        self._fit_x([m for _, m in measured])
         self.setYRange(-0.6, count - 0.4, padding=0)
+
+    def _fit_x(self, measured: list[Measurement]) -> None:
+        """Every bar and whisker in view, with room for the labels beyond their ends."""
+        low = min([0.0, *((m.percent or 0) - m.spread * 100 for m in measured)])
+        high = max([0.0, *((m.percent or 0) + m.spread * 100 for m in measured)])
+        span = max(high - low, 5.0)
+        left_labels = any((m.percent or 0) < 0 for m in measured)
+        self.setXRange(low - span * (0.35 if left_labels else 0.05), high + span * 0.35, padding=0)
 
     def _add_bar(self, y: float, measurement: Measurement, text_color: str) -> None:
         percent = measurement.percent or 0.0

@@ -50,9 +50,12 @@ def save_pages(window: Any, look: str) -> list[Path]:
     window.set_look(look == "dark")
     QApplication.processEvents()  # the new palette reaches the widgets through posted events
     saved = []
+    charts = window.run_panel.charts
     for title in window.page_titles():
         window.show_page(title)
-        window.run_panel.charts.redraw_all()
+        charts.redraw_all()
+        if title == "Run" and charts.marks:  # as when the pointer rests on the last change
+            charts.show_mark_near(charts.marks[-1][0])
         saved.append(save(window, SCREENSHOTS / look / f"{title.lower().replace(' ', '-')}.png"))
     dialog = window.page("Runs").export_dialog
     if dialog is not None:
@@ -81,6 +84,7 @@ def compare_on_the_run(qtbot: Any, window: Any) -> None:
 
 def test_screenshots_of_every_page_in_light_and_dark(qtbot: Any, window: Any, tmp_path: Path) -> None:
     window.resize(*SIZE)
+    window.setup_view.refresh()  # the GPU setup page's detection, as at a real start
     prepare_demo(qtbot, window, max_steps=120)
     steps: list[int] = []
     ends: list[RunFinished] = []
@@ -101,6 +105,7 @@ def test_screenshots_of_every_page_in_light_and_dark(qtbot: Any, window: Any, tm
     run_dir = ends[-1].run_dir
     chat_with(qtbot, window, run_dir, "Is 7 greater than 3?")
     export_from_runs(qtbot, window, run_dir, "adapter", tmp_path / "adapter")
+    qtbot.waitUntil(lambda: window.setup_view.driver is not None, timeout=LOAD_TIMEOUT_MS)
     window.page("Runs").select_runs([record.id for record in window.page("Runs").records])
     saved = save_pages(window, "light") + save_pages(window, "dark")
     window.set_look(False)
