@@ -211,6 +211,10 @@ class ExportDialog(QDialog):
         self.progress.setRange(0, 1)
         self.progress.setValue(1)
         self.status.setText(f"Exported to {self.result}")
+        modelfile = self.export_folder() / "Modelfile"  # type: ignore[operator]
+        if modelfile.exists():  # a GGUF export for Ollama
+            name = self.run_folder.name.lower()
+            self.status.setText(f"Exported to {self.result}. For Ollama: ollama create {name} -f {modelfile}")
         self.open_button.setEnabled(True)
 
     def show_error(self, error: ErrorInfo) -> None:

@@ -19,6 +19,7 @@ from PySide6.QtWidgets import QApplication, QHBoxLayout, QListWidget, QMainWindo
 
 from app.app_state import AppState
 from app.data_panel import DataPanel
+from app.export_panel import ExportDialog
 from app.hardware_panel import HardwarePanel
 from app.icon import app_icon
 from app.model_panel import ModelPanel
@@ -32,6 +33,8 @@ from app.theme import apply_look, style_plots, system_is_dark
 from app.worker import TaskRunner, describe_error
 
 DEFAULT_SIZE = (1280, 820)
+EXPORT_WAIT_MS = 30 * 60 * 1000
+"""How long closing the window waits for an export still running (a merge of a large model takes minutes)."""
 NAV_STYLE = "QListWidget { font-size: 14px; } QListWidget::item { padding: 8px 6px; }"
 
 
@@ -175,6 +178,8 @@ class MainWindow(QMainWindow):
         self.setup_view.shutdown()
         self.controller.shutdown()
         self.tasks.wait_all()
+        for dialog in self.findChildren(ExportDialog):  # an export half-way finishes before the window goes
+            dialog.tasks.wait_all(EXPORT_WAIT_MS)
         super().closeEvent(event)
 
 

@@ -134,6 +134,7 @@ def test_gguf_exports_with_the_chosen_quant_and_reports_progress(
             on_progress(FakeProgress("tensors", done, 3, f"writing tensor {done} of 3"))
         Path(target).mkdir(parents=True)
         (Path(target) / f"model-{quant}.gguf").write_bytes(b"GGUF")
+        (Path(target) / "Modelfile").write_text(f"FROM ./model-{quant}.gguf\n")
         return Path(target) / f"model-{quant}.gguf"
 
     monkeypatch.setattr(engine.export, "export_gguf", fake_export_gguf, raising=False)
@@ -151,6 +152,7 @@ def test_gguf_exports_with_the_chosen_quant_and_reports_progress(
     assert dialog.result == tmp_path / "gguf" / "model-q4_k_m.gguf"
     assert dialog.export_folder() == tmp_path / "gguf"
     assert 1000 in seen, "the last tensor filled the bar"
+    assert f"ollama create {run_folder.name.lower()} -f {tmp_path / 'gguf' / 'Modelfile'}" in dialog.status.text()
     assert dialog.error.text() == ""
 
 
