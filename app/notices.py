@@ -8,7 +8,7 @@ of every occurrence buries what matters. Messages with a ``key`` replace the pre
 from __future__ import annotations
 
 from PySide6.QtGui import QColor
-from PySide6.QtWidgets import QListWidget, QListWidgetItem, QWidget
+from PySide6.QtWidgets import QListWidget, QListWidgetItem
 
 from app.theme import ERROR_COLOR
 
@@ -19,9 +19,6 @@ TEXT_ROLE = 0x0103
 
 class NoticeList(QListWidget):
     """A short list of distinct notices; ``add`` collapses repeats."""
-
-    def __init__(self, parent: QWidget | None = None) -> None:
-        super().__init__(parent)
 
     def add(self, message: str, *, key: str | None = None, warning: bool = False) -> QListWidgetItem:
         """Show ``message`` on top: in place of the last message with ``key``, or counted if already shown."""
