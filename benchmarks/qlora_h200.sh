@@ -12,7 +12,7 @@ run() {  # model variants
     timeout "${LIMIT:-540}" python3 -m engine.bench --qlora --models "$1" --variants "$2" --warmup 1 --steps 3 \
         --timing-lock "$LOCK" --peers 2 --rows-log "$OUT/$1.jsonl" --out "$OUT/$1.json" > "$OUT/$1.log" 2>&1
 }
-run llama-3.1-8b "stock,auto,auto-fused_kernels,auto-lean_recompute,auto-dequant_once,auto-host_embedding,auto-fused_loss,auto-metadata_cache" &
+run llama-3.1-8b "stock,auto,auto-whole_row,auto-fused_kernels,auto-lean_recompute,auto-dequant_once,auto-host_embedding,auto-fused_loss,auto-metadata_cache" &
 run qwen3-8b "stock,auto" &
 wait
 rm -rf "$OUT/lock"

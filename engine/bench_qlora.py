@@ -51,6 +51,9 @@ STOCK = SpeedConfig(
 )  # fmt: skip
 ABLATED = ("fused_kernels", "lean_recompute", "dequant_once", "host_embedding", "fused_loss", "metadata_cache")
 """Switches whose worth ``auto-X`` measures (each turned off alone)."""
+WHOLE_ROW = "whole_row"
+"""``auto-whole_row``: the varlen kernel asked for explicitly, so a one-document row does not take SDPA's causal
+path (engine.speed.metadata_cache.PackedAttentionMetadata.whole_row_causal)."""
 
 
 def variant_settings(variant: str) -> SpeedConfig:
@@ -59,6 +62,8 @@ def variant_settings(variant: str) -> SpeedConfig:
     if variant == "auto":
         return AUTO
     switch = variant.removeprefix("auto-")
+    if switch == WHOLE_ROW:
+        return dataclasses.replace(AUTO, attention_backend="varlen")
     if switch not in ABLATED:
         raise ValueError(f"unknown variant {variant!r}: stock, auto or auto-SWITCH with SWITCH in {ABLATED}")
     return dataclasses.replace(AUTO, **{switch: False})
@@ -296,7 +301,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--models", default="llama-3.1-8b,qwen3-8b", help=f"comma-separated: {', '.join(SHAPES)}")
     parser.add_argument("--tokens", default="4096,16384", help="row lengths")
     parser.add_argument("--caps", default="8,24", help="allocator caps in GiB")
-    default_variants = ",".join(["stock", "auto", *(f"auto-{s}" for s in ABLATED)])
+    default_variants = ",".join(["stock", "auto", *(f"auto-{s}" for s in (*ABLATED, WHOLE_ROW))])
     parser.add_argument("--variants", default=default_variants, help="stock, auto, auto-SWITCH")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per row")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compiles)")
