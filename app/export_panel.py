@@ -122,9 +122,9 @@ class ExportDialog(QDialog):
         choices.addWidget(self.quant, 2, 1)
         choices.setColumnStretch(0, 1)
         if not self.quants:
-            for widget in (self.kinds["gguf"], self.quant):
-                widget.setEnabled(False)
-                widget.setToolTip(NO_GGUF)
+            self.kinds["gguf"].setEnabled(False)
+            self.kinds["gguf"].setToolTip(NO_GGUF)
+            self.quant.hide()
         folder = QHBoxLayout()
         browse = QPushButton("Choose…")
         browse.clicked.connect(self._browse)
