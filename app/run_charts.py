@@ -310,6 +310,7 @@ class RunCharts(QWidget):
         colors = current_chart_colors()
         self.mark_readout.setText(text, color=colors.foreground)
         self.mark_readout.fill = pg.mkBrush(colors.background)
+        self.mark_readout.border = pg.mkPen(MARK_COLOR)  # reads as a note over the curve, not part of it
         self.mark_readout.setAnchor((1, 0) if mark[0] > (left + right) / 2 else (0, 0))  # stays inside the chart
         self.mark_readout.setPos(mark[0], top)
         self.mark_readout.show()
