@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import pyqtgraph as pg
-from PySide6.QtCore import QTimer
-from PySide6.QtWidgets import QGridLayout, QWidget
+from PySide6.QtCore import QPointF, QTimer
+from PySide6.QtWidgets import QGridLayout, QLabel, QWidget
 
 from app.theme import current_chart_colors, style_plot
 
@@ -106,11 +106,10 @@ class RunCharts(QWidget):
             antialias=False, pen=None, symbol="t", symbolBrush="#d62728", name="throttled"
         )
         self.speed_curve = self.speed.plot(antialias=False, pen=pg.mkPen("#17becf", width=2), name="tokens/s")
-        self.mark_readout = pg.TextItem("", anchor=(0, 0))
-        self.mark_readout.setZValue(10)
-        self.mark_readout.hide()
-        self.speed.addItem(self.mark_readout, ignoreBounds=True)
+        self.mark_readout: QLabel | None = None
+        """The readout naming the change under the pointer; made the first time it is needed."""
         self.speed.scene().sigMouseMoved.connect(self._pointer_moved)
+        self.speed.getViewBox().sigRangeChanged.connect(lambda *_: self._hide_readout())  # zoomed: it is stale
         layout = QGridLayout(self)
         layout.addWidget(self.loss, 0, 0)
         layout.addWidget(self.speed, 0, 1)
@@ -149,8 +148,8 @@ class RunCharts(QWidget):
         self._mark_lines: list[Any] = []
         self._drawn_marks: tuple[tuple[int, str], ...] = ()
         self.marks = []
-        if hasattr(self, "mark_readout"):
-            self.mark_readout.hide()
+        if getattr(self, "mark_readout", None) is not None:
+            self._hide_readout()
         self._dirty = set(CHARTS)
 
     def add_step(self, step: int, loss: float, tokens_per_s: float) -> None:
@@ -291,10 +290,14 @@ class RunCharts(QWidget):
             self._mark_lines.append(line)
         self._drawn_marks = drawn
 
+    def _hide_readout(self) -> None:
+        if self.mark_readout is not None:
+            self.mark_readout.hide()
+
     def _pointer_moved(self, scene_pos: Any) -> None:
         box = self.speed.getViewBox()
         if not box.sceneBoundingRect().contains(scene_pos):
-            self.mark_readout.hide()
+            self._hide_readout()
             return
         self.show_mark_near(box.mapSceneToView(scene_pos).x())
 
@@ -304,14 +307,20 @@ class RunCharts(QWidget):
         (left, right), (_, top) = box.viewRange()
         mark = nearest_mark(self.marks, step, (right - left) / max(1.0, box.width()))
         if mark is None:
-            self.mark_readout.hide()
+            self._hide_readout()
             return ""
         text = f"step {mark[0]}: {mark[1]}"
         colors = current_chart_colors()
-        self.mark_readout.setText(text, color=colors.foreground)
-        self.mark_readout.fill = pg.mkBrush(colors.background)
-        self.mark_readout.border = pg.mkPen(MARK_COLOR)  # reads as a note over the curve, not part of it
-        self.mark_readout.setAnchor((1, 0) if mark[0] > (left + right) / 2 else (0, 0))  # stays inside the chart
-        self.mark_readout.setPos(mark[0], top)
-        self.mark_readout.show()
+        if self.mark_readout is None:
+            self.mark_readout = QLabel(self.speed)
+        readout = self.mark_readout
+        readout.setStyleSheet(f"background:{colors.background}; color:{colors.foreground}; "
+                              f"border:1px solid {MARK_COLOR}; padding:1px 4px")  # fmt: skip
+        readout.setText(text)
+        readout.adjustSize()
+        area = self.speed.mapFromScene(box.sceneBoundingRect()).boundingRect()
+        x = self.speed.mapFromScene(box.mapViewToScene(QPointF(mark[0], top))).x()
+        x = x - readout.width() if mark[0] > (left + right) / 2 else x  # stays inside the chart
+        readout.move(max(area.left(), min(x, area.right() - readout.width())), area.top() + 2)
+        readout.show()
         return text
