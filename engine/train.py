@@ -1,0 +1,65 @@
+"""The training run: ``for event in run(config): ...``.
+
+A run prepares the data, loads the base model with a fresh LoRA adapter (or restores one from a checkpoint),
+then takes optimizer steps over packed rows, reporting each as an event. Between two steps it obeys its
+:class:`~engine.run.control.RunControl` (stop, pause, new speed settings). Everything a user keeps lands in the
+run folder: ``config.json``, ``metrics.jsonl``, ``eval.jsonl``, ``checkpoints/`` and the final ``adapter/``.
+Failures end the iterator with a :class:`~engine.events.RunFailed` event instead of an exception.
+
+Reliability (see engine.run.guard and engine.run.checkpoint): an out-of-memory step is retried with smaller
+micro-batches or offloaded checkpointing; a non-finite loss skips the update; checkpoints, the adapter and
+config.json are written atomically and the logs are fsynced before each checkpoint, so a kill at any moment
+resumes from a consistent state; a failed write stops the run with a message naming the disk problem. Nothing a
+run reports or writes contains the Hugging Face token (engine.redact).
+
+This module is the public entry point and sits above both ways to train: one process
+(:func:`engine.run.loop.train_in_process`) or, when ``training.gpus`` names several GPUs, the ranks under
+torchrun (:func:`engine.distributed.launch.run_ranks`), whose rank 0's events it yields.
+engine.distributed says what a step means with W ranks.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from engine.config import RunConfig
+from engine.distributed.launch import resolve_gpus, run_ranks
+from engine.events import Event
+from engine.redact import known_tokens, redact_event
+from engine.run.control import RunControl
+from engine.run.folder import load_run_config, new_run_dir
+from engine.run.loop import failure, on_one_gpu, resumed_config, train_in_process
+
+__all__ = ["run"]
+
+
+def run(config: RunConfig, *, control: RunControl | None = None, resume: str | Path | None = None) -> Iterator[Event]:
+    """Train a LoRA adapter, yielding events; ``resume`` continues the run in that folder from its last checkpoint."""
+    tokens = known_tokens()
+    for event in _run(config, control, resume):
+        yield redact_event(event, tokens)
+
+
+def _run(config: RunConfig, control: RunControl | None, resume: str | Path | None) -> Iterator[Event]:
+    # Packed rows change length every step; without expandable segments the caching allocator fragments and
+    # planned batches ran out of memory with up to 4.9 GiB reserved but unused (H200). Must precede CUDA init.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    control = control or RunControl()
+    run_dir: Path | None = None
+    try:
+        if resume is not None:
+            run_dir = Path(resume)
+            config = resumed_config(load_run_config(run_dir), config)
+        gpus = resolve_gpus(config.training.gpus, config.training.device)
+        config = on_one_gpu(config, gpus)
+        if run_dir is None:
+            run_dir = new_run_dir(config)
+        if len(gpus) > 1:
+            yield from run_ranks(config, run_dir, resume is not None, gpus, control)
+            return
+    except Exception as err:  # the user gets a message and a log, never a dead app
+        yield failure(err, None, run_dir, write_log=True)
+        return
+    yield from train_in_process(config, run_dir, resume is not None, control)
