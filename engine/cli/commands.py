@@ -35,15 +35,36 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+TORCH_MISSING_EXIT = 3
+"""Exit status of a command that needs torch when torch is not installed."""
+
+
 def _load(target: str) -> Callable[[list[str]], int]:
     module, function = target.split(":")
     return getattr(importlib.import_module(module), function)
 
 
+def run_command(name: str, argv: list[str]) -> int:
+    """Run one command; one that needs torch where torch is missing says how to install it instead of failing."""
+    try:
+        return _load(COMMANDS[name][0])(argv)
+    except ModuleNotFoundError as err:
+        if err.name != "torch" and not (err.name or "").startswith("torch."):
+            raise
+        detail = "" if err.name == "torch" else f" (or incomplete: {err})"
+        print(
+            f"tunedeck {name}: torch is not installed{detail}, and this command needs it.\n"
+            "Install the torch build that fits this machine's GPU with `tunedeck setup install-torch`, "
+            "or open the TuneDeck app, which offers to install it.",
+            file=sys.stderr,
+        )
+        return TORCH_MISSING_EXIT
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in COMMANDS:
-        return _load(COMMANDS[args[0]][0])(args[1:])
+        return run_command(args[0], args[1:])
     parser = argparse.ArgumentParser(
         prog="tunedeck",
         description="TuneDeck: LoRA/QLoRA fine-tuning of language models on your own NVIDIA GPU.",

@@ -1,36 +1,55 @@
 """``tunedeck train``'s settings flags, generated from the config dataclasses (engine.config).
 
 Each setting is defined once, in the config tree; precedence is defaults < ``--config FILE`` < explicit flags.
+
+One naming scheme: a setting's flag is its field name in kebab-case (``training.weight_decay`` is
+``--weight-decay``, ``data.tokens_per_batch`` is ``--tokens-per-batch``), unless the config names a clearer
+spelling for it (``--model``, ``--data``, ``--lr``, ``--lora-rank``, ``--output``...). Every setting also
+answers to its full grouped name, ``--SECTION-FIELD`` (``--training-weight-decay``): a hidden alias, so
+scripts written against either spelling keep working and ``--help`` shows one style.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Iterator
 from typing import Any, Literal, get_args, get_type_hints
 
 from engine.config import RunConfig, coerce_value
 
 
-def _flag(section: str, spec: dataclasses.Field[Any]) -> str:
-    return spec.metadata.get("flag") or f"--{section}-{spec.name}".replace("_", "-")
+def flag_name(spec: dataclasses.Field[Any]) -> str:
+    """The flag ``--help`` shows for a setting."""
+    return spec.metadata.get("flag") or "--" + spec.name.replace("_", "-")
+
+
+def grouped_name(section: str, spec: dataclasses.Field[Any]) -> str:
+    """The setting's full name as a flag, ``--SECTION-FIELD``; accepted for every setting, never shown."""
+    return f"--{section}-{spec.name}".replace("_", "-")
 
 
 def _dest(section: str, name: str) -> str:
     return f"cfg__{section}__{name}"
 
 
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per config field, grouped by section, with the field's help text and default."""
+def config_fields() -> Iterator[tuple[str, dataclasses.Field[Any], Any, Any]]:
+    """(section, field, type annotation, default) for every setting of the config tree, in order."""
     defaults = RunConfig()
     for section in dataclasses.fields(RunConfig):
-        group = parser.add_argument_group(f"{section.name} settings")
         section_type = type(getattr(defaults, section.name))
         hints = get_type_hints(section_type)
         for spec in dataclasses.fields(section_type):
-            _add_field_flag(
-                group, section.name, spec, hints[spec.name], getattr(getattr(defaults, section.name), spec.name)
-            )
+            yield section.name, spec, hints[spec.name], getattr(getattr(defaults, section.name), spec.name)
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per config field, grouped by section, with the field's help text and default."""
+    groups: dict[str, Any] = {}
+    for section, spec, annotation, default in config_fields():
+        if section not in groups:
+            groups[section] = parser.add_argument_group(f"{section} settings")
+        _add_field_flag(groups[section], section, spec, annotation, default)
 
 
 def _add_field_flag(group: Any, section: str, spec: dataclasses.Field[Any], annotation: Any, default: Any) -> None:
@@ -47,7 +66,10 @@ def _add_field_flag(group: Any, section: str, spec: dataclasses.Field[Any], anno
     else:
         kwargs["metavar"] = spec.name.upper()
         kwargs["help"] = f"{help_text} (default: {default})"
-    group.add_argument(_flag(section, spec), **kwargs)
+    group.add_argument(flag_name(spec), **kwargs)
+    alias = grouped_name(section, spec)
+    if alias != flag_name(spec):
+        group.add_argument(alias, **{**kwargs, "help": argparse.SUPPRESS})
 
 
 def config_from_args(args: argparse.Namespace, base: RunConfig) -> RunConfig:
