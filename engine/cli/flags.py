@@ -54,7 +54,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
 
 def _add_field_flag(group: Any, section: str, spec: dataclasses.Field[Any], annotation: Any, default: Any) -> None:
     kwargs: dict[str, Any] = {"dest": _dest(section, spec.name), "default": argparse.SUPPRESS}
-    help_text = spec.metadata.get("help", "")
+    help_text = spec.metadata.get("help", "").replace("%", "%%")  # argparse formats help with %
     options = get_args(annotation)
     if annotation is bool or (bool in options and type(None) in options):
         kwargs["action"] = argparse.BooleanOptionalAction
