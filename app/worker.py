@@ -90,7 +90,7 @@ class TrainingWorker(QThread):
             torch.set_num_threads(training_threads())
             lower_thread_priority()
             from engine.quiet import quiet_libraries
-            from engine.run.registry import recorded
+            from engine.run.recorder import recorded
             from engine.train import run
 
             quiet_libraries()

@@ -17,7 +17,8 @@ import pytest
 from engine.config import RunConfig
 from engine.events import CheckpointSaved, RunFinished, RunStarted, StepMetrics
 from engine.run.control import RunControl
-from engine.run.registry import SCHEMA_VERSION, Registry, RegistryError, data_dir, recorded
+from engine.run.recorder import recorded
+from engine.run.registry import SCHEMA_VERSION, Registry, RegistryError, data_dir
 from engine.train import run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -231,7 +232,8 @@ CRASHING_RUN = textwrap.dedent(
     """
     import json, sys
     from engine.config import RunConfig
-    from engine.run.registry import Registry, recorded
+    from engine.run.recorder import recorded
+    from engine.run.registry import Registry
     from engine.train import run
     config = RunConfig.from_dict(json.loads(sys.argv[1]))
     for event in recorded(run(config), Registry()):

@@ -130,7 +130,7 @@ def run_events(
     config: RunConfig, control: RunControl, *, resume: str | Path | None, json_lines: bool, record: bool = True
 ) -> ProgressPrinter:
     """Drive a run to its end, printing as it goes (and recording it in the run history); returns the printer."""
-    from engine.run.registry import recorded
+    from engine.run.recorder import recorded
     from engine.train import run
 
     printer = ProgressPrinter()

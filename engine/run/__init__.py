@@ -7,7 +7,8 @@
 - engine.run.checkpoint, engine.run.guard: atomic checkpoints, out-of-memory and non-finite-loss handling;
 - engine.run.control, engine.run.schedule: stop/pause/speed requests between steps; the learning-rate schedule;
 - engine.run.ranks: this process's share of a step among the ranks of a multi-GPU run (a no-op alone);
-- engine.run.registry: the list of past runs, read from their folders.
+- engine.run.registry, engine.run.recorder: the run history (one SQLite index of every run), kept up to date
+  from a run's events.
 
 The public entry point is :func:`engine.train.run`, which also starts multi-GPU runs (engine.distributed).
 """
