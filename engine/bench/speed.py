@@ -676,7 +676,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--qlora" in argv:
-        from engine.bench_qlora import main as qlora_main
+        from engine.bench.qlora import main as qlora_main
 
         return qlora_main([arg for arg in argv if arg != "--qlora"])
     if "--long-context" in argv:
