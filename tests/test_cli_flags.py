@@ -127,7 +127,8 @@ def test_every_old_spelling_still_sets_its_setting(old: str) -> None:
 def test_help_shows_one_spelling_per_setting(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         train_parser().parse_args(["--help"])
-    shown = {word.rstrip(",") for word in capsys.readouterr().out.split() if word.startswith("--")}
+    listing = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("  --")]
+    shown = {word.rstrip(",") for words in listing for word in words if word.startswith("--")}
     shown_names = {flag_name(spec) for _, spec, _, _ in config_fields()}
     hidden = {grouped_name(section, spec) for section, spec, _, _ in config_fields()} - shown_names
     assert shown_names <= shown

@@ -28,7 +28,9 @@ def train_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tunedeck train",
         description="Fine-tune a LoRA (or QLoRA) adapter. Every run writes a folder with config.json, "
-        "metrics.jsonl, checkpoints/ and the final adapter/ in PEFT format.",
+        "metrics.jsonl, checkpoints/ and the final adapter/ in PEFT format. Each setting's flag is its name in "
+        "the config (--weight-decay for training.weight_decay); the grouped spelling (--training-weight-decay) "
+        "works too.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
