@@ -1,7 +1,7 @@
 """What the dataset page shows, computed off the GUI thread: format, counts, token lengths, packing, a preview.
 
-The preview is tokenized exactly as training will tokenize it (engine.tokenize), so the highlighted tokens are
-the ones the loss is computed on. Bad rows are collected with their row numbers (engine.data.iter_row_problems)
+The preview is tokenized exactly as training will tokenize it (engine.data.tokenize), so the highlighted tokens are
+the ones the loss is computed on. Bad rows are collected with their row numbers (engine.data.files.iter_row_problems)
 instead of stopping at the first. Qt-free.
 """
 
@@ -38,10 +38,10 @@ class DatasetReport:
 
 def analyze_dataset(path: str, model_name: str, data: DataConfig | None = None) -> DatasetReport:
     """Read, check, tokenize and pack ``path`` as a run with ``model_name``'s tokenizer would."""
-    from engine.data import detect_format, iter_row_problems, normalize_rows, read_rows
-    from engine.models import load_tokenizer
-    from engine.packing import pack_examples, packing_efficiency
-    from engine.tokenize import ensure_chat_template, tokenize_examples
+    from engine.data.files import detect_format, iter_row_problems, normalize_rows, read_rows
+    from engine.data.packing import pack_examples, packing_efficiency
+    from engine.data.tokenize import ensure_chat_template, tokenize_examples
+    from engine.model.load import load_tokenizer
 
     data = data or DataConfig(path=path)
     rows = read_rows(path)
@@ -76,7 +76,7 @@ def analyze_dataset(path: str, model_name: str, data: DataConfig | None = None) 
 
 def token_pieces(tokenizer: Any, example: Any) -> list[tuple[str, bool]]:
     """The example's tokens as text, each marked when the model is trained to predict it."""
-    from engine.packing import IGNORE_INDEX
+    from engine.data.packing import IGNORE_INDEX
 
     pieces: list[tuple[str, bool]] = []
     for token, label in zip(example.input_ids, example.labels, strict=True):

@@ -57,7 +57,7 @@ def _offline() -> bool:
 def model_config_path(name: str) -> Path | str:
     """A local config.json for the model, or a built-in shape name the planner knows."""
     from engine.hardware.shapes import builtin_shape_names
-    from engine.models import resolve_model
+    from engine.model.load import resolve_model
 
     source = resolve_model(name)
     if source.is_local:

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from engine.errors import TuneDeckError
-from engine.registry import Registry, RunRecord
+from engine.run.registry import Registry, RunRecord
 
 if TYPE_CHECKING:
-    from engine.chat import ChatModel, GenerationSettings
+    from engine.model.chat import ChatModel, GenerationSettings
 
 
 def _fmt(value: float | None, spec: str = ".4f") -> str:
@@ -160,7 +160,7 @@ def chat_parser() -> argparse.ArgumentParser:
 def _answer(chat: ChatModel, messages: list[dict[str, str]], settings: GenerationSettings, use_adapter: bool) -> str:
     import threading
 
-    from engine.chat import stream_reply
+    from engine.model.chat import stream_reply
 
     stop = threading.Event()
     pieces: list[str] = []
@@ -177,7 +177,7 @@ def _answer(chat: ChatModel, messages: list[dict[str, str]], settings: Generatio
 
 def chat_main(argv: list[str]) -> int:
     args = chat_parser().parse_args(argv)
-    from engine.chat import GenerationSettings, load_chat_model
+    from engine.model.chat import GenerationSettings, load_chat_model
     from engine.quiet import quiet_libraries
 
     quiet_libraries()
