@@ -1,0 +1,101 @@
+"""The tokenizer inside a GGUF file: vocabulary, merges, special token ids and the chat template.
+
+Byte-level BPE tokenizers (GPT-2 style: Llama-3, Qwen, the demo model) become llama.cpp's ``gpt2`` tokenizer
+model with a named pre-tokenizer; SentencePiece-style tokenizers with byte fallback (Llama-2, Mistral, Gemma)
+become its ``llama`` model with scores. Special token ids, add-bos/eos flags and the chat template are read by
+the ``gguf`` package's SpecialVocab from the saved tokenizer folder.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from engine.errors import TuneDeckError
+
+GPT2_REGEX = "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)"
+
+
+def _split_regexes(pre: dict[str, Any]) -> list[str]:
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    found = []
+    for step in steps:
+        if step.get("type") == "Split":
+            found.append(step.get("pattern", {}).get("Regex", ""))
+        elif step.get("type") == "Digits":
+            found.append("\\p{N}" if step.get("individual_digits") else "\\p{N}+")
+        elif step.get("type") == "ByteLevel" and step.get("use_regex", True):
+            found.append(GPT2_REGEX)
+    return found
+
+
+def pre_tokenizer_name(tokenizer_json: dict[str, Any]) -> str:
+    """llama.cpp's name for the tokenizer's pre-tokenizer (how text is split before BPE)."""
+    regexes = _split_regexes(tokenizer_json.get("pre_tokenizer") or {})
+    if regexes == [GPT2_REGEX]:
+        return "gpt-2"
+    if regexes == ["\\p{N}", GPT2_REGEX]:
+        return "starcoder"
+    if len(regexes) == 1 and regexes[0].startswith("(?i:'s|'t|'re|'ve|'m|'ll|'d)"):
+        return "llama-bpe" if "\\p{N}{1,3}" in regexes[0] else "qwen2"
+    if len(regexes) == 1 and regexes[0].startswith("(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"):
+        return "qwen2"  # the case-spelled form of the same split some tokenizers save
+    return "default"
+
+
+def _token_types(tokenizer: Any, vocab_size: int) -> tuple[list[str], list[int]]:
+    import gguf
+
+    by_id = {index: token for token, index in tokenizer.get_vocab().items()}
+    added = tokenizer.added_tokens_decoder
+    tokens, types = [], []
+    for index in range(vocab_size):
+        if index not in by_id:
+            tokens.append(f"[PAD{index}]")
+            types.append(gguf.TokenType.UNUSED)
+        elif index in added:
+            tokens.append(added[index].content)
+            types.append(gguf.TokenType.CONTROL if added[index].special else gguf.TokenType.USER_DEFINED)
+        else:
+            tokens.append(by_id[index])
+            types.append(gguf.TokenType.NORMAL)
+    return tokens, [int(t) for t in types]
+
+
+def add_tokenizer(writer: Any, tokenizer: Any, folder: Path, vocab_size: int) -> None:
+    """Write the tokenizer saved in ``folder`` (tokenizer.json etc.) into the GGUF metadata."""
+    import gguf
+
+    path = folder / "tokenizer.json"
+    if not path.exists():
+        raise TuneDeckError("GGUF export needs a fast tokenizer (tokenizer.json); this model's tokenizer has none")
+    data = json.loads(path.read_text(encoding="utf-8"))
+    model = data.get("model", {})
+    if model.get("type") == "BPE" and not model.get("byte_fallback"):
+        tokens, types = _token_types(tokenizer, vocab_size)
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(pre_tokenizer_name(data))
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        special = gguf.SpecialVocab(folder, load_merges=True, n_vocab=vocab_size)
+    elif model.get("byte_fallback") or model.get("type") == "Unigram":
+        vocab = gguf.LlamaHfVocab(folder)
+        tokens, scores, kinds = [], [], []
+        for text, score, kind in vocab.all_tokens():
+            tokens.append(text)
+            scores.append(score)
+            kinds.append(int(kind))
+        for index in range(len(tokens), vocab_size):
+            tokens.append(f"[PAD{index}]".encode())
+            scores.append(-1000.0)
+            kinds.append(int(gguf.TokenType.UNUSED))
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens[:vocab_size])
+        writer.add_token_scores(scores[:vocab_size])
+        writer.add_token_types(kinds[:vocab_size])
+        special = gguf.SpecialVocab(folder, load_merges=False, n_vocab=vocab_size)
+    else:
+        raise TuneDeckError(f"GGUF export does not support {model.get('type')!r} tokenizers")
+    special.add_to_gguf(writer, quiet=True)
