@@ -293,7 +293,10 @@ def export_gguf(
     if target.exists() and any(target.iterdir()) and not overwrite:
         _prepare_target(target, overwrite)  # raises the usual "not empty" error before the slow merge
     report(ExportProgress("merging", 0, 1, "merging the adapter into the base model"))
+    from engine.tokenize import ensure_chat_template
+
     model, tokenizer = merged_model(run_folder, "float32")
+    ensure_chat_template(tokenizer)  # the ChatML fallback the run trained with, when the tokenizer has none
     gguf_families.family_for(model.config.model_type)
     report(ExportProgress("merging", 1, 1))
     name = _slug(run_folder.name)

@@ -19,7 +19,7 @@ ROLES = ("system", "user", "assistant")
 
 
 def _marker(index: int) -> str:
-    return f"MSG{index}QZX"
+    return f"Msg{index}qzX"  # mixed case: a template that changes case is caught
 
 
 @dataclass(frozen=True)
