@@ -297,7 +297,7 @@ def export_gguf(
 
     model, tokenizer = merged_model(run_folder, "float32")
     ensure_chat_template(tokenizer)  # the ChatML fallback the run trained with, when the tokenizer has none
-    gguf_families.family_for(model.config.model_type)
+    gguf_families.check_config(gguf_families.family_for(model.config.model_type), model.config)
     report(ExportProgress("merging", 1, 1))
     name = _slug(run_folder.name)
     tmp = _prepare_target(target, overwrite)

@@ -49,6 +49,15 @@ def family_for(model_type: str) -> Family:
     return family
 
 
+def check_config(family: Family, config: Any) -> None:
+    """Refuse shapes llama.cpp cannot load for this architecture, before anything is written."""
+    heads, kv_heads = config.num_attention_heads, _get(config, "num_key_value_heads", config.num_attention_heads)
+    if family.arch == "OLMOE" and heads != kv_heads:
+        raise TuneDeckError(
+            f"llama.cpp's OLMoE needs as many key/value heads as attention heads (this model: {kv_heads} of {heads})"
+        )
+
+
 def _get(config: Any, name: str, default: Any = None) -> Any:
     value = getattr(config, name, None)
     return default if value is None else value
