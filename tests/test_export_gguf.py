@@ -3,7 +3,9 @@
 Each family gets a run folder whose adapter is a random (non-zero) LoRA over all linear layers, so the merge
 changes the model measurably. The exported file is loaded with llama-cpp-python (llama.cpp's own loader and
 kernels) and its next-token logits are compared with transformers running the merged float32 model:
-f16 within 2% of the largest logit, q8_0 with the same argmax on at least 95% of positions.
+f16 within 2% of the largest logit, q8_0 with the same argmax on at least 95% of positions (90% for the
+six-layer Gemma3 model, whose scaled embeddings make q8_0 noisier on random weights; llama.cpp also keeps its
+KV cache in f16, so even f32 files differ from transformers by ~0.1%).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from engine.models import demo_model_dir
 
 F16_TOLERANCE = 0.02  # of the largest |logit|: f16 weights and llama.cpp's f16 activations
 Q8_ARGMAX_AGREEMENT = 0.95
+Q8_ARGMAX_AGREEMENT_GEMMA3 = 0.90
 TOKENS = 100
 
 FAMILIES = {  # model_type -> overrides for a tiny model of that family
@@ -30,6 +33,15 @@ FAMILIES = {  # model_type -> overrides for a tiny model of that family
     "qwen3": {"head_dim": 16},
     "phi3": {"pad_token_id": 0, "bos_token_id": None, "eos_token_id": 2},
     "mistral": {"head_dim": 16},
+    "gemma3_text": {  # six layers: five sliding-window layers (window 32) and one global one
+        "num_hidden_layers": 6,
+        "sliding_window": 32,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "pad_token_id": 0,
+        "bos_token_id": None,
+        "eos_token_id": 2,
+    },
     "qwen3_moe": {
         "head_dim": 16,
         "moe_intermediate_size": 32,
@@ -112,7 +124,7 @@ def llama_cpp_logits(gguf: Path, ids: list[int]) -> np.ndarray:
 def export(run: Path, target: Path, quant: str) -> Path:
     stages: list[ExportProgress] = []
     folder = export_gguf(run, target, quant=quant, on_progress=stages.append)
-    assert [s.stage for s in stages][0] == "merging" and stages[-1] == ExportProgress("writing", 1, 1)
+    assert stages[0].stage == "merging" and stages[-1] == ExportProgress("writing", 1, 1)
     assert any(s.stage == "converting" and s.done == s.total for s in stages)
     files = sorted(p.name for p in folder.iterdir())
     assert files == ["Modelfile", "README.md", "tiny-run.gguf"]
@@ -131,9 +143,101 @@ def test_llama_cpp_loads_the_export_with_the_merged_logits(runs: dict[str, Path]
     f16 = llama_cpp_logits(export(run, tmp_path / "f16", "f16"), ids)
     assert f16.shape == reference.shape
     error = np.abs(f16 - reference).max() / np.abs(reference).max()
-    print(f"\n{family}: f16 error {error:.5f}")
     assert error <= F16_TOLERANCE, f"{family}: f16 logits differ by {error:.4f} of the largest logit"
     q8 = llama_cpp_logits(export(run, tmp_path / "q8", "q8_0"), ids)
     agreement = float((q8.argmax(-1) == reference.argmax(-1)).mean())
-    print(f"{family}: q8 agreement {agreement:.3f}", np.abs(q8 - reference).max() / np.abs(reference).max())
-    assert agreement >= Q8_ARGMAX_AGREEMENT, f"{family}: q8_0 argmax agrees on {agreement:.0%} of positions"
+    threshold = Q8_ARGMAX_AGREEMENT_GEMMA3 if family == "gemma3_text" else Q8_ARGMAX_AGREEMENT
+    assert agreement >= threshold, f"{family}: q8_0 argmax agrees on {agreement:.0%} of positions"
+
+
+@pytest.mark.slow
+def test_k_quants_come_from_llama_cpp(runs: dict[str, Path], tmp_path: Path) -> None:
+    """q4_k_m: a float16 file quantized by llama.cpp's own quantizer, which loads and still mostly agrees."""
+    import gguf
+
+    pytest.importorskip("llama_cpp")
+    run = runs["demo"]
+    path = export(run, tmp_path / "q4", "q4_k_m")
+    reader = gguf.GGUFReader(path)
+    file_type = reader.fields["general.file_type"].contents()
+    assert file_type == int(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    kinds = {t.tensor_type.name for t in reader.tensors}
+    assert kinds & {"Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "Q4_0", "Q8_0"} and "F16" not in kinds
+    assert "tokenizer.chat_template" in reader.fields
+    ids = token_ids(280)
+    agreement = float((llama_cpp_logits(path, ids).argmax(-1) == transformers_logits(run, ids).argmax(-1)).mean())
+    assert agreement >= 0.8
+
+
+def test_families_and_quants_on_offer() -> None:
+    for model_type in ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "qwen3_moe", "olmoe"):
+        assert supported_gguf_family(model_type)
+    assert not supported_gguf_family("gpt2")
+    assert {"f16", "bf16", "q8_0", "q4_k_m"} <= set(GGUF_QUANTS)
+
+
+def fake_run(root: Path, model_type: str) -> Path:
+    """A run folder whose base model is only a config: enough for the checks that come before the merge."""
+    base = root / "base"
+    base.mkdir(parents=True)
+    (base / "config.json").write_text(json.dumps({"model_type": model_type}))
+    run = root / "run"
+    (run / "adapter").mkdir(parents=True)
+    (run / "adapter" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(base)}))
+    RunConfig.from_dict({"model": {"name": str(base)}, "data": {"path": "x.jsonl"}}).save(run / "config.json")
+    return run
+
+
+def test_unsupported_family_and_quant_are_refused_before_any_work(tmp_path: Path) -> None:
+    run = fake_run(tmp_path, "gpt2")
+    with pytest.raises(TuneDeckError, match="does not support the 'gpt2' model family"):
+        export_gguf(run, tmp_path / "out")
+    with pytest.raises(TuneDeckError, match="unknown GGUF quantization 'q9_9'"):
+        export_gguf(run, tmp_path / "out", quant="q9_9")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "run"]
+
+
+def test_k_quants_without_llama_cpp_say_what_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    with pytest.raises(TuneDeckError, match=r"llama\.cpp's quantizer") as err:
+        export_gguf(fake_run(tmp_path, "llama"), tmp_path / "out", quant="q4_k_m")
+    assert "pip install llama-cpp-python" in str(err.value)
+
+
+def test_failed_export_leaves_nothing_behind(runs: dict[str, Path], tmp_path: Path) -> None:
+    def fail_midway(progress: ExportProgress) -> None:
+        if progress.stage == "converting" and progress.done == 3:
+            raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        export_gguf(runs["qwen2"], tmp_path / "out", on_progress=fail_midway)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_export_refuses_a_folder_in_use(runs: dict[str, Path], tmp_path: Path) -> None:
+    target = tmp_path / "taken"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    with pytest.raises(TuneDeckError, match="not empty"):
+        export_gguf(runs["qwen2"], target)
+    assert [p.name for p in target.iterdir()] == ["keep.txt"]
+    export_gguf(runs["qwen2"], target, quant="f16", overwrite=True)
+    assert (target / "tiny-run.gguf").exists() and not (target / "keep.txt").exists()
+
+
+def test_cli_writes_gguf_modelfile_and_readme(runs: dict[str, Path], tmp_path: Path, capsys) -> None:
+    from engine.runs_cli import export_main
+
+    assert export_main([str(runs["qwen3"]), "--to", str(tmp_path / "out"), "--gguf"]) == 0
+    out = capsys.readouterr()
+    assert "GGUF model (q8_0) and Modelfile written to" in out.out and "converting" in out.err
+    readme = (tmp_path / "out" / "README.md").read_text()
+    assert f"ollama create tiny-run -f {(tmp_path / 'out').resolve().as_posix()}/Modelfile" in readme
+    assert "ollama run tiny-run" in readme and "llama-cli -m" in readme and "LM Studio" in readme
+    modelfile = (tmp_path / "out" / "Modelfile").read_text()
+    assert modelfile.startswith("FROM ./tiny-run.gguf\n") and 'PARAMETER stop "<|im_end|>"' in modelfile
+    assert export_main([str(runs["qwen3"]), "--to", str(tmp_path / "bad"), "--gguf", "q9_9"]) == 1
+    err = capsys.readouterr().err
+    assert "tunedeck export: error: unknown GGUF quantization 'q9_9'" in err and "Traceback" not in err
