@@ -241,3 +241,101 @@ def test_cli_writes_gguf_modelfile_and_readme(runs: dict[str, Path], tmp_path: P
     assert export_main([str(runs["qwen3"]), "--to", str(tmp_path / "bad"), "--gguf", "q9_9"]) == 1
     err = capsys.readouterr().err
     assert "tunedeck export: error: unknown GGUF quantization 'q9_9'" in err and "Traceback" not in err
+
+
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+TEXTS = [
+    "hello there, how are you today?",
+    "convert 12 march 2021 to 2021-03-12\n\nok",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "  spaces   and\ttabs ümlaut 🙂 x",
+]
+
+
+def build_styled_tokenizer(folder: Path, style: str) -> None:
+    """A tiny tokenizer in the style of Llama-3 (regex split + byte-level BPE) or Llama-2 (SentencePiece BPE)."""
+    from helpers import CORPUS
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    if style == "llama3":
+        tokenizer = Tokenizer(models.BPE())
+        split = pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated")
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
+        tokenizer.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    else:
+        tokenizer = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+        tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        tokenizer.decoder = decoders.Sequence(
+            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        )
+        specials = ["<unk>", *specials, *(f"<0x{i:02X}>" for i in range(256))]
+        alphabet = []
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=specials, initial_alphabet=alphabet)
+    tokenizer.train_from_iterator(CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    if style == "spm":  # byte tokens are ordinary vocabulary in SentencePiece models, not added tokens
+        fast = PreTrainedTokenizerFast(
+            tokenizer_object=Tokenizer.from_str(_unmark_bytes(tokenizer.to_str())),
+            eos_token="<|im_end|>",
+            pad_token="<|endoftext|>",
+            unk_token="<unk>",
+        )
+    fast.save_pretrained(folder)
+
+
+def _unmark_bytes(tokenizer_json: str) -> str:
+    data = json.loads(tokenizer_json)
+    data["added_tokens"] = [t for t in data["added_tokens"] if not t["content"].startswith("<0x")]
+    return json.dumps(data)
+
+
+@pytest.fixture(scope="module")
+def styled_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("styled")
+    found = {}
+    for style in ("llama3", "spm"):
+        folder = root / style
+        folder.mkdir()
+        build_styled_tokenizer(folder, style)
+        vocab = len(json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]) + 3
+        build_model(folder, vocab, "llama")
+        found[style] = make_run(folder, root / f"run-{style}")
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("style", "kind"),
+    [("demo", "gpt2/starcoder"), ("qwen2", "gpt2/qwen2"), ("llama3", "gpt2/llama-bpe"), ("spm", "llama/default")],
+)
+def test_llama_cpp_tokenizes_like_the_tokenizer(
+    runs: dict[str, Path], styled_runs: dict[str, Path], tmp_path: Path, style: str, kind: str
+) -> None:
+    """The vocabulary, merges, pre-tokenizer and special tokens in the file make llama.cpp split text the same way."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    import gguf
+    from transformers import AutoTokenizer
+
+    run = {**runs, **styled_runs}[style]
+    path = export(run, tmp_path / "f16", "f16")
+    fields = gguf.GGUFReader(path).fields
+    assert f"{fields['tokenizer.ggml.model'].contents()}/{fields['tokenizer.ggml.pre'].contents()}" == kind
+    tokenizer = AutoTokenizer.from_pretrained(run / "adapter")
+    llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    try:
+        for text in TEXTS:
+            expected = tokenizer.encode(text, add_special_tokens=False)
+            assert llm.tokenize(text.encode(), add_bos=False, special=True) == expected, text
+    finally:
+        llm.close()
+    ids = token_ids(280)
+    reference = transformers_logits(run, ids)
+    assert np.abs(llama_cpp_logits(path, ids) - reference).max() <= F16_TOLERANCE * np.abs(reference).max()

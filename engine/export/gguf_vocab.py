@@ -1,14 +1,16 @@
 """The tokenizer inside a GGUF file: vocabulary, merges, special token ids and the chat template.
 
 Byte-level BPE tokenizers (GPT-2 style: Llama-3, Qwen, the demo model) become llama.cpp's ``gpt2`` tokenizer
-model with a named pre-tokenizer; SentencePiece-style tokenizers with byte fallback (Llama-2, Mistral, Gemma)
-become its ``llama`` model with scores. Special token ids, add-bos/eos flags and the chat template are read by
-the ``gguf`` package's SpecialVocab from the saved tokenizer folder.
+model with a named pre-tokenizer; SentencePiece-style BPE tokenizers with byte fallback (Llama-2, Mistral,
+Gemma) become its ``llama`` model, scored by merge rank so llama.cpp merges in the same order. Special token
+ids, add-bos/eos flags and the chat template are read by the ``gguf`` package's SpecialVocab from the saved
+tokenizer folder.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +65,50 @@ def _token_types(tokenizer: Any, vocab_size: int) -> tuple[list[str], list[int]]
     return tokens, [int(t) for t in types]
 
 
+def _merge_ranks(model: dict[str, Any]) -> dict[str, int]:
+    """Token text -> rank of the merge that makes it (earlier merges win)."""
+    ranks: dict[str, int] = {}
+    for rank, merge in enumerate(model.get("merges", [])):
+        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        ranks.setdefault(left + right, rank)
+    return ranks
+
+
+def _sentencepiece_tokens(
+    tokenizer: Any, model: dict[str, Any], vocab_size: int
+) -> tuple[list[str], list[float], list[int]]:
+    """SentencePiece-style BPE (byte fallback): llama.cpp merges by score, so a token scores minus its merge rank."""
+    import gguf
+
+    tokens, types = _token_types(tokenizer, vocab_size)
+    ranks = _merge_ranks(model)
+    unknown = model.get("unk_token")
+    scores = []
+    for index, token in enumerate(tokens):
+        scores.append(-float(ranks[token]) if token in ranks else (0.0 if len(token) == 1 else -1e9))
+        if types[index] == gguf.TokenType.NORMAL and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", token):
+            types[index] = int(gguf.TokenType.BYTE)
+        elif token == unknown:
+            types[index] = int(gguf.TokenType.UNKNOWN)
+    return tokens, scores, types
+
+
+def _is_byte_level(tokenizer_json: dict[str, Any]) -> bool:
+    decoder = tokenizer_json.get("decoder") or {}
+    return any(step.get("type") == "ByteLevel" for step in decoder.get("decoders", [decoder]))
+
+
+def _adds_space_prefix(tokenizer_json: dict[str, Any]) -> bool:
+    """Whether the tokenizer puts a "▁" before the text (a Prepend normalizer or a Metaspace that prepends)."""
+    normalizer = tokenizer_json.get("normalizer") or {}
+    steps = normalizer.get("normalizers", [normalizer])
+    if any(step.get("type") == "Prepend" for step in steps):
+        return True
+    pre = tokenizer_json.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre])
+    return any(s.get("type") == "Metaspace" and s.get("prepend_scheme", "always") != "never" for s in steps)
+
+
 def add_tokenizer(writer: Any, tokenizer: Any, folder: Path, vocab_size: int) -> None:
     """Write the tokenizer saved in ``folder`` (tokenizer.json etc.) into the GGUF metadata."""
     import gguf
@@ -72,30 +118,26 @@ def add_tokenizer(writer: Any, tokenizer: Any, folder: Path, vocab_size: int) ->
         raise TuneDeckError("GGUF export needs a fast tokenizer (tokenizer.json); this model's tokenizer has none")
     data = json.loads(path.read_text(encoding="utf-8"))
     model = data.get("model", {})
-    if model.get("type") == "BPE" and not model.get("byte_fallback"):
+    if model.get("type") == "BPE" and _is_byte_level(data):
         tokens, types = _token_types(tokenizer, vocab_size)
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre(pre_tokenizer_name(data))
         writer.add_token_list(tokens)
         writer.add_token_types(types)
         special = gguf.SpecialVocab(folder, load_merges=True, n_vocab=vocab_size)
-    elif model.get("byte_fallback") or model.get("type") == "Unigram":
-        vocab = gguf.LlamaHfVocab(folder)
-        tokens, scores, kinds = [], [], []
-        for text, score, kind in vocab.all_tokens():
-            tokens.append(text)
-            scores.append(score)
-            kinds.append(int(kind))
-        for index in range(len(tokens), vocab_size):
-            tokens.append(f"[PAD{index}]".encode())
-            scores.append(-1000.0)
-            kinds.append(int(gguf.TokenType.UNUSED))
+    elif model.get("type") == "BPE" and model.get("byte_fallback"):
+        tokens, scores, types = _sentencepiece_tokens(tokenizer, model, vocab_size)
         writer.add_tokenizer_model("llama")
         writer.add_tokenizer_pre("default")
-        writer.add_token_list(tokens[:vocab_size])
-        writer.add_token_scores(scores[:vocab_size])
-        writer.add_token_types(kinds[:vocab_size])
+        writer.add_token_list(tokens)
+        writer.add_token_scores(scores)
+        writer.add_token_types(types)
+        writer.add_add_space_prefix(_adds_space_prefix(data))
         special = gguf.SpecialVocab(folder, load_merges=False, n_vocab=vocab_size)
     else:
-        raise TuneDeckError(f"GGUF export does not support {model.get('type')!r} tokenizers")
+        raise TuneDeckError(
+            f"GGUF export does not support this {model.get('type')!r} tokenizer",
+            hint="it supports byte-level BPE (GPT-2, Llama-3, Qwen style) and SentencePiece-style BPE with byte "
+            "fallback (Llama-2, Mistral, Gemma style)",
+        )
     special.add_to_gguf(writer, quiet=True)
