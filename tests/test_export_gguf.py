@@ -33,6 +33,17 @@ FAMILIES = {  # model_type -> overrides for a tiny model of that family
     "qwen3": {"head_dim": 16},
     "phi3": {"pad_token_id": 0, "bos_token_id": None, "eos_token_id": 2},
     "mistral": {"head_dim": 16},
+    "llama": {  # Llama-3.1-style rope scaling: llama.cpp reads the per-frequency factors from rope_freqs
+        "head_dim": 16,
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    },
     "gemma3_text": {  # six layers: five sliding-window layers (window 32) and one global one
         "num_hidden_layers": 6,
         "sliding_window": 32,
