@@ -28,12 +28,24 @@ Q8_ARGMAX_AGREEMENT = 0.95
 Q8_ARGMAX_AGREEMENT_GEMMA3 = 0.90
 TOKENS = 100
 
-FAMILIES = {  # model_type -> overrides for a tiny model of that family
+PHI3 = {"pad_token_id": 0, "bos_token_id": None, "eos_token_id": 2}
+FAMILIES = {  # name -> overrides for a tiny model of that family (the name is its model_type, before any "-")
     "qwen2": {},
     "qwen3": {"head_dim": 16},
-    "phi3": {"pad_token_id": 0, "bos_token_id": None, "eos_token_id": 2},
+    "phi3": PHI3,
+    "phi3-longrope": {  # Phi-3-128k-style: per-frequency factors past the original context, scaled attention
+        **PHI3,
+        "rope_parameters": {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "long_factor": [1.0, 1.4, 1.9, 2.3, 2.7, 3.1, 3.6, 4.0],
+            "short_factor": [1.0, 1.05, 1.1, 1.2, 1.25, 1.35, 1.4, 1.5],
+            "original_max_position_embeddings": 64,
+        },
+        "original_max_position_embeddings": 64,
+    },
     "mistral": {"head_dim": 16},
-    "llama": {  # Llama-3.1-style rope scaling: llama.cpp reads the per-frequency factors from rope_freqs
+    "llama-rope3": {  # Llama-3.1-style rope scaling: llama.cpp reads the per-frequency factors from rope_freqs
         "head_dim": 16,
         "rope_parameters": {
             "rope_type": "llama3",
@@ -94,12 +106,12 @@ def make_run(model_dir: Path, root: Path) -> Path:
     return run
 
 
-def tiny_family_model(root: Path, model_type: str) -> Path:
-    folder = root / model_type
+def tiny_family_model(root: Path, name: str) -> Path:
+    folder = root / name
     folder.mkdir()
     build_tokenizer(folder)
     vocab = len(json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]) + 3
-    build_model(folder, vocab, model_type, **FAMILIES[model_type])
+    build_model(folder, vocab, name.split("-")[0], **FAMILIES[name])
     return folder
 
 
@@ -107,8 +119,8 @@ def tiny_family_model(root: Path, model_type: str) -> Path:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("gguf-runs")
     found = {"demo": make_run(demo_model_dir(), root / "demo")}
-    for model_type in FAMILIES:
-        found[model_type] = make_run(tiny_family_model(root, model_type), root / f"run-{model_type}")
+    for name in FAMILIES:
+        found[name] = make_run(tiny_family_model(root, name), root / f"run-{name}")
     return found
 
 

@@ -105,7 +105,9 @@ def add_metadata(writer: Any, family: Family, config: Any) -> None:
         if rope.get("original_max_position_embeddings"):
             writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
     elif kind == "longrope" and rope.get("original_max_position_embeddings"):
-        writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+        original = int(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_scaling_attn_factors(_longrope_attention_factor(config, rope, original))
     if family.arch in ("PHI3", "GEMMA3") and _get(config, "sliding_window"):
         writer.add_sliding_window(int(config.sliding_window))
     if family.moe:
@@ -114,6 +116,14 @@ def add_metadata(writer: Any, family: Family, config: Any) -> None:
         writer.add_expert_feed_forward_length(int(_get(config, "moe_intermediate_size", config.intermediate_size)))
     if family.arch == "QWEN3MOE" and _get(config, "norm_topk_prob") is not None:
         writer.add_expert_weights_norm(bool(config.norm_topk_prob))
+
+
+def _longrope_attention_factor(config: Any, rope: dict[str, Any], original: int) -> float:
+    """Phi-3's long-context attention scale: given, or sqrt(1 + ln(scale) / ln(original context))."""
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    scale = float(rope.get("factor") or config.max_position_embeddings / original)
+    return 1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(original))
 
 
 def llama3_rope_factors(config: Any) -> np.ndarray | None:
