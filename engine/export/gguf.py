@@ -72,11 +72,15 @@ def _llama_cpp() -> Any:
 # ------------------------------------------------------------------------------------------------- tensors
 
 
+KEEP_F32 = ("rope_freqs", "rope_factors", "ffn_gate_inp", "attn_sinks")  # small tensors llama.cpp adds in f32
+
+
 def _tensor_type(quant: str, name: str, shape: tuple[int, ...]) -> Any:
-    """The GGML type one tensor is stored as: 1-D tensors and rows that do not fit the block stay float32."""
+    """The GGML type one tensor is stored as: biases, 1-D tensors and MoE routers stay float32, and rows that do
+    not fit the quantization block fall back to float16."""
     import gguf
 
-    if len(shape) < 2 or quant == "f32" or name in ("rope_freqs.weight",) or "rope_factors" in name:
+    if len(shape) < 2 or quant == "f32" or name.endswith(".bias") or any(part in name for part in KEEP_F32):
         return gguf.GGMLQuantizationType.F32
     kind = gguf.GGMLQuantizationType[quant.upper()]
     block, _ = gguf.GGML_QUANT_SIZES[kind]
@@ -114,7 +118,7 @@ def _tensors(model: Any, family: gguf_families.Family) -> Iterator[tuple[str, An
                 if name.endswith("rotary_emb.inv_freq"):
                     continue
                 raise TuneDeckError(f"GGUF export cannot place the tensor {name!r} of this {family.arch} model")
-            if target.endswith("_exps") and not target.endswith((".weight", ".bias")):
+            if not target.endswith((".weight", ".bias")):  # expert stacks and attention sinks
                 target += ".weight"
             yield target, part
 

@@ -36,6 +36,7 @@ FAMILIES: dict[str, Family] = {
     "gemma3_text": Family("GEMMA3", norm_plus_one=True),
     "qwen3_moe": Family("QWEN3MOE", moe=True),
     "olmoe": Family("OLMOE", moe=True),
+    "gpt_oss": Family("GPT_OSS", moe=True),
 }
 
 
@@ -108,7 +109,7 @@ def add_metadata(writer: Any, family: Family, config: Any) -> None:
         original = int(rope["original_max_position_embeddings"])
         writer.add_rope_scaling_orig_ctx_len(original)
         writer.add_rope_scaling_attn_factors(_longrope_attention_factor(config, rope, original))
-    if family.arch in ("PHI3", "GEMMA3") and _get(config, "sliding_window"):
+    if family.arch in ("PHI3", "GEMMA3", "GPT_OSS") and _get(config, "sliding_window"):
         writer.add_sliding_window(int(config.sliding_window))
     if family.moe:
         writer.add_expert_count(int(_get(config, "num_experts", _get(config, "num_local_experts", 0))))
@@ -174,12 +175,32 @@ def transform(family: Family, config: Any, name: str, weight: np.ndarray) -> Ite
         weight = _permute(weight, int(_get(config, "num_key_value_heads", config.num_attention_heads)))
     if family.norm_plus_one and name.endswith("norm.weight"):
         weight = weight + 1.0
+    if family.arch == "GPT_OSS" and ".mlp.experts." in name:
+        yield from _gpt_oss_experts(name, weight)
+        return
     if family.moe and name.endswith("mlp.experts.gate_up_proj"):
         gate, up = np.split(weight, 2, axis=1)
         yield name.replace("gate_up_proj", "gate_proj"), gate
         yield name.replace("gate_up_proj", "up_proj"), up
         return
     yield name, weight
+
+
+def _gpt_oss_experts(name: str, weight: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
+    """gpt-oss keeps experts as (in, out) with gate and up interleaved; llama.cpp wants (out, in) stacks."""
+    stem = name.rsplit(".", 1)[0]
+    if name.endswith("gate_up_proj"):
+        yield f"{stem}.gate_proj", weight[..., ::2].transpose(0, 2, 1)
+        yield f"{stem}.up_proj", weight[..., 1::2].transpose(0, 2, 1)
+    elif name.endswith("gate_up_proj_bias"):
+        yield f"{stem}.gate_proj.bias", weight[..., ::2]
+        yield f"{stem}.up_proj.bias", weight[..., 1::2]
+    elif name.endswith("down_proj"):
+        yield f"{stem}.down_proj", weight.transpose(0, 2, 1)
+    elif name.endswith("down_proj_bias"):
+        yield f"{stem}.down_proj.bias", weight
+    else:
+        yield name, weight
 
 
 def gguf_name(name_map: Any, name: str) -> str | None:
