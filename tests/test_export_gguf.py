@@ -227,7 +227,7 @@ def test_k_quants_come_from_llama_cpp(runs: dict[str, Path], tmp_path: Path) -> 
 
 
 def test_families_and_quants_on_offer() -> None:
-    for model_type in ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "qwen3_moe", "olmoe"):
+    for model_type in ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "qwen3_moe", "olmoe", "gpt_oss"):
         assert supported_gguf_family(model_type)
     assert not supported_gguf_family("gpt2")
     assert {"f16", "bf16", "q8_0", "q4_k_m"} <= set(GGUF_QUANTS)
@@ -304,7 +304,13 @@ LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+O200K_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 TEXTS = [
+    "Don't STOP: it's HelloWorld's 12345 path/to\nfile",
     "hello there, how are you today?",
     "convert 12 march 2021 to 2021-03-12\n\nok",
     "<|im_start|>user\nhi<|im_end|>\n",
@@ -313,15 +319,17 @@ TEXTS = [
 
 
 def build_styled_tokenizer(folder: Path, style: str) -> None:
-    """A tiny tokenizer in the style of Llama-3 (regex split + byte-level BPE) or Llama-2 (SentencePiece BPE)."""
+    """A tiny tokenizer in the style of Llama-3 or gpt-oss (regex split + byte-level BPE) or Llama-2 (SentencePiece
+    BPE with byte fallback)."""
     from helpers import CORPUS
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    if style == "llama3":
+    if style in ("llama3", "o200k"):
         tokenizer = Tokenizer(models.BPE())
-        split = pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated")
+        regex = LLAMA3_SPLIT if style == "llama3" else O200K_SPLIT
+        split = pre_tokenizers.Split(Regex(regex), behavior="isolated")
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
             [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
         )
@@ -358,7 +366,7 @@ def _unmark_bytes(tokenizer_json: str) -> str:
 def styled_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("styled")
     found = {}
-    for style in ("llama3", "spm"):
+    for style in ("llama3", "o200k", "spm"):
         folder = root / style
         folder.mkdir()
         build_styled_tokenizer(folder, style)
@@ -371,7 +379,13 @@ def styled_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("style", "kind"),
-    [("demo", "gpt2/starcoder"), ("qwen2", "gpt2/qwen2"), ("llama3", "gpt2/llama-bpe"), ("spm", "llama/default")],
+    [
+        ("demo", "gpt2/starcoder"),
+        ("qwen2", "gpt2/qwen2"),
+        ("llama3", "gpt2/llama-bpe"),
+        ("o200k", "gpt2/gpt-4o"),
+        ("spm", "llama/default"),
+    ],
 )
 def test_llama_cpp_tokenizes_like_the_tokenizer(
     runs: dict[str, Path], styled_runs: dict[str, Path], tmp_path: Path, style: str, kind: str

@@ -16,6 +16,7 @@ from typing import Any
 
 from engine.errors import TuneDeckError
 
+O200K_START = "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]+(?i:'s"
 GPT2_REGEX = "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)"
 
 
@@ -39,6 +40,8 @@ def pre_tokenizer_name(tokenizer_json: dict[str, Any]) -> str:
         return "gpt-2"
     if regexes == ["\\p{N}", GPT2_REGEX]:
         return "starcoder"
+    if len(regexes) == 1 and regexes[0].startswith(O200K_START) and "\\p{N}{1,3}" in regexes[0]:
+        return "gpt-4o"  # o200k split: gpt-oss, GPT-4o-style tokenizers
     if len(regexes) == 1 and regexes[0].startswith("(?i:'s|'t|'re|'ve|'m|'ll|'d)"):
         return "llama-bpe" if "\\p{N}{1,3}" in regexes[0] else "qwen2"
     if len(regexes) == 1 and regexes[0].startswith("(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"):
