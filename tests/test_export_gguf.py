@@ -406,3 +406,26 @@ def test_llama_cpp_tokenizes_like_the_tokenizer(
     ids = token_ids(280)
     reference = transformers_logits(run, ids)
     assert np.abs(llama_cpp_logits(path, ids) - reference).max() <= F16_TOLERANCE * np.abs(reference).max()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("quant", "tolerance", "agreement"),
+    [("f32", 0.005, 1.0), ("bf16", 0.03, 0.95), ("q5_1", None, 0.9), ("q5_0", None, 0.9), ("q4_1", None, 0.85),
+     ("q4_0", None, 0.85)],
+)  # fmt: skip
+def test_every_directly_written_quant_loads(
+    runs: dict[str, Path], tmp_path: Path, quant: str, tolerance: float | None, agreement: float
+) -> None:
+    """The quantizations written without llama.cpp: llama.cpp reads them, and they stay close to the model."""
+    import gguf
+
+    run = runs["demo"]
+    path = export(run, tmp_path / quant, quant)
+    kinds = {t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert quant.upper() in kinds and kinds <= {quant.upper(), "F32"}
+    ids = token_ids(280)
+    reference, logits = transformers_logits(run, ids), llama_cpp_logits(path, ids)
+    if tolerance is not None:
+        assert np.abs(logits - reference).max() <= tolerance * np.abs(reference).max()
+    assert float((logits.argmax(-1) == reference.argmax(-1)).mean()) >= agreement
