@@ -242,7 +242,7 @@ def export_parser() -> argparse.ArgumentParser:
 
 
 class _ExportPrinter:
-    """Export progress on stderr: a line per stage, and a counter that rewrites itself on a terminal."""
+    """Export progress on stderr: a line per stage, with a counter that rewrites itself on a terminal."""
 
     def __init__(self, stream: TextIO) -> None:
         self.stream, self.stage = stream, ""
@@ -253,11 +253,12 @@ class _ExportPrinter:
             if self.live and self.stage:
                 self.stream.write("\n")
             self.stage = progress.stage
-            self.stream.write(f"{progress.stage}: {progress.message}".rstrip(": ") + ("" if self.live else "\n"))
-        if self.live and progress.total > 1:
+            note = progress.message if progress.total <= 1 else f"{progress.total} steps"
+            self.stream.write(f"{progress.stage}: {note}" + ("" if self.live else "\n"))
+        elif self.live and progress.total > 1:
             self.stream.write(f"\r{progress.stage}: {progress.done}/{progress.total} {progress.message[:60]:<60}")
-        if self.live and progress.stage == "writing" and progress.done == progress.total:
-            self.stream.write("\n")
+        if progress.stage == "writing" and progress.done == progress.total:
+            self.stream.write("\n" if self.live else "")
         self.stream.flush()
 
 

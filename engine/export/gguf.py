@@ -249,6 +249,7 @@ def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
 def _quantize_with_llama_cpp(source: Path, path: Path, quant: str, report: ProgressCallback) -> None:
     """llama.cpp's own quantizer: ``source`` (a float16 GGUF) -> ``path`` in ``quant``."""
     import ctypes
+    import logging
     import os
 
     llama_cpp = _llama_cpp()
@@ -256,7 +257,13 @@ def _quantize_with_llama_cpp(source: Path, path: Path, quant: str, report: Progr
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{quant.upper()}")
     params.nthread = max(1, (os.cpu_count() or 1))
-    status = llama_cpp.llama_model_quantize(str(source).encode(), str(path).encode(), ctypes.byref(params))
+    log = logging.getLogger("llama-cpp-python")  # llama.cpp's per-tensor log lines, through llama-cpp-python
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        status = llama_cpp.llama_model_quantize(str(source).encode(), str(path).encode(), ctypes.byref(params))
+    finally:
+        log.setLevel(level)
     if status != 0 or not path.exists():
         raise TuneDeckError(f"llama.cpp could not quantize the model to {quant} (status {status})")
     report(ExportProgress("quantizing", 1, 1))
