@@ -1,4 +1,4 @@
-"""The adapter as it is, or a merged model with the adapter folded in.
+"""Taking a fine-tune elsewhere: the adapter as it is, or a merged model with the adapter folded in.
 
 The adapter export is the run's ``adapter/`` folder (PEFT format with the tokenizer): small, and loaded on top of
 the same base model with plain peft. The merged export computes W + BA once (peft's ``merge_and_unload``) on a
