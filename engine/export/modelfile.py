@@ -143,7 +143,8 @@ def _quote(text: str) -> str:
 
 def modelfile(gguf_name: str, fmt: ChatFormat | None, stops: list[str]) -> str:
     lines = [f"FROM ./{gguf_name}", ""]
-    if fmt is not None:
-        lines += [f'TEMPLATE """{go_template(fmt)}"""', ""]
+    template = go_template(fmt) if fmt is not None else ""
+    if template and '"""' not in template:  # a template that would end the Modelfile's quoting is left out
+        lines += [f'TEMPLATE """{template}"""', ""]
     lines += [f"PARAMETER stop {_quote(stop)}" for stop in stops]
     return "\n".join(lines) + "\n"
