@@ -179,7 +179,7 @@ class ModelPanel(QWidget):
             return False, f"Choose another model ({self.problem})"
         if self.status.text().startswith(("Reading", "Downloading")):
             return False, f"Reading {self.state.model_name}…"
-        return False, "Choose a model (the demo is ready to try: Use this model)"
+        return False, "Choose a model (the demo is ready to try)"
 
     def _download_note(self, name: str) -> str:
         """For a gallery model from the hub: how much the run will download, and when."""

@@ -1,0 +1,121 @@
+"""The guided path's pieces without a run: the recipe page, the plain-words form, the gallery and the guide bar."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from app_demo import LOAD_TIMEOUT_MS
+
+pytest_plugins = ["app_fixtures"]
+
+
+def test_the_form_speaks_plain_words_in_one_label_column(qtbot: Any) -> None:
+    from app.config_form import MAIN_FIELDS, ConfigForm
+
+    form = ConfigForm(frozenset({"model.name", "data.path"}))
+    qtbot.addWidget(form)
+    form.show()
+    labels = {key: label.text() for key, label in form.labels.items()}
+    assert labels["data.overlong"] == "Examples longer than that"
+    assert labels["data.eval_fraction"] == "Held-out share"
+    assert "can run code" in form.editor("model.allow_pickle_weights").text()
+    assert "unpickling can run code" in form.editor("model.allow_pickle_weights").toolTip()  # engine.config's help
+    assert all("_" not in text for text in labels.values()), "no raw field names"
+    widths = {label.width() for label in form.labels.values() if label.isVisible()}
+    assert len(widths) == 1, f"label columns differ between groups: {widths}"
+    assert all(not group.isVisible() for group in form.advanced_groups), "advanced settings start hidden"
+    assert [key for key in form.labels if form.labels[key].isVisible()] == list(MAIN_FIELDS)
+    form.advanced_button.click()
+    assert all(group.isVisible() for group in form.advanced_groups)
+    form.advanced_button.click()
+    assert not form.advanced_groups[0].isVisible()
+
+
+def test_each_recipe_shows_the_planners_memory_and_time_on_this_card(qtbot: Any) -> None:
+    from app.app_state import AppState
+    from app.model_info import ModelInfo
+    from app.setup_panel import SetupPanel
+    from engine.hardware import gpus
+    from engine.hardware.profile import DeviceTarget
+    from engine.hardware.shapes import load_shape
+
+    state = AppState()
+    panel = SetupPanel(state)
+    qtbot.addWidget(panel)
+    state.hardware = DeviceTarget.from_spec(gpus.find_gpu("RTX 4090"))
+    state.set_model("Qwen/Qwen3-1.7B", ModelInfo("Qwen/Qwen3-1.7B", "qwen3", 1_700_000_000, False, "fits", "",
+                                                 shape=load_shape("qwen3-1.7b")))  # fmt: skip
+    assert panel.recipe_name() == "Balanced", "the demo's recipe is for the demo model only"
+    assert panel.buttons["Demo"].isHidden()
+    texts = {name: label.text() for name, label in panel.estimates.items() if not label.isHidden()}
+    assert set(texts) == {"Quick test", "Balanced", "Long context", "Best quality"}
+    assert all(" GiB · " in text for text in texts.values()), texts
+    assert "30 steps · about" in texts["Quick test"]
+    assert panel.step_status() == (True, "Balanced recipe")
+    state.hardware = DeviceTarget.from_spec(gpus.find_gpu("RTX 3050 laptop"))  # 4 GiB
+    panel.choose_recipe("Long context")
+    assert not panel.step_status()[0] and "will not fit" in panel.step_status()[1]
+    assert "does not fit" in panel.estimates["Long context"].text()
+
+
+def test_the_gallery_plans_for_a_card_picked_from_the_table(qtbot: Any) -> None:
+    from app.model_gallery import COLUMNS, VERDICT_TEXT, ModelGallery
+    from app.worker import TaskRunner
+    from engine.hardware import gpus
+    from engine.hardware.gallery import gallery_rows
+    from engine.hardware.profile import DeviceTarget
+
+    tasks = TaskRunner()
+    gallery = ModelGallery(tasks)
+    qtbot.addWidget(gallery)
+    gallery.card.setCurrentIndex(gallery.card.findData("RTX 4060 Laptop"))
+    qtbot.waitUntil(lambda: bool(gallery.rows) and "RTX 4060 Laptop" in gallery.note.text(), timeout=LOAD_TIMEOUT_MS)
+    expected = gallery_rows(DeviceTarget.from_spec(gpus.find_gpu("RTX 4060 Laptop")))
+    column = COLUMNS.index("Trains with")
+    shown = [gallery.table.item(i, column).text() for i in range(gallery.table.rowCount())]
+    assert shown == [VERDICT_TEXT[row.verdict] for row in expected]
+    assert gallery.selected_hub_id() == "demo", "the demo is selected to start with"
+    tasks.wait_all()
+
+
+def test_the_guide_names_what_is_missing(qtbot: Any, window: Any) -> None:
+    guide = window.guide
+    assert not guide.start_button.isEnabled()
+    assert guide.buttons[0].text().endswith("Choose a model (the demo is ready to try)")
+    assert "Choose a dataset (the demo dataset is selected for the demo model)" in guide.buttons[1].toolTip()
+    assert guide.next.text().startswith("Next: Choose a model")
+    guide.buttons[2].click()
+    assert window.pages.currentWidget() is window.setup_panel
+
+
+def test_the_demo_runs_to_the_end_in_three_clicks(qtbot: Any, window: Any) -> None:
+    from pathlib import Path
+
+    from app import run_controller as rc
+    from engine.events import RunFinished
+
+    finished: list[RunFinished] = []
+    window.controller.run_event.connect(lambda e: finished.append(e) if isinstance(e, RunFinished) else None)
+    window.hardware_panel.detect()  # what the window does by itself once it is shown
+    qtbot.waitUntil(lambda: window.state.hardware is not None, timeout=LOAD_TIMEOUT_MS)
+    guide = window.guide
+
+    guide.buttons[0].click()  # 1: the Model step
+    assert window.pages.currentWidget() is window.model_panel
+    assert window.model_panel.selected_name() == "demo"
+    window.model_panel.use.click()  # 2: use the demo (its dataset and recipe follow)
+    qtbot.waitUntil(guide.start_button.isEnabled, timeout=LOAD_TIMEOUT_MS)
+    assert window.state.data_path.endswith("train.jsonl") and window.data_panel.auto_demo
+    assert window.setup_panel.recipe_name() == "Demo"
+    assert guide.next.text().startswith("Ready")
+    window.setup_panel.form.editor("training.max_steps").setValue(4)  # keep the test short, not a user's click
+    window.setup_panel.form.editor("training.save_every").setValue(0)
+    guide.start_button.click()  # 3: start
+    qtbot.waitUntil(lambda: window.controller.state == rc.RUNNING, timeout=LOAD_TIMEOUT_MS)
+    assert window.pages.currentWidget() is window.run_panel
+    assert not guide.start_button.isEnabled() and "A run is going" in guide.next.text()
+    qtbot.waitUntil(lambda: window.controller.state == rc.FINISHED, timeout=LOAD_TIMEOUT_MS)
+    assert finished and not finished[-1].cancelled and finished[-1].step == 4
+    assert Path(finished[-1].adapter_dir, "adapter_config.json").exists()
+    qtbot.waitUntil(lambda: not window.controller.worker.isRunning(), timeout=LOAD_TIMEOUT_MS)
+    assert guide.start_button.isEnabled(), "ready for the next run"
