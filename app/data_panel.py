@@ -147,7 +147,7 @@ class DataPanel(QWidget):
             demo = " (the demo data)" if self.auto_demo else ""
             return True, f"{Path(report.path).name}: {report.good_rows:,} examples{demo}"
         if self.state.model_name == DEMO_MODEL:
-            return False, "Choose a dataset (the demo dataset is selected for the demo model)"
+            return False, "Choose a dataset (the demo model brings its own)"
         return False, "Choose a dataset: a .jsonl, .json, .csv or .parquet file"
 
     def _model_changed(self) -> None:

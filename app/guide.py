@@ -16,7 +16,8 @@ from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPushButton, QSizePol
 
 READY_COLOUR = "#1b7f3b"
 MISSING_COLOUR = "#8a5a00"
-MAX_STEP_TEXT = 46
+MAX_STEP_TEXT = 52
+STEP_STYLE = "QPushButton {{ text-align: left; padding: 2px 10px; color: {colour}; }}"
 
 
 class GuidedPage(Protocol):
@@ -54,7 +55,6 @@ class GuideBar(QFrame):
         for number, (name, title, page) in enumerate(self.steps, start=1):
             button = QPushButton()
             button.setMinimumSize(200, 44)
-            button.setStyleSheet("QPushButton { text-align: left; padding: 2px 10px; }")
             button.clicked.connect(lambda _=False, title=title: self.page_requested.emit(title))
             button.setProperty("step", f"{number}  {name}")
             page.changed.connect(self.refresh)
@@ -65,6 +65,8 @@ class GuideBar(QFrame):
         layout.addWidget(self.next, 1)
         controller.state_changed.connect(lambda _state: self.refresh())
         self.refresh()
+        # A fixed height: text changing here during a run must never re-lay out the pages (and charts) below.
+        self.setFixedHeight(self.sizeHint().height())
 
     def missing(self) -> list[tuple[str, str]]:
         """(page title, what is missing) of every step that is not ready, in order."""
@@ -76,8 +78,9 @@ class GuideBar(QFrame):
             mark = "✓" if ready else "•"
             button.setText(f"{mark} {button.property('step')}\n{shorten(text)}")
             button.setToolTip(text)
-            colour = READY_COLOUR if ready else MISSING_COLOUR
-            button.setStyleSheet(f"QPushButton {{ text-align: left; padding: 2px 10px; color: {colour}; }}")
+            style = STEP_STYLE.format(colour=READY_COLOUR if ready else MISSING_COLOUR)
+            if button.styleSheet() != style:  # re-polishing on every refresh would cost a repaint each time
+                button.setStyleSheet(style)
         missing = self.missing()
         running = bool(self.controller.active)
         self.start_button.setEnabled(not missing and not running)

@@ -82,7 +82,7 @@ def test_the_guide_names_what_is_missing(qtbot: Any, window: Any) -> None:
     guide = window.guide
     assert not guide.start_button.isEnabled()
     assert guide.buttons[0].text().endswith("Choose a model (the demo is ready to try)")
-    assert "Choose a dataset (the demo dataset is selected for the demo model)" in guide.buttons[1].toolTip()
+    assert "Choose a dataset (the demo model brings its own)" in guide.buttons[1].toolTip()
     assert guide.next.text().startswith("Next: Choose a model")
     guide.buttons[2].click()
     assert window.pages.currentWidget() is window.setup_panel
