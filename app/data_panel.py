@@ -64,6 +64,7 @@ class DataPanel(QWidget):
         self.data_settings = data_settings or (lambda path: DataConfig(path=path))
         self.report_model: str | None = None
         self.problem = ""
+        self.loads = 0
         self.auto_demo = False
         """The demo dataset was picked for the demo model, not by the user."""
         state.model_changed.connect(self._model_changed)
@@ -111,11 +112,13 @@ class DataPanel(QWidget):
         self.changed.emit()
         model, settings = self.state.model_name, self.data_settings(path)
         self.report_model = model
-        self.tasks.start(lambda: analyze_dataset(path, model, settings), self.show_report, self._show_error)
+        self.loads += 1
+        load = self.loads  # only the latest load may report: an earlier one's result or error is stale
+        self.tasks.start(lambda: analyze_dataset(path, model, settings),
+                         lambda report: self.show_report(report) if load == self.loads else None,
+                         lambda error: self._show_error(error) if load == self.loads else None)  # fmt: skip
 
     def show_report(self, report: DatasetReport) -> None:
-        if report.path != self.path_edit.text().strip():
-            return  # another dataset was opened meanwhile
         share = report.trained_tokens / max(report.total_tokens, 1)
         self.summary.setText(
             f"Format <b>{report.data_format}</b> · {report.rows:,} rows, {report.good_rows:,} usable, "

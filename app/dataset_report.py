@@ -7,11 +7,15 @@ instead of stopping at the first. Qt-free.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import DataConfig, ModelConfig
 
+TOKENIZER_LOCK = threading.Lock()
+"""Two first imports of transformers' lazy AutoTokenizer in two threads fail ("cannot import name
+'AutoTokenizer'"), e.g. the demo data loading for the demo model while the user opens a file: one at a time."""
 MAX_TOKENIZED = 5000
 """Examples tokenized for the histogram and packing figures; larger datasets are sampled from the start."""
 PREVIEW_EXAMPLES = 4
@@ -50,7 +54,8 @@ def analyze_dataset(path: str, model_name: str, data: DataConfig | None = None) 
     bad = {row for row, _, _ in problems}
     good = [row for number, row in enumerate(rows, start=1) if number not in bad]
     examples = normalize_rows(good[:MAX_TOKENIZED], fmt, path)
-    tokenizer = load_tokenizer(ModelConfig(name=model_name))
+    with TOKENIZER_LOCK:
+        tokenizer = load_tokenizer(ModelConfig(name=model_name))
     ensure_chat_template(tokenizer)
     tokenized, _ = tokenize_examples(
         tokenizer, examples, max_seq_len=data.max_seq_len, overlong=data.overlong, train_on_all=data.train_on_all_tokens

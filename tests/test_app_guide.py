@@ -119,3 +119,45 @@ def test_the_demo_runs_to_the_end_in_three_clicks(qtbot: Any, window: Any) -> No
     assert Path(finished[-1].adapter_dir, "adapter_config.json").exists()
     qtbot.waitUntil(lambda: not window.controller.worker.isRunning(), timeout=LOAD_TIMEOUT_MS)
     assert guide.start_button.isEnabled(), "ready for the next run"
+
+
+def test_only_the_latest_dataset_load_reports(qtbot: Any, window: Any, tmp_path: Any) -> None:
+    from app.data_panel import demo_data_file
+
+    (tmp_path / "broken.jsonl").write_text("{not json\n", encoding="utf-8")
+    panel = window.data_panel
+    panel.load(str(tmp_path / "broken.jsonl"))
+    panel.load(str(demo_data_file()))
+    qtbot.waitUntil(lambda: window.state.data_report is not None, timeout=LOAD_TIMEOUT_MS)
+    window.tasks.wait_all()
+    qtbot.wait(50)  # let any late result arrive
+    assert panel.problem == "" and panel.step_status()[0], panel.step_status()
+    assert window.state.data_path == str(demo_data_file())
+
+
+def test_two_datasets_read_at_once_on_a_fresh_start(tmp_path: Any) -> None:
+    """The first import of transformers' tokenizers from two threads at once must not fail."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import threading\n"
+        "from app.dataset_report import analyze_dataset\n"
+        "from app.data_panel import demo_data_file\n"
+        "errors = []\n"
+        "def read():\n"
+        "    try:\n"
+        "        analyze_dataset(str(demo_data_file()), 'demo')\n"
+        "    except Exception as err:\n"
+        "        errors.append(repr(err))\n"
+        "threads = [threading.Thread(target=read) for _ in range(2)]\n"
+        "[t.start() for t in threads]\n"
+        "[t.join() for t in threads]\n"
+        "assert not errors, errors\n"
+    )
+    env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "TUNEDECK_HOME": str(tmp_path)}
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root,
+                            env=env)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
