@@ -27,7 +27,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.app_state import AppState
-from app.dataset_report import DatasetReport, analyze_dataset
+from app.dataset_report import NO_TOKENIZER, DatasetReport, analyze_dataset
 from app.worker import ErrorInfo, TaskRunner
 from engine.config import DEMO_MODEL, DataConfig
 
@@ -142,6 +142,8 @@ class DataPanel(QWidget):
     def step_status(self) -> tuple[bool, str]:
         """(ready, what to say) for the guide bar."""
         report = self.state.data_report
+        if self.problem.startswith(NO_TOKENIZER):
+            return False, f"Waiting for the model: {self.problem}"
         if self.problem:
             return False, f"Choose another dataset ({self.problem})"
         if self.summary.text().startswith("Reading"):

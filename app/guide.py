@@ -2,8 +2,8 @@
 
 Each step is a button that opens its page; its second line comes from the page's ``step_status()`` (ready, text)
 and updates when the page emits ``changed``. Start is enabled once every step is ready and no run is going; the
-line beside it says what to do next. For the demo: Model → "Use this model" (the demo dataset and the demo recipe
-follow) → Start.
+line beside it says what to do next. The demo is chosen once the machine is detected, with its dataset and recipe,
+so Start is the only click it needs; choosing it again is Model → "Use this model" → Start.
 """
 
 from __future__ import annotations
@@ -89,4 +89,4 @@ class GuideBar(QFrame):
         elif missing:
             self.next.setText(f"Next: {missing[0][1]}")
         else:
-            self.next.setText("Ready: Start trains the model on the dataset with the recipe.")
+            self.next.setText("Ready: Start begins the run, and the Run page follows it.")

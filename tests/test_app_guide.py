@@ -99,6 +99,8 @@ def test_the_demo_runs_to_the_end_in_three_clicks(qtbot: Any, window: Any) -> No
     window.hardware_panel.detect()  # what the window does by itself once it is shown
     qtbot.waitUntil(lambda: window.state.hardware is not None, timeout=LOAD_TIMEOUT_MS)
     guide = window.guide
+    qtbot.waitUntil(guide.start_button.isEnabled, timeout=LOAD_TIMEOUT_MS)  # the demo is ready with no click at all
+    assert window.setup_panel.recipe_name() == "Demo" and window.data_panel.auto_demo
 
     guide.buttons[0].click()  # 1: the Model step
     assert window.pages.currentWidget() is window.model_panel
@@ -161,3 +163,28 @@ def test_two_datasets_read_at_once_on_a_fresh_start(tmp_path: Any) -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root,
                             env=env)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_a_gallery_model_is_planned_offline_and_its_download_announced(
+    qtbot: Any, window: Any, monkeypatch: Any, tmp_path: Any
+) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # never the network in tests
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    window.hardware_panel.detect()
+    qtbot.waitUntil(lambda: window.state.hardware is not None, timeout=LOAD_TIMEOUT_MS)
+    panel = window.model_panel
+    qtbot.waitUntil(lambda: panel.gallery.row_for("Qwen/Qwen3-0.6B") is not None, timeout=LOAD_TIMEOUT_MS)
+    qtbot.waitUntil(lambda: window.state.data_report is not None, timeout=LOAD_TIMEOUT_MS)  # the demo's data
+    panel.gallery.select("Qwen/Qwen3-0.6B")
+    assert panel.from_gallery.isChecked() and panel.selected_name() == "Qwen/Qwen3-0.6B"
+    panel.use.click()
+    qtbot.waitUntil(lambda: window.state.model_info is not None, timeout=LOAD_TIMEOUT_MS)
+    info = window.state.model_info
+    assert info.name == "Qwen/Qwen3-0.6B" and info.family == "qwen3"  # the built-in shape: nothing downloaded
+    assert "(1.2 GB) are downloaded from the Hugging Face hub when the run starts" in panel.status.text()
+    assert window.setup_panel.recipe_name() == "Balanced", "the demo's recipe is for the demo model only"
+    # the dataset is re-read with the model's tokenizer, which is not cached: the data step says so
+    qtbot.waitUntil(lambda: window.data_panel.problem != "", timeout=LOAD_TIMEOUT_MS)
+    ready, text = window.data_panel.step_status()
+    assert not ready and text.startswith("Waiting for the model: cannot read the dataset without the tokenizer of")
+    assert not window.guide.start_button.isEnabled()
