@@ -197,7 +197,8 @@ class SpeedConfig:
     )
     host_embedding: bool | None = setting(
         None,
-        "look the frozen input embedding up in host memory, so its table takes no GPU memory (automatic: off)",
+        "look the frozen input embedding up in host memory, so its table takes no GPU memory (automatic: on where "
+        "the table would take over 8% of the GPU's memory)",
         flag="--host-embedding",
     )
     lora_16bit: bool | None = setting(
@@ -211,6 +212,18 @@ class SpeedConfig:
         "fuse each layer's norms, rotary, SwiGLU and LoRA paths with torch.compile (automatic: on for CUDA "
         "with triton, off on CPU)",
         flag="--fused-kernels",
+    )
+    lean_recompute: bool | None = setting(
+        None,
+        "skip frozen projections whose outputs nobody reads when offloaded checkpointing recomputes a layer "
+        "(automatic: on under offloaded checkpointing; exact)",
+        flag="--lean-recompute",
+    )
+    dequant_once: bool | None = setting(
+        None,
+        "dequantize each 4-bit weight once per recompute and reuse it for its gradient (automatic: on under "
+        "offloaded checkpointing when one layer's 16-bit weights fit easily)",
+        flag="--dequant-once",
     )
 
 

@@ -53,6 +53,9 @@ class PackedBatch:
     loss_positions: torch.Tensor | None = None
     """(K,) int64 flat positions t whose next label counts (``labels[t + 1] != IGNORE_INDEX``), found on the host
     so the fused loss never asks the GPU which positions train (that would be a host sync per micro-batch)."""
+    host_input_ids: torch.Tensor | None = None
+    """The token ids on the host, kept by :meth:`to`, so a lookup in host memory (the host-embedding switch) needs
+    no copy back from the GPU (a host sync)."""
 
     @property
     def num_tokens(self) -> int:
@@ -84,6 +87,7 @@ class PackedBatch:
             max_seqlen=self.max_seqlen,
             doc_lengths=self.doc_lengths,
             loss_positions=None if self.loss_positions is None else self.loss_positions.to(device, **move),
+            host_input_ids=self.input_ids if self.input_ids.device.type == "cpu" else self.host_input_ids,
         )
 
 

@@ -27,14 +27,39 @@ def test_only_a_frozen_untied_table_moves() -> None:
     assert "trained" in (unsupported_reason(hf(trained)) or "")
 
 
-def test_opt_in_and_gpu_only() -> None:
+def test_gpu_only_and_automatic_where_the_table_is_a_large_share_of_memory() -> None:
     model = tiny_lora_model("llama")
     ctl = SpeedController(model, BASE, torch.device("cpu"))
-    assert ctl.state()["host_embedding"]["on"] is False and "opt in" in ctl.state()["host_embedding"]["reason"]
+    assert ctl.state()["host_embedding"] == {"on": False, "reason": "the model already lives in host memory"}
     ctl.apply(dataclasses.replace(BASE, host_embedding=True))
     assert ctl.state()["host_embedding"] == {"on": False, "reason": "the model already lives in host memory"}
     gpu = HostEmbedding(hf(model), torch.device("cuda"))
-    assert gpu.resolve(True)[0] is True and gpu.resolve(None)[0] is False
+    table = gpu.table_bytes()
+    assert table == 256 * 64 * 4
+    assert gpu.resolve(True)[0] is True and gpu.resolve(False)[0] is False
+    assert gpu.resolve(None, usable_bytes=None)[0] is False
+    assert gpu.resolve(None, usable_bytes=table * 100)[0] is False  # 1% of the card
+    on, reason = gpu.resolve(None, usable_bytes=table * 5)  # 20% of the card, as 8B on an 8 GiB card (13%)
+    assert on and "20% of GPU memory" in reason
+
+
+def test_staged_host_ids_are_used_instead_of_copying_back() -> None:
+    """The batch keeps its host ids when moved, and the lookup uses them: no device->host copy (a sync)."""
+    model = tiny_lora_model("llama")
+    embedding = HostEmbedding(hf(model), torch.device("cpu"))
+    embedding.install()
+    moved = BATCH.to("cpu")
+    assert moved.host_input_ids is BATCH.input_ids
+    staged = moved.host_input_ids.clone()
+    embedding.stage(staged)
+    seen: list[torch.Tensor] = []
+    table = hf(model).get_input_embeddings()
+    table.register_forward_pre_hook(lambda _, args: seen.append(args[0]))
+    table(moved.input_ids)
+    assert seen[0] is staged
+    table(moved.input_ids)  # used once: a later call without staging copies as before
+    assert seen[1] is not staged and torch.equal(seen[1], staged)
+    embedding.remove()
 
 
 def test_hooks_give_the_same_loss_and_gradients_and_come_off_again() -> None:

@@ -26,6 +26,7 @@ from engine.speed import (
     chunked_mlp,
     fused_kernels,
     fused_loss,
+    lean_recompute,
     lora_16bit,
     metadata_cache,
     moe_routing,
@@ -35,7 +36,7 @@ from engine.speed.host_embedding import HostEmbedding
 from engine.speed.lora_16bit import Lora16Bit
 from engine.speed.offloaded_checkpoint import ActivationOffloader
 
-__all__ = ["SpeedController", "transformers_model"]
+__all__ = ["SpeedController", "free_device_memory", "transformers_model"]
 
 ACTIVATION_BYTES_PER_TOKEN_AND_HIDDEN = 34
 """Bytes kept per token × hidden per layer without checkpointing in 16-bit (Korthikanti et al., flash attention)."""
@@ -49,6 +50,25 @@ def transformers_model(model: torch.nn.Module) -> Any:
         if isinstance(module, PreTrainedModel):
             return module
     raise TypeError(f"{type(model).__name__} contains no transformers model")
+
+
+def free_device_memory(device: torch.device) -> int:
+    """Free GPU memory as this process may use it: the driver's free bytes, lowered to what is left under an
+    allocator cap (``torch.cuda.set_per_process_memory_fraction``, how a smaller card is emulated)."""
+    free, total = torch.cuda.mem_get_info(device)
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    fraction = get_fraction(device) if get_fraction is not None else 1.0
+    if fraction < 1.0:
+        free = min(free, int(fraction * total) - torch.cuda.memory_reserved(device))
+    return max(0, free)
+
+
+def usable_device_memory(device: torch.device) -> int:
+    """The GPU memory this process may use in all: the card's, or the allocator cap's where one is set."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    fraction = get_fraction(device) if get_fraction is not None else 1.0
+    return int(min(1.0, fraction) * total)
 
 
 def _model_dtype(model: torch.nn.Module) -> torch.dtype:
@@ -88,6 +108,7 @@ class SpeedController:
         self._longest_tokens = 0
         self.host_embedding = HostEmbedding(self.hf_model, self.device)
         self.lora_16bit = Lora16Bit(model)
+        self.lean = lean_recompute.LeanRecompute(self.hf_model, self.offloader.recompute)
         metadata_cache.register_packed_attention()
         moe_routing.register_experts_implementations()
         self.apply(settings)
@@ -104,6 +125,7 @@ class SpeedController:
         self._apply_chunked_mlp(settings)
         self._apply_host_embedding(settings)
         self._apply_lora_16bit(settings)
+        self._apply_lean_recompute(settings)
         self._apply_fused_kernels(settings)
 
     def _apply_metadata_cache(self, settings: SpeedConfig) -> None:
@@ -151,7 +173,7 @@ class SpeedController:
     def _apply_chunked_mlp(self, settings: SpeedConfig) -> None:
         mode = self._checkpointing or "none"
         working = chunked_mlp.row_working_bytes(self.hf_model.config, self._longest_tokens)
-        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
+        free = free_device_memory(self.device) if self.device.type == "cuda" else None
         on, reason = chunked_mlp.resolve(
             settings.chunked_mlp, mode, self._longest_tokens, working_bytes=working, free_bytes=free
         )
@@ -163,7 +185,8 @@ class SpeedController:
         self._state["chunked_mlp"] = {"on": on, "reason": reason}
 
     def _apply_host_embedding(self, settings: SpeedConfig) -> None:
-        on, reason = self.host_embedding.resolve(settings.host_embedding)
+        usable = usable_device_memory(self.device) if self.device.type == "cuda" else None
+        on, reason = self.host_embedding.resolve(settings.host_embedding, usable)
         self.host_embedding.switch(on)
         self._state["host_embedding"] = {"on": on, "reason": reason}
 
@@ -171,6 +194,16 @@ class SpeedController:
         on, reason = lora_16bit.resolve(settings.lora_16bit, self.model, self.dtype)
         self.lora_16bit.switch(on)
         self._state["lora_16bit"] = {"on": on, "reason": reason}
+
+    def _apply_lean_recompute(self, settings: SpeedConfig) -> None:
+        mode = self._checkpointing or "none"
+        skip, skip_reason = lean_recompute.lean_recompute_resolve(settings.lean_recompute, mode)
+        extra = lean_recompute.layer_dequant_bytes(self.hf_model)
+        free = free_device_memory(self.device) if self.device.type == "cuda" else None
+        once, once_reason = lean_recompute.dequant_once_resolve(settings.dequant_once, mode, extra, free)
+        self.lean.switch(skip, once)
+        self._state["lean_recompute"] = {"on": skip, "reason": skip_reason}
+        self._state["dequant_once"] = {"on": once, "reason": once_reason}
 
     def _apply_checkpointing(self, requested: str, reason: str | None) -> None:
         mode, why = self._resolve_checkpointing(requested)
@@ -203,8 +236,7 @@ class SpeedController:
         hidden = getattr(config, "hidden_size", 0)
         layers = getattr(config, "num_hidden_layers", 0)
         need = tokens * hidden * layers * ACTIVATION_BYTES_PER_TOKEN_AND_HIDDEN
-        free, _ = torch.cuda.mem_get_info(self.device)
-        return need > 0.6 * free
+        return need > 0.6 * free_device_memory(self.device)
 
     # --- per batch ------------------------------------------------------------------------------------------
 
@@ -214,11 +246,14 @@ class SpeedController:
         if self.settings.checkpointing == "auto" and batch.num_tokens > self._auto_checkpointing_tokens:
             self._auto_checkpointing_tokens = batch.num_tokens  # re-decide only when batches grow
             self._apply_checkpointing("auto", reason=None)
+            self._apply_lean_recompute(self.settings)
         if batch.num_tokens > self._longest_tokens:
             self._longest_tokens = batch.num_tokens  # automatic chunking re-decides only when batches grow
             self._apply_chunked_mlp(self.settings)
             self._apply_fused_kernels(self.settings)
         inputs = stock_model_inputs(self.model, batch)
+        if self.host_embedding.on:
+            self.host_embedding.stage(batch.host_input_ids)
         if self._metadata_backend is None:
             return inputs
         meta = metadata_cache.build_metadata(batch, self.device, self._metadata_backend)

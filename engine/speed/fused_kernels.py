@@ -22,6 +22,10 @@ The fused loss's per-chunk softmax gradient is compiled under this switch too
 (:func:`engine.speed.fused_loss.compiled_softmax_cross_entropy_grad`): one reduction and one element-wise pass over
 the chunk's 16-bit logits instead of seven float32 passes (39 ms of a 244 ms Llama-3.2-1B step on the H200).
 
+4-bit (QLoRA) layers compile too: bitsandbytes registers its dequantize and 4-bit matmul as torch custom ops, so
+the NF4 projections stay in the graphs (Llama-3.1-8B shape, NF4, LoRA r32, one 4,096-token row under offloaded
+checkpointing on the H200: 10 graphs, no graph break, 592 -> 449 ms/step).
+
 Switching: on sets each region's ``_compiled_call_impl`` (what ``nn.Module.compile`` sets), off clears it, so
 ``nn.Module.__call__`` runs the eager reference path again; no reload, no reassigned library method. Compiled
 code stays cached, so switching back on costs nothing. The first step after switching on compiles: 72-75 s for
@@ -66,8 +70,10 @@ def compile_regions(hf_model: torch.nn.Module) -> list[torch.nn.Module]:
     return regions
 
 
-def _quantized(hf_model: torch.nn.Module) -> bool:
-    return any(type(module).__module__.startswith("bitsandbytes") for module in hf_model.modules())
+def _eight_bit(hf_model: torch.nn.Module) -> bool:
+    """bitsandbytes 8-bit layers (LLM.int8): their outlier handling has not been verified under compile; the
+    4-bit layers' dequantize and matmul ops are torch custom ops that compile without graph breaks."""
+    return any(type(module).__name__ == "Linear8bitLt" for module in hf_model.modules())
 
 
 def _has_experts(hf_model: torch.nn.Module) -> bool:
@@ -89,8 +95,8 @@ def _automatic(hf_model: torch.nn.Module, device: torch.device) -> tuple[bool, s
         return False, "automatic: off on CPU (inductor's CPU compile takes ~15 s per model and gains little)"
     if importlib.util.find_spec("triton") is None:
         return False, "automatic: off, triton is not installed (inductor generates Triton kernels for GPUs)"
-    if _quantized(hf_model):
-        return False, "automatic: off, bitsandbytes 4/8-bit layers are not verified under torch.compile"
+    if _eight_bit(hf_model):
+        return False, "automatic: off, bitsandbytes 8-bit layers are not verified under torch.compile"
     if _has_experts(hf_model):
         return False, "automatic: off, MoE expert layers are not verified under torch.compile"
     return True, "automatic: norms, rotary, SwiGLU and LoRA paths fused per layer by torch.compile (Triton)"

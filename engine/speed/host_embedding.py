@@ -6,8 +6,10 @@ fifth of the model on the GPU, and on an 8 GiB card it is the memory of about 9,
 tokens in the batch, and a frozen table never needs a gradient. So the table moves to host memory and the
 lookup runs there: a forward pre-hook on the embedding module hands it the ids on the host, a forward hook
 sends the looked-up rows (tokens x hidden, 8 KB a token for 8B) back to the GPU. Cost: a host gather and one
-copy per micro-batch, about 10 ms for 14k tokens, small beside a long row's step of seconds, and one host sync
-to fetch the ids, at the start of the forward where nothing is queued behind it; hence opt-in.
+copy per micro-batch, about 10 ms for 14k tokens, small beside a long row's step of seconds. The ids come from the
+batch's host copy (:attr:`engine.packing.PackedBatch.host_input_ids`, staged by the speed controller) and the rows
+go up from pinned memory without blocking, so the lookup adds no host sync. Automatic: on where the table is a
+large share of the GPU's memory (:data:`AUTO_TABLE_SHARE`; 13% for Llama-3.1-8B on an 8 GiB card), off elsewhere.
 
 Not for a trained embedding (its gradient would land in host memory) or one tied to the output head, which
 needs the same table on the GPU. Switching off moves the table back and removes the hooks.
@@ -20,7 +22,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["HostEmbedding", "unsupported_reason"]
+__all__ = ["AUTO_TABLE_SHARE", "HostEmbedding", "unsupported_reason"]
+
+AUTO_TABLE_SHARE = 0.08
+"""Automatic mode moves the table to host memory when it would take more than this share of the GPU's memory."""
 
 
 def unsupported_reason(hf_model: Any) -> str | None:
@@ -36,11 +41,6 @@ def unsupported_reason(hf_model: Any) -> str | None:
     return None
 
 
-def _ids_to_host(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    ids = args[0]
-    return (ids.to("cpu"), *args[1:])
-
-
 @dataclass
 class HostEmbedding:
     """Moves one model's input embedding between host and GPU memory; safe between two steps."""
@@ -48,23 +48,47 @@ class HostEmbedding:
     hf_model: Any
     device: torch.device
     _hooks: list[Any] = field(default_factory=list)
+    _staged: torch.Tensor | None = None
 
     @property
     def on(self) -> bool:
         return bool(self._hooks)
 
-    def resolve(self, requested: bool | None) -> tuple[bool, str]:
-        """(on, reason): on only when asked for, on a GPU, for a model that allows it."""
-        if not requested:
-            why = "switched off" if requested is False else "automatic: off (opt in with --host-embedding)"
+    def resolve(self, requested: bool | None, usable_bytes: int | None = None) -> tuple[bool, str]:
+        """(on, reason): on when asked for, or automatically where the table would take more than
+        :data:`AUTO_TABLE_SHARE` of ``usable_bytes`` (the GPU memory this process may use); on a GPU, for a model
+        that allows it."""
+        if requested is False:
             where = "on the GPU" if self.device.type == "cuda" else "with the model"
-            return False, f"{why}: the input embedding stays {where}"
+            return False, f"switched off: the input embedding stays {where}"
         if self.device.type != "cuda":
             return False, "the model already lives in host memory"
         problem = unsupported_reason(self.hf_model)
         if problem is not None:
             return False, problem
-        return True, "switched on; the input embedding table is looked up in host memory"
+        if requested:
+            return True, "switched on; the input embedding table is looked up in host memory"
+        table = self.table_bytes()
+        if usable_bytes is None or table <= AUTO_TABLE_SHARE * usable_bytes:
+            return False, "automatic: off, the input embedding table is a small share of GPU memory"
+        share = table / usable_bytes
+        size = f"{table / 2**30:.1f} GiB, {share:.0%} of GPU memory"
+        return True, f"automatic: the input embedding table ({size}) is looked up in host memory"
+
+    def table_bytes(self) -> int:
+        weight = self.hf_model.get_input_embeddings().weight
+        return weight.numel() * weight.element_size()
+
+    def stage(self, host_ids: torch.Tensor | None) -> None:
+        """The next forward's token ids, already on the host (None: they are copied back from the GPU)."""
+        self._staged = host_ids
+
+    def _ids_to_host(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        ids, staged = args[0], self._staged
+        self._staged = None
+        if staged is not None and staged.shape == ids.shape:
+            return (staged, *args[1:])
+        return (ids.to("cpu"), *args[1:])
 
     def switch(self, on: bool) -> None:
         if on:
@@ -80,9 +104,12 @@ class HostEmbedding:
         device = self.device
 
         def rows_to_device(module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
+            if device.type == "cuda":  # pinned, so the upload does not block the host
+                return output.pin_memory().to(device, non_blocking=True)
             return output.to(device)
 
-        self._hooks = [embed.register_forward_pre_hook(_ids_to_host), embed.register_forward_hook(rows_to_device)]
+        hooks = [embed.register_forward_pre_hook(self._ids_to_host), embed.register_forward_hook(rows_to_device)]
+        self._hooks = hooks
 
     def remove(self) -> None:
         if not self._hooks:

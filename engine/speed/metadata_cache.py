@@ -226,12 +226,18 @@ def _repeat_kv(states: torch.Tensor, groups: int, head_dim: int = 1) -> torch.Te
     return states.repeat_interleave(groups, dim=head_dim)
 
 
-@functools.cache
+_VARLEN_PARAMS: dict[str, frozenset[str]] = {}
+"""varlen_attn's keyword names, read once. A plain dict rather than ``functools.cache``: this is read inside
+compiled layers, where Dynamo warns that it ignores an lru_cache wrapper and traces the function itself."""
+
+
 def _varlen_params() -> frozenset[str]:
     """varlen_attn's keyword names: torch 2.10/2.11 lack ``enable_gqa`` (added in 2.12)."""
-    from torch.nn.attention.varlen import varlen_attn
+    if "names" not in _VARLEN_PARAMS:
+        from torch.nn.attention.varlen import varlen_attn
 
-    return frozenset(inspect.signature(varlen_attn).parameters)
+        _VARLEN_PARAMS["names"] = frozenset(inspect.signature(varlen_attn).parameters)
+    return _VARLEN_PARAMS["names"]
 
 
 def grouped_flash_attention(
@@ -382,6 +388,8 @@ def register_packed_attention() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION_NAME, packed_attention_forward)
+    if importlib.util.find_spec("torch.nn.attention.varlen") is not None:
+        _varlen_params()  # read the signature now, outside any compiled region
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:

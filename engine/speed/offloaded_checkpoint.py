@@ -42,6 +42,15 @@ def recomputing_offloaded_layer() -> bool:
     return _RECOMPUTING.get()
 
 
+@dataclass
+class RecomputeFlag:
+    """Whether an offloaded layer is being recomputed right now, as a plain attribute: compiled regions guard on
+    it (and compile one graph per value), where reading a ContextVar would break their graphs. Each
+    :class:`ActivationOffloader` owns one; :mod:`engine.speed.lean_recompute` reads it."""
+
+    active: bool = False
+
+
 standard_checkpoint: Callable[..., Any] = functools.partial(checkpoint, use_reentrant=False)
 """transformers' standard recompute: non-reentrant, so LoRA needs no input-gradient hook."""
 
@@ -95,6 +104,7 @@ class ActivationOffloader:
     _ring: list[tuple[torch.Tensor, torch.cuda.Event] | None] = field(default_factory=lambda: [None, None])
     _streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
     _anchor: torch.Tensor | None = None
+    recompute: RecomputeFlag = field(default_factory=RecomputeFlag)
 
     @property
     def is_cuda(self) -> bool:
@@ -269,10 +279,13 @@ class _OffloadedLayer(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         hidden = ctx.offloader.fetch(ctx.slot).detach().requires_grad_(ctx.needs_input_grad[2])
         token = _RECOMPUTING.set(True)
+        flag = ctx.offloader.recompute
+        flag.active = True
         try:
             with torch.enable_grad(), ctx.replay.restored():
                 out = ctx.run(hidden)
         finally:
+            flag.active = False
             _RECOMPUTING.reset(token)
         outs = out if isinstance(out, tuple) else (out,)
         pairs = [(o, g) for o, g in zip(outs, grads, strict=False) if isinstance(o, torch.Tensor) and o.requires_grad]
