@@ -24,6 +24,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.app_state import AppState
+from app.hardware_panel import SETTING_NAMES
 from app.model_gallery import ModelGallery, format_size
 from app.model_info import (
     ModelInfo,
@@ -154,7 +155,7 @@ class ModelPanel(QWidget):
         self.status.setText(f"<b>{info.name}</b>: <span style='color:{colour}'><b>{info.verdict}</b></span>"
                             f"{self._download_note(info.name)}")  # fmt: skip
         rows = "".join(
-            f"<tr><td><b>{key}</b></td><td>{value}</td><td>{why}</td></tr>"
+            f"<tr><td><b>{SETTING_NAMES.get(key, key)}</b></td><td>{value}</td><td>{why}</td></tr>"
             for key, (value, why) in info.settings.items()
         )
         self.details.setHtml(
