@@ -105,7 +105,7 @@ class ModelPanel(QWidget):
     def choose(self, name: str | None = None) -> None:
         """Inspect the model in the background; the page and the shared state update when it is done."""
         name = name or self.selected_name()
-        if self.gallery.row_for(name) is not None:
+        if self.gallery.row_for(name) is not None and not self.hub.isChecked():  # a typed hub id downloads now
             self.from_gallery.setChecked(True)
             self.gallery.select(name)
         if not name:
