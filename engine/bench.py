@@ -665,11 +665,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--long-context", action="store_true", help="longest 8B QLoRA row under 8/16/24 GiB (its own options)"
     )
+    parser.add_argument(
+        "--qlora",
+        action="store_true",
+        help="4-bit 8B fine-tuning, stock against TuneDeck under 8/24 GiB (its own options)",
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if "--qlora" in argv:
+        from engine.bench_qlora import main as qlora_main
+
+        return qlora_main([arg for arg in argv if arg != "--qlora"])
     if "--long-context" in argv:
         from engine.bench_long_context import main as long_context_main
 

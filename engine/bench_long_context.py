@@ -185,7 +185,8 @@ def build_quantized_model(config: Any, device: torch.device, dtype: torch.dtype 
 
 
 MEMORY_SWITCHES = ("metadata_cache", "fused_loss", "chunked_mlp", "host_embedding", "lora_16bit")
-"""The switches the tunedeck variant turns on (fused kernels stay off: 4-bit layers are not compiled)."""
+"""The switches the tunedeck variant turns on; the others (fused kernels, lean recompute, dequantize-once) are
+left automatic, as a run sets them."""
 
 
 def speed_settings(variant: str) -> Any:
@@ -193,9 +194,10 @@ def speed_settings(variant: str) -> Any:
     from engine.config import SpeedConfig
 
     on = variant == "tunedeck"
+    automatic = {} if on else {"fused_kernels": False, "lean_recompute": False, "dequant_once": False}
     return SpeedConfig(
         checkpointing="offloaded" if on else "standard",
-        fused_kernels=False,
+        **automatic,  # type: ignore[arg-type]
         **{name: on for name in MEMORY_SWITCHES},  # type: ignore[arg-type]
     )
 

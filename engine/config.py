@@ -198,7 +198,7 @@ class SpeedConfig:
     host_embedding: bool | None = setting(
         None,
         "look the frozen input embedding up in host memory, so its table takes no GPU memory (automatic: on where "
-        "the table would take over 8% of the GPU's memory)",
+        "the table would take over 8 percent of the GPU's memory)",
         flag="--host-embedding",
     )
     lora_16bit: bool | None = setting(

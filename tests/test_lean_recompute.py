@@ -88,7 +88,8 @@ def test_marking_a_read_output_unread_changes_the_gradients() -> None:
     model.zero_grad(set_to_none=True)
     batch = packed_batch((40, 30, 20))
     step(model, controller.model_inputs(batch), batch)
-    assert max_relative_error(grads(model), grads_full) > 1e-3
+    error = max_relative_error(grads(model), grads_full)
+    assert not error <= 1e-3  # uninitialised memory read: far off, or NaN
 
 
 def test_only_the_mlp_down_projection_is_unread() -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import pytest
 import torch
 from speed_models import grads, max_relative_error, packed_batch, step, tiny_lora_model
@@ -180,3 +183,35 @@ def test_grouped_kernel_call_compiles_once_for_every_packed_row(monkeypatch: pyt
         attend(q, k, v, meta_metadata(lengths)).sum().backward()
         assert k.grad.shape == k.shape
     assert counter.frame_count == 1
+
+
+def test_a_single_document_row_takes_the_plain_causal_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One document filling the row: causal attention over the whole row, same result as the document mask; an
+    explicitly requested backend and rows of several documents keep the packed path."""
+    import torch.nn.functional as F
+
+    causal: list[bool] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        causal.append(bool(kwargs.get("is_causal")))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    model = tiny_lora_model("qwen3")
+    one, two = packed_batch((48,)), packed_batch((20, 28))
+    auto = SpeedConfig(metadata_cache=True, checkpointing="none")
+    ctl = SpeedController(model, auto, torch.device("cpu"))
+    _, logits_whole = step(model, ctl.model_inputs(one), one)
+    grads_whole = grads(model)
+    assert causal and all(causal)
+    causal.clear()
+    ctl.apply(dataclasses.replace(auto, attention_backend="sdpa"))
+    _, logits_mask = step(model, ctl.model_inputs(one), one)
+    assert causal and not any(causal)
+    assert torch.allclose(logits_whole, logits_mask, atol=1e-5)
+    assert max_relative_error(grads_whole, grads(model)) <= 1e-4
+    causal.clear()
+    ctl.apply(auto)
+    step(model, ctl.model_inputs(two), two)
+    assert causal and not any(causal)

@@ -122,6 +122,9 @@ class TrainSetup:
     """What runs in chunks: every per-token module (eager layers) or only the MLP (compiled layers)."""
     host_embedding: bool = False
     """The input embedding table lives in host memory (engine.speed.host_embedding)."""
+    dequant_once: bool = False
+    """4-bit weights dequantized once per recompute and kept for backward (engine.speed.lean_recompute): one
+    layer's 16-bit projections, but the MLP's down projection, are alive while it recomputes and runs backward."""
 
     @property
     def activation_bytes(self) -> int:
@@ -208,6 +211,7 @@ def setup_from_speed_state(
         fused_loss=on("fused_loss"),
         lora_16bit=on("lora_16bit"),
         host_embedding=on("host_embedding"),
+        dequant_once=on("dequant_once"),
         attention=cache.get("backend") if cache.get("on") else "sdpa",  # type: ignore[arg-type]
         chunk_tokens=chunk_tokens_for(shape.intermediate_size, shape.hidden_size) if on("chunked_mlp") else None,
         chunk_scope="mlp" if on("fused_kernels") else "all",
@@ -399,6 +403,7 @@ def estimate_memory(
         # the MLP's gradients and the attention kernel's backward buffers are alive one after the other
         transient = max(width_grads * chunk, _attention_backward_bytes(shape, setup, backend) * t)
         recompute = kept_inputs + layer + transient + layer_mask + copies + hidden_grads * t
+        recompute += dequantized_layer_bytes(shape, setup)
     final_norm = (4 * h + 4) * t
     loss = final_norm + loss_bytes(shape, setup)
     return MemoryEstimate(
@@ -412,6 +417,15 @@ def estimate_memory(
         attention=backend,
         parts={"per_layer_activations": per_layer, "checkpointed_inputs": kept_inputs},
     )
+
+
+def dequantized_layer_bytes(shape: ModelShape, setup: TrainSetup) -> int:
+    """The 16-bit copies dequantize-once keeps during one layer's recompute and backward (dense layers' q, k, v,
+    o, gate and up projections; nothing without QLoRA or under standard checkpointing, which never uses them)."""
+    if not (setup.qlora and setup.dequant_once and setup.checkpointing == "offloaded") or shape.is_moe:
+        return 0
+    h = shape.hidden_size
+    return 2 * (2 * h * shape.q_dim + 2 * h * shape.kv_dim + 2 * h * shape.intermediate_size)
 
 
 def loss_bytes(shape: ModelShape, setup: TrainSetup) -> int:

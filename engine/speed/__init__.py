@@ -56,19 +56,25 @@ def free_device_memory(device: torch.device) -> int:
     """Free GPU memory as this process may use it: the driver's free bytes, lowered to what is left under an
     allocator cap (``torch.cuda.set_per_process_memory_fraction``, how a smaller card is emulated)."""
     free, total = torch.cuda.mem_get_info(device)
-    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    fraction = get_fraction(device) if get_fraction is not None else 1.0
+    fraction = _memory_fraction(device)
     if fraction < 1.0:
-        free = min(free, int(fraction * total) - torch.cuda.memory_reserved(device))
+        # under the cap, blocks the allocator caches but no tensor holds are free to reuse
+        free = min(free, int(fraction * total) - torch.cuda.memory_allocated(device))
     return max(0, free)
 
 
 def usable_device_memory(device: torch.device) -> int:
     """The GPU memory this process may use in all: the card's, or the allocator cap's where one is set."""
     total = torch.cuda.get_device_properties(device).total_memory
+    return int(min(1.0, _memory_fraction(device)) * total)
+
+
+def _memory_fraction(device: torch.device) -> float:
+    """The allocator cap as a share of the card (1.0 without one, or on a torch that cannot tell)."""
     get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    fraction = get_fraction(device) if get_fraction is not None else 1.0
-    return int(min(1.0, fraction) * total)
+    if get_fraction is None:
+        return 1.0
+    return float(get_fraction(device.index if device.index is not None else torch.cuda.current_device()))
 
 
 def _model_dtype(model: torch.nn.Module) -> torch.dtype:
@@ -256,7 +262,8 @@ class SpeedController:
             self.host_embedding.stage(batch.host_input_ids)
         if self._metadata_backend is None:
             return inputs
-        meta = metadata_cache.build_metadata(batch, self.device, self._metadata_backend)
+        whole_row = self.settings.attention_backend == "auto"
+        meta = metadata_cache.build_metadata(batch, self.device, self._metadata_backend, whole_row=whole_row)
         if self._fused_kernels:
             fused_kernels.prepare_metadata(meta, self.hf_model)
         return metadata_cache.packed_inputs(inputs, meta)

@@ -117,8 +117,15 @@ def resolve(requested: bool | None, hf_model: torch.nn.Module, device: torch.dev
 class RegionCompiler:
     """Swaps compiled forwards of a model's layer regions in and out; compiled code is kept for reuse."""
 
+    RECOMPILE_LIMIT = 64
+    """Graphs kept per region. Each region legitimately compiles several (forward without gradients, recompute,
+    no checkpointing; each combination of switches that changes the modules inside it, flipped live); past
+    Dynamo's default of 8 it would silently fall back to eager code for the rest of the run."""
+
     def __init__(self, backend: str | Callable[..., Any] = "inductor") -> None:
         self.backend = backend
+        dynamo_config = torch._dynamo.config
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, self.RECOMPILE_LIMIT)
         self._compiled: dict[torch.nn.Module, Callable[..., Any]] = {}
         self._active: list[torch.nn.Module] = []
 
@@ -156,6 +163,8 @@ def prepare_metadata(meta: Any, hf_model: torch.nn.Module) -> None:
     into the graph; built here they are plain inputs.
     """
     windows = {None, _sliding_window(hf_model)}
+    if meta.whole_row_causal:
+        windows.discard(None)  # the whole row is plain causal attention: no mask
     for window in windows:
         if meta.backend == "flex":
             meta.block_mask(window)

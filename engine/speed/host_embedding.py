@@ -41,6 +41,13 @@ def unsupported_reason(hf_model: Any) -> str | None:
     return None
 
 
+@dataclass(eq=False)
+class _PinnedSlot:
+    buffer: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    done: Any = None
+    """The CUDA event recorded after the buffer's last upload."""
+
+
 @dataclass
 class HostEmbedding:
     """Moves one model's input embedding between host and GPU memory; safe between two steps."""
@@ -49,6 +56,8 @@ class HostEmbedding:
     device: torch.device
     _hooks: list[Any] = field(default_factory=list)
     _staged: torch.Tensor | None = None
+    _pinned: list[_PinnedSlot] = field(default_factory=lambda: [_PinnedSlot(), _PinnedSlot()])
+    _turn: int = 0
 
     @property
     def on(self) -> bool:
@@ -104,12 +113,27 @@ class HostEmbedding:
         device = self.device
 
         def rows_to_device(module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
-            if device.type == "cuda":  # pinned, so the upload does not block the host
-                return output.pin_memory().to(device, non_blocking=True)
-            return output.to(device)
+            return self._upload(output) if device.type == "cuda" else output.to(device)
 
         hooks = [embed.register_forward_pre_hook(self._ids_to_host), embed.register_forward_hook(rows_to_device)]
         self._hooks = hooks
+
+    def _upload(self, rows: torch.Tensor) -> torch.Tensor:
+        """Send the looked-up rows to the GPU from one of two pinned buffers, without blocking the host.
+
+        A buffer is reused once its last copy is done (an event query, not a wait), so pinned memory is allocated
+        (``cudaHostAlloc``, which synchronizes) only in the first steps and when rows grow."""
+        slot = self._pinned[self._turn]
+        self._turn ^= 1
+        busy = slot.done is not None and not slot.done.query()
+        if busy or slot.buffer.numel() < rows.numel() or slot.buffer.dtype != rows.dtype:
+            slot.buffer = torch.empty(rows.numel(), dtype=rows.dtype, pin_memory=True)
+        staging = slot.buffer[: rows.numel()].view(rows.shape)
+        staging.copy_(rows)
+        out = staging.to(self.device, non_blocking=True)
+        slot.done = torch.cuda.Event()
+        slot.done.record()
+        return out
 
     def remove(self) -> None:
         if not self._hooks:

@@ -1,0 +1,358 @@
+"""4-bit 7-8B fine-tuning on a small card: ``tunedeck bench --qlora``.
+
+The workload most people with an 8-24 GB card run: a Llama-3.1-8B or Qwen3-8B shaped model (random init from its
+config) in NF4 with double quantization, LoRA r32 on every linear layer, AdamW, one document filling a row of 4,096
+or 16,384 tokens, under allocator caps of 8 and 24 GiB (``torch.cuda.set_per_process_memory_fraction``; the CUDA
+context is not counted). The model is built on the meta device and quantized layer by layer straight onto the GPU
+(:func:`engine.bench_long_context.build_quantized_model`), so no 16-bit copy ever exists there.
+
+Variants, timed one after another in the same process on the same rows:
+
+* ``stock``: transformers + peft + bitsandbytes as documented (``prepare_model_for_kbit_training``, standard
+  checkpointing, sdpa, the model's own loss);
+* ``auto``: TuneDeck with every switch automatic, as ``tunedeck train --qlora`` runs;
+* ``auto-X``: automatic with switch X off, which tells what each switch is worth.
+
+Losses: 20 steps of ``auto`` on fresh rows against the same 20 steps of the float32-LoRA ``stock`` path, from the
+same base and adapter initialisation. Each row gives the planner's predicted peak beside the measured one.
+
+    tunedeck bench --qlora --out benchmarks/qlora_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.bench import count_syncs, log_row, timing_turn
+from engine.config import SpeedConfig
+from engine.hardware.shapes import BUILTIN_CONFIGS
+
+GIB = 1 << 30
+LORA_RANK = 32
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3.1-8b": dict(BUILTIN_CONFIGS["llama-3.1-8b"], max_position_embeddings=131072, rope_theta=500000.0),
+    "qwen3-8b": dict(BUILTIN_CONFIGS["qwen3-8b"], max_position_embeddings=40960, rope_theta=1000000.0),
+}
+AUTO = SpeedConfig()
+STOCK = SpeedConfig(
+    metadata_cache=False, checkpointing="standard", moe_routing="stock", fused_loss=False, chunked_mlp=False,
+    host_embedding=False, lora_16bit=False, fused_kernels=False, lean_recompute=False, dequant_once=False,
+)  # fmt: skip
+ABLATED = ("fused_kernels", "lean_recompute", "dequant_once", "host_embedding", "fused_loss", "metadata_cache")
+"""Switches whose worth ``auto-X`` measures (each turned off alone)."""
+WHOLE_ROW = "whole_row"
+"""``auto-whole_row``: the varlen kernel asked for explicitly, so a one-document row does not take SDPA's causal
+path (engine.speed.metadata_cache.PackedAttentionMetadata.whole_row_causal)."""
+
+
+def variant_settings(variant: str) -> SpeedConfig:
+    if variant == "stock":
+        return STOCK
+    if variant == "auto":
+        return AUTO
+    switch = variant.removeprefix("auto-")
+    if switch == WHOLE_ROW:
+        return dataclasses.replace(AUTO, attention_backend="varlen")
+    if switch not in ABLATED:
+        raise ValueError(f"unknown variant {variant!r}: stock, auto or auto-SWITCH with SWITCH in {ABLATED}")
+    return dataclasses.replace(AUTO, **{switch: False})
+
+
+def model_config(name: str) -> Any:
+    from transformers import AutoConfig
+
+    settings = dict(SHAPES[name])
+    return AutoConfig.for_model(settings.pop("model_type"), **settings)
+
+
+def build(name: str, stock: bool, device: torch.device) -> Any:
+    """The quantized model with LoRA r32: TuneDeck's preparation, or peft's for ``stock``."""
+    from engine.bench_long_context import build_quantized_model, with_lora
+
+    torch.manual_seed(0)
+    model = with_lora(build_quantized_model(model_config(name), device), "stock" if stock else "tunedeck")
+    model.train()
+    return model
+
+
+def rows_of(tokens: int, vocab: int, count: int, seed: int = 0) -> list[Any]:
+    from engine.bench_long_context import one_document
+
+    return [one_document(tokens, vocab, seed=seed + i) for i in range(count)]
+
+
+def train_step(model: Any, controller: Any, batch: Any, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    inputs = controller.model_inputs(batch)
+    loss = controller.loss(model, inputs, batch.labels, batch.trained_tokens, positions=batch.loss_positions)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def cap_memory(cap_gib: float | None, device: torch.device) -> None:
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, (cap_gib or 1e9) * GIB / total), device)
+
+
+def measure(step: Callable[[], torch.Tensor], warmup: int, steps: int, device: torch.device) -> dict[str, Any]:
+    """Median ms/step after warm-up, the peak over the timed steps, and syncs in one more step (warm-up only when
+    ``steps`` is 0: the compile pass)."""
+    start = time.perf_counter()
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize(device)
+    result: dict[str, Any] = {"warmup_s": time.perf_counter() - start}
+    if steps == 0:
+        return result
+    torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    result.update(ms_per_step=statistics.median(times), ms_all=times)
+    result["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+    with count_syncs() as syncs:
+        step()
+    result["syncs"] = syncs[0]
+    return result
+
+
+def planned_peak_gib(name: str, state: dict[str, Any], tokens: int) -> float | None:
+    from engine.hardware.planner import state_peak_bytes
+    from engine.hardware.shapes import ModelShape
+
+    try:
+        shape = ModelShape.from_config_dict(SHAPES[name], name)
+        return state_peak_bytes(shape, state, tokens, qlora=True, lora_rank=LORA_RANK) / GIB
+    except (KeyError, ValueError, TypeError):
+        return None
+
+
+@dataclasses.dataclass
+class Subject:
+    """One built model and the one speed controller that switches it between variants (as a user flips switches
+    in a running job: compiled graphs are kept and reused)."""
+
+    name: str
+    model: Any
+    controller: Any
+
+
+def subject(name: str, stock: bool, device: torch.device) -> Subject:
+    from engine.speed import SpeedController
+
+    model = build(name, stock, device)
+    return Subject(name, model, SpeedController(model, STOCK, device))
+
+
+def run_variant(
+    who: Subject, variant: str, tokens: int, cap: float, args: argparse.Namespace, device: torch.device
+) -> dict[str, Any]:
+    """One timed row (only the warm-up when ``args.steps`` is 0); out of memory is a row too, never an abort."""
+    model, controller = who.model, who.controller
+    row: dict[str, Any] = {"model": who.name, "variant": variant, "tokens": tokens, "cap_gib": cap, "ok": False}
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    try:
+        cap_memory(cap, device)
+        controller.apply(variant_settings(variant))  # automatic choices see the cap
+        batch = rows_of(tokens, model.config.vocab_size, 1)[0].to(device)
+        row.update(measure(lambda: train_step(model, controller, batch, optimizer), args.warmup, args.steps, device))
+        row["state"] = controller.state()
+        if args.steps:
+            row["planned_peak_gib"] = planned_peak_gib(who.name, row["state"], tokens)
+            row["tokens_per_s"] = tokens / row["ms_per_step"] * 1e3
+        row["ok"] = True
+    except (torch.OutOfMemoryError, RuntimeError) as err:
+        row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+    finally:
+        optimizer.zero_grad(set_to_none=True)
+        controller.apply(STOCK)  # the stand-ins and hooks come off; compiled graphs stay cached
+        gc.collect()
+        torch.cuda.empty_cache()
+        cap_memory(None, device)
+    if args.steps:
+        print(_line(row), flush=True)
+        log_row(row, args.rows_log)
+    return row
+
+
+def losses(who: Subject, variant: str, args: argparse.Namespace, device: torch.device) -> list[float]:
+    """``args.loss_steps`` steps on fresh rows from the adapter's initial weights (restored afterwards)."""
+    model, controller = who.model, who.controller
+    start = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    controller.apply(variant_settings(variant))
+    out = []
+    for batch in rows_of(args.loss_tokens, model.config.vocab_size, args.loss_steps, seed=1000):
+        out.append(float(train_step(model, controller, batch.to(device), optimizer)))
+    controller.apply(STOCK)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in start:
+                p.copy_(start[n])
+    return out
+
+
+def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device("cuda", torch.cuda.current_device())
+    tuned = subject(name, stock=False, device=device)
+    cases = [(t, c) for t in args.tokens for c in args.caps]
+    ours = [v for v in args.variants if v != "stock"]
+    compile_pass = argparse.Namespace(**{**vars(args), "steps": 0})
+    for variant in ours:  # compile every graph first, untimed (peers compile side by side)
+        run_variant(tuned, variant, *cases[0], compile_pass, device)
+    rows = []
+    with timing_turn(args.timing_lock, args.peers, name):
+        for tokens, cap in cases:
+            for variant in ours:
+                if variant == "auto" or (tokens, cap) == cases[0]:
+                    rows.append(run_variant(tuned, variant, tokens, cap, args, device))
+        auto_losses = losses(tuned, "auto", args, device) if args.loss_steps else []
+        del tuned
+        gc.collect()
+        torch.cuda.empty_cache()
+        stock_losses: list[float] = []
+        if "stock" in args.variants:
+            stock = subject(name, stock=True, device=device)
+            rows += [run_variant(stock, "stock", tokens, cap, args, device) for tokens, cap in cases]
+            stock_losses = losses(stock, "stock", args, device) if args.loss_steps else []
+            del stock
+    return {"model": name, "rows": rows, "losses": {"auto": auto_losses, "stock": stock_losses}}
+
+
+def loss_agreement(record: dict[str, Any]) -> float | None:
+    """Largest relative difference between ``auto``'s and the float32-LoRA stock path's per-step losses."""
+    auto, stock = record["losses"]["auto"], record["losses"]["stock"]
+    if not auto or len(auto) != len(stock):
+        return None
+    return max(abs(a - s) / abs(s) for a, s in zip(auto, stock, strict=True))
+
+
+def _line(row: dict[str, Any]) -> str:
+    if not row["ok"]:
+        return f"{row['model']} {row['variant']} {row['tokens']} tokens cap {row['cap_gib']:g}: {row.get('error')}"
+    return (f"{row['model']} {row['variant']} {row['tokens']} tokens cap {row['cap_gib']:g}: "
+            f"{row['ms_per_step']:.0f} ms/step, {row.get('tokens_per_s', 0):,.0f} tok/s, peak {row['peak_gib']:.2f} "
+            f"GiB, {row['syncs']} syncs")  # fmt: skip
+
+
+def markdown(report: dict[str, Any]) -> str:
+    from engine.bench_long_context import environment
+
+    meta = report.get("environment") or environment()
+    lines = [
+        "# QLoRA: 4-bit 8B fine-tuning, stock against TuneDeck",
+        "",
+        f"GPU: {meta['gpu']}, {meta['date']}, " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
+        "",
+        "Random-init Llama-3.1-8B and Qwen3-8B shapes in NF4 with double quantization, LoRA r32 on all linear",
+        "layers, AdamW, batch size 1, one document filling the row, allocator capped with",
+        "`set_per_process_memory_fraction` (the CUDA context is not counted). `stock` = transformers + peft +",
+        "bitsandbytes (`prepare_model_for_kbit_training`, standard checkpointing, sdpa); `auto` = TuneDeck with every",
+        "switch automatic; `auto-X` = automatic with X off. Median of the timed steps after warm-up (compiles done).",
+        "",
+        "| model | tokens | cap GiB | variant | ms/step | tokens/s | x stock | peak GiB | planned GiB | syncs |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for record in report["models"]:
+        for row in record["rows"]:
+            lines.append(_table_row(row, record["rows"]))
+    lines += ["", "| model | loss steps | max relative difference, auto vs float32-LoRA stock |", "|---|---:|---:|"]
+    for record in report["models"]:
+        agreement = loss_agreement(record)
+        text = f"{agreement:.2e}" if agreement is not None else "-"
+        lines.append(f"| {record['model']} | {len(record['losses']['auto'])} | {text} |")
+    lines += ["", *report.get("notes", [])]
+    return "\n".join(lines) + "\n"
+
+
+def _table_row(row: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    head = f"| {row['model']} | {row['tokens']:,} | {row['cap_gib']:g} | {row['variant']} "
+    if not row["ok"]:
+        return (
+            head + "| out of memory | - | - | - | - | - |"
+            if "memory" in row.get("error", "")
+            else (head + f"| {row.get('error', 'failed')[:60]} | - | - | - | - | - |")
+        )
+    stock = next((r for r in rows if r["variant"] == "stock" and r["tokens"] == row["tokens"]
+                  and r["cap_gib"] == row["cap_gib"] and r["ok"]), None)  # fmt: skip
+    ratio = f"{stock['ms_per_step'] / row['ms_per_step']:.2f}" if stock else "-"
+    planned = f"{row['planned_peak_gib']:.2f}" if row.get("planned_peak_gib") else "-"
+    return (head + f"| {row['ms_per_step']:.0f} | {row['tokens_per_s']:,.0f} | {ratio} | {row['peak_gib']:.2f} "
+            f"| {planned} | {row['syncs']} |")  # fmt: skip
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="tunedeck bench --qlora", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="llama-3.1-8b,qwen3-8b", help=f"comma-separated: {', '.join(SHAPES)}")
+    parser.add_argument("--tokens", default="4096,16384", help="row lengths")
+    parser.add_argument("--caps", default="8,24", help="allocator caps in GiB")
+    default_variants = ",".join(["stock", "auto", *(f"auto-{s}" for s in (*ABLATED, WHOLE_ROW))])
+    parser.add_argument("--variants", default=default_variants, help="stock, auto, auto-SWITCH")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per row")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compiles)")
+    parser.add_argument("--loss-steps", type=int, default=20, help="steps of the loss comparison (0: none)")
+    parser.add_argument("--loss-tokens", type=int, default=4096, help="row length of the loss comparison")
+    parser.add_argument("--timing-lock", type=Path, help="a lock file shared by bench processes on one GPU")
+    parser.add_argument("--peers", type=int, default=1, help="processes sharing --timing-lock")
+    parser.add_argument("--rows-log", type=Path, help="append each row as a JSON line (kept if cut short)")
+    parser.add_argument("--merge", nargs="*", type=Path, help="build the report from JSON files of model records")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/qlora.json"), help="JSON (+ .md beside)")
+    args = parser.parse_args(argv)
+    args.models = [m for m in args.models.split(",") if m]
+    args.tokens = [int(t) for t in args.tokens.split(",") if t]
+    args.caps = [float(c) for c in args.caps.split(",") if c]
+    args.variants = [v for v in args.variants.split(",") if v]
+    for variant in args.variants:
+        variant_settings(variant)
+    unknown = [m for m in args.models if m not in SHAPES]
+    if unknown:
+        parser.error(f"unknown model {unknown[0]!r}: {', '.join(SHAPES)}")
+    return args
+
+
+def write(report: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1, default=str) + "\n", encoding="utf-8")
+    table = markdown(report)
+    out.with_suffix(".md").write_text(table, encoding="utf-8")
+    print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.merge:
+        from engine.bench_long_context import environment
+
+        records = [json.loads(path.read_text(encoding="utf-8")) for path in args.merge]
+        report = {"environment": records[0].get("environment") or environment(), "models": [
+            m for r in records for m in r["models"]]}  # fmt: skip
+        write(report, args.out)
+        return 0
+    if not torch.cuda.is_available():
+        print("tunedeck bench --qlora needs an NVIDIA GPU (torch sees none)", file=sys.stderr)
+        return 2
+    from engine.bench_long_context import environment
+
+    report: dict[str, Any] = {"environment": environment(), "settings": {k: str(v) for k, v in vars(args).items()}}
+    report["models"] = [bench_model(name, args) for name in args.models]
+    write(report, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
