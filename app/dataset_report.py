@@ -7,11 +7,17 @@ instead of stopping at the first. Qt-free.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import DataConfig, ModelConfig
+from engine.errors import ModelLoadError, TuneDeckError
 
+TOKENIZER_LOCK = threading.Lock()
+"""Two first imports of transformers' lazy AutoTokenizer in two threads fail ("cannot import name
+'AutoTokenizer'"), e.g. the demo data loading for the demo model while the user opens a file: one at a time."""
+NO_TOKENIZER = "cannot read the dataset without the tokenizer of"
 MAX_TOKENIZED = 5000
 """Examples tokenized for the histogram and packing figures; larger datasets are sampled from the start."""
 PREVIEW_EXAMPLES = 4
@@ -50,7 +56,11 @@ def analyze_dataset(path: str, model_name: str, data: DataConfig | None = None) 
     bad = {row for row, _, _ in problems}
     good = [row for number, row in enumerate(rows, start=1) if number not in bad]
     examples = normalize_rows(good[:MAX_TOKENIZED], fmt, path)
-    tokenizer = load_tokenizer(ModelConfig(name=model_name))
+    with TOKENIZER_LOCK:
+        try:
+            tokenizer = load_tokenizer(ModelConfig(name=model_name))
+        except TuneDeckError as err:  # the model's fault, not the dataset's: say so
+            raise ModelLoadError(f"{NO_TOKENIZER} {model_name}: {err.message}", hint=err.hint) from err
     ensure_chat_template(tokenizer)
     tokenized, _ = tokenize_examples(
         tokenizer, examples, max_seq_len=data.max_seq_len, overlong=data.overlong, train_on_all=data.train_on_all_tokens

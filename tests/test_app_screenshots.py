@@ -18,7 +18,7 @@ pytest_plugins = ["app_fixtures"]
 
 SCREENSHOTS = Path(__file__).resolve().parent.parent / "artifacts" / "screenshots"
 STEP_TIMEOUT_MS = 120_000
-MAIN_PAGES = ("This computer", "Model", "Dataset", "Setup", "Run", "Speed")
+MAIN_PAGES = ("This computer", "Model", "Dataset", "Recipe", "Run", "Speed")
 
 
 def save_page(window: Any, title: str) -> Path:
@@ -35,7 +35,7 @@ def test_screenshots_and_compare_during_a_demo_run(qtbot: Any, window: Any) -> N
     prepare_demo(qtbot, window, max_steps=80)
     steps: list[int] = []
     window.controller.run_event.connect(lambda e: steps.append(e.step) if isinstance(e, StepMetrics) else None)
-    saved = [save_page(window, title) for title in ("This computer", "Model", "Dataset", "Setup")]
+    saved = [save_page(window, title) for title in ("This computer", "Model", "Dataset", "Recipe")]
     speed = window.speed_panel
     assert not speed.metadata_box.isEnabled(), "switches act on a live run only"
     assert speed.reasons["metadata_cache"].text().startswith("Planned: ")
