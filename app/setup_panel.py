@@ -25,7 +25,15 @@ from app.app_state import AppState
 from app.config_form import ConfigForm
 from engine.config import DEMO_MODEL, DataConfig, RunConfig
 from engine.errors import TuneDeckError
-from engine.recipes import DEMO_RECIPE, RECIPES, Recipe, RecipeEstimate, apply_recipe, estimate_recipe, find_recipe
+from engine.hardware.recipes import (
+    DEMO_RECIPE,
+    RECIPES,
+    Recipe,
+    RecipeEstimate,
+    apply_recipe,
+    estimate_recipe,
+    find_recipe,
+)
 
 CHOSEN_ELSEWHERE = frozenset({"model.name", "data.path"})
 GIB = 1 << 30

@@ -111,7 +111,7 @@ def test_errors_become_messages_with_hints() -> None:
 def test_config_form_round_trips_recipes_and_names_bad_values(qtbot: Any) -> None:
     from app.app_state import AppState
     from app.setup_panel import SetupPanel, recipe_config
-    from engine.recipes import RECIPES
+    from engine.hardware.recipes import RECIPES
 
     state = AppState()
     panel = SetupPanel(state)

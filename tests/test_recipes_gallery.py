@@ -10,7 +10,7 @@ from engine.config import RunConfig
 from engine.hardware.detect import detect_hardware
 from engine.hardware.gallery import GALLERY, download_bytes, find_entry, gallery_rows, gallery_shape
 from engine.hardware.profile import DeviceTarget, build_profile
-from engine.recipes import RECIPE_KEYS, RECIPES, apply_recipe, estimate_recipe, find_recipe, planned_steps
+from engine.hardware.recipes import RECIPE_KEYS, RECIPES, apply_recipe, estimate_recipe, find_recipe, planned_steps
 from tests.hardware_fakes import FakeGpu, FakeNvml, fake_torch
 
 
