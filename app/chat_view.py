@@ -4,7 +4,7 @@ Loading a model and generating both take seconds to minutes, so each runs in a Q
 what the threads report. A reply streams into its pane piece by piece; Stop sets an event that the generation
 checks after every token. The tuned and base replies come from one loaded model (the adapter is switched off
 for the base reply), one after the other, so memory holds the weights once. torch is imported only inside the
-threads (through ``engine.chat``), never by this module.
+threads (through ``engine.model.chat``), never by this module.
 """
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ from PySide6.QtWidgets import (
 )
 
 from app.worker import describe_error
-from engine.registry import Registry
+from engine.run.registry import Registry
 
 SIDES = ("tuned", "base")
 
 
 class ModelLoader(QThread):
-    """Loads a run's adapter on its base model (``engine.chat.load_chat_model``)."""
+    """Loads a run's adapter on its base model (``engine.model.chat.load_chat_model``)."""
 
     loaded = Signal(object)
     failed = Signal(str)
@@ -52,7 +52,7 @@ class ModelLoader(QThread):
 
     def run(self) -> None:
         try:
-            from engine.chat import load_chat_model
+            from engine.model.chat import load_chat_model
 
             self.loaded.emit(load_chat_model(self.folder, device=self.device))
         except Exception as err:
@@ -76,7 +76,7 @@ class ReplyWorker(QThread):
 
     def run(self) -> None:
         try:
-            from engine.chat import GenerationSettings, stream_reply
+            from engine.model.chat import GenerationSettings, stream_reply
 
             settings = GenerationSettings(**self.settings)
             for side, messages in self.histories.items():

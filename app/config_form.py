@@ -1,8 +1,9 @@
 """A form generated from the RunConfig dataclasses: one editor per field, its help text as the tooltip.
 
 Each setting exists once, in engine.config; this module only maps a field's type to an editor (check box,
-choice list, number, text) and reads the values back through ``RunConfig.from_dict``, so the engine's checks
-judge them.
+choice list, number, text), gives it a label in plain words, and reads the values back through
+``RunConfig.from_dict``, so the engine's checks judge them. The few settings most people change come first, in
+their own group; the rest sit in groups that "Advanced" shows. Every group's labels share one column width.
 """
 
 from __future__ import annotations
@@ -10,12 +11,96 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
-from PySide6.QtWidgets import QCheckBox, QComboBox, QFormLayout, QGroupBox, QLineEdit, QSpinBox, QWidget
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QComboBox,
+    QFormLayout,
+    QGroupBox,
+    QLabel,
+    QLineEdit,
+    QPushButton,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
+)
 
 from engine.config import RunConfig
 
 AUTO, ON, OFF = "auto", "on", "off"
-SECTION_TITLES = {"lora": "LoRA adapter", "speed": "Speed optimizations", "output": "Output folder"}
+SECTION_TITLES = {
+    "model": "Model",
+    "data": "Data",
+    "lora": "LoRA adapter",
+    "training": "Training",
+    "speed": "Speed optimizations",
+    "output": "Output folder",
+}
+MAIN_TITLE = "Main settings"
+EDITOR_WIDTH = 260
+MAIN_FIELDS = (
+    "training.epochs",
+    "training.max_steps",
+    "data.max_seq_len",
+    "lora.rank",
+    "training.learning_rate",
+    "model.qlora",
+    "data.eval_fraction",
+)
+"""The settings most people change, shown first; the rest are in the advanced groups."""
+LABELS = {
+    "model.qlora": "4-bit base model (QLoRA)",
+    "model.dtype": "Number format",
+    "model.revision": "Hub revision",
+    "model.trust_remote_code": "Run the model's own code",
+    "model.allow_pickle_weights": "Allow .bin/.pt weights",
+    "data.format": "Row format",
+    "data.train_on_all_tokens": "Learn the prompts too",
+    "data.max_seq_len": "Longest example (tokens)",
+    "data.overlong": "Examples longer than that",
+    "data.tokens_per_batch": "Tokens per row",
+    "data.eval_fraction": "Held-out share",
+    "data.eval_path": "Held-out file",
+    "lora.rank": "Adapter size (rank)",
+    "lora.alpha": "Adapter scale (alpha)",
+    "lora.dropout": "Adapter dropout",
+    "lora.target_modules": "Layers adapted",
+    "training.max_steps": "Steps (0: use passes)",
+    "training.epochs": "Passes over the data",
+    "training.learning_rate": "Learning rate",
+    "training.weight_decay": "Weight decay",
+    "training.warmup_steps": "Warm-up steps",
+    "training.schedule": "Learning-rate schedule",
+    "training.grad_accum": "Rows per step",
+    "training.max_grad_norm": "Gradient clipping",
+    "training.eval_every": "Evaluate every N steps",
+    "training.save_every": "Save every N steps",
+    "training.seed": "Random seed",
+    "training.device": "Device",
+    "training.max_bad_steps": "Stop after bad steps",
+    "training.gpus": "GPUs",
+    "training.parallel": "Multi-GPU mode",
+    "speed.metadata_cache": "Metadata cache",
+    "speed.checkpointing": "Activation checkpointing",
+    "speed.moe_routing": "MoE routing",
+    "speed.attention_backend": "Attention kernel",
+    "speed.fused_loss": "Fused loss",
+    "speed.chunked_mlp": "Chunked MLP",
+    "speed.host_embedding": "Embedding in host memory",
+    "speed.lora_16bit": "16-bit LoRA",
+    "speed.fused_kernels": "Fused kernels",
+    "output.dir": "Runs folder",
+    "output.name": "Run name",
+    "output.keep_checkpoints": "Checkpoints kept",
+}
+"""Labels in plain words; a field without one shows its name."""
+CHECKBOX_TEXT = {
+    "model.trust_remote_code": "only for models you trust: the repository's Python code runs on this computer",
+    "model.allow_pickle_weights": "only for models you trust: loading pickle files (.bin/.pt) can run code",
+    "model.qlora": "uses about a quarter of the memory for the base weights; a little slower",
+    "data.train_on_all_tokens": "also learn the questions, not only the answers",
+}
+"""What a check box does, written beside it where the label alone could mislead."""
 
 
 def _editor(annotation: Any) -> QWidget:
@@ -74,34 +159,88 @@ def _get(widget: QWidget, annotation: Any) -> Any:
     return text
 
 
+def label_for(key: str) -> str:
+    return LABELS.get(key, key.split(".")[1].replace("_", " ").capitalize())
+
+
+def tooltip_for(key: str, spec: dataclasses.Field[Any]) -> str:
+    """The field's help text from engine.config, and the setting's name in config.json and on the command line."""
+    flag = spec.metadata.get("flag")
+    where = f"{key} in config.json" + (f", {flag} for tunedeck train" if flag else "")
+    help_text = spec.metadata.get("help", "")
+    return f"{help_text[:1].upper()}{help_text[1:]}.\n({where})" if help_text else f"({where})"
+
+
 class ConfigForm(QWidget):
     """Editors for every RunConfig field except ``skip`` (set elsewhere, e.g. the model and dataset pages)."""
 
-    def __init__(self, skip: frozenset[str] = frozenset()) -> None:
+    def __init__(self, skip: frozenset[str] = frozenset(), main: tuple[str, ...] = MAIN_FIELDS) -> None:
         super().__init__()
         self.editors: dict[tuple[str, str], tuple[QWidget, Any]] = {}
-        layout = QFormLayout(self)
-        defaults = RunConfig()
+        self.labels: dict[str, QLabel] = {}
+        specs = _field_specs(skip)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        self.main_group = self._group(MAIN_TITLE, [key for key in main if key in specs], specs)
+        layout.addWidget(self.main_group)
+        self.advanced_button = QPushButton("Advanced settings ▸")
+        self.advanced_button.setCheckable(True)
+        self.advanced_button.setToolTip("Every setting of the run, grouped as in config.json")
+        self.advanced_button.toggled.connect(self.set_advanced_visible)
+        layout.addWidget(self.advanced_button, 0, Qt.AlignmentFlag.AlignLeft)
+        self.advanced_groups: list[QGroupBox] = []
         for section in dataclasses.fields(RunConfig):
-            section_type = type(getattr(defaults, section.name))
-            hints = get_type_hints(section_type)
-            group = QGroupBox(SECTION_TITLES.get(section.name, section.name.capitalize()))
-            form = QFormLayout(group)
-            for spec in dataclasses.fields(section_type):
-                if f"{section.name}.{spec.name}" in skip:
-                    continue
-                editor = _editor(hints[spec.name])
-                editor.setToolTip(spec.metadata.get("help", ""))
-                editor.setObjectName(f"{section.name}.{spec.name}")
-                form.addRow(spec.name.replace("_", " "), editor)
-                self.editors[(section.name, spec.name)] = (editor, hints[spec.name])
-            layout.addRow(group)
-        self.set_config(defaults)
+            keys = [key for key in specs if key.startswith(f"{section.name}.") and key not in main]
+            if keys:
+                group = self._group(SECTION_TITLES.get(section.name, section.name.capitalize()), keys, specs)
+                self.advanced_groups.append(group)
+                layout.addWidget(group)
+        layout.addStretch(1)
+        width = max(label.sizeHint().width() for label in self.labels.values())
+        for label in self.labels.values():  # one label column across every group
+            label.setMinimumWidth(width)
+        self.set_config(RunConfig())
+        self.set_advanced_visible(False)
+
+    def _group(self, title: str, keys: list[str], specs: dict[str, tuple[Any, Any]]) -> QGroupBox:
+        group = QGroupBox(title)
+        form = QFormLayout(group)
+        form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.FieldsStayAtSizeHint)
+        for key in keys:
+            spec, annotation = specs[key]
+            editor = _editor(annotation)
+            if isinstance(editor, QCheckBox) and key in CHECKBOX_TEXT:
+                editor.setText(CHECKBOX_TEXT[key])
+            if not isinstance(editor, QCheckBox):
+                editor.setFixedWidth(EDITOR_WIDTH)  # one editor width too, so the groups line up
+            editor.setToolTip(tooltip_for(key, spec))
+            editor.setObjectName(key)
+            label = QLabel(label_for(key))
+            label.setToolTip(editor.toolTip())
+            form.addRow(label, editor)
+            section, name = key.split(".")
+            self.labels[key] = label
+            self.editors[(section, name)] = (editor, annotation)
+        return group
+
+    def set_advanced_visible(self, visible: bool) -> None:
+        """Show or hide every group but the main one (the full form)."""
+        self.advanced_button.setChecked(visible)
+        self.advanced_button.setText("Advanced settings ▾" if visible else "Advanced settings ▸")
+        for group in self.advanced_groups:
+            group.setVisible(visible)
 
     def set_config(self, config: RunConfig) -> None:
         raw = config.to_dict()
         for (section, name), (editor, _) in self.editors.items():
             _set(editor, raw[section][name])
+
+    def set_values(self, values: dict[str, Any]) -> None:
+        """Set some fields ('section.field' -> value); the others keep what they show."""
+        for key, value in values.items():
+            section, name = key.split(".")
+            if (section, name) in self.editors:
+                _set(self.editors[(section, name)][0], value)
 
     def values(self) -> dict[str, dict[str, Any]]:
         raw: dict[str, dict[str, Any]] = {}
@@ -112,3 +251,17 @@ class ConfigForm(QWidget):
     def editor(self, key: str) -> QWidget:
         section, name = key.split(".")
         return self.editors[(section, name)][0]
+
+
+def _field_specs(skip: frozenset[str]) -> dict[str, tuple[Any, Any]]:
+    """'section.field' -> (dataclass field, type) for every RunConfig field not in ``skip``, in config order."""
+    specs: dict[str, tuple[Any, Any]] = {}
+    defaults = RunConfig()
+    for section in dataclasses.fields(RunConfig):
+        section_type = type(getattr(defaults, section.name))
+        hints = get_type_hints(section_type)
+        for spec in dataclasses.fields(section_type):
+            key = f"{section.name}.{spec.name}"
+            if key not in skip:
+                specs[key] = (spec, hints[spec.name])
+    return specs

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import Qt
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
     QFileDialog,
     QHBoxLayout,
@@ -27,9 +27,9 @@ from PySide6.QtWidgets import (
 )
 
 from app.app_state import AppState
-from app.dataset_report import DatasetReport, analyze_dataset
+from app.dataset_report import NO_TOKENIZER, DatasetReport, analyze_dataset
 from app.worker import ErrorInfo, TaskRunner
-from engine.config import DataConfig
+from engine.config import DEMO_MODEL, DataConfig
 
 TRAINED_STYLE = "background:#c8f0d0;color:#0b3d17"
 PROMPT_STYLE = "color:#777"
@@ -53,6 +53,9 @@ def preview_html(pieces: list[tuple[str, bool]]) -> str:
 class DataPanel(QWidget):
     """Open a dataset file or folder and see what training will make of it."""
 
+    changed = Signal()
+    """The step's status changed (the guide bar listens)."""
+
     def __init__(
         self, state: AppState, tasks: TaskRunner, data_settings: Callable[[str], DataConfig] | None = None
     ) -> None:
@@ -60,6 +63,10 @@ class DataPanel(QWidget):
         self.state, self.tasks = state, tasks
         self.data_settings = data_settings or (lambda path: DataConfig(path=path))
         self.report_model: str | None = None
+        self.problem = ""
+        self.loads = 0
+        self.auto_demo = False
+        """The demo dataset was picked for the demo model, not by the user."""
         state.model_changed.connect(self._model_changed)
         self.path_edit = QLineEdit(placeholderText=".jsonl / .json / .csv / .parquet file, or a saved dataset folder")
         open_file = QPushButton("Open file…")
@@ -92,15 +99,23 @@ class DataPanel(QWidget):
         layout.addWidget(self.summary)
         layout.addWidget(body, 1)
 
-    def load(self, path: str) -> None:
+    def load(self, path: str, *, auto: bool = False) -> None:
+        """Read ``path`` in the background; ``auto``: picked by TuneDeck (the demo data for the demo model)."""
+        self.auto_demo = auto
+        self.problem = ""
         if not path:
             self.summary.setText("Choose a file or folder first.")
             return
         self.path_edit.setText(path)
         self.summary.setText(f"Reading {path}…")
+        self.changed.emit()
         model, settings = self.state.model_name, self.data_settings(path)
         self.report_model = model
-        self.tasks.start(lambda: analyze_dataset(path, model, settings), self.show_report, self._show_error)
+        self.loads += 1
+        load = self.loads  # only the latest load may report: an earlier one's result or error is stale
+        self.tasks.start(lambda: analyze_dataset(path, model, settings),
+                         lambda report: self.show_report(report) if load == self.loads else None,
+                         lambda error: self._show_error(error) if load == self.loads else None)  # fmt: skip
 
     def show_report(self, report: DatasetReport) -> None:
         share = report.trained_tokens / max(report.total_tokens, 1)
@@ -110,7 +125,9 @@ class DataPanel(QWidget):
             f"{report.packed_rows:,} packed rows of {report.tokens_per_batch:,} tokens, "
             f"packing efficiency <b>{report.packing_efficiency:.0%}</b>"
             + (" · figures from the first examples" if report.sampled else "")
-        )
+            + ("<br>The demo dataset, selected for the demo model: open your own file to replace it."
+               if self.auto_demo else "")
+        )  # fmt: skip
         self._draw_histogram(report.lengths)
         self.problems.clear()
         for row, field, message in report.problems:
@@ -119,12 +136,33 @@ class DataPanel(QWidget):
             self.problems.addItem("none: every row can be used")
         self.preview.setHtml("<hr>".join(preview_html(pieces) for pieces in report.preview))
         self.state.set_data(report.path, report)
+        self.changed.emit()
+
+    def step_status(self) -> tuple[bool, str]:
+        """(ready, what to say) for the guide bar."""
+        report = self.state.data_report
+        if self.problem.startswith(NO_TOKENIZER):
+            return False, f"Waiting for the model: {self.problem}"
+        if self.problem:
+            return False, f"Choose another dataset ({self.problem})"
+        if self.summary.text().startswith("Reading"):
+            return False, f"Reading {Path(self.path_edit.text()).name}…"
+        if report is not None and self.state.data_path:
+            demo = " (the demo data)" if self.auto_demo else ""
+            return True, f"{Path(report.path).name}: {report.good_rows:,} examples{demo}"
+        if self.state.model_name == DEMO_MODEL:
+            return False, "Choose a dataset (the demo model brings its own)"
+        return False, "Choose a dataset: a .jsonl, .json, .csv or .parquet file"
 
     def _model_changed(self) -> None:
         """Token counts and the preview depend on the tokenizer: redo them for a newly chosen model."""
         known = self.state.model_info is not None
-        if known and self.state.data_path and self.report_model not in (None, self.state.model_name):
-            self.load(self.state.data_path)
+        shown = self.path_edit.text().strip()
+        if known and self.state.model_name == DEMO_MODEL and (self.auto_demo or not shown):
+            if shown != str(demo_data_file()) or self.report_model != DEMO_MODEL:
+                self.load(str(demo_data_file()), auto=True)
+        elif known and self.state.data_path and self.report_model not in (None, self.state.model_name):
+            self.load(self.state.data_path, auto=self.auto_demo)
 
     def _draw_histogram(self, lengths: list[int]) -> None:
         self.histogram.clear()
@@ -134,6 +172,8 @@ class DataPanel(QWidget):
         self.histogram.addItem(pg.BarGraphItem(x0=edges[:-1], x1=edges[1:], height=counts, brush="#4a90d9"))
 
     def _show_error(self, error: ErrorInfo) -> None:
+        self.problem = error.message
+        self.changed.emit()
         self.summary.setText(
             f"<span style='color:#b00020'>{html.escape(error.message)}</span>"
             + (f"<br>What to do: {html.escape(error.hint)}" if error.hint else "")

@@ -1,17 +1,23 @@
 """What the dataset page shows, computed off the GUI thread: format, counts, token lengths, packing, a preview.
 
-The preview is tokenized exactly as training will tokenize it (engine.tokenize), so the highlighted tokens are
-the ones the loss is computed on. Bad rows are collected with their row numbers (engine.data.iter_row_problems)
+The preview is tokenized exactly as training will tokenize it (engine.data.tokenize), so the highlighted tokens are
+the ones the loss is computed on. Bad rows are collected with their row numbers (engine.data.files.iter_row_problems)
 instead of stopping at the first. Qt-free.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import DataConfig, ModelConfig
+from engine.errors import ModelLoadError, TuneDeckError
 
+TOKENIZER_LOCK = threading.Lock()
+"""Two first imports of transformers' lazy AutoTokenizer in two threads fail ("cannot import name
+'AutoTokenizer'"), e.g. the demo data loading for the demo model while the user opens a file: one at a time."""
+NO_TOKENIZER = "cannot read the dataset without the tokenizer of"
 MAX_TOKENIZED = 5000
 """Examples tokenized for the histogram and packing figures; larger datasets are sampled from the start."""
 PREVIEW_EXAMPLES = 4
@@ -38,10 +44,10 @@ class DatasetReport:
 
 def analyze_dataset(path: str, model_name: str, data: DataConfig | None = None) -> DatasetReport:
     """Read, check, tokenize and pack ``path`` as a run with ``model_name``'s tokenizer would."""
-    from engine.data import detect_format, iter_row_problems, normalize_rows, read_rows
-    from engine.models import load_tokenizer
-    from engine.packing import pack_examples, packing_efficiency
-    from engine.tokenize import ensure_chat_template, tokenize_examples
+    from engine.data.files import detect_format, iter_row_problems, normalize_rows, read_rows
+    from engine.data.packing import pack_examples, packing_efficiency
+    from engine.data.tokenize import ensure_chat_template, tokenize_examples
+    from engine.model.load import load_tokenizer
 
     data = data or DataConfig(path=path)
     rows = read_rows(path)
@@ -50,7 +56,11 @@ def analyze_dataset(path: str, model_name: str, data: DataConfig | None = None) 
     bad = {row for row, _, _ in problems}
     good = [row for number, row in enumerate(rows, start=1) if number not in bad]
     examples = normalize_rows(good[:MAX_TOKENIZED], fmt, path)
-    tokenizer = load_tokenizer(ModelConfig(name=model_name))
+    with TOKENIZER_LOCK:
+        try:
+            tokenizer = load_tokenizer(ModelConfig(name=model_name))
+        except TuneDeckError as err:  # the model's fault, not the dataset's: say so
+            raise ModelLoadError(f"{NO_TOKENIZER} {model_name}: {err.message}", hint=err.hint) from err
     ensure_chat_template(tokenizer)
     tokenized, _ = tokenize_examples(
         tokenizer, examples, max_seq_len=data.max_seq_len, overlong=data.overlong, train_on_all=data.train_on_all_tokens
@@ -76,7 +86,7 @@ def analyze_dataset(path: str, model_name: str, data: DataConfig | None = None) 
 
 def token_pieces(tokenizer: Any, example: Any) -> list[tuple[str, bool]]:
     """The example's tokens as text, each marked when the model is trained to predict it."""
-    from engine.packing import IGNORE_INDEX
+    from engine.data.packing import IGNORE_INDEX
 
     pieces: list[tuple[str, bool]] = []
     for token, label in zip(example.input_ids, example.labels, strict=True):

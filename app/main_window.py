@@ -15,11 +15,20 @@ from types import TracebackType
 
 from PySide6.QtCore import QSettings, Qt, QTimer
 from PySide6.QtGui import QCloseEvent, QGuiApplication
-from PySide6.QtWidgets import QApplication, QHBoxLayout, QListWidget, QMainWindow, QStackedWidget, QWidget
+from PySide6.QtWidgets import (
+    QApplication,
+    QHBoxLayout,
+    QListWidget,
+    QMainWindow,
+    QStackedWidget,
+    QVBoxLayout,
+    QWidget,
+)
 
 from app.app_state import AppState
 from app.data_panel import DataPanel
 from app.export_panel import ExportDialog
+from app.guide import GuideBar
 from app.hardware_panel import HardwarePanel
 from app.icon import app_icon
 from app.model_panel import ModelPanel
@@ -53,7 +62,8 @@ def app_settings() -> QSettings:
 
 
 class MainWindow(QMainWindow):
-    """Pages: This computer, Model, Dataset, Setup, Run, Speed, GPU setup (and Runs, Chat when installed)."""
+    """Pages: This computer, Model, Dataset, Recipe, Run, Speed, GPU setup (and Runs, Chat when installed), under
+    the guide bar (Model → Data → Recipe → Start)."""
 
     def __init__(self, *, detect_on_show: bool = True, settings: QSettings | None = None) -> None:
         super().__init__()
@@ -82,7 +92,7 @@ class MainWindow(QMainWindow):
             ("This computer", self.hardware_panel),
             ("Model", self.model_panel),
             ("Dataset", self.data_panel),
-            ("Setup", self.setup_panel),
+            ("Recipe", self.setup_panel),
             ("Run", self.run_panel),
             ("Speed", self.speed_panel),
             ("GPU setup", self.setup_view),
@@ -95,10 +105,18 @@ class MainWindow(QMainWindow):
         self.run_panel.start_requested.connect(lambda: self.show_page("Run"))
         self.setup_view.installed.connect(lambda: None if torch_missing() else self.hardware_panel.detect())
         self.controller.telemetry.connect(self._telemetry_warning)
+        guided = [("Model", "Model", self.model_panel), ("Data", "Dataset", self.data_panel),
+                  ("Recipe", "Recipe", self.setup_panel)]  # fmt: skip
+        self.guide = GuideBar(guided, self.controller)
+        self.guide.page_requested.connect(self.show_page)
+        self.guide.start_clicked.connect(self.run_panel.start)
         body = QWidget()
-        layout = QHBoxLayout(body)
+        column = QVBoxLayout(body)
+        column.addWidget(self.guide)
+        layout = QHBoxLayout()
         layout.addWidget(self.nav)
         layout.addWidget(self.pages, 1)
+        column.addLayout(layout, 1)
         self.setCentralWidget(body)
         hints = QGuiApplication.styleHints()
         if hints is not None:  # the system switched between light and dark while the app is open

@@ -55,9 +55,14 @@ def _offline() -> bool:
 
 
 def model_config_path(name: str) -> Path | str:
-    """A local config.json for the model, or a built-in shape name the planner knows."""
+    """A local config.json for the model, or a built-in shape name the planner knows (gallery models included)."""
+    from engine.hardware.gallery import find_entry
     from engine.hardware.shapes import builtin_shape_names
-    from engine.models import resolve_model
+    from engine.model.load import resolve_model
+
+    entry = find_entry(name)
+    if entry is not None and not entry.is_demo and not Path(name).expanduser().exists():
+        return entry.key
 
     source = resolve_model(name)
     if source.is_local:

@@ -1,7 +1,13 @@
-"""Model page: the built-in demo, a local folder or a hub id, and what the planner says about it on this GPU."""
+"""Model page: a gallery of popular models (and the demo), a local folder or a hub id, and what the planner says
+about the chosen one on this GPU.
+
+A gallery model other than the demo is a hub id: choosing it reads only its shape (built in, nothing is
+downloaded); its weights are downloaded when the run starts, and the page says how much.
+"""
 
 from __future__ import annotations
 
+from PySide6.QtCore import Signal
 from PySide6.QtWidgets import (
     QButtonGroup,
     QFileDialog,
@@ -18,6 +24,8 @@ from PySide6.QtWidgets import (
 )
 
 from app.app_state import AppState
+from app.hardware_panel import SETTING_NAMES
+from app.model_gallery import ModelGallery, format_size
 from app.model_info import (
     ModelInfo,
     download_model,
@@ -35,20 +43,30 @@ VERDICT_COLOURS = {"fits": "#1b7f3b", "needs QLoRA": "#b26a00", "too big": "#b00
 class ModelPanel(QWidget):
     """Pick a model; shows family, parameters, dense/MoE and the planner's verdict with its settings."""
 
+    changed = Signal()
+    """The step's status changed (the guide bar listens)."""
+
     def __init__(self, state: AppState, tasks: TaskRunner) -> None:
         super().__init__()
         self.state, self.tasks = state, tasks
-        self.demo = QRadioButton("Built-in demo model (dates → ISO, trains in a minute on a CPU)")
+        self.problem = ""
+        """Why the last model could not be used ('' when none failed)."""
+        self.from_gallery = QRadioButton("From the gallery (double-click a row to use it)")
         self.folder = QRadioButton("Local folder")
         self.hub = QRadioButton("Hugging Face hub id")
         self.group = QButtonGroup(self)
-        for button in (self.demo, self.folder, self.hub):
+        for button in (self.from_gallery, self.folder, self.hub):
             self.group.addButton(button)
-        self.demo.setChecked(True)
+        self.from_gallery.setChecked(True)
+        self.gallery = ModelGallery(tasks)
+        self.gallery.table.itemSelectionChanged.connect(lambda: self.from_gallery.setChecked(True))
+        self.gallery.picked.connect(self.choose)
         self.folder_edit = QLineEdit(placeholderText="a folder with config.json and *.safetensors")
+        self.folder_edit.textEdited.connect(lambda _: self.folder.setChecked(True))
         self.browse = QPushButton("Browse…")
         self.browse.clicked.connect(self._browse)
-        self.hub_edit = QLineEdit(placeholderText="e.g. Qwen/Qwen3-0.6B")
+        self.hub_edit = QLineEdit(placeholderText="e.g. Qwen/Qwen3-0.6B (downloaded now, with progress)")
+        self.hub_edit.textEdited.connect(lambda _: self.hub.setChecked(True))
         self.use = QPushButton("Use this model")
         self.use.clicked.connect(self.choose)
         self.status = QLabel("")
@@ -56,9 +74,11 @@ class ModelPanel(QWidget):
         self.download = QProgressBar()
         self.download.hide()
         self.details = QTextBrowser()
+        self.details.setMinimumHeight(150)
         layout = QVBoxLayout(self)
+        layout.addWidget(self.from_gallery)
+        layout.addWidget(self.gallery)
         grid = QGridLayout()
-        grid.addWidget(self.demo, 0, 0, 1, 3)
         grid.addWidget(self.folder, 1, 0)
         grid.addWidget(self.folder_edit, 1, 1)
         grid.addWidget(self.browse, 1, 2)
@@ -70,24 +90,30 @@ class ModelPanel(QWidget):
         row.addWidget(self.status, 1)
         layout.addLayout(row)
         layout.addWidget(self.download)
-        layout.addWidget(self.details, 1)
+        layout.addWidget(self.details, 2)
         state.hardware_changed.connect(self._replan)
+        state.hardware_changed.connect(lambda: self.gallery.set_hardware(state.hardware))
 
     def selected_name(self) -> str:
         if self.folder.isChecked():
             return self.folder_edit.text().strip()
         if self.hub.isChecked():
             return self.hub_edit.text().strip()
-        return DEMO_MODEL
+        return self.gallery.selected_hub_id() or DEMO_MODEL
 
     def choose(self, name: str | None = None) -> None:
         """Inspect the model in the background; the page and the shared state update when it is done."""
         name = name or self.selected_name()
+        if self.gallery.row_for(name) is not None and not self.hub.isChecked():  # a typed hub id downloads now
+            self.from_gallery.setChecked(True)
+            self.gallery.select(name)
         if not name:
             self.status.setText("Give a folder or a hub id first.")
             return
         self.status.setText(f"Reading {name}…")
+        self.problem = ""
         self.state.set_model(name, None)
+        self.changed.emit()
         if self.hub.isChecked() and name == self.hub_edit.text().strip():
             self.download.setValue(0)
             self.download.show()
@@ -125,9 +151,10 @@ class ModelPanel(QWidget):
         if info.name != self.state.model_name:
             return  # the user picked another model meanwhile
         colour = VERDICT_COLOURS.get(info.verdict, "#444")
-        self.status.setText(f"<b>{info.name}</b>: <span style='color:{colour}'><b>{info.verdict}</b></span>")
+        self.status.setText(f"<b>{info.name}</b>: <span style='color:{colour}'><b>{info.verdict}</b></span>"
+                            f"{self._download_note(info.name)}")  # fmt: skip
         rows = "".join(
-            f"<tr><td><b>{key}</b></td><td>{value}</td><td>{why}</td></tr>"
+            f"<tr><td><b>{SETTING_NAMES.get(key, key)}</b></td><td>{value}</td><td>{why}</td></tr>"
             for key, (value, why) in info.settings.items()
         )
         self.details.setHtml(
@@ -139,8 +166,32 @@ class ModelPanel(QWidget):
             f"<p><b>Settings the planner would use</b></p><table cellpadding='3'>{rows}</table>"
         )
         self.state.set_model(info.name, info)
+        self.changed.emit()
+
+    def step_status(self) -> tuple[bool, str]:
+        """(ready, what to say) for the guide bar."""
+        info = self.state.model_info
+        if info is not None and info.name == self.state.model_name:
+            if info.verdict == "too big":
+                return False, f"Choose a smaller model: {info.name} is too big for {verdict_target(info)}"
+            return True, f"{info.name}: {info.verdict}"
+        if self.problem:
+            return False, f"Choose another model ({self.problem})"
+        if self.status.text().startswith(("Reading", "Downloading")):
+            return False, f"Reading {self.state.model_name}…"
+        return False, "Choose a model (the demo is ready to try)"
+
+    def _download_note(self, name: str) -> str:
+        """For a gallery model from the hub: how much the run will download, and when."""
+        row = self.gallery.row_for(name)
+        if row is None or row.entry.is_demo or self.hub.isChecked():
+            return ""
+        return (f" · its weights ({format_size(row.download_bytes)}) are downloaded from the Hugging Face hub when "
+                "the run starts, once")  # fmt: skip
 
     def _show_error(self, error: ErrorInfo) -> None:
         self.download.hide()
+        self.problem = error.message
+        self.changed.emit()
         self.status.setText(f"<span style='color:#b00020'>{error.message}</span>")
         self.details.setPlainText(f"{error.message}\n\nWhat to do: {error.hint or 'pick another model'}")

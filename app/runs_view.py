@@ -35,7 +35,7 @@ from PySide6.QtWidgets import (
 from app.export_panel import ExportDialog
 from app.theme import current_chart_colors, style_plot
 from engine.errors import TuneDeckError
-from engine.registry import Registry, RunRecord
+from engine.run.registry import Registry, RunRecord
 
 COLUMNS = ("Name", "Model", "Dataset", "Date", "Steps", "Final loss", "Tokens/s", "Status")
 COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2")

@@ -1,88 +1,117 @@
-"""Setup page: a preset (quick test, balanced, thorough) and the advanced form built from the engine's config.
+"""Recipe page: a recipe (quick test, balanced, long context, best quality; the demo's own for the demo model),
+the main settings in plain words, and the full form behind "Advanced".
 
-The model and dataset come from their pages. Before a run, the planner checks the settings against the GPU and
-says when they will not fit, so a user learns it here rather than from an out-of-memory error.
+Each recipe shows what the planner predicts for it on this card (peak memory, steps, time), so a user sees what
+a choice costs before the run. The model and dataset come from their pages; a recipe never changes them.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from PySide6.QtCore import QTimer
-from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QScrollArea, QVBoxLayout, QWidget
+from PySide6.QtCore import QTimer, Signal
+from PySide6.QtWidgets import (
+    QButtonGroup,
+    QGridLayout,
+    QGroupBox,
+    QLabel,
+    QRadioButton,
+    QScrollArea,
+    QVBoxLayout,
+    QWidget,
+)
 
 from app.app_state import AppState
 from app.config_form import ConfigForm
 from engine.config import DEMO_MODEL, DataConfig, RunConfig
 from engine.errors import TuneDeckError
+from engine.hardware.recipes import (
+    DEMO_RECIPE,
+    RECIPES,
+    Recipe,
+    RecipeEstimate,
+    apply_recipe,
+    estimate_recipe,
+    find_recipe,
+)
 
-PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    "Quick test": {"training": {"max_steps": 30, "eval_every": 0, "save_every": 0}, "lora": {"rank": 8, "alpha": 16.0}},
-    "Balanced": {"training": {"max_steps": 0, "epochs": 1.0, "eval_every": 50, "save_every": 50}},
-    "Thorough": {
-        "training": {"max_steps": 0, "epochs": 3.0, "learning_rate": 1e-4, "eval_every": 100, "save_every": 100},
-        "lora": {"rank": 32, "alpha": 64.0},
-    },
-    "Demo recipe": {
-        "data": {"max_seq_len": 128, "tokens_per_batch": 1024, "eval_fraction": 0.02},
-        "lora": {"rank": 16, "alpha": 32.0},
-        "training": {"max_steps": 60, "learning_rate": 2e-3, "warmup_steps": 5, "eval_every": 0, "save_every": 20},
-    },
-}
 CHOSEN_ELSEWHERE = frozenset({"model.name", "data.path"})
+GIB = 1 << 30
+ERROR_COLOUR = "#b00020"
 
 
-def preset_config(name: str) -> RunConfig:
-    raw = RunConfig().to_dict()
-    for section, values in PRESETS[name].items():
-        raw[section].update(values)
-    return RunConfig.from_dict(raw)
+def recipe_config(name: str, base: RunConfig | None = None) -> RunConfig:
+    """``base`` (the defaults when None) with the recipe's settings."""
+    return apply_recipe(base or RunConfig(), find_recipe(name))
 
 
 def fit_warning(config: RunConfig, model_info: Any, hardware: Any) -> str | None:
     """The planner's objection to these settings on this GPU, or None when they fit (or cannot be judged)."""
     if model_info is None or model_info.shape is None or hardware is None:
         return None
-    from engine.hardware.profile import build_profile
+    estimate = estimate_recipe(config, model_info.shape, hardware)
+    return None if estimate.fits else f"Will not fit on this GPU: {estimate.reason}"
 
-    overrides: dict[str, Any] = {"qlora": config.model.qlora, "tokens_per_batch": config.data.tokens_per_batch}
-    if config.speed.checkpointing != "auto":
-        overrides["checkpointing"] = config.speed.checkpointing
-    if config.speed.chunked_mlp is not None:
-        overrides["chunked_mlp"] = config.speed.chunked_mlp
-    profile = build_profile(
-        hardware, model_info.shape, overrides=overrides, lora_rank=config.lora.rank, min_tokens=config.data.max_seq_len
-    )
-    plan = profile.memory_plan
-    if plan is None or plan.fits:
+
+def format_duration(seconds: float) -> str:
+    minutes = seconds / 60
+    if minutes < 1.5:
+        return "about a minute"
+    if minutes < 90:
+        return f"about {minutes:.0f} min"
+    return f"about {minutes / 60:.1f} h"
+
+
+def describe_estimate(estimate: RecipeEstimate, on_gpu: bool = True) -> str:
+    """One line: '2.1 of 7.5 GiB · 480 steps · about 25 min', or why it does not fit."""
+    if not estimate.fits:
+        return f"<span style='color:{ERROR_COLOUR}'>does not fit: {estimate.reason}</span>"
+    parts = []
+    if estimate.peak_bytes is not None and estimate.budget_bytes:
+        parts.append(f"{estimate.peak_bytes / GIB:.1f} of {estimate.budget_bytes / GIB:.1f} GiB")
+    if estimate.steps is not None:
+        parts.append(f"{estimate.steps:,} steps")
+    if estimate.seconds:
+        parts.append(format_duration(estimate.seconds))
+    else:
+        parts.append("no time estimate for this card" if on_gpu else "no time estimate on the CPU")
+    return " · ".join(parts)
+
+
+def dataset_tokens(report: Any) -> int | None:
+    """Tokens in the whole dataset (the report tokenizes a sample of large ones: scaled up)."""
+    if report is None or not report.lengths:
         return None
-    reason = plan.reasons.get("fit", "predicted peak above usable memory").removeprefix("does not fit: ")
-    return f"Will not fit on this GPU: {reason}"
+    return int(report.total_tokens * max(report.good_rows, len(report.lengths)) / len(report.lengths))
 
 
 class SetupPanel(QWidget):
-    """Preset choice, the generated form, and the planner's verdict on the current settings."""
+    """Recipe choice with the planner's estimates, the main settings, and the full form behind "Advanced"."""
+
+    changed = Signal()
+    """The recipe, a setting or the verdict changed (the guide bar listens)."""
 
     def __init__(self, state: AppState) -> None:
         super().__init__()
         self.state = state
-        self.preset = QComboBox()
-        self.preset.addItems(list(PRESETS))
-        self.preset.currentTextChanged.connect(self.apply_preset)
+        self.buttons: dict[str, QRadioButton] = {}
+        self.estimates: dict[str, QLabel] = {}
+        self.summaries: dict[str, QLabel] = {}
+        self.group = QButtonGroup(self)
         self.form = ConfigForm(CHOSEN_ELSEWHERE)
         self.warning = QLabel("")
         self.warning.setWordWrap(True)
-        self.warning.setStyleSheet("color:#b00020")
+        self.warning.setStyleSheet(f"color:{ERROR_COLOUR}")
         self.chosen = QLabel("")
+        self.chosen.setWordWrap(True)
+        content = QWidget()
+        column = QVBoxLayout(content)
+        column.addWidget(self._recipe_box())
+        column.addWidget(self.form, 1)
         scroll = QScrollArea()
-        scroll.setWidget(self.form)
+        scroll.setWidget(content)
         scroll.setWidgetResizable(True)
-        top = QHBoxLayout()
-        top.addWidget(QLabel("Preset:"))
-        top.addWidget(self.preset)
-        top.addStretch(1)
         layout = QVBoxLayout(self)
-        layout.addLayout(top)
         layout.addWidget(self.chosen)
         layout.addWidget(self.warning)
         layout.addWidget(scroll, 1)
@@ -93,12 +122,53 @@ class SetupPanel(QWidget):
                 if hasattr(editor, signal):
                     getattr(editor, signal).connect(self._check_timer.start)
         state.model_changed.connect(self._model_changed)
-        state.data_changed.connect(self._update_chosen)
-        self.preset.setCurrentText("Demo recipe")
+        state.data_changed.connect(self._data_changed)
+        state.hardware_changed.connect(self.check_fit)
+        self.choose_recipe(DEMO_RECIPE)
         self._update_chosen()
 
-    def apply_preset(self, name: str) -> None:
-        self.form.set_config(preset_config(name))
+    def _recipe_box(self) -> QGroupBox:
+        box = QGroupBox("Recipe: a starting point for the settings below")
+        grid = QGridLayout(box)
+        grid.setColumnStretch(1, 1)
+        for row, recipe in enumerate(RECIPES):
+            button = QRadioButton(recipe.name)
+            button.setStyleSheet("font-weight:bold")
+            button.toggled.connect(lambda on, name=recipe.name: self.apply_recipe(name) if on else None)
+            summary = QLabel(recipe.summary)
+            summary.setWordWrap(True)
+            estimate = QLabel("")
+            estimate.setMinimumWidth(260)
+            estimate.setToolTip("The planner's prediction on this card: peak memory, steps and training time")
+            self.group.addButton(button)
+            self.buttons[recipe.name], self.estimates[recipe.name] = button, estimate
+            self.summaries[recipe.name] = summary
+            for column, widget in enumerate((button, summary, estimate)):
+                grid.addWidget(widget, row, column)
+        return box
+
+    def recipe_name(self) -> str:
+        checked = self.group.checkedButton()
+        return checked.text() if checked is not None else ""
+
+    def choose_recipe(self, name: str) -> None:
+        """Select a recipe as if clicked (its settings replace the form's)."""
+        button = self.buttons[name]
+        if button.isChecked():
+            self.apply_recipe(name)
+        button.setChecked(True)
+
+    def apply_recipe(self, name: str) -> None:
+        self.form.set_config(recipe_config(name, self._form_config() or RunConfig()))
+        self.check_fit()
+
+    def _form_config(self) -> RunConfig | None:
+        try:
+            raw = self.form.values()
+            raw["model"]["name"] = self.state.model_name
+            return RunConfig.from_dict(raw)
+        except TuneDeckError:
+            return None
 
     def build_config(self) -> RunConfig:
         """The run's config: the form, the chosen model and dataset; raises ConfigError on a bad value."""
@@ -118,18 +188,61 @@ class SetupPanel(QWidget):
             return DataConfig(path=path)
 
     def check_fit(self) -> None:
+        """The verdict on the current settings, and each recipe's estimate with the user's other choices."""
         try:
             raw = self.form.values()
             raw["model"]["name"] = self.state.model_name
             config = RunConfig.from_dict(raw)
         except TuneDeckError as err:
             self.warning.setText(str(err))
+            self.changed.emit()
             return
         self.warning.setText(fit_warning(config, self.state.model_info, self.state.hardware) or "")
+        self._show_estimates(config)
+        self.changed.emit()
+
+    def _show_estimates(self, config: RunConfig) -> None:
+        info, hardware = self.state.model_info, self.state.hardware
+        if info is None or info.shape is None or hardware is None:
+            for label in self.estimates.values():
+                label.setText("")
+            return
+        tokens = dataset_tokens(self.state.data_report)
+        on_gpu = getattr(hardware, "primary", None) is not None or getattr(hardware, "is_gpu", False)
+        for recipe in RECIPES:
+            if self.state.model_name == DEMO_MODEL or not recipe.demo_only:
+                estimate = estimate_recipe(apply_recipe(config, recipe), info.shape, hardware, tokens)
+                self.estimates[recipe.name].setText(describe_estimate(estimate, on_gpu))
+
+    def step_status(self) -> tuple[bool, str]:
+        """(ready, what to say) for the guide: the recipe, or what stops it."""
+        problem = self.warning.text()
+        if problem:
+            return False, f"Change the recipe: {problem[:1].lower()}{problem[1:]}"
+        return True, f"{self.recipe_name()} recipe"
 
     def _model_changed(self) -> None:
-        if self.state.model_name != DEMO_MODEL and self.preset.currentText() == "Demo recipe":
-            self.preset.setCurrentText("Balanced")
+        demo = self.state.model_name == DEMO_MODEL
+        for recipe in RECIPES:
+            for widgets in (self.buttons, self.summaries, self.estimates):
+                widgets[recipe.name].setVisible(demo or not recipe.demo_only)
+        current = find_recipe(self.recipe_name()) if self.recipe_name() else None
+        if demo and current is not None and current.name != DEMO_RECIPE and self._untouched(current):
+            self.choose_recipe(DEMO_RECIPE)
+        elif not demo and (current is None or current.demo_only):
+            self.choose_recipe("Balanced")
+        info = self.state.model_info
+        if info is not None and info.verdict in ("fits", "needs QLoRA"):  # the planner's choice for this card
+            self.form.set_values({"model.qlora": info.verdict == "needs QLoRA"})
+        self._update_chosen()
+        self.check_fit()
+
+    def _untouched(self, recipe: Recipe) -> bool:
+        """Whether the form still holds the recipe's settings as the recipe set them."""
+        config = self._form_config()
+        return config is not None and apply_recipe(config, recipe) == config
+
+    def _data_changed(self) -> None:
         self._update_chosen()
         self.check_fit()
 

@@ -2,7 +2,7 @@
 
 The engine is an iterator of events; :class:`TrainingWorker` iterates it in a QThread and re-emits each event as
 a Qt signal, so widgets only ever see plain event objects on the GUI thread. Pause, resume, stop and new speed
-settings go through the run's :class:`~engine.control.RunControl`, which the engine reads between two steps.
+settings go through the run's :class:`~engine.run.control.RunControl`, which the engine reads between two steps.
 
 On a two-core machine torch's intra-op pool would take both cores and the window would stutter; the worker
 leaves one core to the GUI (``torch.set_num_threads(cpu_count - 1)``, at least 1). Only the CPU pool is capped:
@@ -23,8 +23,8 @@ from typing import Any
 from PySide6.QtCore import QObject, QThread, Signal
 
 from engine.config import RunConfig, SpeedConfig
-from engine.control import RunControl
 from engine.errors import TuneDeckError
+from engine.run.control import RunControl
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ def lower_thread_priority(niceness: int = 10) -> None:
 
 def open_run_history() -> Any:
     """The user's run registry, or None when it cannot be opened: a run never depends on it."""
-    from engine.registry import Registry, RegistryError
+    from engine.run.registry import Registry, RegistryError
 
     try:
         return Registry()
@@ -90,7 +90,7 @@ class TrainingWorker(QThread):
             torch.set_num_threads(training_threads())
             lower_thread_priority()
             from engine.quiet import quiet_libraries
-            from engine.registry import recorded
+            from engine.run.recorder import recorded
             from engine.train import run
 
             quiet_libraries()

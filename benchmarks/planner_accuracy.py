@@ -30,7 +30,7 @@ from engine.hardware.shapes import BUILTIN_CONFIGS, load_shape
 
 
 def packed_batch(tokens: int, vocab: int, seed: int) -> Any:
-    from engine.packing import IGNORE_INDEX, TokenizedExample, collate
+    from engine.data.packing import IGNORE_INDEX, TokenizedExample, collate
 
     rng = random.Random(seed)
     docs, left = [], tokens
@@ -47,7 +47,7 @@ def build_model(name: str, qlora: bool, folder: Path) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from engine.config import LoraConfig, ModelConfig
-    from engine.models import add_lora, load_base_model
+    from engine.model.load import add_lora, load_base_model
 
     raw = dict(BUILTIN_CONFIGS[name])
     config = AutoConfig.for_model(raw.pop("model_type"), **raw)

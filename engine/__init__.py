@@ -1,0 +1,17 @@
+"""TuneDeck's training engine: headless, Qt-free, usable from the app, the command line or a script.
+
+The folders are the layers. Each may import only layers listed above it, so dependencies run one way
+(tests/test_layering.py keeps it so):
+
+1. errors, events, quiet, redact, demo: the error type, the events every long job reports, library noise,
+   token redaction, the built-in demo task;
+2. config: the one typed config tree (``from engine.config import RunConfig``);
+3. data (files, tokenizing, packing), hardware (GPU detection, memory planner, telemetry), setup (installing
+   torch, repairing the environment);
+4. model (loading a base model with LoRA, chat), speed (the speed switches);
+5. run (the training loop of one process: session, step, checkpoints, guard, control, schedule, run folder,
+   registry), export (adapter and merged-model exports);
+6. distributed (a run over several GPUs: torchrun launch, process group, control relay);
+7. train: the public entry point, ``from engine.train import run``, on one process or several;
+8. bench (the benchmark programs) and cli (the ``tunedeck`` commands, progress printer, demo run).
+"""

@@ -17,6 +17,14 @@ from typing import Any, Literal, get_args, get_type_hints
 from engine.errors import ConfigError
 
 DEMO_MODEL = "demo"
+"""``model.name`` of the built-in demo model, which ships with TuneDeck (see :func:`demo_model_dir`)."""
+
+
+def demo_model_dir() -> Path:
+    """The folder of the built-in demo model (a Hugging Face folder in the ``resources`` package)."""
+    import resources
+
+    return Path(resources.__file__).parent / "demo" / "model"
 
 
 def setting(default: Any, help: str, flag: str | None = None, choices: tuple[str, ...] | None = None) -> Any:
@@ -74,7 +82,7 @@ class DataConfig:
 
     path: str = setting("", "dataset: a .jsonl/.json/.csv/.parquet file or a saved dataset folder", flag="--data")
     format: Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text"] = setting(
-        "auto", "row format; auto detects it from the columns"
+        "auto", "row format; auto detects it from the columns", flag="--data-format"
     )
     train_on_all_tokens: bool = setting(
         False, "compute the loss on every token, not only on assistant/completion tokens"

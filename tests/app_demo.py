@@ -22,3 +22,6 @@ def prepare_demo(qtbot: Any, win: Any, max_steps: int) -> None:
     form.editor("training.max_steps").setValue(max_steps)
     form.editor("training.save_every").setValue(0)
     form.editor("training.eval_every").setValue(0)
+    # the demo data loaded for the demo model and the gallery's planning run in threads too: let them end, so a
+    # run's timing is measured alone
+    qtbot.waitUntil(lambda: not win.tasks.busy(), timeout=LOAD_TIMEOUT_MS)

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from engine.packing import PackedBatch, TokenizedExample, collate
+from engine.data.packing import PackedBatch, TokenizedExample, collate
 
 VOCAB = 256
 COMMON = dict(

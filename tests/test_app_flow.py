@@ -109,7 +109,7 @@ def test_whole_flow_on_the_demo(qtbot: Any, window: Any, tmp_path: Path) -> None
 
 def test_a_stopped_run_is_in_the_history_and_resumes(qtbot: Any, window: Any) -> None:
     from engine.events import RunStarted
-    from engine.registry import Registry
+    from engine.run.registry import Registry
 
     prepare_demo(qtbot, window, max_steps=200)
     log = EventLog(window.controller)

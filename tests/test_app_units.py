@@ -110,24 +110,27 @@ def test_errors_become_messages_with_hints() -> None:
     assert training_threads(2) == 1 and training_threads(1) == 1 and training_threads(16) == 15
 
 
-def test_config_form_round_trips_presets_and_names_bad_values(qtbot: Any) -> None:
+def test_config_form_round_trips_recipes_and_names_bad_values(qtbot: Any) -> None:
     from app.app_state import AppState
-    from app.setup_panel import PRESETS, SetupPanel, preset_config
+    from app.setup_panel import SetupPanel, recipe_config
+    from engine.hardware.recipes import RECIPES
 
     state = AppState()
     panel = SetupPanel(state)
     qtbot.addWidget(panel)
     state.data_path = "data.jsonl"
-    for name in PRESETS:
-        panel.preset.setCurrentText(name)
+    for recipe in RECIPES:
+        panel.buttons[recipe.name].click()
+        assert panel.recipe_name() == recipe.name
         built = panel.build_config().to_dict()
-        expected = preset_config(name).to_dict()
+        expected = recipe_config(recipe.name).to_dict()
         expected["model"]["name"], expected["data"]["path"] = state.model_name, "data.jsonl"
-        assert built == expected, name
+        assert built == expected, recipe.name
     panel.form.editor("training.learning_rate").setText("fast")
     with pytest.raises(ConfigError, match=r"training\.learning_rate"):
         panel.build_config()
-    assert panel.form.editor("lora.rank").toolTip() == "LoRA rank r"  # the field's help text
+    assert panel.form.editor("lora.rank").toolTip().startswith("LoRA rank r.")  # the field's help text
+    assert "lora.rank in config.json, --lora-rank" in panel.form.editor("lora.rank").toolTip()
 
 
 def test_bad_rows_are_listed_and_missing_models_explained(qtbot: Any, window: Any, tmp_path: Path) -> None:
@@ -289,7 +292,9 @@ def test_the_planner_warns_on_setup_before_a_run_that_will_not_fit(qtbot: Any) -
     state.hardware = laptop
     state.set_model("llama-3.1-8b", ModelInfo("llama-3.1-8b", "llama", 8_000_000_000, False, "needs QLoRA", "",
                                               shape=load_shape("llama-3.1-8b")))  # fmt: skip
-    panel.preset.setCurrentText("Balanced")
+    panel.choose_recipe("Balanced")
+    assert panel.form.editor("model.qlora").isChecked(), "the planner's QLoRA verdict ticks the box"
+    panel.form.editor("model.qlora").setChecked(False)
     panel.form.editor("data.tokens_per_batch").setValue(16384)
     panel.check_fit()
     assert panel.warning.text().startswith("Will not fit on this GPU: even 256 tokens need")

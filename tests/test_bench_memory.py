@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.bench_memory import MIB, allocation_site, live_at_peak, peak_table
+from engine.bench.memory import MIB, allocation_site, live_at_peak, peak_table
 
 MODEL = [
     {"filename": "/site-packages/torch/nn/modules/linear.py", "line": 125, "name": "forward"},

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.bench import DENSE_SHAPES, markdown, planned_peak_gib
+from engine.bench.speed import DENSE_SHAPES, markdown, planned_peak_gib
 from engine.hardware.shapes import ModelShape, load_shape
 
 REPORT = Path(__file__).resolve().parents[1] / "benchmarks" / "speed_h200.json"

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from helpers import write_jsonl
 
-from engine.chat import GenerationSettings, load_chat_model, prompt_ids, reply, stream_reply
 from engine.config import RunConfig
 from engine.errors import TuneDeckError
+from engine.model.chat import GenerationSettings, load_chat_model, prompt_ids, reply, stream_reply
 from engine.train import run
 
 PROMPT = [{"role": "user", "content": "say 3"}]
@@ -110,8 +110,8 @@ def test_demo_model_adapter_chats_on_cpu(tmp_path: Path) -> None:
     import torch
 
     from engine.config import LoraConfig, ModelConfig
-    from engine.models import add_lora, load_base_model, load_tokenizer
-    from engine.train import save_adapter
+    from engine.model.load import add_lora, load_base_model, load_tokenizer
+    from engine.run.folder import save_adapter
 
     config = RunConfig.from_dict({"model": {"name": "demo"}})
     config.save(tmp_path / "config.json")
@@ -128,7 +128,7 @@ def test_demo_model_adapter_chats_on_cpu(tmp_path: Path) -> None:
 
 
 def test_chat_command_answers_a_prompt_as_tuned_and_base(run_folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from engine.runs_cli import chat_main
+    from engine.cli.runs import chat_main
 
     code = chat_main([str(run_folder), "--prompt", "say 3", "--base", "--temperature", "0", "--max-tokens", "40"])
     assert code == 0
@@ -141,7 +141,7 @@ def test_chat_command_answers_a_prompt_as_tuned_and_base(run_folder: Path, capsy
 def test_interactive_chat_keeps_the_conversation(
     run_folder: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from engine.runs_cli import chat_main
+    from engine.cli.runs import chat_main
 
     typed = iter(["say 3", "say 4", ""])
     monkeypatch.setattr("builtins.input", lambda prompt: next(typed))

@@ -9,7 +9,7 @@ import pytest
 from app_fixtures import no_dangling_qthreads  # noqa: F401
 from test_chat import train_tiny_run
 
-from engine.registry import Registry
+from engine.run.registry import Registry
 
 SCREENSHOTS = Path(__file__).resolve().parents[1] / "artifacts" / "screenshots"
 TIMEOUT_MS = 60_000
@@ -48,7 +48,7 @@ def test_picker_lists_runs_with_an_adapter(view: Any, run_folder: Path) -> None:
 
 
 def test_tuned_and_base_replies_stream_side_by_side(qtbot: Any, view: Any) -> None:
-    from engine.chat import GenerationSettings, reply
+    from engine.model.chat import GenerationSettings, reply
 
     load(qtbot, view)
     view.temperature.setValue(0)

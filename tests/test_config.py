@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.cli import config_from_args, train_parser
+from engine.cli.flags import config_from_args
+from engine.cli.train import train_parser
 from engine.config import RunConfig
 from engine.errors import ConfigError
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from helpers import write_jsonl
 
-from engine.data import Completion, Conversation, load_examples, read_rows
+from engine.data.files import Completion, Conversation, load_examples, read_rows
 from engine.errors import DataError
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}

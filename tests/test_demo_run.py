@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.cli import config_from_args, train_parser
+from engine.cli.demo import demo_config
+from engine.cli.flags import config_from_args
+from engine.cli.train import train_parser
 from engine.config import RunConfig
-from engine.demo_run import demo_config
 
 
 def test_demo_flags_override_the_recipe() -> None:

@@ -22,11 +22,12 @@ from helpers import write_jsonl
 
 from engine import events as ev
 from engine.config import RunConfig
-from engine.control import RunControl
+from engine.distributed.group import choose_mode
 from engine.distributed.launch import LAUNCH_ENV, event_from_dict, resolve_gpus
-from engine.distributed.ranks import FAULT_ENV, Ranks, choose_mode
 from engine.errors import ConfigError
 from engine.events import RunFailed, RunFinished, RunPaused, RunResumed, SpeedChanged, StepMetrics
+from engine.run.control import RunControl
+from engine.run.ranks import FAULT_ENV, Ranks
 from engine.train import run
 
 REL = 1e-5
@@ -306,7 +307,7 @@ def test_gpu_choices_on_the_cpu() -> None:
 
 
 def test_scaling_bench_runs_on_cpu_processes(tmp_path: Path) -> None:
-    from engine.bench_multi_gpu import main
+    from engine.bench.multi_gpu import main
 
     out = tmp_path / "scaling"
     argv = ["--shape=tiny", "--device=cpu", "--gpus=2", "--tokens=256", "--steps=2", "--warmup=1", "--speed=auto"]

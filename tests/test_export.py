@@ -84,7 +84,7 @@ def test_export_refuses_to_overwrite_and_unknown_dtypes(run_folder: Path, tmp_pa
 
 
 def test_export_command_writes_adapter_and_merged(run_folder: Path, tmp_path: Path, monkeypatch) -> None:
-    from engine.runs_cli import export_main
+    from engine.cli.runs import export_main
 
     monkeypatch.setenv("TUNEDECK_HOME", str(tmp_path / "home"))
     assert export_main([str(run_folder), "--to", str(tmp_path / "a")]) == 0

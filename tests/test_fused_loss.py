@@ -10,7 +10,7 @@ from speed_models import VOCAB, grads, max_relative_error, packed_batch, tiny_lo
 from torch.nn import functional as F
 
 from engine.config import SpeedConfig
-from engine.model_inputs import stock_model_inputs
+from engine.data.model_inputs import stock_model_inputs
 from engine.speed import SpeedController
 from engine.speed.fused_loss import (
     IGNORE_INDEX,
@@ -272,8 +272,8 @@ def test_model_path_never_materialises_tokens_times_vocab() -> None:
 def test_switch_flipped_mid_run_keeps_the_loss_curve(tiny_model_dir: Path, chat_file: Path, tmp_path: Path) -> None:
     from test_train import assert_same_curve, finish, losses, make_config
 
-    from engine.control import RunControl
     from engine.events import SpeedChanged, StepMetrics
+    from engine.run.control import RunControl
     from engine.train import run
 
     stock = make_config(tiny_model_dir, chat_file, tmp_path / "a", max_steps=4)

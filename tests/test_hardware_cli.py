@@ -62,3 +62,25 @@ def test_help_exits_cleanly() -> None:
         with pytest.raises(SystemExit) as exit_info:
             main(["--help"])
         assert exit_info.value.code == 0
+
+
+def test_plan_takes_the_demo_model_as_train_does(capsys: pytest.CaptureFixture[str]) -> None:
+    from engine.config import demo_model_dir
+
+    plans = []
+    for model in ("demo", str(demo_model_dir())):
+        assert plan_main(["--model", model, "--vram", "8", "--json"]) == 0
+        plans.append(json.loads(capsys.readouterr().out))
+    assert plans[0]["model"] == "demo"
+    same, folder = plans[0]["profile"], plans[1]["profile"]
+    assert same["fits"] is True and same["predicted_peak_gib"] == folder["predicted_peak_gib"]
+    assert {k: c["value"] for k, c in same["choices"].items()} == {k: c["value"] for k, c in folder["choices"].items()}
+    assert detect_main(["--json", "--model", "demo"]) == 0
+
+
+def test_plan_batch_flag_has_train_spelling_and_the_old_one(capsys: pytest.CaptureFixture[str]) -> None:
+    outputs = []
+    for flag in ("--tokens-per-batch", "--tokens"):
+        assert plan_main(["--model", "qwen3-0.6b", "--vram", "16", flag, "4096", "--json"]) == 0
+        outputs.append(json.loads(capsys.readouterr().out)["profile"]["choices"]["tokens_per_batch"])
+    assert outputs[0] == outputs[1] and outputs[0]["value"] == 4096

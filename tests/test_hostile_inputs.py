@@ -16,12 +16,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.config import RunConfig
-from engine.data import load_examples, normalize_rows, read_rows
-from engine.dataset import prepare_data
+from engine.data.files import load_examples, normalize_rows, read_rows
+from engine.data.prepare import prepare_data
+from engine.data.tokenize import tokenize_examples
 from engine.errors import ConfigError, DataError
 from engine.events import RunFailed
-from engine.models import load_tokenizer
-from engine.tokenize import tokenize_examples
+from engine.model.load import load_tokenizer
 from engine.train import run
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -106,7 +106,7 @@ _TOKENIZERS: dict[Path, Any] = {}
 
 def _tokenizer(folder: Path) -> Any:
     from engine.config import ModelConfig
-    from engine.tokenize import ensure_chat_template
+    from engine.data.tokenize import ensure_chat_template
 
     if folder not in _TOKENIZERS:
         _TOKENIZERS[folder] = load_tokenizer(ModelConfig(name=str(folder)))
@@ -310,7 +310,7 @@ def test_resuming_a_run_with_a_damaged_config_names_the_file(tmp_path: Path, con
 @pytest.mark.parametrize("device", ["cuda:abc", "cudax", "cuda:-1:2"])
 def test_a_malformed_device_is_a_clear_error(device: str) -> None:
     from engine.errors import ModelLoadError
-    from engine.models import pick_device
+    from engine.model.load import pick_device
 
     with pytest.raises(ModelLoadError) as caught:
         pick_device(device)

@@ -12,7 +12,7 @@ from helpers import build_model
 from speed_models import VOCAB, grads, max_relative_error, mixed_precision_lora_model, packed_batch, step
 
 from engine.config import LoraConfig, ModelConfig, SpeedConfig
-from engine.models import add_lora, load_base_model
+from engine.model.load import add_lora, load_base_model
 from engine.speed import SpeedController
 from engine.speed.lean_recompute import (
     FrozenProjection,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.bench_long_context import (
+from engine.bench.long_context import (
     build_quantized_model,
     llama_8b_config,
     longest_passing,

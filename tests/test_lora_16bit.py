@@ -9,7 +9,7 @@ import torch
 from speed_models import grads, max_relative_error, mixed_precision_lora_model, packed_batch, tiny_lora_model
 
 from engine.config import SpeedConfig
-from engine.model_inputs import stock_model_inputs
+from engine.data.model_inputs import stock_model_inputs
 from engine.speed import SpeedController
 from engine.speed.lora_16bit import Lora16Bit, adapted_layers, lora_update, resolve
 

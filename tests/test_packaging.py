@@ -6,6 +6,8 @@ skips with the reason when its tool is missing. uv's binaries come from PyPI dur
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import json
 import os
 import shutil
@@ -16,6 +18,7 @@ import time
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -248,3 +251,73 @@ def test_repacked_wheel_matches_the_installed_files(tmp_path: Path) -> None:
     assert not any(n.endswith(("INSTALLER", "direct_url.json", ".pyc")) for n in names)
     assert names <= installed | {f"{dist.name}-{dist.version}.dist-info/RECORD"}
     assert all(line.count(",") == 2 for line in record.splitlines()) and "sha256=" in record
+
+
+# ----------------------------------------------------------------------------------------------- the wheel
+
+
+def build_script() -> ModuleType:
+    """packaging/build as a module (it has no .py suffix: it is run as a program)."""
+    loader = importlib.machinery.SourceFileLoader("packaging_build", str(REPO / "packaging" / "build"))
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("versions", "missing"),
+    [
+        ({"setuptools": (84, 2, 1)}, []),
+        ({"setuptools": (69, 0, 0), "wheel": (0, 38, 4)}, []),
+        ({"setuptools": (69, 0, 0)}, ["wheel"]),
+        ({"setuptools": (66, 1, 1)}, ["setuptools>=68", "wheel"]),
+        ({}, ["setuptools>=68", "wheel"]),
+    ],
+)
+def test_build_names_the_build_tools_this_python_lacks(
+    versions: dict[str, tuple[int, ...]], missing: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    build = build_script()
+    monkeypatch.setattr(build, "_version", versions.get)
+    assert build.missing_build_tools() == missing
+
+
+BUILD_WHEEL = """
+import importlib.machinery, importlib.util, pathlib, sys
+loader = importlib.machinery.SourceFileLoader("packaging_build", sys.argv[1])
+module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+loader.exec_module(module)
+print(module.build_wheel(pathlib.Path(sys.argv[2])))
+"""
+
+
+def build_wheel_with(python: Path, work: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(python), "-c", BUILD_WHEEL, str(REPO / "packaging" / "build"), str(work)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_wheel_builds_under_a_plain_system_python_without_wheel(tmp_path: Path) -> None:
+    """A fresh venv of this machine's Python: setuptools from ensurepip, older than pyproject asks, no wheel."""
+    subprocess.run([base_python(), "-m", "venv", str(tmp_path / "venv")], check=True, timeout=300)
+    python = tmp_path / "venv" / "bin" / "python"
+    assert subprocess.run([str(python), "-c", "import wheel"], capture_output=True).returncode != 0
+    result = build_wheel_with(python, tmp_path / "work")
+    output = result.stdout + result.stderr
+    assert "Traceback" not in output and "building the wheel in an isolated environment" in output
+    if result.returncode == 0:
+        wheel = Path(result.stdout.strip().splitlines()[-1])
+        assert wheel.name == f"tunedeck-{VERSION}-py3-none-any.whl" and zipfile.is_zipfile(wheel)
+    else:  # no package index reachable: the message says what is missing and the other way to build
+        assert "lacks setuptools>=68 and wheel" in output and ".venv/bin/python" in output
+
+
+def test_a_python_without_pip_is_told_what_to_do(tmp_path: Path) -> None:
+    subprocess.run([base_python(), "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True, timeout=120)
+    result = build_wheel_with(tmp_path / "venv" / "bin" / "python", tmp_path / "work")
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "has no pip" in result.stderr and ".venv/bin/python" in result.stderr

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.packing import IGNORE_INDEX, TokenizedExample, collate, pack_best_fit, packing_efficiency
+from engine.data.packing import IGNORE_INDEX, TokenizedExample, collate, pack_best_fit, packing_efficiency
 
 
 @given(st.lists(st.integers(min_value=1, max_value=64), min_size=1, max_size=80), st.integers(64, 200))

@@ -6,8 +6,8 @@ import pytest
 import torch
 from speed_models import COMMON, VOCAB
 
-from engine.model_inputs import stock_model_inputs
-from engine.packing import IGNORE_INDEX, TokenizedExample, collate
+from engine.data.model_inputs import stock_model_inputs
+from engine.data.packing import IGNORE_INDEX, TokenizedExample, collate
 
 CONFIGS = {
     "llama": {},

@@ -11,8 +11,8 @@ from helpers import build_model
 from speed_models import VOCAB, grads, max_relative_error, packed_batch
 
 from engine.config import LoraConfig, ModelConfig
-from engine.model_inputs import stock_model_inputs
-from engine.models import add_lora, load_base_model
+from engine.data.model_inputs import stock_model_inputs
+from engine.model.load import add_lora, load_base_model
 
 pytest.importorskip("bitsandbytes")
 

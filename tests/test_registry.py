@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from engine.config import RunConfig
-from engine.control import RunControl
 from engine.events import CheckpointSaved, RunFinished, RunStarted, StepMetrics
-from engine.registry import SCHEMA_VERSION, Registry, RegistryError, data_dir, recorded
+from engine.run.control import RunControl
+from engine.run.recorder import recorded
+from engine.run.registry import SCHEMA_VERSION, Registry, RegistryError, data_dir
 from engine.train import run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,7 +60,7 @@ def test_new_database_is_wal_and_at_the_latest_schema(tmp_path: Path) -> None:
 
 
 def test_old_schema_is_migrated_keeping_its_runs(tmp_path: Path) -> None:
-    from engine.registry import MIGRATIONS
+    from engine.run.registry import MIGRATIONS
 
     db = tmp_path / "runs.db"
     with sqlite3.connect(db) as conn:
@@ -145,7 +146,7 @@ def test_delete_refuses_a_live_run_and_a_foreign_folder(tmp_path: Path) -> None:
 WRITER = textwrap.dedent(
     """
     import sys, time
-    from engine.registry import Registry
+    from engine.run.registry import Registry
     registry = Registry(sys.argv[1])
     worker = sys.argv[2]
     ids = [registry.upsert(f"/runs/{worker}-{i}", status="running", model=worker) for i in range(10)]
@@ -231,7 +232,8 @@ CRASHING_RUN = textwrap.dedent(
     """
     import json, sys
     from engine.config import RunConfig
-    from engine.registry import Registry, recorded
+    from engine.run.recorder import recorded
+    from engine.run.registry import Registry
     from engine.train import run
     config = RunConfig.from_dict(json.loads(sys.argv[1]))
     for event in recorded(run(config), Registry()):
@@ -283,7 +285,7 @@ def test_killed_run_leaves_a_consistent_interrupted_record_that_resumes(
 def test_runs_command_lists_shows_renames_and_deletes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from engine.runs_cli import runs_main
+    from engine.cli.runs import runs_main
 
     monkeypatch.setenv("TUNEDECK_HOME", str(tmp_path / "home"))
     assert runs_main(["list"]) == 0

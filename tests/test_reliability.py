@@ -12,9 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import checkpoint as ckpt
-from engine import guard
-from engine import train as train_module
 from engine.config import RunConfig
 from engine.events import (
     CheckpointSaved,
@@ -26,6 +23,9 @@ from engine.events import (
     StepMetrics,
     StepSkipped,
 )
+from engine.run import checkpoint as ckpt
+from engine.run import guard
+from engine.run import step as step_module
 from engine.train import run
 
 
@@ -64,8 +64,8 @@ def adapter_is_finite(run_dir: Path) -> bool:
 
 def wrap_forward(monkeypatch: pytest.MonkeyPatch, fault: Callable) -> None:
     """Route every forward of the run through ``fault(session, batch, num_items, real_forward)``."""
-    real = train_module._forward_loss
-    monkeypatch.setattr(train_module, "_forward_loss", lambda s, b, n: fault(s, b, n, real))
+    real = step_module._forward_loss
+    monkeypatch.setattr(step_module, "_forward_loss", lambda s, b, n: fault(s, b, n, real))
 
 
 # --- out of memory ------------------------------------------------------------------------------------------

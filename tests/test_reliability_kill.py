@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from helpers import write_jsonl
 
-from engine import checkpoint as ckpt
 from engine.config import RunConfig
 from engine.events import RunFailed, RunFinished
+from engine.run import checkpoint as ckpt
 from engine.train import run
 
 KILLS = 5

@@ -11,7 +11,8 @@ from helpers import write_jsonl
 
 from engine.config import RunConfig
 from engine.events import StepMetrics
-from engine.registry import Registry, recorded
+from engine.run.recorder import recorded
+from engine.run.registry import Registry
 from engine.train import run
 
 SCREENSHOTS = Path(__file__).resolve().parents[1] / "artifacts" / "screenshots"

@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import models
-from engine import train as train_module
 from engine.config import ModelConfig, RunConfig
 from engine.errors import ModelLoadError
 from engine.events import Notice, RunFailed, RunFinished
+from engine.model import load as models
 from engine.redact import MASK, redact
-from engine.train import PICKLE_WARNING, run
+from engine.run import step as step_module
+from engine.run.session import PICKLE_WARNING
+from engine.train import run
 
 ENGINE = Path(models.__file__).parent
 TOKEN = "hf_" + "MarkerTokenFromEnvironment0123456789"
@@ -147,7 +148,7 @@ def test_the_token_never_reaches_the_run_folder_or_the_events(
     def leaky_failure(session, batch, num_items):  # an HTTP library that echoes the request headers
         raise RuntimeError(f"401 Unauthorized: Authorization: Bearer {TOKEN} (cached {CACHED_TOKEN})")
 
-    monkeypatch.setattr(train_module, "_forward_loss", leaky_failure)
+    monkeypatch.setattr(step_module, "_forward_loss", leaky_failure)
     failed = list(run(make_config(tiny_model_dir, chat_file, tmp_path / "failed")))
     assert isinstance(failed[-1], RunFailed) and "401 Unauthorized" in failed[-1].message
     error_log = tmp_path / "failed" / "run" / "error.log"

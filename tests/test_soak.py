@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from engine import train as train_module
 from engine.config import RunConfig
 from engine.events import RunFinished, StepMetrics
+from engine.run import step as step_module
 from engine.train import run
 
 TOLERANCE_BYTES_PER_STEP = 32 * 1024
@@ -59,13 +59,13 @@ def _slope_child(model_dir: Path, data: Path, out: Path, steps: int, leak: bool)
     torch.set_num_threads(1)
     if leak:
         kept: list[torch.Tensor] = []
-        real = train_module._forward_loss
+        real = step_module._forward_loss
 
         def leaky(session, batch, num_items):  # type: ignore[no-untyped-def]
             kept.append(torch.ones(64 * 1024, device=session.device))  # 256 KiB per forward, never released
             return real(session, batch, num_items)
 
-        train_module._forward_loss = leaky  # only in this throwaway child process
+        step_module._forward_loss = leaky  # only in this throwaway child process
     return rss_slope(model_dir, data, out, steps)
 
 

@@ -10,7 +10,7 @@ import torch
 from speed_models import grads, max_relative_error, packed_batch, step, tiny_lora_model
 
 from engine.config import SpeedConfig
-from engine.model_inputs import block_causal_mask, stock_model_inputs
+from engine.data.model_inputs import block_causal_mask, stock_model_inputs
 from engine.speed import SpeedController, metadata_cache
 
 LENGTHS = (5, 17, 9, 30, 3)

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.data import Completion, Conversation, Message
-from engine.packing import IGNORE_INDEX
-from engine.tokenize import ensure_chat_template, tokenize_example, tokenize_examples
+from engine.data.files import Completion, Conversation, Message
+from engine.data.packing import IGNORE_INDEX
+from engine.data.tokenize import ensure_chat_template, tokenize_example, tokenize_examples
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ import torch
 from helpers import write_jsonl
 
 from engine.config import RunConfig
-from engine.control import RunControl
 from engine.events import CheckpointSaved, RunFailed, RunFinished, RunPaused, RunResumed, RunStarted, StepMetrics
+from engine.run.control import RunControl
 from engine.train import run
 
 
@@ -150,8 +150,8 @@ def test_grad_accumulation_weights_every_token_equally(tiny_model_dir: Path, cha
     """The step loss is the mean over all trained tokens of all micro-batches, not a mean of row means."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.dataset import RowSchedule, prepare_data
-    from engine.model_inputs import stock_model_inputs
+    from engine.data.model_inputs import stock_model_inputs
+    from engine.data.prepare import RowSchedule, prepare_data
 
     answers = ["dog " * (i % 4 + 1) for i in range(12)]
     rows = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": a}]} for a in answers]

@@ -2,7 +2,7 @@
 
 ``tunedeck train --gpus 2`` (or ``run(config)`` with ``training.gpus`` naming more than one GPU) starts
 ``python -m torch.distributed.run`` with one process per GPU (:mod:`engine.distributed.launch`); each process
-runs the same training loop as a single-GPU run (:mod:`engine.train`) with a :class:`~engine.distributed.ranks.Ranks`
+runs the same training loop as a single-GPU run (:mod:`engine.run.loop`) with a :class:`~engine.run.ranks.Ranks`
 telling it its share. Rank 0 streams the run's events back to the launching process, which yields them as if the
 run were local, so the CLI, the run registry and the app see no difference.
 

@@ -1,6 +1,6 @@
 """Stop, pause and speed requests from the launching process to every rank, acted on at the same step.
 
-The launcher mirrors its :class:`~engine.control.RunControl` into ``control.json`` in the run folder (atomic
+The launcher mirrors its :class:`~engine.run.control.RunControl` into ``control.json`` in the run folder (atomic
 replace, only when something changed). Between two steps rank 0 reads the file and broadcasts what it found over
 the gloo group; every rank's :class:`RankControl` then answers the training loop's questions identically.
 """
@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from engine.checkpoint import write_text_atomic
 from engine.config import SpeedConfig
-from engine.control import RunControl
-from engine.distributed.ranks import Ranks
+from engine.run.checkpoint import write_text_atomic
+from engine.run.control import RunControl
+from engine.run.ranks import Ranks
 
 CONTROL_FILE = "control.json"
 PAUSE_POLL_S = 0.2

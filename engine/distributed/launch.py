@@ -28,10 +28,10 @@ from typing import IO, Any
 import engine
 from engine import events as ev
 from engine.config import RunConfig
-from engine.control import RunControl
 from engine.distributed.control import CONTROL_FILE, ControlMirror
 from engine.errors import ConfigError
 from engine.events import Event, RunFailed, RunFinished
+from engine.run.control import RunControl
 
 EVENT_MARK = "@tunedeck-event "
 LAUNCH_ENV = "TUNEDECK_LAUNCH"

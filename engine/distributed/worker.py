@@ -17,8 +17,8 @@ from typing import TextIO
 
 from engine.config import RunConfig
 from engine.distributed.control import CONTROL_FILE, RankControl
+from engine.distributed.group import choose_mode, init_ranks
 from engine.distributed.launch import EVENT_MARK, LAUNCH_ENV
-from engine.distributed.ranks import choose_mode, init_ranks
 from engine.events import RunFailed
 
 
@@ -26,7 +26,7 @@ def main() -> int:
     import torch.distributed as dist
 
     from engine.quiet import quiet_libraries
-    from engine.train import run_rank
+    from engine.run.loop import run_rank
 
     quiet_libraries()
     launch = json.loads(os.environ[LAUNCH_ENV])

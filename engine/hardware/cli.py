@@ -83,7 +83,10 @@ def _profile_lines(profile: Any) -> list[str]:
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
-    parser.add_argument("--tokens", type=int, help="tokens per batch (default: the largest that fits)")
+    parser.add_argument(
+        "--tokens-per-batch", type=int, dest="tokens", help="tokens per batch (default: the largest that fits)"
+    )
+    parser.add_argument("--tokens", type=int, help=argparse.SUPPRESS)  # the older spelling
     parser.add_argument("--max-seq-len", type=int, default=2048, help="longest example; the batch is at least this")
     parser.add_argument("--qlora", action=argparse.BooleanOptionalAction, default=None, help="force QLoRA on or off")
     parser.add_argument("--checkpointing", choices=("auto", "none", "standard", "offloaded"), default="auto")
@@ -99,7 +102,7 @@ def detect_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="tunedeck detect", description="Show this machine's GPU, its class, and the settings TuneDeck picks."
     )
-    parser.add_argument("--model", help="also plan memory for this model (built-in name, folder or config.json)")
+    parser.add_argument("--model", help="also plan memory for this model (built-in name, demo, folder or config.json)")
     _common(parser)
     args = parser.parse_args(argv)
     from engine.hardware.detect import detect_hardware
@@ -129,7 +132,7 @@ def plan_main(argv: list[str] | None = None) -> int:
         description="Will a model train on a GPU, with which settings, about how fast. Nothing is downloaded.",
     )
     parser.add_argument(
-        "--model", required=True, help="built-in shape (e.g. llama-3.1-8b), a local HF folder or config.json"
+        "--model", required=True, help="built-in shape (e.g. llama-3.1-8b), demo, a local HF folder or config.json"
     )
     target = parser.add_mutually_exclusive_group()
     target.add_argument("--gpu", help="a GPU by name, e.g. '4060 laptop', 'RTX 3090', 'H100' (default: this machine's)")

@@ -17,7 +17,7 @@ Per-layer activation bytes were counted from the tensors autograd saves (``saved
 transformers + peft: peft keeps LoRA weights in fp32 and casts each adapted module's 16-bit input to fp32
 separately (4 bytes x every adapted input width per token); RMSNorm keeps an fp32 copy of its input. The
 engine's QLoRA path keeps embeddings, norms and the output head in the 16-bit compute dtype
-(:func:`engine.models.prepare_quantized_for_training`); ``TrainSetup.kbit_upcast`` models peft's
+(:func:`engine.model.load.prepare_quantized_for_training`); ``TrainSetup.kbit_upcast`` models peft's
 ``prepare_model_for_kbit_training`` instead, which upcasts them to fp32, so that the whole residual stream, and
 every activation, is fp32 (what the 8B QLoRA rows of ``benchmarks/planner_accuracy.md`` measured).
 """

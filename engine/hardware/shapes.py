@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.config import DEMO_MODEL, demo_model_dir
 from engine.errors import ConfigError
 
 # Transcribed from the models' published config.json files (only the fields the planner reads).
@@ -223,24 +224,30 @@ def _normalise(name: str) -> str:
     return re.sub(r"[^a-z0-9.]+", "-", name.lower()).strip("-")
 
 
+def _shape_from_file(path: Path, label: str) -> ModelShape:
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"cannot read model config {path}: {err}") from err
+    if not isinstance(raw, dict):
+        raise ConfigError(f"model config {path} is not a JSON object")
+    return ModelShape.from_config_dict(raw, label)
+
+
 def builtin_shape_names() -> list[str]:
     return sorted(BUILTIN_CONFIGS)
 
 
 def load_shape(model: str) -> ModelShape:
-    """A built-in shape name ('llama-3.1-8b', 'Qwen/Qwen3-0.6B'), a local model folder, or a config.json path."""
+    """A built-in shape name ('llama-3.1-8b', 'Qwen/Qwen3-0.6B'), ``demo`` (the built-in demo model, as
+    ``tunedeck train`` takes it), a local model folder, or a config.json path."""
+    if model == DEMO_MODEL:
+        return _shape_from_file(demo_model_dir() / "config.json", DEMO_MODEL)
     path = Path(model).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         path = path / "config.json"
     if path.is_file():
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ConfigError(f"cannot read model config {path}: {err}") from err
-        if not isinstance(raw, dict):
-            raise ConfigError(f"model config {path} is not a JSON object")
-        label = path.parent.name if path.name == "config.json" else path.stem
-        return ModelShape.from_config_dict(raw, label)
+        return _shape_from_file(path, path.parent.name if path.name == "config.json" else path.stem)
     key = _normalise(model.rsplit("/", 1)[-1]).removeprefix("meta-").removesuffix("-instruct")
     if key in BUILTIN_CONFIGS:
         return ModelShape.from_config_dict(BUILTIN_CONFIGS[key], key)

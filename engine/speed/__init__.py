@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from engine.config import SpeedConfig
-from engine.model_inputs import stock_model_inputs
-from engine.packing import PackedBatch
+from engine.data.model_inputs import stock_model_inputs
+from engine.data.packing import PackedBatch
 from engine.speed import (
     chunked_mlp,
     fused_kernels,

@@ -7,7 +7,7 @@ tokens in the batch, and a frozen table never needs a gradient. So the table mov
 lookup runs there: a forward pre-hook on the embedding module hands it the ids on the host, a forward hook
 sends the looked-up rows (tokens x hidden, 8 KB a token for 8B) back to the GPU. Cost: a host gather and one
 copy per micro-batch, about 10 ms for 14k tokens, small beside a long row's step of seconds. The ids come from the
-batch's host copy (:attr:`engine.packing.PackedBatch.host_input_ids`, staged by the speed controller) and the rows
+batch's host copy (:attr:`engine.data.packing.PackedBatch.host_input_ids`, staged by the speed controller) and the rows
 go up from pinned memory without blocking, so the lookup adds no host sync. Automatic: on where the table is a
 large share of the GPU's memory (:data:`AUTO_TABLE_SHARE`; 13% for Llama-3.1-8B on an 8 GiB card), off elsewhere.
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.packing import PackedBatch
+from engine.data.packing import PackedBatch
 
 ATTENTION_NAME = "tunedeck_packed"
 """Name under which the packed attention function is registered with transformers' AttentionInterface."""

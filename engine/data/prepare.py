@@ -1,8 +1,8 @@
 """From a data config to packed training and evaluation rows.
 
-Examples are read and normalised (engine.data), tokenized with loss masks (engine.tokenize), split into
+Examples are read and normalised (engine.data.files), tokenized with loss masks (engine.data.tokenize), split into
 train and held-out eval sets with the run's seed, and packed into rows with best-fit decreasing
-(engine.packing). Rows are fixed for the whole run; each epoch visits them in a fresh seeded order, so the
+(engine.data.packing). Rows are fixed for the whole run; each epoch visits them in a fresh seeded order, so the
 position in the data is just a count of micro-batches, which makes resuming exact.
 """
 
@@ -16,10 +16,10 @@ from typing import Any
 import torch
 
 from engine.config import DataConfig
-from engine.data import load_examples
+from engine.data.files import load_examples
+from engine.data.packing import PackedBatch, TokenizedExample, collate, pack_examples, packing_efficiency
+from engine.data.tokenize import TokenizeReport, ensure_chat_template, tokenize_examples
 from engine.errors import DataError
-from engine.packing import PackedBatch, TokenizedExample, collate, pack_examples, packing_efficiency
-from engine.tokenize import TokenizeReport, ensure_chat_template, tokenize_examples
 
 
 @dataclass

@@ -1,12 +1,12 @@
 """A training process's place among the ranks of a multi-GPU run, and the few collectives a step needs.
 
 A one-process run holds :meth:`Ranks.single`, for which every method here is a no-op, so the training loop has
-one code path. See :mod:`engine.distributed` for what a step means with W ranks.
+one code path. Joining the process group and choosing DDP or FSDP2 is engine.distributed.group's work; see
+:mod:`engine.distributed` for what a step means with W ranks.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -200,7 +200,7 @@ class Ranks:
 
 
 class _SavedState:
-    """A gathered optimizer state posing as the optimizer for :func:`engine.checkpoint.save_checkpoint`."""
+    """A gathered optimizer state posing as the optimizer for :func:`engine.run.checkpoint.save_checkpoint`."""
 
     def __init__(self, state: dict[str, Any]) -> None:
         self._state = state
@@ -254,49 +254,3 @@ def _has_experts(model: torch.nn.Module) -> bool:
     from engine.speed import moe_routing, transformers_model
 
     return bool(moe_routing.has_routable_experts(transformers_model(model)))
-
-
-# --- starting a rank ------------------------------------------------------------------------------------------
-
-
-def init_ranks(device_request: str) -> tuple[Ranks, torch.device]:
-    """Join the process group torchrun set up (NCCL on GPUs, gloo on the CPU) plus a gloo group for control."""
-    import torch.distributed as dist
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    if device_request != "cpu" and torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-        control = dist.new_group(backend="gloo", timeout=LONG_TIMEOUT)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=LONG_TIMEOUT)
-        control = dist.group.WORLD
-    return Ranks(rank=rank, world=world, control_group=control), device
-
-
-def choose_mode(ranks: Ranks, config: Any, device: torch.device) -> Ranks:
-    """DDP or FSDP2 as requested; ``auto`` asks the planner (engine.hardware.parallel)."""
-    requested = config.training.parallel
-    if requested == "fsdp" or requested == "ddp":
-        mode, reason = requested, f"{'FSDP2' if requested == 'fsdp' else 'DDP'} requested"
-    else:
-        mode, reason = _auto_mode(config, ranks.world, device)
-    if mode == "fsdp" and config.model.qlora:
-        raise ConfigError(
-            "QLoRA cannot train under FSDP2: 4-bit weights are not sharded", hint="use --parallel ddp with --qlora"
-        )
-    return dataclasses.replace(ranks, mode=mode, reason=reason)
-
-
-def _auto_mode(config: Any, world: int, device: torch.device) -> tuple[ParallelMode, str]:
-    if device.type != "cuda":
-        return "ddp", "auto: DDP"
-    from engine.hardware.parallel import choose_for_run
-    from engine.hardware.planner import usable_bytes
-
-    plan = choose_for_run(config, world, usable_bytes(torch.cuda.get_device_properties(device).total_memory))
-    mode: ParallelMode = "fsdp" if plan.mode == "fsdp" else "ddp"
-    return mode, plan.reason

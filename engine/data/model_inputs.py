@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from engine.packing import PackedBatch
+from engine.data.packing import PackedBatch
 
 # Model types whose mask creation ignores packed position_ids: they need explicit per-layer-type masks.
 EXPLICIT_MASK_MODEL_TYPES = frozenset({"gpt_oss"})

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from engine.config import RunConfig
-from engine.control import RunControl
 from engine.events import (
     CheckpointSaved,
     EvalMetrics,
@@ -23,6 +22,7 @@ from engine.events import (
     StepMetrics,
     StepSkipped,
 )
+from engine.run.control import RunControl
 
 
 class ProgressPrinter:
@@ -117,7 +117,7 @@ def describe_speed(event: SpeedChanged) -> str:
 
 def open_registry() -> Any:
     """The user's run registry, or None (with a note) when it cannot be opened: a run never depends on it."""
-    from engine.registry import Registry, RegistryError
+    from engine.run.registry import Registry, RegistryError
 
     try:
         return Registry()
@@ -130,7 +130,7 @@ def run_events(
     config: RunConfig, control: RunControl, *, resume: str | Path | None, json_lines: bool, record: bool = True
 ) -> ProgressPrinter:
     """Drive a run to its end, printing as it goes (and recording it in the run history); returns the printer."""
-    from engine.registry import recorded
+    from engine.run.recorder import recorded
     from engine.train import run
 
     printer = ProgressPrinter()

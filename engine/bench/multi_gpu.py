@@ -1,9 +1,9 @@
 """How a run scales from 1 to N GPUs: tokens/s of the training step under DDP, one packed row per GPU.
 
-``python -m engine.bench_multi_gpu --gpus 2 --out benchmarks/multi_gpu_h200x2`` starts torchrun twice (1 rank,
-then N ranks), each rank training LoRA on a randomly initialised model of the named shape (engine.bench's
+``python -m engine.bench.multi_gpu --gpus 2 --out benchmarks/multi_gpu_h200x2`` starts torchrun twice (1 rank,
+then N ranks), each rank training LoRA on a randomly initialised model of the named shape (engine.bench.speed's
 DENSE_SHAPES; no download) with its own packed row of ``--tokens`` tokens, every speed switch on, bf16, through
-the same DDP wrapper and loss module as a real run (engine.distributed.ranks). A step is timed from a
+the same DDP wrapper and loss module as a real run (engine.run.ranks). A step is timed from a
 synchronized start to the slowest rank's end; the median step gives tokens/s = N x tokens / time. The issue's
 target is a 2-GPU/1-GPU ratio of at least 1.85. Writes ``OUT.json`` and a markdown table ``OUT.md``; prints the
 table last. ``--device cpu`` runs the same path on gloo processes (a smoke test of this script, not a measure).
@@ -34,10 +34,10 @@ SPEED_PRESETS = ("all", "all-eager", "auto", "stock")
 
 
 def speed_settings(preset: str) -> SpeedConfig:
-    """``all``: the switches engine.bench turns on together (no checkpointing: the row fits); ``all-eager``: the
+    """``all``: the switches engine.bench.speed turns on together (no checkpointing: the row fits); ``all-eager``: the
     same without fused kernels (no minute-long compile per process); ``auto``: the engine's own choices;
-    ``stock``: engine.bench's everything-off baseline."""
-    from engine.bench import ALL_ON, STOCK
+    ``stock``: engine.bench.speed's everything-off baseline."""
+    from engine.bench.speed import ALL_ON, STOCK
 
     if preset == "all":
         return dataclasses.replace(STOCK, **ALL_ON)  # type: ignore[arg-type]  # ALL_ON holds only the on/off switches
@@ -55,8 +55,8 @@ def rank_main(args: argparse.Namespace) -> int:
     """Under torchrun: time ``--steps`` DDP steps and (rank 0) write the result to ``--result``."""
     import torch.distributed as dist
 
-    from engine.bench import DENSE_SHAPES, build_lora_model, packed_row
-    from engine.distributed.ranks import init_ranks
+    from engine.bench.speed import DENSE_SHAPES, build_lora_model, packed_row
+    from engine.distributed.group import init_ranks
     from engine.speed import SpeedController
 
     began = time.perf_counter()
@@ -139,7 +139,7 @@ def measure(args: argparse.Namespace, world: int) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory() as folder:
         result = Path(folder) / "result.json"
-        command = [*launch_command(world)[:-1], "engine.bench_multi_gpu", *_rank_args(args, result)]
+        command = [*launch_command(world)[:-1], "engine.bench.multi_gpu", *_rank_args(args, result)]
         env = dict(os.environ)
         env.setdefault("NCCL_NVLS_ENABLE", "0")
         if args.device != "cpu":
@@ -224,9 +224,9 @@ def _on(report: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m engine.bench_multi_gpu", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m engine.bench.multi_gpu", description=__doc__.split("\n")[0])
     parser.add_argument("--gpus", type=int, default=2, help="GPUs of the scaled run (compared with 1)")
-    parser.add_argument("--shape", default="llama-3.2-1b", help="a model shape of engine.bench.DENSE_SHAPES")
+    parser.add_argument("--shape", default="llama-3.2-1b", help="a model shape of engine.bench.speed.DENSE_SHAPES")
     parser.add_argument("--tokens", type=int, default=16384, help="tokens of each GPU's packed row")
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--warmup", type=int, default=4, help="untimed steps first (compilation, allocator)")

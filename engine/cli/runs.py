@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from engine.errors import TuneDeckError
-from engine.registry import Registry, RunRecord
+from engine.run.registry import Registry, RunRecord
 
 if TYPE_CHECKING:
-    from engine.chat import ChatModel, GenerationSettings
+    from engine.export import ExportProgress
+    from engine.model.chat import ChatModel, GenerationSettings
 
 
 def _fmt(value: float | None, spec: str = ".4f") -> str:
@@ -160,7 +161,7 @@ def chat_parser() -> argparse.ArgumentParser:
 def _answer(chat: ChatModel, messages: list[dict[str, str]], settings: GenerationSettings, use_adapter: bool) -> str:
     import threading
 
-    from engine.chat import stream_reply
+    from engine.model.chat import stream_reply
 
     stop = threading.Event()
     pieces: list[str] = []
@@ -177,7 +178,7 @@ def _answer(chat: ChatModel, messages: list[dict[str, str]], settings: Generatio
 
 def chat_main(argv: list[str]) -> int:
     args = chat_parser().parse_args(argv)
-    from engine.chat import GenerationSettings, load_chat_model
+    from engine.model.chat import GenerationSettings, load_chat_model
     from engine.quiet import quiet_libraries
 
     quiet_libraries()
@@ -214,10 +215,13 @@ def _read_prompt() -> str | None:
 
 
 def export_parser() -> argparse.ArgumentParser:
+    from engine.export import GGUF_QUANTS
+
     parser = argparse.ArgumentParser(
         prog="tunedeck export",
-        description="Export a run's adapter (PEFT format), or with --merged a full model with the adapter folded "
-        "into its weights (safetensors) that loads without peft. The folder gets a README on how to load it.",
+        description="Export a run's adapter (PEFT format); with --merged a full model with the adapter folded "
+        "into its weights (safetensors) that loads without peft; with --gguf the merged model as one GGUF file "
+        "with a Modelfile, for llama.cpp, Ollama and LM Studio. The folder gets a README on how to load it.",
     )
     parser.add_argument("run", metavar="RUN", help="run id, name or folder")
     parser.add_argument("--to", required=True, metavar="DIR", help="the folder to write")
@@ -225,24 +229,59 @@ def export_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--dtype", default="bfloat16", help="merged model dtype: bfloat16 (bf16), float16 (fp16) or float32 (fp32)"
     )
+    parser.add_argument(
+        "--gguf",
+        nargs="?",
+        const="q8_0",
+        metavar="QUANT",
+        help=f"write a GGUF file and an Ollama Modelfile; QUANT is one of {', '.join(GGUF_QUANTS)} (default q8_0; "
+        "the k-quants need llama-cpp-python)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace DIR if it is not empty")
     return parser
 
 
+class _ExportPrinter:
+    """Export progress on stderr: a line per stage, with a counter that rewrites itself on a terminal."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream, self.stage = stream, ""
+        self.live = stream.isatty()
+
+    def __call__(self, progress: ExportProgress) -> None:
+        if progress.stage != self.stage:
+            if self.live and self.stage:
+                self.stream.write("\n")
+            self.stage = progress.stage
+            note = progress.message if progress.total <= 1 else f"{progress.total} steps"
+            self.stream.write(f"{progress.stage}: {note}" + ("" if self.live else "\n"))
+        elif self.live and progress.total > 1:
+            self.stream.write(f"\r{progress.stage}: {progress.done}/{progress.total} {progress.message[:60]:<60}")
+        if progress.stage == "writing" and progress.done == progress.total:
+            self.stream.write("\n" if self.live else "")
+        self.stream.flush()
+
+
 def export_main(argv: list[str]) -> int:
-    from engine.export import export_adapter, export_merged, normalize_dtype
+    from engine.export import export_adapter, export_gguf, export_merged, normalize_dtype
     from engine.quiet import quiet_libraries
 
     args = export_parser().parse_args(argv)
+    if args.gguf and args.merged:
+        export_parser().error("choose one of --merged and --gguf")
     quiet_libraries()
     try:
         folder = run_folder(args.run)
-        if args.merged:
+        if args.gguf:
+            printer = _ExportPrinter(sys.stderr)
+            target = export_gguf(folder, args.to, quant=args.gguf, overwrite=args.overwrite, on_progress=printer)
+        elif args.merged:
             target = export_merged(folder, args.to, dtype=normalize_dtype(args.dtype), overwrite=args.overwrite)
         else:
             target = export_adapter(folder, args.to, overwrite=args.overwrite)
     except TuneDeckError as err:
         print(f"tunedeck export: error: {err}", file=sys.stderr)
         return 1
-    print(f"{'merged model' if args.merged else 'adapter'} written to {target} (see README.md there)")
+    what = f"GGUF model ({args.gguf}) and Modelfile" if args.gguf else "merged model" if args.merged else "adapter"
+    print(f"{what} written to {target} (see README.md there)")
     return 0

@@ -204,7 +204,7 @@ def speed_settings(variant: str) -> Any:
 
 def with_lora(model: Any, variant: str) -> Any:
     from engine.config import LoraConfig
-    from engine.models import add_lora
+    from engine.model.load import add_lora
 
     lora = LoraConfig(rank=LORA_RANK, alpha=2.0 * LORA_RANK)
     if variant == "tunedeck":
@@ -219,7 +219,7 @@ def with_lora(model: Any, variant: str) -> Any:
 
 def one_document(tokens: int, vocab: int, seed: int = 0) -> Any:
     """One document filling the row; every position but the first is trained."""
-    from engine.packing import IGNORE_INDEX, TokenizedExample, collate
+    from engine.data.packing import IGNORE_INDEX, TokenizedExample, collate
 
     gen = torch.Generator().manual_seed(seed)
     ids = tuple(torch.randint(0, vocab, (tokens,), generator=gen).tolist())
@@ -305,7 +305,7 @@ def probe(tokens: int, cap_gib: float | None, variant: str, steps: int = 2) -> d
 
 def probe_in_fresh_process(tokens: int, cap_gib: float, variant: str, timeout: float) -> dict[str, Any] | None:
     """Run :func:`probe` in a new interpreter; None when it did not finish within ``timeout`` seconds."""
-    command = [sys.executable, "-m", "engine.bench_long_context", "--probe", str(tokens), "--caps", str(cap_gib)]
+    command = [sys.executable, "-m", "engine.bench.long_context", "--probe", str(tokens), "--caps", str(cap_gib)]
     command += ["--variant", variant]
     # without expandable segments the allocator fragmented and 8B runs failed with GiBs reserved but unallocated
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}

@@ -3,7 +3,7 @@
 Everything is measured in the same process on the same packed batch: ms/step (median after warm-up), tokens/s,
 peak VRAM, device->host syncs per step (counted with CUDA sync debug mode) and MFU against a bf16 matmul peak
 measured in the same run. Models are random-init from architecture configs (nothing is downloaded), and this
-module imports neither Qt nor ``datasets``, so it runs on a bare GPU machine: ``python -m engine.bench``.
+module imports neither Qt nor ``datasets``, so it runs on a bare GPU machine: ``python -m engine.bench.speed``.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from engine.config import SpeedConfig
+from engine.data.packing import PackedBatch, TokenizedExample, collate
 from engine.hardware.shapes import BUILTIN_CONFIGS
-from engine.packing import PackedBatch, TokenizedExample, collate
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -247,7 +247,7 @@ def profile_variants(
     args: argparse.Namespace,
 ) -> None:
     """Kernel profiles (--profile-variants) and what is alive at the memory peak (--memory-variants)."""
-    from engine.bench_memory import record_peak
+    from engine.bench.memory import record_peak
 
     out = args.profile_dir / name
     for variant in [v for v in args.profile_variants.split(",") if v in selected]:
@@ -676,11 +676,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--qlora" in argv:
-        from engine.bench_qlora import main as qlora_main
+        from engine.bench.qlora import main as qlora_main
 
         return qlora_main([arg for arg in argv if arg != "--qlora"])
     if "--long-context" in argv:
-        from engine.bench_long_context import main as long_context_main
+        from engine.bench.long_context import main as long_context_main
 
         return long_context_main([arg for arg in argv if arg != "--long-context"])
     args = parse_args(argv)

@@ -86,8 +86,8 @@ def load_base_chat_model(model_name: str, device: str = "auto") -> ChatModel:
 
 
 def _load_base(config: RunConfig, device: str, tokenizer_folder: Path | None) -> tuple[Any, Any, torch.device]:
-    from engine.models import load_base_model, load_tokenizer, pick_device, pick_dtype
-    from engine.tokenize import ensure_chat_template
+    from engine.data.tokenize import ensure_chat_template
+    from engine.model.load import load_base_model, load_tokenizer, pick_device, pick_dtype
 
     torch_device = pick_device(device)
     # QLoRA adapters were trained on the 4-bit base; on a CPU-only machine the plain base is the faithful choice.

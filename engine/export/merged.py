@@ -132,7 +132,7 @@ def merged_model(run_folder: str | Path, dtype: str = "bfloat16") -> tuple[Any, 
     from peft import PeftModel
     from transformers import AutoTokenizer
 
-    from engine.models import DTYPES, load_base_model
+    from engine.model.load import DTYPES, load_base_model
 
     run_folder = Path(run_folder)
     adapter = _run_adapter(run_folder)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from engine.config import DEMO_MODEL, LoraConfig, ModelConfig
+from engine.config import DEMO_MODEL, LoraConfig, ModelConfig, demo_model_dir
 from engine.errors import ModelLoadError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -32,12 +32,6 @@ class ModelSource:
     location: str
     is_local: bool
     label: str
-
-
-def demo_model_dir() -> Path:
-    import resources
-
-    return Path(resources.__file__).parent / "demo" / "model"
 
 
 def resolve_model(name: str) -> ModelSource:

@@ -14,8 +14,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.data import Completion, Conversation, Example
-from engine.packing import IGNORE_INDEX, TokenizedExample
+from engine.data.files import Completion, Conversation, Example
+from engine.data.packing import IGNORE_INDEX, TokenizedExample
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"

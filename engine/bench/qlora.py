@@ -4,7 +4,7 @@ The workload most people with an 8-24 GB card run: a Llama-3.1-8B or Qwen3-8B sh
 config) in NF4 with double quantization, LoRA r32 on every linear layer, AdamW, one document filling a row of 4,096
 or 16,384 tokens, under allocator caps of 8 and 24 GiB (``torch.cuda.set_per_process_memory_fraction``; the CUDA
 context is not counted). The model is built on the meta device and quantized layer by layer straight onto the GPU
-(:func:`engine.bench_long_context.build_quantized_model`), so no 16-bit copy ever exists there.
+(:func:`engine.bench.long_context.build_quantized_model`), so no 16-bit copy ever exists there.
 
 Variants, timed one after another in the same process on the same rows:
 
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from engine.bench import count_syncs, log_row, timing_turn
+from engine.bench.speed import count_syncs, log_row, timing_turn
 from engine.config import SpeedConfig
 from engine.hardware.shapes import BUILTIN_CONFIGS
 
@@ -78,7 +78,7 @@ def model_config(name: str) -> Any:
 
 def build(name: str, stock: bool, device: torch.device) -> Any:
     """The quantized model with LoRA r32: TuneDeck's preparation, or peft's for ``stock``."""
-    from engine.bench_long_context import build_quantized_model, with_lora
+    from engine.bench.long_context import build_quantized_model, with_lora
 
     torch.manual_seed(0)
     model = with_lora(build_quantized_model(model_config(name), device), "stock" if stock else "tunedeck")
@@ -87,7 +87,7 @@ def build(name: str, stock: bool, device: torch.device) -> Any:
 
 
 def rows_of(tokens: int, vocab: int, count: int, seed: int = 0) -> list[Any]:
-    from engine.bench_long_context import one_document
+    from engine.bench.long_context import one_document
 
     return [one_document(tokens, vocab, seed=seed + i) for i in range(count)]
 
@@ -251,7 +251,7 @@ def _line(row: dict[str, Any]) -> str:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    from engine.bench_long_context import environment
+    from engine.bench.long_context import environment
 
     meta = report.get("environment") or environment()
     lines = [
@@ -336,7 +336,7 @@ def write(report: dict[str, Any], out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.merge:
-        from engine.bench_long_context import environment
+        from engine.bench.long_context import environment
 
         records = [json.loads(path.read_text(encoding="utf-8")) for path in args.merge]
         report = {"environment": records[0].get("environment") or environment(), "models": [
@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("tunedeck bench --qlora needs an NVIDIA GPU (torch sees none)", file=sys.stderr)
         return 2
-    from engine.bench_long_context import environment
+    from engine.bench.long_context import environment
 
     report: dict[str, Any] = {"environment": environment(), "settings": {k: str(v) for k, v in vars(args).items()}}
     report["models"] = [bench_model(name, args) for name in args.models]

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import DEMO_MODEL, RunConfig
-from engine.control import RunControl
+from engine.run.control import RunControl
 
 # The recipe that teaches the demo task in about a minute on two CPU cores: 4 epochs of 1,024-token packed rows
 # (~340 steps) took the base model from 0% to 85-96% exact match over seeds (demo model of resources/demo).
@@ -49,7 +49,7 @@ def demo_config(base: RunConfig) -> RunConfig:
 def demo_accuracy(config: RunConfig, adapter_dir: Path | None) -> tuple[float, int]:
     """Exact-match accuracy on the held-out demo examples, of the base model or base + adapter."""
     from engine.demo import DEMO_EVAL_FILE, evaluate_accuracy
-    from engine.models import load_base_model, load_tokenizer, pick_device, pick_dtype
+    from engine.model.load import load_base_model, load_tokenizer, pick_device, pick_dtype
 
     device = pick_device(config.training.device)
     model_config = dataclasses.replace(config.model, qlora=False)
@@ -64,7 +64,7 @@ def demo_accuracy(config: RunConfig, adapter_dir: Path | None) -> tuple[float, i
 
 
 def run_demo(config: RunConfig, control: RunControl, *, json_lines: bool = False) -> int:
-    from engine.progress import run_events
+    from engine.cli.progress import run_events
 
     started = time.perf_counter()
     before, count = demo_accuracy(config, None)

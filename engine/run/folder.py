@@ -1,0 +1,118 @@
+"""A run's folder: the files it holds, creating it, reading its saved config, and writing logs and the adapter.
+
+Everything a user keeps lands here: ``config.json``, ``metrics.jsonl``, ``eval.jsonl``, ``checkpoints/`` and the
+final ``adapter/`` (PEFT format). The config and the adapter are written atomically and the logs one whole line
+at a time (engine.run.checkpoint), so a kill at any moment leaves a folder that a resume can read. A failed
+write raises an error that names the disk problem.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import traceback
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import RunConfig
+from engine.errors import ConfigError
+from engine.redact import redact
+from engine.run import checkpoint as ckpt
+
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+EVAL_FILE = "eval.jsonl"
+ADAPTER_DIR = "adapter"
+CHECKPOINT_DIR = "checkpoints"
+
+
+def load_run_config(run_dir: Path) -> RunConfig:
+    """The run's saved config; a damaged or hand-edited one is a ConfigError that names the file."""
+    path = run_dir / CONFIG_FILE
+    if not path.exists():
+        raise ConfigError(f"{run_dir} is not a TuneDeck run folder (no {CONFIG_FILE})")
+    try:
+        return RunConfig.load(path)
+    except RecursionError:
+        raise ConfigError(f"{path} is nested too deeply to be a TuneDeck config") from None
+    except ConfigError as err:
+        if str(path) in err.message:
+            raise
+        raise ConfigError(f"{path}: {err.message}", err.hint) from err
+
+
+def new_run_dir(config: RunConfig) -> Path:
+    parent = Path(config.output.dir).expanduser()
+    name = config.output.name or _default_run_name(config)
+    run_dir = parent / name
+    if (run_dir / CONFIG_FILE).exists():
+        if config.output.name:
+            raise ConfigError(
+                f"run folder {run_dir} already exists", hint="pass --resume to continue it, or another --name"
+            )
+        run_dir = parent / f"{name}-{random.randrange(16**4):04x}"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        ckpt.write_text_atomic(run_dir / CONFIG_FILE, json.dumps(config.to_dict(), indent=2) + "\n")
+    except OSError as err:
+        raise ckpt.write_error(err, "run folder", run_dir) from err
+    return run_dir
+
+
+def _default_run_name(config: RunConfig) -> str:
+    model = Path(config.model.name).name or "model"
+    data = Path(config.data.path).stem or "data"
+    return f"{datetime.now():%Y%m%d-%H%M%S}-{model}-{data}"
+
+
+def write_error_log(run_dir: Path | None, err: Exception) -> Path | None:
+    if run_dir is None or not run_dir.exists():
+        return None
+    log = run_dir / "error.log"
+    try:
+        log.write_text(redact("".join(traceback.format_exception(err))), encoding="utf-8")
+    except OSError:  # a full disk must not turn the failure report into a second failure
+        return None
+    return log
+
+
+def truncate_log(path: Path, last_step: int) -> None:
+    """Drop records written after the checkpoint, so the resumed curve continues without duplicates."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text(encoding="utf-8").splitlines() if _line_step(line) <= last_step]
+    ckpt.write_text_atomic(path, "".join(line + "\n" for line in kept))
+
+
+def _line_step(line: str) -> int:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return 1 << 62  # a torn last line from a crash is dropped
+
+
+def save_adapter(model: Any, tokenizer: Any, folder: Path, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write the adapter in PEFT format (with the tokenizer) atomically; ``state_dict``: weights gathered by FSDP2."""
+    tmp = folder.with_name(f".tmp-{folder.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": state_dict} if state_dict else {}))
+        tokenizer.save_pretrained(tmp)
+        ckpt.commit_folder(tmp, folder)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    """One write per record: a kill can only tear the last line, which resuming drops."""
+    try:
+        with path.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
+    except OSError as err:
+        raise ckpt.write_error(err, f"training log {path.name}", path.parent) from err

@@ -1,0 +1,181 @@
+"""The training loop of one process: steps, evaluations, checkpoints and the final adapter, as events.
+
+:func:`train_in_process` runs a whole run in this process (one GPU or the CPU); :func:`run_rank` runs one rank
+of a multi-GPU run (started by engine.distributed.worker), the same loop with its :class:`Ranks` share of every
+step. Between two steps the loop obeys its :class:`~engine.run.control.RunControl` (stop, pause, new speed
+settings). Failures end the iterator with a :class:`~engine.events.RunFailed` event instead of an exception.
+The public entry point, which also starts multi-GPU runs, is :func:`engine.train.run`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import RunConfig
+from engine.errors import TuneDeckError
+from engine.events import (
+    CheckpointSaved,
+    Event,
+    RunFailed,
+    RunFinished,
+    RunPaused,
+    RunResumed,
+    SpeedChanged,
+    StepMetrics,
+)
+from engine.redact import known_tokens, redact_event
+from engine.run import checkpoint as ckpt
+from engine.run.control import RunControl
+from engine.run.folder import (
+    ADAPTER_DIR,
+    CHECKPOINT_DIR,
+    EVAL_FILE,
+    METRICS_FILE,
+    append_jsonl,
+    save_adapter,
+    write_error_log,
+)
+from engine.run.ranks import Ranks
+from engine.run.session import Session, start
+from engine.run.step import evaluate, train_step
+
+
+def train_in_process(config: RunConfig, run_dir: Path, resuming: bool, control: RunControl) -> Iterator[Event]:
+    """A whole run in this process, in ``run_dir`` (already holding its config.json)."""
+    session: Session | None = None
+    try:
+        session = yield from start(config, run_dir, resuming)
+        yield from _train(session, control)
+    except Exception as err:  # the user gets a message and a log, never a dead app
+        yield failure(err, session, run_dir, write_log=True)
+
+
+def run_rank(
+    config: RunConfig, run_dir: Path, resuming: bool, ranks: Ranks, device: torch.device, control: RunControl
+) -> Iterator[Event]:
+    """One rank of a multi-GPU run (started by engine.distributed.worker); only rank 0's events are shown."""
+    tokens = known_tokens()
+    session: Session | None = None
+    try:
+        session = yield from start(config, run_dir, resuming, ranks, device)
+        yield from _train(session, control)
+    except Exception as err:
+        yield redact_event(failure(err, session, run_dir, write_log=ranks.is_main), tokens)
+
+
+def failure(err: Exception, session: Session | None, run_dir: Path | None, write_log: bool) -> RunFailed:
+    step, folder = (session.step if session else 0), (str(run_dir) if run_dir else None)
+    if isinstance(err, TuneDeckError):
+        return RunFailed(err.message, err.hint, step, folder)
+    log = write_error_log(run_dir, err) if write_log else None
+    return RunFailed(
+        f"unexpected error: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
+        f"details are in {log}" if log else None,
+        step,
+        folder,
+    )
+
+
+def resumed_config(saved: RunConfig, given: RunConfig) -> RunConfig:
+    """A resumed run keeps its saved settings, except which GPUs it now runs on and how they share the model."""
+    training = dataclasses.replace(saved.training, gpus=given.training.gpus, parallel=given.training.parallel)
+    return dataclasses.replace(saved, training=training)
+
+
+def on_one_gpu(config: RunConfig, gpus: list[int]) -> RunConfig:
+    """``--gpus 3`` style lists of one GPU train in this process on that GPU."""
+    if len(gpus) != 1 or gpus[0] == 0 or config.training.device not in ("auto", "cuda"):
+        return config
+    training = dataclasses.replace(config.training, device=f"cuda:{gpus[0]}")
+    return dataclasses.replace(config, training=training)
+
+
+def _train(session: Session, control: RunControl) -> Iterator[Event]:
+    started = time.perf_counter()
+    training = session.config.training
+    while session.step < session.total_steps:
+        control.sync()
+        if control.stop_requested:
+            break
+        if control.paused:
+            yield RunPaused(session.step)
+            control.wait_while_paused()
+            if control.stop_requested:
+                break
+            yield RunResumed(session.step)
+        requested = control.take_speed_request()
+        if requested is not None:
+            session.speed.apply(requested)
+            yield SpeedChanged(session.step, session.speed.state())
+        session.ranks.inject_fault(session.step + 1)
+        metrics = yield from train_step(session)
+        if metrics is None:  # skipped: non-finite loss or gradient
+            continue
+        if session.ranks.is_main:
+            append_jsonl(session.run_dir / METRICS_FILE, _metrics_record(metrics))
+        yield metrics
+        if training.eval_every and session.step % training.eval_every == 0 and session.step < session.total_steps:
+            yield from evaluate(session)
+        if training.save_every and session.step % training.save_every == 0 and session.step < session.total_steps:
+            yield _save_checkpoint(session)
+    yield from _finish(session, time.perf_counter() - started, cancelled=session.step < session.total_steps)
+
+
+def _finish(session: Session, wall_time: float, cancelled: bool) -> Iterator[Event]:
+    if not cancelled:
+        yield from evaluate(session)
+    yield _save_checkpoint(session)
+    adapter_dir = session.run_dir / ADAPTER_DIR
+    gathered = session.ranks.full_trainable_state(session.model)
+    if session.ranks.is_main:
+        try:
+            save_adapter(session.model, session.tokenizer, adapter_dir, gathered)
+        except OSError as err:
+            raise ckpt.write_error(err, "final adapter", adapter_dir) from err
+    session.ranks.barrier()
+    yield RunFinished(
+        step=session.step,
+        run_dir=str(session.run_dir),
+        adapter_dir=str(adapter_dir),
+        final_loss=session.last_loss,
+        eval_loss=session.last_eval,
+        wall_time_s=wall_time,
+        cancelled=cancelled,
+    )
+
+
+def _save_checkpoint(session: Session) -> CheckpointSaved:
+    from peft import get_peft_model_state_dict
+
+    state = ckpt.TrainerState(
+        session.step, session.micro_batches, len(session.data.train_rows), session.total_steps, session.tokens_per_batch
+    )
+    ranks = session.ranks
+    adapter = get_peft_model_state_dict(session.model, state_dict=ranks.full_trainable_state(session.model))
+    optimizer = ranks.checkpoint_optimizer(session.optimizer)  # gathered whole under FSDP2 (a collective)
+    path = session.run_dir / CHECKPOINT_DIR / ckpt.checkpoint_name(session.step)
+    if ranks.is_main:
+        for log in (METRICS_FILE, EVAL_FILE):  # a durable checkpoint must not outlive the log lines before it
+            ckpt.fsync_file(session.run_dir / log)
+        path = ckpt.save_checkpoint(
+            session.run_dir / CHECKPOINT_DIR,
+            state,
+            adapter,
+            optimizer,
+            session.scheduler,
+            session.config.output.keep_checkpoints,
+        )
+    ranks.barrier()  # nobody goes on before the checkpoint is whole
+    return CheckpointSaved(session.step, str(path))
+
+
+def _metrics_record(metrics: StepMetrics) -> dict[str, Any]:
+    record = metrics.to_dict()
+    record.pop("kind")
+    return record

@@ -1,0 +1,219 @@
+"""Starting a run: the :class:`Session` it holds while it trains, built fresh or restored from a checkpoint.
+
+:func:`start` seeds, prepares the data, loads the base model with a fresh LoRA adapter, spreads it over the
+ranks (:class:`~engine.run.ranks.Ranks`), builds the optimizer, schedule and speed controller, and restores the
+newest whole checkpoint when resuming (damaged ones are skipped with a notice).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import RunConfig
+from engine.data.prepare import PreparedData, RowSchedule, prepare_data
+from engine.errors import ConfigError
+from engine.events import Event, Notice, RunStarted, SpeedChanged
+from engine.model.load import add_lora, count_parameters, load_base_model, load_tokenizer, pick_device, pick_dtype
+from engine.run import checkpoint as ckpt
+from engine.run import guard
+from engine.run.folder import CHECKPOINT_DIR, EVAL_FILE, METRICS_FILE, truncate_log
+from engine.run.ranks import Ranks
+from engine.run.schedule import lr_lambda
+from engine.speed import SpeedController
+
+PICKLE_WARNING = (
+    "pickle weights are allowed for this run: loading a .bin/.pt file can run code hidden in it; "
+    "only do this for models from people you trust"
+)
+
+
+@dataclass
+class Session:
+    """Everything a run holds while it trains."""
+
+    config: RunConfig
+    run_dir: Path
+    device: torch.device
+    dtype: torch.dtype
+    tokenizer: Any
+    model: Any
+    data: PreparedData
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scaler: torch.amp.GradScaler | None
+    speed: SpeedController
+    total_steps: int
+    step: int = 0
+    micro_batches: int = 0
+    schedule: RowSchedule = field(init=False)
+    last_loss: float | None = None
+    last_eval: float | None = None
+    tokens_per_batch: int = field(init=False)
+    """Largest micro-batch in tokens; lowered after an out-of-memory step (rows are then split, never reordered)."""
+    offload_tried: bool = False
+    non_finite: guard.NonFiniteCounter = field(init=False)
+    ranks: Ranks = field(default_factory=Ranks.single)
+    loss_module: torch.nn.Module | None = None
+    """DDP around the model, or the FSDP2 root; None in a one-process run."""
+
+    def __post_init__(self) -> None:
+        self.schedule = RowSchedule(len(self.data.train_rows), self.config.training.seed)
+        self.tokens_per_batch = self.config.data.tokens_per_batch
+        self.non_finite = guard.NonFiniteCounter(self.config.training.max_bad_steps)
+
+    @property
+    def trainable(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _total_steps(config: RunConfig, num_rows: int) -> int:
+    if config.training.max_steps:
+        return config.training.max_steps
+    return max(1, math.ceil(config.training.epochs * num_rows / config.training.grad_accum))
+
+
+def start(
+    config: RunConfig, run_dir: Path, resuming: bool, ranks: Ranks | None = None, device: torch.device | None = None
+) -> Generator[Event, None, Session]:
+    ranks = ranks or Ranks.single()
+    _seed_everything(config.training.seed)
+    device = device or pick_device(config.training.device)
+    dtype = pick_dtype(config.model.dtype, device)
+    config = yield from _fit_to_ranks(config, ranks, device, dtype)
+    tokenizer = load_tokenizer(config.model)
+    data = prepare_data(config.data, tokenizer, config.training.seed)
+    for message in data.notices:
+        yield Notice(message)
+    if config.model.allow_pickle_weights:
+        yield Notice(PICKLE_WARNING)
+    # FSDP2 shards from host memory, so a model too big for one card never lands whole on one
+    load_device = torch.device("cpu") if ranks.mode == "fsdp" else device
+    model = add_lora(load_base_model(config.model, load_device, dtype), config.lora, config.model.qlora)
+    model.train()
+    trainable, total = count_parameters(model)
+    ranks.shard_layers(model, device)
+    loss_module = ranks.wrap(model, device)
+    session = _make_session(config, run_dir, device, dtype, tokenizer, model, data)
+    session.ranks, session.loss_module = ranks, loss_module
+    if resuming:
+        yield from _restore(session)
+    yield RunStarted(
+        run_dir=str(run_dir),
+        device=_device_label(device, ranks),
+        dtype=str(dtype).replace("torch.", ""),
+        total_steps=session.total_steps,
+        start_step=session.step,
+        train_examples=len(data.train),
+        eval_examples=len(data.eval),
+        train_rows=len(data.train_rows),
+        packing_efficiency=data.efficiency,
+        trainable_params=trainable,
+        total_params=total,
+    )
+    yield SpeedChanged(session.step, session.speed.state())
+    return session
+
+
+def _fit_to_ranks(
+    config: RunConfig, ranks: Ranks, device: torch.device, dtype: torch.dtype
+) -> Generator[Event, None, RunConfig]:
+    """Say how the ranks share the model; FSDP2 needs every rank to run the same collectives in every step."""
+    if not ranks.distributed:
+        return config
+    yield Notice(f"training on {ranks.world} processes with {ranks.mode.upper()}: {ranks.reason}")
+    if ranks.mode != "fsdp":
+        return config
+    if dtype == torch.float16:
+        raise ConfigError("FSDP2 with float16 loss scaling is not supported", hint="use --parallel ddp")
+    if config.speed.checkpointing != "auto" or device.type != "cuda":
+        return config
+    # automatic checkpointing decides per GPU from its free memory; under FSDP2 a recompute gathers weights,
+    # so ranks deciding differently would wait on each other forever
+    yield Notice("FSDP2: activation checkpointing is fixed to standard recompute on every GPU")
+    return dataclasses.replace(config, speed=dataclasses.replace(config.speed, checkpointing="standard"))
+
+
+def _device_label(device: torch.device, ranks: Ranks) -> str:
+    if not ranks.distributed:
+        return str(device)
+    return f"{device.type} ×{ranks.world} ({ranks.mode.upper()})"
+
+
+def _make_session(
+    config: RunConfig, run_dir: Path, device: torch.device, dtype: torch.dtype, tokenizer: Any, model: Any, data: Any
+) -> Session:
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.training.learning_rate, weight_decay=config.training.weight_decay)
+    total_steps = _total_steps(config, len(data.train_rows))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(config.training.schedule, config.training.warmup_steps, total_steps)
+    )
+    scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 and device.type == "cuda" else None
+    speed = SpeedController(model, config.speed, device)
+    return Session(
+        config, run_dir, device, dtype, tokenizer, model, data, optimizer, scheduler, scaler, speed, total_steps
+    )
+
+
+def _restore(session: Session) -> Iterator[Event]:
+    """Continue from the newest whole checkpoint; damaged ones are skipped, none at all means starting over."""
+    folder = session.run_dir / CHECKPOINT_DIR
+    if session.ranks.is_main:
+        ckpt.recover_interrupted(folder)
+        ckpt.recover_interrupted(session.run_dir)
+    session.ranks.barrier()
+    for checkpoint in reversed(ckpt.list_checkpoints(folder)):
+        problem = ckpt.checkpoint_problem(checkpoint)
+        if problem is None:
+            problem = _load_checkpoint(session, checkpoint)
+        if problem is None:
+            break
+        yield Notice(f"checkpoint {checkpoint.name} was skipped: {problem}")
+    else:
+        yield Notice(f"{session.run_dir} has no usable checkpoint yet; training starts from the beginning")
+    if session.tokens_per_batch < session.config.data.tokens_per_batch:
+        yield Notice(
+            f"micro-batches stay at {session.tokens_per_batch} tokens, as lowered after running out of memory "
+            f"(data.tokens_per_batch is {session.config.data.tokens_per_batch})"
+        )
+    if session.ranks.is_main:
+        truncate_log(session.run_dir / METRICS_FILE, session.step)
+        truncate_log(session.run_dir / EVAL_FILE, session.step)
+
+
+def _load_checkpoint(session: Session, checkpoint: Path) -> str | None:
+    """Put the checkpoint's state into the session; returns why it could not be read instead of raising."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    state = ckpt.load_trainer_state(checkpoint)
+    if state.train_rows != len(session.data.train_rows):
+        raise ConfigError(
+            f"the dataset changed since {checkpoint.name}: {len(session.data.train_rows)} packed rows, "
+            f"the checkpoint was made with {state.train_rows}",
+            hint="resume with the same dataset and data settings",
+        )
+    try:
+        weights = ckpt.load_checkpoint(checkpoint, session.optimizer, session.scheduler)
+    except Exception as err:  # safetensors, pickle and OS errors all mean "this one cannot be used"
+        return f"it cannot be read ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+    session.ranks.shard_optimizer_state(session.optimizer)
+    sharded = get_peft_model_state_dict(session.model) if session.ranks.mode == "fsdp" else {}
+    weights = session.ranks.shard_like(sharded, {k: v.to(session.device) for k, v in weights.items()})
+    set_peft_model_state_dict(session.model, weights)
+    session.step, session.micro_batches = state.step, state.micro_batches
+    if 0 < state.tokens_per_batch < session.tokens_per_batch:  # memory ran short before: do not hit it again
+        session.tokens_per_batch = state.tokens_per_batch
+    return None

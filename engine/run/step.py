@@ -1,0 +1,260 @@
+"""One optimizer step of a run, and an evaluation pass over the held-out rows.
+
+A step trains on ``grad_accum`` packed rows (this rank's share of them), splits a row into smaller
+micro-batches after an out-of-memory error (engine.run.guard), skips the update when the loss or gradient is not
+finite, and reports :class:`~engine.events.StepMetrics`. The loss of a step is the sum over its trained tokens
+divided by their count over the whole step, so micro-batching and ranks never change what is learned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from engine.data.packing import IGNORE_INDEX, PackedBatch, TokenizedExample, collate
+from engine.events import EvalMetrics, Event, OomRecovered, SpeedChanged, StepMetrics, StepSkipped
+from engine.run import checkpoint as ckpt
+from engine.run import guard
+from engine.run.folder import CHECKPOINT_DIR, EVAL_FILE, append_jsonl
+from engine.run.ranks import plain_number
+from engine.run.session import Session
+
+
+def _next_rows(session: Session) -> list[int]:
+    """The packed rows of the next step (``grad_accum`` of them), advancing the data position."""
+    rows = []
+    for _ in range(session.config.training.grad_accum):
+        rows.append(session.schedule.row(session.micro_batches))
+        session.micro_batches += 1
+    return rows
+
+
+def _row_groups(examples: list[TokenizedExample], row: list[int], budget: int) -> list[list[TokenizedExample]]:
+    """One packed row's documents as micro-batches of at most ``budget`` tokens (one unless memory ran short)."""
+    return [
+        [examples[row[position]] for position in group]
+        for group in guard.split_row([len(examples[i]) for i in row], budget)
+    ]
+
+
+def _longest_document(examples: list[TokenizedExample], rows: list[list[int]]) -> int:
+    return max((len(examples[i]) for row in rows for i in row), default=1)
+
+
+def _forward_loss(session: Session, batch: PackedBatch, num_items: int) -> torch.Tensor:
+    on_device = batch.to(session.device)
+    inputs = session.speed.model_inputs(on_device)
+
+    def compute(model: torch.nn.Module) -> torch.Tensor:
+        return session.speed.loss(model, inputs, on_device.labels, num_items, positions=on_device.loss_positions)
+
+    # through DDP / the FSDP2 root, whose hooks must see the forward (the fused loss bypasses the model's own)
+    return session.loss_module(compute) if session.loss_module is not None else compute(session.model)
+
+
+def _without_labels(batch: PackedBatch) -> PackedBatch:
+    """The same tokens with nothing to learn: a padding pass that gives zero loss and zero gradient."""
+    ignored = torch.full_like(batch.labels, IGNORE_INDEX)
+    return dataclasses.replace(batch, labels=ignored, loss_positions=torch.zeros(0, dtype=torch.long))
+
+
+def _rank_batches(session: Session, per_row: list[list[list[TokenizedExample]]]) -> list[PackedBatch]:
+    """This rank's micro-batches of the step (only its own rows are collated), padded so that every rank runs
+    the same number of passes."""
+    ranks = session.ranks
+    mine = [collate(group) for row in ranks.share(per_row) for group in row]
+    if not ranks.distributed:
+        return mine
+    missing = ranks.passes([len(row) for row in per_row]) - len(mine)
+    if missing <= 0:
+        return mine
+    shortest = min((group for row in per_row for group in row), key=lambda g: sum(len(ex) for ex in g))
+    return mine + [_without_labels(collate(shortest))] * missing
+
+
+@dataclass(frozen=True)
+class StepTokens:
+    """What a step trained on, over all ranks: tokens in its rows and tokens that count in the loss."""
+
+    tokens: int
+    trained: int
+
+
+def _accumulate(session: Session, rows: list[int]) -> tuple[float, StepTokens]:
+    """Forward and backward over the step's rows (this rank's share of them); the loss is the sum over trained
+    tokens / their count over the whole step, this rank's part of it under several ranks."""
+    data = session.data
+    documents = [data.train[i] for r in rows for i in data.train_rows[r]]
+    counted = StepTokens(sum(len(ex) for ex in documents), sum(ex.trained_tokens for ex in documents))
+    per_row = [_row_groups(data.train, data.train_rows[r], session.tokens_per_batch) for r in rows]
+    mine = _rank_batches(session, per_row)
+    ranks = session.ranks
+    total = torch.zeros((), device=session.device)
+    for i, batch in enumerate(mine):
+        with ranks.accumulating(session.loss_module, last=i == len(mine) - 1):
+            loss = _forward_loss(session, batch, counted.trained)
+            scaled = loss * ranks.loss_scale if ranks.distributed else loss
+            (session.scaler.scale(scaled) if session.scaler is not None else scaled).backward()
+        total += loss.detach().float()
+    return float(total), counted
+
+
+def _accumulate_or_lower(session: Session, rows: list[int]) -> Generator[Event, None, tuple[float, StepTokens]]:
+    """Run the step's forward/backward, lowering memory use and retrying after each out-of-memory error."""
+    while True:
+        try:
+            return _accumulate(session, rows)
+        except Exception as err:
+            if not guard.is_out_of_memory(err):
+                raise
+            if session.ranks.distributed:  # the other ranks are already waiting in this step's collectives
+                raise guard.out_of_memory_error(session.step + 1, session.tokens_per_batch) from err
+        # outside the except block: the traceback (and the activations its frames hold) is gone by now
+        guard.release_memory(session.optimizer, session.device)
+        yield from _lower_memory(session, [session.data.train_rows[r] for r in rows], session.data.train)
+
+
+def _lower_memory(session: Session, rows: list[list[int]], examples: list[TokenizedExample]) -> Iterator[Event]:
+    offloaded = session.speed.state().get("checkpointing", {}).get("mode") == "offloaded"
+    longest = _longest_document(examples, rows)
+    action = guard.next_oom_action(session.tokens_per_batch, longest, session.offload_tried or offloaded)
+    if action is None:
+        raise guard.out_of_memory_error(session.step + 1, session.tokens_per_batch)
+    message = action.describe(session.tokens_per_batch)
+    session.tokens_per_batch = action.tokens_per_batch
+    yield OomRecovered(session.step + 1, action.kind, action.tokens_per_batch, message)
+    if action.kind == guard.OFFLOADED_CHECKPOINTING:
+        session.offload_tried = True
+        session.speed.apply(dataclasses.replace(session.speed.settings, checkpointing="offloaded"))
+        yield SpeedChanged(session.step, session.speed.state())
+
+
+def _clip_gradients(session: Session) -> float:
+    max_norm = session.config.training.max_grad_norm or math.inf
+    if session.scaler is not None:
+        session.scaler.unscale_(session.optimizer)
+    return plain_number(torch.nn.utils.clip_grad_norm_(session.trainable, max_norm))
+
+
+def _optimizer_step(session: Session) -> None:
+    if session.scaler is not None:
+        session.scaler.step(session.optimizer)
+        session.scaler.update()
+    else:
+        session.optimizer.step()
+    session.scheduler.step()
+    session.optimizer.zero_grad(set_to_none=True)
+
+
+def _is_bad_step(session: Session, loss: float, grad_norm: float) -> bool:
+    # With fp16 loss scaling, inf gradients are the scaler's business: it skips the step and lowers the scale.
+    return not math.isfinite(loss) or (session.scaler is None and not math.isfinite(grad_norm))
+
+
+def _skip_update(session: Session, loss: float, grad_norm: float) -> StepSkipped:
+    """Throw the step's gradients away; the weights, optimizer moments and learning-rate schedule stay as they were."""
+    session.optimizer.zero_grad(set_to_none=True)
+    if session.scaler is not None:
+        session.scaler.update()
+    counter = session.non_finite
+    counter.bad(session.step + 1)
+    return StepSkipped(session.step + 1, loss, grad_norm, counter.in_a_row, counter.total)
+
+
+def _last_checkpoint(session: Session) -> str | None:
+    found = ckpt.list_checkpoints(session.run_dir / CHECKPOINT_DIR)
+    return str(found[-1]) if found else None
+
+
+def train_step(session: Session) -> Generator[Event, None, StepMetrics | None]:
+    """One optimizer step over ``grad_accum`` packed rows; None when the update was skipped (non-finite)."""
+    if session.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(session.device)
+    start = time.perf_counter()
+    learning_rate = float(session.scheduler.get_last_lr()[0])
+    rows = _next_rows(session)
+    loss_value, counted = yield from _accumulate_or_lower(session, rows)
+    rank_memory: list[int] | None = None
+    if session.ranks.distributed:  # one small all-reduce: the step's loss and every rank's peak memory
+        loss_value, rank_memory = session.ranks.reduce_step(loss_value, _memory_bytes(session.device))
+    grad_norm = _clip_gradients(session)
+    if _is_bad_step(session, loss_value, grad_norm):
+        yield _skip_update(session, loss_value, grad_norm)
+        if session.non_finite.exhausted:
+            raise session.non_finite.error(_last_checkpoint(session))
+        return None
+    session.non_finite.good()
+    _optimizer_step(session)
+    elapsed = time.perf_counter() - start
+    session.step += 1
+    session.last_loss = loss_value
+    tokens = counted.tokens
+    return StepMetrics(
+        step=session.step,
+        total_steps=session.total_steps,
+        epoch=session.schedule.epoch(session.micro_batches),
+        loss=loss_value,
+        learning_rate=learning_rate,
+        grad_norm=grad_norm,
+        tokens=tokens,
+        trained_tokens=counted.trained,
+        step_time_s=elapsed,
+        tokens_per_s=tokens / elapsed if elapsed > 0 else 0.0,
+        memory_bytes=max(rank_memory) if rank_memory else _memory_bytes(session.device),
+        rank_memory_bytes=rank_memory,
+    )
+
+
+def _memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+@torch.no_grad()
+def evaluate_loss(session: Session) -> tuple[float, int] | None:
+    """Mean loss per trained token over the held-out rows, or None without an eval split."""
+    data = session.data
+    groups = [[g] for row in data.eval_rows for g in _row_groups(data.eval, row, session.tokens_per_batch)]
+    if not groups:
+        return None
+    mine = _rank_batches(session, groups)
+    session.model.eval()
+    total, tokens = 0.0, 0
+    try:
+        for batch in mine:
+            n = batch.trained_tokens
+            loss = _forward_loss(session, batch, max(n, 1))  # a padding pass (n == 0) only keeps ranks in step
+            if n:
+                total += float(loss) * n
+                tokens += n
+    finally:
+        session.model.train()
+    total, all_tokens = session.ranks.reduce_sums(total, tokens)
+    return total / max(all_tokens, 1), int(all_tokens)
+
+
+def evaluate(session: Session) -> Iterator[Event]:
+    while True:
+        try:
+            result = evaluate_loss(session)
+            break
+        except Exception as err:
+            if not guard.is_out_of_memory(err):
+                raise
+        guard.release_memory(session.optimizer, session.device)
+        yield from _lower_memory(session, session.data.eval_rows, session.data.eval)
+    if result is None:
+        return
+    loss, tokens = result
+    session.last_eval = loss
+    if session.ranks.is_main:
+        append_jsonl(session.run_dir / EVAL_FILE, {"step": session.step, "eval_loss": loss, "tokens": tokens})
+    yield EvalMetrics(session.step, loss, tokens)
