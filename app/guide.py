@@ -14,8 +14,8 @@ from typing import Any, Protocol
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPushButton, QSizePolicy
 
-READY_COLOUR = "#1b7f3b"
-MISSING_COLOUR = "#8a5a00"
+READY_COLOUR = "#2f9a4e"  # mid-tones: they read on the light and the dark look
+MISSING_COLOUR = "#b7791f"
 MAX_STEP_TEXT = 52
 STEP_STYLE = "QPushButton {{ text-align: left; padding: 2px 10px; color: {colour}; }}"
 

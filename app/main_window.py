@@ -150,8 +150,11 @@ class MainWindow(QMainWindow):
         """Light or dark: the palette for every widget, and every chart recoloured from it."""
         self.dark = dark
         apply_look(dark)
-        self.nav.setStyleSheet("")  # a widget with a style sheet keeps the colours it was polished with
-        self.nav.setStyleSheet(NAV_STYLE)
+        for widget in self.findChildren(QWidget):  # a widget with a style sheet keeps the colours it was polished
+            sheet = widget.styleSheet()  # with: set its sheet again to take the new palette
+            if sheet:
+                widget.setStyleSheet("")
+                widget.setStyleSheet(sheet)
         style_plots([self])
 
     def _scheme_changed(self, scheme: Qt.ColorScheme) -> None:

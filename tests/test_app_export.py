@@ -13,7 +13,7 @@ from app_fixtures import no_dangling_qthreads  # noqa: F401
 from test_chat import train_tiny_run
 
 import engine.export
-from engine.registry import Registry
+from engine.run.registry import Registry
 
 TIMEOUT_MS = 120_000
 

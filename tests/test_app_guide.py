@@ -85,7 +85,7 @@ def test_the_guide_names_what_is_missing(qtbot: Any, window: Any) -> None:
     assert "Choose a dataset (the demo model brings its own)" in guide.buttons[1].toolTip()
     assert guide.next.text().startswith("Next: Choose a model")
     guide.buttons[2].click()
-    assert window.pages.currentWidget() is window.setup_panel
+    assert window.pages.currentWidget().panel is window.setup_panel
 
 
 def test_the_demo_runs_to_the_end_in_three_clicks(qtbot: Any, window: Any) -> None:
@@ -103,7 +103,7 @@ def test_the_demo_runs_to_the_end_in_three_clicks(qtbot: Any, window: Any) -> No
     assert window.setup_panel.recipe_name() == "Demo" and window.data_panel.auto_demo
 
     guide.buttons[0].click()  # 1: the Model step
-    assert window.pages.currentWidget() is window.model_panel
+    assert window.pages.currentWidget().panel is window.model_panel
     assert window.model_panel.selected_name() == "demo"
     window.model_panel.use.click()  # 2: use the demo (its dataset and recipe follow)
     qtbot.waitUntil(guide.start_button.isEnabled, timeout=LOAD_TIMEOUT_MS)
@@ -114,7 +114,7 @@ def test_the_demo_runs_to_the_end_in_three_clicks(qtbot: Any, window: Any) -> No
     window.setup_panel.form.editor("training.save_every").setValue(0)
     guide.start_button.click()  # 3: start
     qtbot.waitUntil(lambda: window.controller.state == rc.RUNNING, timeout=LOAD_TIMEOUT_MS)
-    assert window.pages.currentWidget() is window.run_panel
+    assert window.pages.currentWidget().panel is window.run_panel
     assert not guide.start_button.isEnabled() and "A run is going" in guide.next.text()
     qtbot.waitUntil(lambda: window.controller.state == rc.FINISHED, timeout=LOAD_TIMEOUT_MS)
     assert finished and not finished[-1].cancelled and finished[-1].step == 4

@@ -15,7 +15,7 @@ from test_chat import train_tiny_run
 
 from app import run_controller as rc
 from engine.events import CheckpointSaved, Notice
-from engine.registry import Registry
+from engine.run.registry import Registry
 
 pytest_plugins = ["app_fixtures"]
 
