@@ -45,6 +45,12 @@ def describe_error(err: BaseException) -> ErrorInfo:
             f"out of memory: {text or type(err).__name__}",
             "lower tokens per batch or max sequence length, or turn on QLoRA or checkpointing",
         )
+    if isinstance(err, ModuleNotFoundError) and err.name:
+        package = err.name.split(".")[0]
+        return ErrorInfo(
+            f"a package TuneDeck needs is not installed: {package}",
+            f"install it into TuneDeck's environment (pip install {package}), or reinstall TuneDeck",
+        )
     if isinstance(err, FileNotFoundError):
         return ErrorInfo(f"file not found: {err.filename or text}", "check the path and pick the file again")
     return ErrorInfo(f"{type(err).__name__}: {text}" if text else type(err).__name__, None)

@@ -170,3 +170,24 @@ def test_the_runs_page_exports_the_selected_run(qtbot: Any, run_folder: Path, tm
     assert dialog is not None and dialog.run_folder == Path(view.records[0].folder)
     assert "tiny run" in dialog.windowTitle()
     dialog.reject()
+
+
+def test_gguf_through_the_engine_writes_the_file_and_its_modelfile(
+    qtbot: Any, dialog: Any, run_folder: Path, tmp_path: Path
+) -> None:
+    if not callable(getattr(engine.export, "export_gguf", None)):
+        pytest.skip("this engine has no GGUF export")
+    assert dialog.kinds["gguf"].isEnabled()
+    dialog.kinds["gguf"].setChecked(True)
+    dialog.quant.setCurrentText("q8_0")
+    export(qtbot, dialog, "gguf", tmp_path / "gguf")
+    assert dialog.error.text() == "", dialog.error.text()
+    assert list((tmp_path / "gguf").glob("*.gguf")) and (tmp_path / "gguf" / "Modelfile").exists()
+    assert "ollama create" in dialog.status.text()
+
+
+def test_a_missing_package_is_named_with_how_to_install_it() -> None:
+    from app.worker import describe_error
+
+    info = describe_error(ModuleNotFoundError("No module named 'gguf.constants'", name="gguf.constants"))
+    assert info.message == "a package TuneDeck needs is not installed: gguf" and "pip install gguf" in info.hint
