@@ -25,7 +25,6 @@ import argparse
 import dataclasses
 import gc
 import json
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -34,7 +33,7 @@ from typing import Any
 
 import torch
 
-from engine.bench.speed import count_syncs, log_row, timing_turn
+from engine.bench.speed import log_row, time_steps, timing_turn, train_step
 from engine.config import SpeedConfig
 from engine.hardware.shapes import BUILTIN_CONFIGS
 
@@ -92,43 +91,23 @@ def rows_of(tokens: int, vocab: int, count: int, seed: int = 0) -> list[Any]:
     return [one_document(tokens, vocab, seed=seed + i) for i in range(count)]
 
 
-def train_step(model: Any, controller: Any, batch: Any, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-    inputs = controller.model_inputs(batch)
-    loss = controller.loss(model, inputs, batch.labels, batch.trained_tokens, positions=batch.loss_positions)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss.detach()
-
-
 def cap_memory(cap_gib: float | None, device: torch.device) -> None:
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, (cap_gib or 1e9) * GIB / total), device)
 
 
-def measure(step: Callable[[], torch.Tensor], warmup: int, steps: int, device: torch.device) -> dict[str, Any]:
-    """Median ms/step after warm-up, the peak over the timed steps, and syncs in one more step (warm-up only when
-    ``steps`` is 0: the compile pass)."""
+def measure(step: Callable[[], object], warmup: int, steps: int) -> dict[str, Any]:
+    """:func:`engine.bench.speed.time_steps` with the peak under this report's key; only the warm-up when ``steps``
+    is 0 (the compile pass)."""
+    if steps:
+        result = time_steps(step, warmup, steps)
+        result["peak_gib"] = result.pop("peak_vram_gib")
+        return result
     start = time.perf_counter()
     for _ in range(warmup):
         step()
-    torch.cuda.synchronize(device)
-    result: dict[str, Any] = {"warmup_s": time.perf_counter() - start}
-    if steps == 0:
-        return result
-    torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        torch.cuda.synchronize(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    result.update(ms_per_step=statistics.median(times), ms_all=times)
-    result["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
-    with count_syncs() as syncs:
-        step()
-    result["syncs"] = syncs[0]
-    return result
+    torch.cuda.synchronize()
+    return {"warmup_s": time.perf_counter() - start}
 
 
 def planned_peak_gib(name: str, state: dict[str, Any], tokens: int) -> float | None:
@@ -170,7 +149,7 @@ def run_variant(
         cap_memory(cap, device)
         controller.apply(variant_settings(variant))  # automatic choices see the cap
         batch = rows_of(tokens, model.config.vocab_size, 1)[0].to(device)
-        row.update(measure(lambda: train_step(model, controller, batch, optimizer), args.warmup, args.steps, device))
+        row.update(measure(lambda: train_step(model, controller, batch, optimizer), args.warmup, args.steps))
         row["state"] = controller.state()
         if args.steps:
             row["planned_peak_gib"] = planned_peak_gib(who.name, row["state"], tokens)

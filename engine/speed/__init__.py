@@ -110,7 +110,7 @@ class SpeedController:
         self._fused_kernels = False
         self.region_compiler = fused_kernels.RegionCompiler()
         self._auto_checkpointing_tokens = 0
-        self.chunked = chunked_mlp.ChunkedModules(self.hf_model)
+        self.chunked = chunked_mlp.ChunkedModules(self.hf_model, flag=self.offloader.recompute)
         self._longest_tokens = 0
         self.host_embedding = HostEmbedding(self.hf_model, self.device)
         self.lora_16bit = Lora16Bit(model)

@@ -37,7 +37,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from engine.hardware import planner
-from engine.speed.offloaded_checkpoint import ReplayState, recomputing_offloaded_layer
+from engine.speed.offloaded_checkpoint import RecomputeFlag, ReplayState
+from engine.speed.stand_in import StandIn
 
 __all__ = [
     "AUTO_MIN_TOKENS",
@@ -146,39 +147,42 @@ class _ChunkedRun(torch.autograd.Function):
         return (None, None, None, grad_in, *sums)
 
 
-class TokenChunked(torch.nn.Module):
-    """Stands in for a per-token module and runs it over chunks of the sequence.
+class TokenChunked(StandIn):
+    """Stands in for a per-token module and runs it over chunks of the sequence (names unchanged: :class:`StandIn`).
 
-    It shares the wrapped module's child, parameter and buffer dictionaries, so the tree below it (and every
-    name in it) is the same as before; the wrapped module itself is kept unregistered.
+    ``flag`` is the offloader's: while it is set, an offloaded layer is recomputing.
     """
 
-    def __init__(self, wrapped: torch.nn.Module, chunk_tokens: int, feeds_residual_only: bool = False) -> None:
-        super().__init__()
-        object.__setattr__(self, "wrapped", wrapped)
-        self._modules = wrapped._modules
-        self._parameters = wrapped._parameters
-        self._buffers = wrapped._buffers
+    def __init__(
+        self,
+        wrapped: torch.nn.Module,
+        chunk_tokens: int,
+        feeds_residual_only: bool = False,
+        flag: RecomputeFlag | None = None,
+    ) -> None:
+        super().__init__(wrapped)
         self.chunk_tokens = chunk_tokens
         self.feeds_residual_only = feeds_residual_only
         """The output goes straight into the layer's residual sum (a Llama-style MLP): an offloaded layer's
         recompute may skip computing it."""
-        self.training = wrapped.training
+        self.flag = flag or RecomputeFlag()
 
     def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         length = hidden.shape[-2] if hidden.dim() >= 2 else 0
         if args or kwargs or not torch.is_grad_enabled() or length <= self.chunk_tokens:
             return chunked_call(self.wrapped, hidden, self.chunk_tokens, *args, **kwargs)
         params = [p for p in self.wrapped.parameters() if p.requires_grad]
-        discard = self.feeds_residual_only and recomputing_offloaded_layer()
+        discard = self.feeds_residual_only and self.flag.active
         return _ChunkedRun.apply(self.wrapped, self.chunk_tokens, discard, hidden, *params)
-
-    def train(self, mode: bool = True) -> TokenChunked:
-        self.wrapped.training = mode
-        return super().train(mode)
 
     def extra_repr(self) -> str:
         return f"{type(self.wrapped).__name__} in chunks of {self.chunk_tokens} tokens"
+
+
+def feeds_residual_only(layer: torch.nn.Module) -> bool:
+    """The decoder layer adds its MLP's output straight to the residual stream (no norm of that output after it,
+    as Gemma-style layers have), so a recompute that throws the layer's output away never reads it."""
+    return not hasattr(layer, "post_feedforward_layernorm")
 
 
 def _is_dense_mlp(module: torch.nn.Module) -> bool:
@@ -220,6 +224,8 @@ class ChunkedModules:
     mlp_only: bool = False
     chunk_tokens: int | None = None
     """A chunk size asked for explicitly; later installs keep it (otherwise :func:`choose_chunk_tokens`)."""
+    flag: RecomputeFlag = field(default_factory=RecomputeFlag)
+    """The offloader's recompute flag (the speed controller passes it), read by every stand-in."""
 
     @property
     def on(self) -> bool:
@@ -247,8 +253,8 @@ class ChunkedModules:
         for parent, name, module in list(per_token_targets(self.hf_model, mlp_only)):
             if isinstance(module, TokenChunked):  # left behind by an earlier controller
                 module = module.wrapped
-            residual_only = name == "mlp" and not hasattr(parent, "post_feedforward_layernorm")
-            wrapper = TokenChunked(module, chunk_tokens, feeds_residual_only=residual_only)
+            residual_only = name == "mlp" and feeds_residual_only(parent)
+            wrapper = TokenChunked(module, chunk_tokens, feeds_residual_only=residual_only, flag=self.flag)
             parent._modules[name] = wrapper
             self.installed.append((parent, name, wrapper))
         return len(self.installed)

@@ -9,7 +9,7 @@ sends the looked-up rows (tokens x hidden, 8 KB a token for 8B) back to the GPU.
 copy per micro-batch, about 10 ms for 14k tokens, small beside a long row's step of seconds. The ids come from the
 batch's host copy (:attr:`engine.data.packing.PackedBatch.host_input_ids`, staged by the speed controller) and the rows
 go up from pinned memory without blocking, so the lookup adds no host sync. Automatic: on where the table is a
-large share of the GPU's memory (:data:`AUTO_TABLE_SHARE`; 13% for Llama-3.1-8B on an 8 GiB card), off elsewhere.
+large share of the GPU's memory (:data:`AUTO_TABLE_SHARE`; 12% for Llama-3.1-8B on an 8 GiB card), off elsewhere.
 
 Not for a trained embedding (its gradient would land in host memory) or one tied to the output head, which
 needs the same table on the GPU. Switching off moves the table back and removes the hooks.

@@ -35,7 +35,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engine.speed.chunked_mlp import feeds_residual_only
+from engine.speed.fused_kernels import decoder_layers
 from engine.speed.offloaded_checkpoint import RecomputeFlag
+from engine.speed.stand_in import StandIn
 
 __all__ = [
     "FrozenProjection",
@@ -104,19 +107,11 @@ class _DequantizedOnce(torch.autograd.Function):
         return grad @ dense.to(grad.dtype), None, None, None
 
 
-class FrozenProjection(torch.nn.Module):
-    """Stands in for a frozen base projection (``nn.Linear`` or bitsandbytes ``Linear4bit``).
-
-    Shares the wrapped module's parameter, buffer and child dictionaries, so the tree's names are unchanged; the
-    wrapped module itself is kept unregistered.
-    """
+class FrozenProjection(StandIn):
+    """Stands in for a frozen base projection (``nn.Linear`` or bitsandbytes ``Linear4bit``), names unchanged."""
 
     def __init__(self, wrapped: torch.nn.Module, flag: RecomputeFlag, output_unread: bool) -> None:
-        super().__init__()
-        object.__setattr__(self, "wrapped", wrapped)
-        self._modules = wrapped._modules
-        self._parameters = wrapped._parameters
-        self._buffers = wrapped._buffers
+        super().__init__(wrapped)
         self.flag = flag
         self.output_unread = output_unread
         """The output only feeds the layer's residual sum, which an offloaded layer's recompute throws away."""
@@ -124,7 +119,6 @@ class FrozenProjection(torch.nn.Module):
         self.dequant_once = False
         self.quantized = is_4bit(wrapped)
         self.out_features = int(getattr(wrapped, "out_features", 0))
-        self.training = wrapped.training
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.flag.active and not args and not kwargs:
@@ -144,17 +138,8 @@ class FrozenProjection(torch.nn.Module):
         out = _DequantizedOnce.apply(x.to(compute), weight, state, self.wrapped.bias)
         return out.to(x.dtype)
 
-    def train(self, mode: bool = True) -> FrozenProjection:
-        self.wrapped.training = mode
-        return super().train(mode)
-
     def extra_repr(self) -> str:
         return f"{type(self.wrapped).__name__}, output unread in recompute: {self.output_unread}"
-
-
-def _mlp_output_unread(layer: torch.nn.Module) -> bool:
-    """The layer adds its MLP's output straight to the residual stream (no norm of the MLP's output after it)."""
-    return not hasattr(layer, "post_feedforward_layernorm")
 
 
 def _dense_mlp(layer: torch.nn.Module) -> torch.nn.Module | None:
@@ -169,9 +154,9 @@ def _dense_mlp(layer: torch.nn.Module) -> torch.nn.Module | None:
 def frozen_projections(hf_model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, str, torch.nn.Module, bool]]:
     """(parent, attribute, frozen linear, output unread in recompute) for every frozen projection of the decoder
     layers that either part can act on: the base layer under a LoRA adapter, or a frozen linear that has none."""
-    for layer in _decoder_layers(hf_model):
+    for layer in decoder_layers(hf_model):
         mlp = _dense_mlp(layer)
-        down = getattr(mlp, "down_proj", None) if mlp is not None and _mlp_output_unread(layer) else None
+        down = getattr(mlp, "down_proj", None) if mlp is not None and feeds_residual_only(layer) else None
         for owner in layer.modules():
             for name, child in list(owner.named_children()):
                 base = child.wrapped if isinstance(child, FrozenProjection) else child
@@ -182,18 +167,12 @@ def frozen_projections(hf_model: torch.nn.Module) -> Iterator[tuple[torch.nn.Mod
                     yield owner, name, base, unread
 
 
-def _decoder_layers(hf_model: torch.nn.Module) -> list[torch.nn.Module]:
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    return [module for module in hf_model.modules() if isinstance(module, GradientCheckpointingLayer)]
-
-
 def layer_dequant_bytes(hf_model: torch.nn.Module) -> int:
     """16-bit bytes of one decoder layer's 4-bit projections whose outputs are read in recompute: what
     dequantize-once keeps alive at a time (the average over layers)."""
     total = sum(base.in_features * base.out_features * 2 for _, _, base, unread in frozen_projections(hf_model)
                 if is_4bit(base) and not unread)  # fmt: skip
-    return total // max(1, len(_decoder_layers(hf_model)))
+    return total // max(1, len(decoder_layers(hf_model)))
 
 
 def lean_recompute_resolve(requested: bool | None, checkpointing: str) -> tuple[bool, str]:

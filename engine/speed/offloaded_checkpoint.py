@@ -17,7 +17,6 @@ where plain recompute runs instead. Modes: none, standard (recompute), offloaded
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import os
 from collections.abc import Callable, Iterator
@@ -33,20 +32,14 @@ MODES = ("none", "standard", "offloaded")
 MIN_OFFLOAD_BYTES = 8 << 20
 """Below 8 MiB per layer input (e.g. 4k tokens × 1k hidden in bf16) offloading saves too little to pay for itself."""
 
-_RECOMPUTING = contextvars.ContextVar("tunedeck_recomputing_layer", default=False)
-
-
-def recomputing_offloaded_layer() -> bool:
-    """True while backward recomputes an offloaded layer: its outputs are thrown away, only what the layer's
-    operations save for their gradients is used (engine.speed.chunked_mlp skips the MLP's output then)."""
-    return _RECOMPUTING.get()
-
 
 @dataclass
 class RecomputeFlag:
-    """Whether an offloaded layer is being recomputed right now, as a plain attribute: compiled regions guard on
-    it (and compile one graph per value), where reading a ContextVar would break their graphs. Each
-    :class:`ActivationOffloader` owns one; :mod:`engine.speed.lean_recompute` reads it."""
+    """Whether backward is recomputing an offloaded layer right now: its outputs are thrown away, only what the
+    layer's operations save for their gradients is used (the chunked MLP and lean recompute skip work then).
+
+    A plain attribute: compiled regions guard on it (one graph per value), where reading a ContextVar would break
+    their graphs. Each :class:`ActivationOffloader` owns one and hands it to the modules that read it."""
 
     active: bool = False
 
@@ -278,7 +271,6 @@ class _OffloadedLayer(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         hidden = ctx.offloader.fetch(ctx.slot).detach().requires_grad_(ctx.needs_input_grad[2])
-        token = _RECOMPUTING.set(True)
         flag = ctx.offloader.recompute
         flag.active = True
         try:
@@ -286,7 +278,6 @@ class _OffloadedLayer(torch.autograd.Function):
                 out = ctx.run(hidden)
         finally:
             flag.active = False
-            _RECOMPUTING.reset(token)
         outs = out if isinstance(out, tuple) else (out,)
         pairs = [(o, g) for o, g in zip(outs, grads, strict=False) if isinstance(o, torch.Tensor) and o.requires_grad]
         pairs = [(o, g) for o, g in pairs if g is not None]
