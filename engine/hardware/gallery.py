@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
-from engine.config import DEMO_MODEL
+from engine.config import DEMO_MODEL, demo_model_dir
 from engine.hardware.detect import HardwareInfo
 from engine.hardware.profile import DeviceTarget, build_profile
 from engine.hardware.shapes import BUILTIN_CONFIGS, ModelShape
@@ -68,16 +67,9 @@ def find_entry(name: str) -> GalleryModel | None:
     return None
 
 
-def demo_model_config() -> Path:
-    """The demo model's config.json, found without importing torch."""
-    import resources
-
-    return Path(resources.__file__).parent / "demo" / "model" / "config.json"
-
-
 def gallery_shape(entry: GalleryModel) -> ModelShape:
     if entry.is_demo:
-        raw = json.loads(demo_model_config().read_text(encoding="utf-8"))
+        raw = json.loads((demo_model_dir() / "config.json").read_text(encoding="utf-8"))
         return ModelShape.from_config_dict(raw, DEMO_MODEL)
     return ModelShape.from_config_dict(BUILTIN_CONFIGS[entry.key], entry.key)
 
