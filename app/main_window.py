@@ -28,6 +28,7 @@ from PySide6.QtWidgets import (
 from app.app_state import AppState
 from app.data_panel import DataPanel
 from app.export_panel import ExportDialog
+from app.gui_gc import collect_on_gui_thread
 from app.guide import GuideBar
 from app.hardware_panel import HardwarePanel
 from app.icon import app_icon
@@ -221,6 +222,7 @@ def run_app(argv: Sequence[str]) -> int:
     app = existing if isinstance(existing, QApplication) else QApplication(list(argv))
     app.setApplicationName("TuneDeck")
     app.setWindowIcon(app_icon())
+    collect_on_gui_thread(app)  # worker threads must never be the ones that destroy widgets
     window = MainWindow()
     install_error_hook(window)
     window.show()

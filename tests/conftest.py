@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import build_model, build_tokenizer, write_jsonl
@@ -24,6 +27,24 @@ from PySide6.QtCore import QSettings  # noqa: E402  (after QT_QPA_PLATFORM)
 
 # The window's remembered size and page go to a throwaway folder, never the user's settings.
 QSettings.setPath(QSettings.Format.IniFormat, QSettings.Scope.UserScope, tempfile.mkdtemp(prefix="tunedeck-qt-"))
+
+
+@pytest.fixture(scope="session")
+def qapp(qapp: Any) -> Any:
+    """pytest-qt's application, collecting garbage on its GUI thread only, as the app does (app.gui_gc)."""
+    from app.gui_gc import collect_on_gui_thread
+
+    collect_on_gui_thread(qapp)
+    return qapp
+
+
+@pytest.fixture(autouse=True)
+def collect_garbage_between_tests() -> Iterator[None]:
+    """With the automatic collector off (once a Qt test ran), a test's cyclic garbage, widgets included, is
+    collected here on the main thread before the next test starts its worker threads."""
+    yield
+    if not gc.isenabled():
+        gc.collect()
 
 
 @pytest.fixture(autouse=True)
