@@ -39,7 +39,8 @@ def test_stopping_gives_collection_back_to_python() -> None:
     from app.gui_gc import GuiThreadCollector
 
     was_enabled = gc.isenabled()
-    collector = GuiThreadCollector(QObject())
+    owner = QObject()
+    collector = GuiThreadCollector(owner)
     assert not gc.isenabled()
     collector.stop()
     assert gc.isenabled()
