@@ -41,10 +41,12 @@ def qapp(qapp: Any) -> Any:
 @pytest.fixture(autouse=True)
 def collect_garbage_between_tests() -> Iterator[None]:
     """With the automatic collector off (once a Qt test ran), a test's cyclic garbage, widgets included, is
-    collected here on the main thread before the next test starts its worker threads."""
+    collected here on the main thread before the next test starts its worker threads: the young generations, where
+    it still is (a full collection after every test added minutes to the suite); the application's timer collects
+    the oldest one when it is due."""
     yield
     if not gc.isenabled():
-        gc.collect()
+        gc.collect(1)
 
 
 @pytest.fixture(autouse=True)
