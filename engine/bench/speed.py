@@ -95,8 +95,9 @@ MOE_MODES = {"eager": "eager", "stock_grouped_mm": "grouped_mm", "bincount": "bi
 
 
 @contextmanager
-def count_syncs() -> Iterator[list[int]]:
-    """Counts device->host synchronisations (CUDA sync debug mode warnings) inside the block."""
+def count_syncs(sites: list[str] | None = None) -> Iterator[list[int]]:
+    """Counts device->host synchronisations (CUDA sync debug mode warnings) inside the block; ``sites`` receives
+    where each one came from (``file:line`` of the Python call that synchronised)."""
     counter = [0]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -106,7 +107,10 @@ def count_syncs() -> Iterator[list[int]]:
         finally:
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("default")
-    counter[0] = sum("synchronizing" in str(w.message) for w in caught)
+    syncs = [w for w in caught if "synchronizing" in str(w.message)]
+    counter[0] = len(syncs)
+    if sites is not None:
+        sites.extend(f"{Path(w.filename).name}:{w.lineno}" for w in syncs)
 
 
 def time_steps(step: Callable[[], None], warmup: int, steps: int) -> dict[str, Any]:
@@ -126,7 +130,8 @@ def time_steps(step: Callable[[], None], warmup: int, steps: int) -> dict[str, A
         torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
     peak = torch.cuda.max_memory_allocated()
-    with count_syncs() as syncs:
+    sites: list[str] = []
+    with count_syncs(sites) as syncs:
         step()
     return {
         "ms_per_step": statistics.median(times),
@@ -134,6 +139,7 @@ def time_steps(step: Callable[[], None], warmup: int, steps: int) -> dict[str, A
         "warmup_s": warmup_s,
         "peak_vram_gib": peak / 2**30,
         "syncs": syncs[0],
+        "sync_sites": sites,
     }
 
 
