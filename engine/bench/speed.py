@@ -105,8 +105,9 @@ def count_syncs(sites: list[str] | None = None) -> Iterator[list[int]]:
         try:
             yield counter
         finally:
-            torch.cuda.synchronize()
+            # the debug mode goes off first: torch.cuda.synchronize() itself is reported as a sync (once per process)
             torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize()
     syncs = [w for w in caught if "synchronizing" in str(w.message)]
     counter[0] = len(syncs)
     if sites is not None:
