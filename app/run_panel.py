@@ -56,7 +56,7 @@ def format_eta(seconds: float) -> str:
 SHORT_NAMES = {"metadata_cache": "cache", "fused_loss": "fused loss", "fused_kernels": "kernels",
                "lora_16bit": "lora 16-bit", "chunked_mlp": "chunked mlp",
                "host_embedding": "host embedding", "lean_recompute": "lean recompute",
-               "dequant_once": "dequant once"}  # fmt: skip
+               "dequant_once": "dequant once", "keep_attention": "kept attention"}  # fmt: skip
 
 
 def speed_label(before: dict[str, dict[str, object]], after: dict[str, dict[str, object]]) -> str:

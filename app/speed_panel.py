@@ -42,6 +42,7 @@ SHORT_TITLES = {
     "host_embedding": "host embedding",
     "lean_recompute": "lean recompute",
     "dequant_once": "dequant once",
+    "keep_attention": "kept attention",
     "moe_routing": "MoE routing",
 }
 Checkpointing = Literal["auto", "none", "standard", "offloaded"]

@@ -233,6 +233,12 @@ class SpeedConfig:
         "offloaded checkpointing when one layer's 16-bit weights fit easily)",
         flag="--dequant-once",
     )
+    keep_attention: bool | None = setting(
+        None,
+        "under offloaded checkpointing, keep what each layer's attention saves for backward in host memory, so "
+        "backward recomputes only the MLPs (automatic: on where it fits in pinned host memory and GPU memory)",
+        flag="--keep-attention",
+    )
 
 
 @dataclass

@@ -47,8 +47,11 @@ AUTO = SpeedConfig()
 STOCK = SpeedConfig(
     metadata_cache=False, checkpointing="standard", moe_routing="stock", fused_loss=False, chunked_mlp=False,
     host_embedding=False, lora_16bit=False, fused_kernels=False, lean_recompute=False, dequant_once=False,
+    keep_attention=False,
 )  # fmt: skip
-ABLATED = ("fused_kernels", "lean_recompute", "dequant_once", "host_embedding", "fused_loss", "metadata_cache")
+ABLATED = (
+    "keep_attention", "fused_kernels", "lean_recompute", "dequant_once", "host_embedding", "fused_loss", "metadata_cache"
+)  # fmt: skip
 """Switches whose worth ``auto-X`` measures (each turned off alone)."""
 WHOLE_ROW = "whole_row"
 """``auto-whole_row``: the varlen kernel asked for explicitly, so a one-document row does not take SDPA's causal

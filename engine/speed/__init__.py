@@ -26,6 +26,7 @@ from engine.speed import (
     chunked_mlp,
     fused_kernels,
     fused_loss,
+    kept_attention,
     lean_recompute,
     lora_16bit,
     metadata_cache,
@@ -101,6 +102,7 @@ class SpeedController:
         self.offloader = ActivationOffloader(
             self.device,
             min_offload_bytes=0 if self.device.type == "cpu" else offloaded_checkpoint.MIN_OFFLOAD_BYTES,
+            min_saved_bytes=0 if self.device.type == "cpu" else offloaded_checkpoint.MIN_SAVED_BYTES,
         )
         self.settings = settings
         self._state: dict[str, dict[str, Any]] = {}
@@ -115,6 +117,8 @@ class SpeedController:
         self.host_embedding = HostEmbedding(self.hf_model, self.device)
         self.lora_16bit = Lora16Bit(model)
         self.lean = lean_recompute.LeanRecompute(self.hf_model, self.offloader.recompute)
+        self._keep_attention = False
+        self._rotary_hook: Any = None
         metadata_cache.register_packed_attention()
         moe_routing.register_experts_implementations()
         self.apply(settings)
@@ -128,6 +132,7 @@ class SpeedController:
         self._apply_moe_routing(settings)
         self._apply_fused_loss(settings)
         self._apply_checkpointing(settings.checkpointing, reason=None)
+        self._apply_keep_attention(settings)
         self._apply_chunked_mlp(settings)
         self._apply_host_embedding(settings)
         self._apply_lora_16bit(settings)
@@ -186,9 +191,32 @@ class SpeedController:
         if on:
             compiled, _ = fused_kernels.resolve(settings.fused_kernels, self.hf_model, self.device)
             self.chunked.install(mlp_only=compiled)
+        elif self._keep_attention:
+            self.chunked.install_units()  # the MLPs keep only their inputs and recompute in backward
         else:
             self.chunked.remove()
         self._state["chunked_mlp"] = {"on": on, "reason": reason}
+
+    def _apply_keep_attention(self, settings: SpeedConfig) -> None:
+        mode = self._checkpointing or "none"
+        tokens = max(self._longest_tokens, 1)
+        layer = kept_attention.layer_saved_bytes(self.hf_model.config, tokens, self.dtype.itemsize)
+        layers = len(fused_kernels.decoder_layers(self.hf_model))
+        offloader = self.offloader
+        pinned_left = offloader.pinned_budget - offloader.pinned_bytes + offloader.saved_host_bytes()
+        free = free_device_memory(self.device) if self.device.type == "cuda" else None
+        on, reason = kept_attention.resolve(
+            settings.keep_attention, mode, self.device,
+            step_bytes=layer * layers, layer_bytes=layer, pinned_left=pinned_left, free_bytes=free,
+        )  # fmt: skip
+        self._keep_attention = on
+        offloader.keep_saved(on, self.model)
+        if on and self._rotary_hook is None:
+            self._rotary_hook = kept_attention.resident_rotary(self.hf_model, offloader.keep_resident)
+        elif not on and self._rotary_hook is not None:
+            self._rotary_hook.remove()
+            self._rotary_hook = None
+        self._state["keep_attention"] = {"on": on, "reason": reason}
 
     def _apply_host_embedding(self, settings: SpeedConfig) -> None:
         usable = usable_device_memory(self.device) if self.device.type == "cuda" else None
@@ -255,6 +283,7 @@ class SpeedController:
             self._apply_lean_recompute(self.settings)
         if batch.num_tokens > self._longest_tokens:
             self._longest_tokens = batch.num_tokens  # automatic chunking re-decides only when batches grow
+            self._apply_keep_attention(self.settings)
             self._apply_chunked_mlp(self.settings)
             self._apply_fused_kernels(self.settings)
         inputs = stock_model_inputs(self.model, batch)

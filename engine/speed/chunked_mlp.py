@@ -29,6 +29,7 @@ layer class finds their children but not the q/k/v/o layers themselves; the trai
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,14 +110,22 @@ class _ChunkedRun(torch.autograd.Function):
     parameter receives one gradient per call (as data-parallel gradient hooks expect).
 
     ``discard`` skips the forward entirely and returns uninitialised memory: only for an MLP recomputed inside an
-    offloaded layer, whose output feeds nothing but the residual sum that the recompute throws away.
+    offloaded layer, whose output feeds nothing but the residual sum that the recompute throws away. ``flag`` is
+    raised while backward recomputes a chunk: nothing reads the chunk's output value there either, so frozen
+    projections may skip it (:mod:`engine.speed.lean_recompute`).
     """
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, module: torch.nn.Module, chunk_tokens: int, discard: bool, hidden: torch.Tensor, *params: Any
+        ctx: Any,
+        module: torch.nn.Module,
+        chunk_tokens: int,
+        discard: bool,
+        flag: RecomputeFlag,
+        hidden: torch.Tensor,
+        *params: Any,
     ) -> torch.Tensor:
-        ctx.module, ctx.chunk_tokens, ctx.params = module, chunk_tokens, params
+        ctx.module, ctx.chunk_tokens, ctx.params, ctx.flag = module, chunk_tokens, params, flag
         ctx.replay = ReplayState.capture(hidden.device)
         ctx.save_for_backward(hidden)
         if discard:
@@ -128,11 +137,11 @@ class _ChunkedRun(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
         (hidden,) = ctx.saved_tensors
         params = list(ctx.params)
-        want_input = bool(ctx.needs_input_grad[3])
+        want_input = bool(ctx.needs_input_grad[4])
         grad_in = torch.empty_like(hidden) if want_input else None
         sums: list[torch.Tensor | None] = [None] * len(params)
         start = 0
-        with torch.enable_grad(), ctx.replay.restored():
+        with torch.enable_grad(), ctx.replay.restored(), ctx.flag.raised():
             for piece, grad_piece in zip(
                 hidden.split(ctx.chunk_tokens, dim=-2), grad_out.split(ctx.chunk_tokens, dim=-2), strict=True
             ):
@@ -144,13 +153,15 @@ class _ChunkedRun(torch.autograd.Function):
                     got = got[1:]
                 sums = [g if s is None else (s if g is None else s + g) for s, g in zip(sums, got, strict=True)]
                 start += piece.shape[-2]
-        return (None, None, None, grad_in, *sums)
+        return (None, None, None, None, grad_in, *sums)
 
 
 class TokenChunked(StandIn):
     """Stands in for a per-token module and runs it over chunks of the sequence (names unchanged: :class:`StandIn`).
 
-    ``flag`` is the offloader's: while it is set, an offloaded layer is recomputing.
+    ``flag`` is the offloader's: while it is set, an offloaded layer is recomputing. As a ``unit`` (kept attention:
+    :meth:`ChunkedModules.install_units`) it runs the whole row as one chunk but still keeps only its input, so
+    backward recomputes it while the rest of the layer keeps what it saved.
     """
 
     def __init__(
@@ -159,6 +170,7 @@ class TokenChunked(StandIn):
         chunk_tokens: int,
         feeds_residual_only: bool = False,
         flag: RecomputeFlag | None = None,
+        unit: bool = False,
     ) -> None:
         super().__init__(wrapped)
         self.chunk_tokens = chunk_tokens
@@ -166,16 +178,21 @@ class TokenChunked(StandIn):
         """The output goes straight into the layer's residual sum (a Llama-style MLP): an offloaded layer's
         recompute may skip computing it."""
         self.flag = flag or RecomputeFlag()
+        self.unit = unit
 
     def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         length = hidden.shape[-2] if hidden.dim() >= 2 else 0
-        if args or kwargs or not torch.is_grad_enabled() or length <= self.chunk_tokens:
+        one_chunk = length <= self.chunk_tokens and not self.unit
+        if args or kwargs or not torch.is_grad_enabled() or length == 0 or one_chunk:
             return chunked_call(self.wrapped, hidden, self.chunk_tokens, *args, **kwargs)
         params = [p for p in self.wrapped.parameters() if p.requires_grad]
         discard = self.feeds_residual_only and self.flag.active
-        return _ChunkedRun.apply(self.wrapped, self.chunk_tokens, discard, hidden, *params)
+        chunk = length if self.unit else self.chunk_tokens
+        return _ChunkedRun.apply(self.wrapped, chunk, discard, self.flag, hidden, *params)
 
     def extra_repr(self) -> str:
+        if self.unit:
+            return f"{type(self.wrapped).__name__} recomputed in backward"
         return f"{type(self.wrapped).__name__} in chunks of {self.chunk_tokens} tokens"
 
 
@@ -227,9 +244,21 @@ class ChunkedModules:
     flag: RecomputeFlag = field(default_factory=RecomputeFlag)
     """The offloader's recompute flag (the speed controller passes it), read by every stand-in."""
 
+    units: bool = False
+    """What is installed are whole-row recompute units (kept attention), not chunks."""
+
     @property
     def on(self) -> bool:
-        return bool(self.installed)
+        return bool(self.installed) and not self.units
+
+    def install_units(self) -> int:
+        """Wrap every dense MLP as a whole-row recompute unit (kept attention); returns how many."""
+        if self.installed and not self.units:
+            self.remove()
+        if not self.installed:
+            self._wrap(sys.maxsize, mlp_only=True, unit=True)
+        self.units = True
+        return len(self.installed)
 
     def install(self, chunk_tokens: int | None = None, mlp_only: bool = False) -> int:
         """Wrap every per-token module, or only the MLPs (or update the chunk size); returns how many are chunked.
@@ -243,27 +272,31 @@ class ChunkedModules:
         if chunk_tokens:
             self.chunk_tokens = chunk_tokens
         chunk_tokens = self.chunk_tokens or choose_chunk_tokens(getattr(self.hf_model, "config", None))
-        if self.installed and mlp_only != self.mlp_only:
+        if self.installed and (mlp_only != self.mlp_only or self.units):
             self.remove()
         if self.installed:
             for _, _, wrapper in self.installed:
                 wrapper.chunk_tokens = chunk_tokens
             return len(self.installed)
         self.mlp_only = mlp_only
+        self._wrap(chunk_tokens, mlp_only, unit=False)
+        return len(self.installed)
+
+    def _wrap(self, chunk_tokens: int, mlp_only: bool, unit: bool) -> None:
         for parent, name, module in list(per_token_targets(self.hf_model, mlp_only)):
             if isinstance(module, TokenChunked):  # left behind by an earlier controller
                 module = module.wrapped
             residual_only = name == "mlp" and feeds_residual_only(parent)
-            wrapper = TokenChunked(module, chunk_tokens, feeds_residual_only=residual_only, flag=self.flag)
+            wrapper = TokenChunked(module, chunk_tokens, feeds_residual_only=residual_only, flag=self.flag, unit=unit)
             parent._modules[name] = wrapper
             self.installed.append((parent, name, wrapper))
-        return len(self.installed)
 
     def remove(self) -> None:
         """Put the original modules back."""
         for parent, name, wrapper in self.installed:
             parent._modules[name] = wrapper.wrapped
         self.installed.clear()
+        self.units = False
 
 
 def row_working_bytes(config: Any, tokens: int) -> int:
