@@ -50,7 +50,8 @@ STOCK = SpeedConfig(
     keep_attention=False,
 )  # fmt: skip
 ABLATED = (
-    "keep_attention", "fused_kernels", "lean_recompute", "dequant_once", "host_embedding", "fused_loss", "metadata_cache"
+    "keep_attention", "fused_kernels", "lean_recompute", "dequant_once", "host_embedding", "fused_loss",
+    "metadata_cache",
 )  # fmt: skip
 """Switches whose worth ``auto-X`` measures (each turned off alone)."""
 WHOLE_ROW = "whole_row"
