@@ -16,6 +16,7 @@ from engine.hardware.planner import (
     choose_memory_settings,
     chunk_split,
     chunk_tokens_for,
+    dequantized_experts_bytes,
     estimate_memory,
     largest_tokens,
     layer_activation_bytes,
@@ -162,6 +163,22 @@ def test_qlora_weights_are_about_a_quarter() -> None:
     qlora = estimate_memory(shape, TrainSetup(tokens=256, qlora=True, kbit_upcast=False))
     assert 14 * GIB < lora.weights < 16 * GIB
     assert 5 * GIB < qlora.weights < 6.5 * GIB  # NF4 linears + 16-bit embeddings and head
+
+
+def test_qlora_moe_counts_4bit_experts_and_one_layer_dequantized() -> None:
+    shape = load_shape("qwen3-30b-a3b")
+    lora = estimate_memory(shape, TrainSetup(tokens=4096, checkpointing="offloaded"))
+    qlora = estimate_memory(shape, TrainSetup(tokens=4096, qlora=True, checkpointing="offloaded"))
+    experts = shape.num_layers * shape.expert_params_per_layer()
+    assert 53 * GIB < experts * 2 < 55 * GIB  # the 16-bit experts (58 GB)
+    assert 55 * GIB < lora.weights < 58 * GIB
+    assert 15 * GIB < qlora.weights < 18 * GIB  # NF4 experts and linears, 16-bit embeddings and head
+    one_layer = shape.expert_params_per_layer() * 2
+    assert dequantized_experts_bytes(shape, TrainSetup(tokens=4096, qlora=True)) == one_layer  # 1.1 GiB
+    assert dequantized_experts_bytes(shape, TrainSetup(tokens=4096)) == 0
+    dense = load_shape("llama-3.1-8b")
+    assert dequantized_experts_bytes(dense, TrainSetup(tokens=4096, qlora=True)) == 0
+    assert qlora.recompute >= one_layer and qlora.peak < 24 * GIB
 
 
 def test_qlora_keeps_the_compute_dtype_unless_peft_upcasts() -> None:

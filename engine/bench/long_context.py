@@ -152,11 +152,26 @@ def _quantized_linear(linear: torch.nn.Linear, device: torch.device, dtype: torc
     return layer
 
 
-def build_quantized_model(config: Any, device: torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Any:
-    """A random-init causal LM whose decoder linears are NF4, built without ever holding its 16-bit weights.
+def _quantize_random_experts(model: Any, device: torch.device, dtype: torch.dtype, gen: torch.Generator) -> None:
+    """Every MoE layer's experts drawn on ``device`` and quantized to NF4 before the next layer's are drawn."""
+    from engine.model.quantized_experts import expert_weight_names, experts_modules, quantize_experts
 
-    The skeleton is made on the meta device; each decoder linear is then drawn in 16-bit on ``device`` and
-    quantized before the next one is drawn; embeddings, norms and the head are drawn in ``dtype``.
+    for parent, attribute, experts in experts_modules(model):
+        weights = {}
+        for name in expert_weight_names(experts):
+            shape = experts._parameters[name].shape  # type: ignore[union-attr]
+            weights[name] = torch.empty(shape, device=device, dtype=dtype).normal_(0.0, 0.02, generator=gen)
+        parent._modules[attribute] = quantize_experts(experts, weights)
+        del weights
+
+
+def build_quantized_model(config: Any, device: torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Any:
+    """A random-init causal LM whose decoder linears and MoE experts are NF4, built without ever holding its 16-bit
+    weights.
+
+    The skeleton is made on the meta device; each decoder linear, and each MoE layer's 3-D experts, is then drawn in
+    16-bit on ``device`` and quantized before the next one is drawn (engine.model.quantized_experts); embeddings,
+    norms, routers and the head are drawn in ``dtype``.
     """
     from transformers import AutoModelForCausalLM
 
@@ -168,6 +183,7 @@ def build_quantized_model(config: Any, device: torch.device, dtype: torch.dtype 
         for child_name, child in list(module.named_children()):
             if type(child) is torch.nn.Linear:
                 module._modules[child_name] = _quantized_linear(child, device, dtype, gen)
+    _quantize_random_experts(model, device, dtype, gen)
     for name, param in list(model.named_parameters()):
         if param.device.type != "meta":
             continue

@@ -182,17 +182,22 @@ def lora_params(shape: ModelShape, setup: TrainSetup) -> int:
 
 
 def weight_bytes(shape: ModelShape, setup: TrainSetup) -> int:
-    """Frozen base weights: NF4 for quantized linears under QLoRA, else the training dtype (fp32 if upcast)."""
-    linear = shape.num_layers * shape.linear_params_per_layer()
-    other = (
-        shape.embedding_params()
-        + shape.num_layers * (shape.expert_params_per_layer() + shape.norm_params_per_layer())
-        + shape.hidden_size
-    )
+    """Frozen base weights: NF4 for the linears and the MoE experts under QLoRA (engine.model.quantized_experts),
+    else the training dtype (fp32 if upcast)."""
+    quantized = shape.num_layers * (shape.linear_params_per_layer() + shape.expert_params_per_layer())
+    other = shape.embedding_params() + shape.num_layers * shape.norm_params_per_layer() + shape.hidden_size
     if setup.qlora:
         other_bytes = 4 if setup.kbit_upcast else setup.dtype_bytes
-        return int(linear * NF4_BYTES_PER_PARAM) + other * other_bytes
-    return (linear + other) * setup.dtype_bytes
+        return int(quantized * NF4_BYTES_PER_PARAM) + other * other_bytes
+    return (quantized + other) * setup.dtype_bytes
+
+
+def dequantized_experts_bytes(shape: ModelShape, setup: TrainSetup) -> int:
+    """One MoE layer's experts in 16-bit: 4-bit experts are dequantized per layer while it runs forward or
+    backward (engine.model.quantized_experts); nothing without QLoRA or for dense models."""
+    if not (setup.qlora and shape.is_moe):
+        return 0
+    return shape.expert_params_per_layer() * setup.dtype_bytes
 
 
 def setup_from_speed_state(
@@ -390,6 +395,7 @@ def estimate_memory(
     width_grads, hidden_grads = _layer_backward_bytes(shape, setup)
     if setup.checkpointing == "none":
         activations = shape.num_layers * (per_layer + layer_mask + copies) - first_norm
+        activations += dequantized_experts_bytes(shape, setup)  # the running layer's, on top of all saved
         recompute = 0
     else:
         activations = kept_inputs
@@ -403,7 +409,7 @@ def estimate_memory(
         # the MLP's gradients and the attention kernel's backward buffers are alive one after the other
         transient = max(width_grads * chunk, _attention_backward_bytes(shape, setup, backend) * t)
         recompute = kept_inputs + layer + transient + layer_mask + copies + hidden_grads * t
-        recompute += dequantized_layer_bytes(shape, setup)
+        recompute += dequantized_layer_bytes(shape, setup) + dequantized_experts_bytes(shape, setup)
     final_norm = (4 * h + 4) * t
     loss = final_norm + loss_bytes(shape, setup)
     return MemoryEstimate(

@@ -166,7 +166,7 @@ class ModelShape:
         return sum(lin.in_features * lin.out_features for lin in self.linear_layers())
 
     def expert_params_per_layer(self) -> int:
-        """3-D expert weights: bitsandbytes leaves them unquantized, 'all-linear' LoRA leaves them frozen."""
+        """3-D expert weights: NF4 under QLoRA (engine.model.quantized_experts), frozen either way."""
         return self.num_experts * 3 * self.hidden_size * self.expert_intermediate_size
 
     def norm_params_per_layer(self) -> int:

@@ -8,6 +8,9 @@ The adapter is LoRA through peft on every linear layer by
 default; with QLoRA the frozen base is quantised to 4-bit NF4 by bitsandbytes (which also runs on CPU) and
 prepared for training by :func:`prepare_quantized_for_training`, which keeps the rest of the base in the compute
 dtype (peft's own preparation upcasts it to float32: 9.3 GiB for Llama-3.1-8B at 256 tokens, over an 8 GiB card).
+A MoE model under QLoRA also gets its 3-D experts in NF4 (:mod:`engine.model.quantized_experts`), loaded tensor by
+tensor from safetensors by :mod:`engine.model.moe_load` so its 16-bit weights are never whole on the GPU or in host
+memory; its experts stay frozen and LoRA trains the attention projections (and any other linear layers).
 """
 
 from __future__ import annotations
@@ -159,14 +162,58 @@ def load_base_model(config: ModelConfig, device: torch.device, dtype: torch.dtyp
     if config.qlora:
         kwargs["quantization_config"] = _quantization_config(dtype)
         kwargs["device_map"] = {"": device}
+    moe_config = _moe_config(source, config, dtype) if config.qlora else None
     try:
-        model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)
+        if moe_config is not None:
+            model = _load_quantized_moe(source, config, moe_config, device, dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)
+    except ModelLoadError:
+        raise
     except Exception as err:
         raise _load_error(source, "model", err) from err
     if not config.qlora:
         model.to(device)  # type: ignore[arg-type]  # transformers' stubs type .to() for the module, not a device
     model.config.use_cache = False
     return model
+
+
+def _moe_config(source: ModelSource, config: ModelConfig, dtype: torch.dtype) -> Any | None:
+    """The model's config when it has 3-D MoE experts (checked on a meta-device skeleton), else None."""
+    from transformers import AutoConfig
+
+    from engine.model.moe_load import has_experts, meta_model
+
+    try:
+        model_config = AutoConfig.from_pretrained(source.location, **_hub_kwargs(config))
+        skeleton = meta_model(model_config, dtype, trust_remote_code=config.trust_remote_code is True)
+    except Exception as err:
+        raise _load_error(source, "model", err) from err
+    return model_config if has_experts(skeleton) else None
+
+
+def _load_quantized_moe(
+    source: ModelSource, config: ModelConfig, model_config: Any, device: torch.device, dtype: torch.dtype
+) -> Any:
+    from engine.model.moe_load import load_quantized_moe
+
+    folder = Path(source.location) if source.is_local else _hub_snapshot(source, config)
+    return load_quantized_moe(folder, model_config, device, dtype, trust_remote_code=config.trust_remote_code is True)
+
+
+def _hub_snapshot(source: ModelSource, config: ModelConfig) -> Path:
+    """The hub model's config and safetensors files in the local cache (downloaded unless offline)."""
+    from huggingface_hub import snapshot_download
+
+    kwargs = _hub_kwargs(config)
+    return Path(
+        snapshot_download(
+            source.location,
+            revision=kwargs["revision"],
+            allow_patterns=["*.json", "*.safetensors"],
+            local_files_only=kwargs["local_files_only"],
+        )
+    )
 
 
 def lora_targets(lora: LoraConfig) -> str | list[str]:
@@ -209,17 +256,47 @@ def add_lora(model: torch.nn.Module, lora: LoraConfig, qlora: bool) -> Any:
 
     if qlora:
         model = prepare_quantized_for_training(model, _compute_dtype(model))
+    _check_targets_outside_experts(model, lora)
     peft_config = PeftLoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft annotates int; a float alpha works
         lora_dropout=lora.dropout,
-        target_modules=lora_targets(lora),
+        target_modules=_targets_for(model, lora),
         task_type="CAUSAL_LM",
     )
     try:
         return get_peft_model(model, peft_config)
     except ValueError as err:
         raise ModelLoadError(f"cannot add LoRA: {err}", hint="check lora.target_modules") from err
+
+
+def _targets_for(model: torch.nn.Module, lora: LoraConfig) -> str | list[str]:
+    """The LoRA targets; with 4-bit experts, 'all-linear' becomes the model's linear layers by name."""
+    from engine.model.quantized_experts import linear_targets_outside_experts, quantized_experts_of
+
+    targets = lora_targets(lora)
+    if targets == "all-linear" and quantized_experts_of(model):
+        return linear_targets_outside_experts(model)
+    return targets
+
+
+def _check_targets_outside_experts(model: torch.nn.Module, lora: LoraConfig) -> None:
+    """4-bit experts are frozen: a LoRA target naming a module inside them is refused with a clear message."""
+    from engine.model.quantized_experts import quantized_experts_of
+
+    inside = {
+        name.rpartition(".")[2]
+        for experts in quantized_experts_of(model)
+        for name, _ in experts.named_modules()
+        if name
+    }
+    inside.add("experts")
+    hit = sorted(set(lora.target_modules) & inside) if quantized_experts_of(model) else []
+    if hit:
+        raise ModelLoadError(
+            f"cannot put LoRA on {', '.join(hit)}: this model's MoE experts are 4-bit and frozen under QLoRA",
+            hint="LoRA trains the attention projections and other linear layers; use all-linear",
+        )
 
 
 def _compute_dtype(model: torch.nn.Module) -> torch.dtype:

@@ -22,6 +22,7 @@ from engine.data.prepare import PreparedData, RowSchedule, prepare_data
 from engine.errors import ConfigError
 from engine.events import Event, Notice, RunStarted, SpeedChanged
 from engine.model.load import add_lora, count_parameters, load_base_model, load_tokenizer, pick_device, pick_dtype
+from engine.model.quantized_experts import experts_notice
 from engine.run import checkpoint as ckpt
 from engine.run import guard
 from engine.run.folder import CHECKPOINT_DIR, EVAL_FILE, METRICS_FILE, truncate_log
@@ -102,6 +103,9 @@ def start(
     # FSDP2 shards from host memory, so a model too big for one card never lands whole on one
     load_device = torch.device("cpu") if ranks.mode == "fsdp" else device
     model = add_lora(load_base_model(config.model, load_device, dtype), config.lora, config.model.qlora)
+    experts_message = experts_notice(model)
+    if experts_message is not None:
+        yield Notice(experts_message)
     model.train()
     trainable, total = count_parameters(model)
     ranks.shard_layers(model, device)

@@ -190,7 +190,9 @@ def has_routable_experts(model: torch.nn.Module) -> bool:
 
 
 def _is_experts_module(module: torch.nn.Module) -> bool:
-    return hasattr(module, "has_gate") and hasattr(module, "num_experts") and hasattr(module, "down_proj")
+    # has_gate is set by transformers' experts decorator only; 4-bit experts (engine.model.quantized_experts) keep
+    # it on their base module, whose 3-D weights are attached only while the layer runs
+    return hasattr(module, "has_gate") and hasattr(module, "num_experts")
 
 
 def resolve_mode(requested: str, model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
