@@ -212,3 +212,42 @@ def test_compiled_layers_keep_their_saved_tensors_without_graph_breaks() -> None
     finally:
         controller.apply(WHOLE_LAYERS)
         torch._dynamo.reset()
+
+
+def test_a_share_of_the_layers_keeps_and_the_rest_recompute() -> None:
+    model = mixed_precision_lora_model("llama", num_hidden_layers=4)
+    layers = model.base_model.model.model.layers
+    _, grads_ref, controller = run(model, WHOLE_LAYERS)
+    attention = count_calls([layer.self_attn for layer in layers])
+    controller.kept_share_override = 0.5
+    _, grads_half, _ = run(model, KEPT, controller)
+    assert controller.offloader.kept_share == 0.5
+    assert attention[0] == len(layers) + len(layers) // 2  # the other half recomputes its attention
+    assert max_relative_error(grads_half, grads_ref) <= 1e-2
+
+
+def test_layers_kept_are_spread_evenly() -> None:
+    from engine.speed.offloaded_checkpoint import keeps_layer
+
+    pattern = "".join("x" if keeps_layer(i, 0.5) else "." for i in range(8))
+    assert pattern == ".x.x.x.x"
+    assert all(keeps_layer(i, 1.0) for i in range(32)) and not any(keeps_layer(i, 0.0) for i in range(32))
+    assert sum(keeps_layer(i, 0.7) for i in range(32)) == 22
+
+
+def test_share_follows_link_and_compute() -> None:
+    """A fast GPU on a PCIe 5.0 link keeps some layers; a consumer card on PCIe 4.0 keeps them all."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(
+        "llama", hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336
+    )
+    saved = kept_attention.layer_saved_bytes(config, 4096)
+    flops = kept_attention.layer_forward_flops(config, 4096)
+    assert 1.9e12 < flops < 2.0e12
+    lane = kept_attention.PCIE_LANE_BYTES_PER_S
+    efficiency = kept_attention.COMPUTE_EFFICIENCY
+    h200 = kept_attention.kept_share(saved, flops, 16 * lane[5] * 0.87, 989e12 * efficiency)
+    rtx_4090 = kept_attention.kept_share(saved, flops, 16 * lane[4] * 0.87, 165e12 * efficiency)
+    assert 0.3 < h200 < 1.0
+    assert rtx_4090 == 1.0

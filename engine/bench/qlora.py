@@ -66,10 +66,18 @@ WHOLE_ROW = "whole_row"
 path (engine.speed.metadata_cache.PackedAttentionMetadata.whole_row_causal)."""
 
 
+KEPT_SHARE = "auto-kept_share="
+"""``auto-kept_share=X``: kept attention on a fixed share X of the layers instead of the one chosen from the GPU."""
+
+
+def kept_share_of(variant: str) -> float | None:
+    return float(variant.removeprefix(KEPT_SHARE)) if variant.startswith(KEPT_SHARE) else None
+
+
 def variant_settings(variant: str) -> SpeedConfig:
     if variant == "stock":
         return STOCK
-    if variant == "auto":
+    if variant == "auto" or variant.startswith(KEPT_SHARE):
         return AUTO
     switch = variant.removeprefix("auto-")
     if switch == WHOLE_ROW:
@@ -158,6 +166,7 @@ def run_variant(
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     try:
         cap_memory(cap, device)
+        controller.kept_share_override = kept_share_of(variant)
         controller.apply(variant_settings(variant))  # automatic choices see the cap
         batch = rows_of(tokens, model.config.vocab_size, 1)[0].to(device)
         row.update(measure(lambda: train_step(model, controller, batch, optimizer), args.warmup, args.steps))
@@ -170,6 +179,7 @@ def run_variant(
         row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
     finally:
         optimizer.zero_grad(set_to_none=True)
+        controller.kept_share_override = None
         controller.apply(STOCK)  # the stand-ins and hooks come off; compiled graphs stay cached
         gc.collect()
         torch.cuda.empty_cache()

@@ -18,6 +18,7 @@ import platform
 import statistics
 import sys
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -97,21 +98,28 @@ MOE_MODES = {"eager": "eager", "stock_grouped_mm": "grouped_mm", "bincount": "bi
 @contextmanager
 def count_syncs(sites: list[str] | None = None) -> Iterator[list[int]]:
     """Counts device->host synchronisations (CUDA sync debug mode warnings) inside the block; ``sites`` receives
-    where each one came from (``file:line`` of the Python call that synchronised)."""
+    where each one came from: the Python call chain that synchronised, innermost last (``file:line`` each)."""
     counter = [0]
-    with warnings.catch_warnings(record=True) as caught:
+    stacks: list[str] = []
+
+    def record(message: Warning | str, *_: Any, **__: Any) -> None:
+        if "synchronizing" in str(message):
+            frames = traceback.extract_stack()[:-1]
+            stacks.append(" < ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames[-6:])))
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             yield counter
         finally:
-            # the debug mode goes off first: torch.cuda.synchronize() itself is reported as a sync (once per process)
+            # the debug mode goes off first: torch.cuda.synchronize() itself is reported as a sync
             torch.cuda.set_sync_debug_mode("default")
             torch.cuda.synchronize()
-    syncs = [w for w in caught if "synchronizing" in str(w.message)]
-    counter[0] = len(syncs)
+    counter[0] = len(stacks)
     if sites is not None:
-        sites.extend(f"{Path(w.filename).name}:{w.lineno}" for w in syncs)
+        sites.extend(stacks)
 
 
 def time_steps(step: Callable[[], None], warmup: int, steps: int) -> dict[str, Any]:

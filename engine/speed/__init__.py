@@ -119,6 +119,8 @@ class SpeedController:
         self.lean = lean_recompute.LeanRecompute(self.hf_model, self.offloader.recompute)
         self._keep_attention = False
         self._rotary_hook: Any = None
+        self.kept_share_override: float | None = None
+        """A fixed share of layers for kept attention (the bench's sweep); None: chosen from the GPU."""
         metadata_cache.register_packed_attention()
         moe_routing.register_experts_implementations()
         self.apply(settings)
@@ -209,7 +211,12 @@ class SpeedController:
             settings.keep_attention, mode, self.device,
             step_bytes=layer * layers, layer_bytes=layer, pinned_left=pinned_left, free_bytes=free,
         )  # fmt: skip
+        share = self._kept_share(tokens, layer) if on else 1.0
+        if on and share < 1.0:
+            kept = sum(offloaded_checkpoint.keeps_layer(i, share) for i in range(layers))
+            reason += f"; {kept} of {layers} layers (the host link would slow the others' forward pass)"
         self._keep_attention = on
+        offloader.kept_share = share
         offloader.keep_saved(on, self.model)
         if on and self._rotary_hook is None:
             self._rotary_hook = kept_attention.resident_rotary(self.hf_model, offloader.keep_resident)
@@ -238,6 +245,19 @@ class SpeedController:
         self.lean.switch(skip, once)
         self._state["lean_recompute"] = {"on": skip, "reason": skip_reason}
         self._state["dequant_once"] = {"on": once, "reason": once_reason}
+
+    def _kept_share(self, tokens: int, layer_bytes: int) -> float:
+        if self.kept_share_override is not None:
+            return self.kept_share_override
+        if self.device.type != "cuda":
+            return 1.0
+        flops = kept_attention.device_flops_per_s(self.device)
+        if flops is None:
+            return 1.0
+        link = kept_attention.host_link_bytes_per_s(self.device)
+        return kept_attention.kept_share(
+            layer_bytes, kept_attention.layer_forward_flops(self.hf_model.config, tokens), link, flops
+        )
 
     def _apply_checkpointing(self, requested: str, reason: str | None) -> None:
         mode, why = self._resolve_checkpointing(requested)

@@ -12,12 +12,15 @@ layer computes, at most two layers in flight), and the MLP is a recompute unit t
 (:meth:`engine.speed.chunked_mlp.ChunkedModules.install_units`). In backward a layer's group comes back while the
 layer above runs backward, and only the MLP recomputes (its down projection skipped there by lean recompute).
 
-Cost: host<->device copies, which run on the copy engines beside compute. They pay where compute is slow next to
-the bus, which is every consumer card: per token and layer, forward copies ~53 KB (Llama-3.1-8B) while computing
-~0.44 GFLOP, so a PCIe 4.0 RTX 4090 (~25 GB/s, ~150 TFLOP/s) spends ~0.36x its forward time copying and a
-PCIe 5.0 RTX 5090 ~0.5x; the H200 (55 GB/s measured, ~650 TFLOP/s) is the worst case. Pinned host memory holds
-every layer's group (about 6.5 GiB for that 8B row), so the switch is automatic only where that fits the pinned
-budget, and where two layers' groups fit easily in free GPU memory (one in use, one arriving).
+Cost: host<->device copies, which run on the copy engines beside compute, so they are free only while they take
+less time than the forward pass they hide behind. Per token and layer a Llama-3.1-8B layer saves ~60 KB while
+computing ~0.47 GFLOP forward. On the H200 (55 GB/s measured over PCIe 5.0, ~1 PFLOP/s) the copies of every layer
+outrun its forward pass: with all 32 layers kept the step was no faster (413 against 398 ms, 4,096 tokens, 8 GiB
+cap). So only a share of the layers keeps what it saves (:func:`kept_share`, spread evenly; the others send just
+their input and recompute as before), chosen from the GPU's host link (PCIe generation and width from NVML) and its
+16-bit throughput (:mod:`engine.hardware.gpus`): consumer cards, whose compute is slow next to their bus, keep
+every layer. Pinned host memory holds the kept layers' groups, so the switch is automatic only where they fit the
+pinned budget, and where two layers' groups fit easily in free GPU memory (one in use, one arriving).
 """
 
 from __future__ import annotations
@@ -27,13 +30,74 @@ from typing import Any
 
 import torch
 
-__all__ = ["DEVICE_FREE_SHARE", "layer_saved_bytes", "resident_rotary", "resolve"]
+__all__ = ["DEVICE_FREE_SHARE", "kept_share", "layer_forward_flops", "layer_saved_bytes", "resident_rotary", "resolve"]
 
 DEVICE_FREE_SHARE = 0.25
 """Automatic only while two layers' saved tensors take at most this share of free GPU memory."""
 SAVED_PER_TOKEN_HIDDEN = 7
 """Tensors of hidden width a layer saves per token: both norms' inputs and outputs, q, the attention output,
 and one more for q/k norms or odd layouts (measured sizes replace the estimate after the first step)."""
+
+
+COMPUTE_EFFICIENCY = 0.5
+"""Share of the spec sheet's 16-bit throughput a 4-bit layer's forward pass reaches (dequantization, norms and
+attention included), for :func:`kept_share`."""
+PCIE_LANE_BYTES_PER_S = {3: 0.985e9, 4: 1.969e9, 5: 3.938e9, 6: 7.563e9}
+"""Usable bytes/s per lane and direction of each PCIe generation (after encoding)."""
+LINK_EFFICIENCY = 0.87
+"""Share of the link's rate pinned copies reach (55 of 63 GB/s measured on the H200's PCIe 5.0 x16)."""
+DEFAULT_LINK_BYTES_PER_S = 16 * PCIE_LANE_BYTES_PER_S[4] * LINK_EFFICIENCY
+"""Assumed when NVML cannot tell: PCIe 4.0 x16, the common desktop slot."""
+
+
+def layer_forward_flops(config: Any, tokens: int) -> float:
+    """Forward FLOPs of one dense decoder layer on one row of ``tokens`` tokens (projections and causal attention)."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = int(getattr(config, "hidden_size", 0) or 0)
+    heads = int(getattr(config, "num_attention_heads", 0) or 1)
+    head_dim = int(getattr(config, "head_dim", 0) or hidden // heads)
+    kv_dim = int(getattr(config, "num_key_value_heads", 0) or heads) * head_dim
+    intermediate = int(getattr(config, "intermediate_size", 0) or 0)
+    projections = hidden * (2 * heads * head_dim + 2 * kv_dim) + 3 * hidden * intermediate
+    return 2.0 * projections * tokens + 2.0 * tokens * tokens * heads * head_dim
+
+
+def kept_share(layer_bytes: int, layer_flops: float, link_bytes_per_s: float, device_flops_per_s: float) -> float:
+    """The share of layers whose saved tensors can be copied to the host within the forward pass's time."""
+    if layer_bytes <= 0 or device_flops_per_s <= 0:
+        return 1.0
+    copy_s = layer_bytes / link_bytes_per_s
+    compute_s = layer_flops / device_flops_per_s
+    return max(0.0, min(1.0, compute_s / copy_s))
+
+
+def host_link_bytes_per_s(device: torch.device) -> float:
+    """The GPU's host link in bytes/s per direction, from NVML's PCIe generation and width (the default when NVML
+    cannot tell)."""
+    try:
+        import pynvml
+
+        props = torch.cuda.get_device_properties(device)
+        pynvml.nvmlInit()
+        try:
+            bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+            handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus)
+            generation = int(pynvml.nvmlDeviceGetMaxPcieLinkGeneration(handle))
+            width = int(pynvml.nvmlDeviceGetMaxPcieLinkWidth(handle))
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no NVML, a driver without these queries, or an integrated GPU with no PCIe link
+        return DEFAULT_LINK_BYTES_PER_S
+    lane = PCIE_LANE_BYTES_PER_S.get(generation)
+    return lane * width * LINK_EFFICIENCY if lane and width else DEFAULT_LINK_BYTES_PER_S
+
+
+def device_flops_per_s(device: torch.device) -> float | None:
+    """Expected 16-bit FLOP/s of a 4-bit layer's forward on this GPU, from the built-in table (None: unknown)."""
+    from engine.hardware.gpus import find_gpu
+
+    spec = find_gpu(torch.cuda.get_device_name(device))
+    return spec.tflops * 1e12 * COMPUTE_EFFICIENCY if spec else None
 
 
 def layer_saved_bytes(config: Any, tokens: int, dtype_bytes: int = 2) -> int:

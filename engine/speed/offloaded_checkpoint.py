@@ -161,6 +161,8 @@ class ActivationOffloader:
     keeps_saved: bool = False
     """Layers run with gradients and what they save goes to host memory (kept attention); else whole layers
     recompute."""
+    kept_share: float = 1.0
+    """The share of layers that keep what they save when ``keeps_saved`` (spread evenly); the others recompute."""
     min_saved_bytes: int = MIN_SAVED_BYTES
     _saved_buffers: dict[tuple[int, int], _HostBuffer] = field(default_factory=dict)
     _fixed: set[int] = field(default_factory=set)
@@ -299,7 +301,7 @@ class ActivationOffloader:
         hidden = args[0] if len(args) == 1 and not kwargs else None
         if not torch.is_grad_enabled():
             return function(*args, **kwargs)
-        if self.keeps_saved:
+        if self.keeps_saved and keeps_layer(len(self._pending), self.kept_share):
             return self._run_keeping_saved(function, *args, **kwargs)
         if not isinstance(hidden, torch.Tensor) or hidden.numel() * hidden.element_size() < self.min_offload_bytes:
             return standard_checkpoint(function, *args, **kwargs)
@@ -435,6 +437,12 @@ class ActivationOffloader:
             self._prefetch_group(slot)
         elif self.is_cuda:
             self._prefetch(slot)
+
+
+def keeps_layer(index: int, share: float) -> bool:
+    """Whether layer ``index`` (from the bottom) is one of the ``share`` of layers that keep what they save: spread
+    evenly, so their copies alternate with layers that only send their input."""
+    return int((index + 1) * share + 1e-9) > int(index * share + 1e-9)
 
 
 def fixed_storages(model: torch.nn.Module) -> set[int]:
