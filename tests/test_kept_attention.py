@@ -167,14 +167,14 @@ def test_parameters_and_resident_tensors_stay_put() -> None:
 @pytest.mark.parametrize(
     ("requested", "mode", "device", "step", "pinned", "free", "on"),
     [
-        (None, "offloaded", "cuda", 6 << 30, 60 << 30, 3 << 30, True),
-        (None, "offloaded", "cuda", 6 << 30, 4 << 30, 3 << 30, False),  # pinned host memory too small
-        (None, "offloaded", "cuda", 6 << 30, 60 << 30, 1 << 30, False),  # two layers crowd the GPU
-        (None, "standard", "cuda", 6 << 30, 60 << 30, 3 << 30, False),
-        (None, "offloaded", "cpu", 6 << 30, 60 << 30, None, False),
-        (True, "offloaded", "cpu", 6 << 30, 60 << 30, None, True),
-        (False, "offloaded", "cuda", 6 << 30, 60 << 30, 3 << 30, False),
+        (True, "offloaded", "cuda", 6 << 30, 60 << 30, 3 << 30, True),
+        (True, "offloaded", "cuda", 6 << 30, 4 << 30, 3 << 30, False),  # pinned host memory too small
+        (True, "offloaded", "cuda", 6 << 30, 60 << 30, 1 << 30, False),  # two layers crowd the GPU
+        (True, "standard", "cuda", 6 << 30, 60 << 30, 3 << 30, False),
         (True, "none", "cuda", 6 << 30, 60 << 30, 3 << 30, False),
+        (True, "offloaded", "cpu", 6 << 30, 0, None, True),
+        (None, "offloaded", "cuda", 6 << 30, 60 << 30, 3 << 30, False),  # automatic: off (no faster on the H200)
+        (False, "offloaded", "cuda", 6 << 30, 60 << 30, 3 << 30, False),
     ],
 )
 def test_resolution(

@@ -57,7 +57,7 @@ STOCK = SpeedConfig(
     keep_attention=False,
 )  # fmt: skip
 ABLATED = (
-    "keep_attention", "fused_kernels", "lean_recompute", "dequant_once", "host_embedding", "fused_loss",
+    "fused_kernels", "lean_recompute", "dequant_once", "host_embedding", "fused_loss",
     "metadata_cache",
 )  # fmt: skip
 """Switches whose worth ``auto-X`` measures (each turned off alone)."""
@@ -67,7 +67,8 @@ path (engine.speed.metadata_cache.PackedAttentionMetadata.whole_row_causal)."""
 
 
 KEPT_SHARE = "auto-kept_share="
-"""``auto-kept_share=X``: kept attention on a fixed share X of the layers instead of the one chosen from the GPU."""
+"""``auto-kept_share=X``: kept attention switched on, on a fixed share X of the layers (not the one chosen from the
+GPU)."""
 
 
 def kept_share_of(variant: str) -> float | None:
@@ -77,8 +78,10 @@ def kept_share_of(variant: str) -> float | None:
 def variant_settings(variant: str) -> SpeedConfig:
     if variant == "stock":
         return STOCK
-    if variant == "auto" or variant.startswith(KEPT_SHARE):
+    if variant == "auto":
         return AUTO
+    if variant.startswith(KEPT_SHARE):
+        return dataclasses.replace(AUTO, keep_attention=True)
     switch = variant.removeprefix("auto-")
     if switch == WHOLE_ROW:
         return dataclasses.replace(AUTO, attention_backend="varlen")

@@ -108,9 +108,11 @@ def count_syncs(sites: list[str] | None = None) -> Iterator[list[int]]:
             stacks.append(" < ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames[-6:])))
 
     with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.cuda.set_sync_debug_mode("warn")  # reports itself as a sync, the first time in a process
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = record
-        torch.cuda.set_sync_debug_mode("warn")
         try:
             yield counter
         finally:

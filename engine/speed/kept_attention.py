@@ -13,14 +13,17 @@ layer computes, at most two layers in flight), and the MLP is a recompute unit t
 layer above runs backward, and only the MLP recomputes (its down projection skipped there by lean recompute).
 
 Cost: host<->device copies, which run on the copy engines beside compute, so they are free only while they take
-less time than the forward pass they hide behind. Per token and layer a Llama-3.1-8B layer saves ~60 KB while
-computing ~0.47 GFLOP forward. On the H200 (55 GB/s measured over PCIe 5.0, ~1 PFLOP/s) the copies of every layer
-outrun its forward pass: with all 32 layers kept the step was no faster (413 against 398 ms, 4,096 tokens, 8 GiB
-cap). So only a share of the layers keeps what it saves (:func:`kept_share`, spread evenly; the others send just
-their input and recompute as before), chosen from the GPU's host link (PCIe generation and width from NVML) and its
-16-bit throughput (:mod:`engine.hardware.gpus`): consumer cards, whose compute is slow next to their bus, keep
-every layer. Pinned host memory holds the kept layers' groups, so the switch is automatic only where they fit the
-pinned budget, and where two layers' groups fit easily in free GPU memory (one in use, one arriving).
+less time than the forward pass they hide behind; and the saved-tensor hooks' own work per tensor. Measured on
+the H200 (Llama-3.1-8B shape, NF4, LoRA r32, one 4,096-token row, 8 GiB cap, PCIe 5.0 x16 at 55 GB/s), it did not
+pay: whole-layer recompute 420 ms/step; kept attention on 8, 16, 27 and 32 of the 32 layers 420, 428, 452 and
+453 ms. That card computes fast next to its bus; consumer cards compute 4-6x slower on a bus 2x slower, so the
+balance there may differ, but it has not been measured. Hence the switch is off unless asked for: switch it on to
+measure it on your own card. When on, only a share of the layers keeps what it saves (:func:`kept_share`, spread
+evenly; the others send just their input and recompute as before), chosen from the GPU's host link (PCIe
+generation and width from NVML) and its 16-bit throughput (:mod:`engine.hardware.gpus`) so that the copies do not
+outrun the forward pass. Pinned host memory holds the kept layers' groups, and a layer's group comes back to the
+GPU while the layer above runs backward, so it turns itself off where they do not fit the pinned budget, or where
+two layers' groups would crowd free GPU memory.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch
 __all__ = ["DEVICE_FREE_SHARE", "kept_share", "layer_forward_flops", "layer_saved_bytes", "resident_rotary", "resolve"]
 
 DEVICE_FREE_SHARE = 0.25
-"""Automatic only while two layers' saved tensors take at most this share of free GPU memory."""
+"""On only while two layers' saved tensors take at most this share of free GPU memory."""
 SAVED_PER_TOKEN_HIDDEN = 7
 """Tensors of hidden width a layer saves per token: both norms' inputs and outputs, q, the attention output,
 and one more for q/k norms or odd layouts (measured sizes replace the estimate after the first step)."""
@@ -128,22 +131,20 @@ def resolve(
         return False, "switched off: offloaded checkpointing recomputes whole layers"
     if checkpointing != "offloaded":
         return False, f"only under offloaded checkpointing (checkpointing is {checkpointing})"
-    how = f"backward recomputes only the MLPs; attention activations in host memory ({step_bytes / 2**30:.1f} GiB)"
-    if requested:
-        return True, f"switched on; {how}"
-    if device.type != "cuda":
-        return False, "automatic: off without a CUDA GPU (no recompute to save)"
-    if step_bytes > pinned_left:
+    if not requested:
+        return False, "automatic: off (measured no faster on the H200); switch it on to measure it on this GPU"
+    if device.type == "cuda" and step_bytes > pinned_left:
         return False, (
-            f"automatic: off; the layers' saved tensors ({step_bytes / 2**30:.1f} GiB) exceed the pinned host memory "
-            f"left ({pinned_left / 2**30:.1f} GiB)"
+            f"switched on, but off: the layers' saved tensors ({step_bytes / 2**30:.1f} GiB) exceed the pinned host "
+            f"memory left ({pinned_left / 2**30:.1f} GiB)"
         )
     if free_bytes is not None and 2 * layer_bytes > DEVICE_FREE_SHARE * free_bytes:
         return False, (
-            f"automatic: off; two layers' saved tensors ({2 * layer_bytes / 2**20:,.0f} MiB) would crowd free GPU "
-            f"memory ({free_bytes / 2**30:.1f} GiB)"
+            f"switched on, but off: two layers' saved tensors ({2 * layer_bytes / 2**20:,.0f} MiB) would crowd free "
+            f"GPU memory ({free_bytes / 2**30:.1f} GiB)"
         )
-    return True, f"automatic: {how}"
+    how = f"backward recomputes only the MLPs; attention activations in host memory ({step_bytes / 2**30:.1f} GiB)"
+    return True, f"switched on; {how}"
 
 
 def resident_rotary(hf_model: torch.nn.Module, keep: Callable[..., None]) -> Any:
