@@ -125,6 +125,9 @@ class TrainSetup:
     dequant_once: bool = False
     """4-bit weights dequantized once per recompute and kept for backward (engine.speed.lean_recompute): one
     layer's 16-bit projections, but the MLP's down projection, are alive while it recomputes and runs backward."""
+    keep_attention: bool = False
+    """Layers keep what they save in host memory and only MLPs recompute (engine.speed.kept_attention): two layers'
+    saved tensors are on the GPU in backward, the one running and the one arriving."""
 
     @property
     def activation_bytes(self) -> int:
@@ -192,6 +195,25 @@ def weight_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     return (quantized + other) * setup.dtype_bytes
 
 
+KEPT_PER_TOKEN_HIDDEN = 7
+"""Tensors of hidden width a layer saves per token under kept attention: both norms' inputs and outputs, q, the
+attention output, and one more for q/k norms or odd layouts."""
+
+
+def kept_layer_bytes(hidden: int, kv_dim: int, tokens: int, act: int) -> int:
+    """What one decoder layer saves for backward under kept attention (its attention block and its MLP's input)."""
+    return tokens * (KEPT_PER_TOKEN_HIDDEN * hidden + 2 * kv_dim) * act
+
+
+def experts_rerun_bytes(shape: ModelShape, setup: TrainSetup) -> int:
+    """Per token: 4-bit experts run their forward again inside backward to get the input gradient
+    (engine.model.quantized_experts), so one layer's routed activations exist a second time there."""
+    if not (setup.qlora and shape.is_moe):
+        return 0
+    act = setup.activation_bytes
+    return shape.experts_per_token * (act * shape.hidden_size + 3 * act * shape.expert_intermediate_size)
+
+
 def dequantized_experts_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     """One MoE layer's experts in 16-bit: 4-bit experts are dequantized per layer while it runs forward or
     backward (engine.model.quantized_experts); nothing without QLoRA or for dense models."""
@@ -217,6 +239,7 @@ def setup_from_speed_state(
         lora_16bit=on("lora_16bit"),
         host_embedding=on("host_embedding"),
         dequant_once=on("dequant_once"),
+        keep_attention=on("keep_attention"),
         attention=cache.get("backend") if cache.get("on") else "sdpa",  # type: ignore[arg-type]
         chunk_tokens=chunk_tokens_for(shape.intermediate_size, shape.hidden_size) if on("chunked_mlp") else None,
         chunk_scope="mlp" if on("fused_kernels") else "all",
@@ -396,6 +419,7 @@ def estimate_memory(
     if setup.checkpointing == "none":
         activations = shape.num_layers * (per_layer + layer_mask + copies) - first_norm
         activations += dequantized_experts_bytes(shape, setup)  # the running layer's, on top of all saved
+        activations += experts_rerun_bytes(shape, setup) * t
         recompute = 0
     else:
         activations = kept_inputs
@@ -410,6 +434,9 @@ def estimate_memory(
         transient = max(width_grads * chunk, _attention_backward_bytes(shape, setup, backend) * t)
         recompute = kept_inputs + layer + transient + layer_mask + copies + hidden_grads * t
         recompute += dequantized_layer_bytes(shape, setup) + dequantized_experts_bytes(shape, setup)
+        recompute += experts_rerun_bytes(shape, setup) * t
+        if setup.keep_attention and setup.checkpointing == "offloaded":
+            recompute += 2 * kept_layer_bytes(h, shape.kv_dim, t, act)
     final_norm = (4 * h + 4) * t
     loss = final_norm + loss_bytes(shape, setup)
     return MemoryEstimate(

@@ -33,15 +33,12 @@ from typing import Any
 
 import torch
 
+from engine.hardware.planner import kept_layer_bytes
+
 __all__ = ["DEVICE_FREE_SHARE", "kept_share", "layer_forward_flops", "layer_saved_bytes", "resident_rotary", "resolve"]
 
 DEVICE_FREE_SHARE = 0.25
 """On only while two layers' saved tensors take at most this share of free GPU memory."""
-SAVED_PER_TOKEN_HIDDEN = 7
-"""Tensors of hidden width a layer saves per token: both norms' inputs and outputs, q, the attention output,
-and one more for q/k norms or odd layouts (measured sizes replace the estimate after the first step)."""
-
-
 COMPUTE_EFFICIENCY = 0.5
 """Share of the spec sheet's 16-bit throughput a 4-bit layer's forward pass reaches (dequantization, norms and
 attention included), for :func:`kept_share`."""
@@ -105,13 +102,13 @@ def device_flops_per_s(device: torch.device) -> float | None:
 
 def layer_saved_bytes(config: Any, tokens: int, dtype_bytes: int = 2) -> int:
     """Estimated bytes one decoder layer saves for backward on ``tokens`` tokens (its attention block and its
-    MLP's input)."""
+    MLP's input): :func:`engine.hardware.planner.kept_layer_bytes`."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = int(getattr(config, "hidden_size", 0) or 0)
     heads = int(getattr(config, "num_attention_heads", 0) or 1)
     head_dim = int(getattr(config, "head_dim", 0) or hidden // heads)
     kv_dim = int(getattr(config, "num_key_value_heads", 0) or heads) * head_dim
-    return tokens * (SAVED_PER_TOKEN_HIDDEN * hidden + 2 * kv_dim) * dtype_bytes
+    return kept_layer_bytes(hidden, kv_dim, tokens, dtype_bytes)
 
 
 def resolve(
