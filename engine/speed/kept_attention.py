@@ -50,16 +50,21 @@ DEFAULT_LINK_BYTES_PER_S = 16 * PCIE_LANE_BYTES_PER_S[4] * LINK_EFFICIENCY
 """Assumed when NVML cannot tell: PCIe 4.0 x16, the common desktop slot."""
 
 
-def layer_forward_flops(config: Any, tokens: int) -> float:
-    """Forward FLOPs of one dense decoder layer on one row of ``tokens`` tokens (projections and causal attention)."""
+def _widths(config: Any) -> tuple[int, int, int, int]:
+    """(hidden, q, k/v, MLP) widths of a model's decoder layers, from its configuration."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = int(getattr(config, "hidden_size", 0) or 0)
     heads = int(getattr(config, "num_attention_heads", 0) or 1)
     head_dim = int(getattr(config, "head_dim", 0) or hidden // heads)
     kv_dim = int(getattr(config, "num_key_value_heads", 0) or heads) * head_dim
-    intermediate = int(getattr(config, "intermediate_size", 0) or 0)
-    projections = hidden * (2 * heads * head_dim + 2 * kv_dim) + 3 * hidden * intermediate
-    return 2.0 * projections * tokens + 2.0 * tokens * tokens * heads * head_dim
+    return hidden, heads * head_dim, kv_dim, int(getattr(config, "intermediate_size", 0) or 0)
+
+
+def layer_forward_flops(config: Any, tokens: int) -> float:
+    """Forward FLOPs of one dense decoder layer on one row of ``tokens`` tokens (projections and causal attention)."""
+    hidden, q_dim, kv_dim, intermediate = _widths(config)
+    projections = hidden * (2 * q_dim + 2 * kv_dim) + 3 * hidden * intermediate
+    return 2.0 * projections * tokens + 2.0 * tokens * tokens * q_dim
 
 
 def kept_share(layer_bytes: int, layer_flops: float, link_bytes_per_s: float, device_flops_per_s: float) -> float:
@@ -103,11 +108,7 @@ def device_flops_per_s(device: torch.device) -> float | None:
 def layer_saved_bytes(config: Any, tokens: int, dtype_bytes: int = 2) -> int:
     """Estimated bytes one decoder layer saves for backward on ``tokens`` tokens (its attention block and its
     MLP's input): :func:`engine.hardware.planner.kept_layer_bytes`."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    hidden = int(getattr(config, "hidden_size", 0) or 0)
-    heads = int(getattr(config, "num_attention_heads", 0) or 1)
-    head_dim = int(getattr(config, "head_dim", 0) or hidden // heads)
-    kv_dim = int(getattr(config, "num_key_value_heads", 0) or heads) * head_dim
+    hidden, _, kv_dim, _ = _widths(config)
     return kept_layer_bytes(hidden, kv_dim, tokens, dtype_bytes)
 
 
