@@ -97,6 +97,33 @@ def test_offloaded_gradients_equal_standard_on_gpu() -> None:
     assert all(torch.allclose(got[k], ref[k], rtol=1e-2, atol=1e-5) for k in ref)
 
 
+@pytest.mark.parametrize("share", [1.0, 0.5])
+def test_kept_attention_gradients_equal_whole_layer_recompute_on_gpu(share: float) -> None:
+    """Saved tensors go to pinned host memory on a side stream and come back a layer ahead: the same gradients as
+    recomputing whole layers, on the second step too (reused host buffers), with no host sync."""
+    model = bf16_model("llama")
+    whole = SpeedConfig(metadata_cache=True, checkpointing="offloaded", keep_attention=False)
+    ctl = SpeedController(model, whole, CUDA)
+    ctl.offloader.min_offload_bytes = ctl.offloader.min_saved_bytes = 0
+    run_step(model, ctl)
+    ref = grads(model)
+    ctl.kept_share_override = share
+    ctl.apply(dataclasses.replace(whole, keep_attention=True))
+    assert ctl.state()["keep_attention"]["on"]
+    for _ in range(2):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            run_step(model, ctl)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert ctl.offloader.saved_host_bytes() > 0
+    got = grads(model)
+    assert all(torch.allclose(got[k], ref[k], rtol=1e-2, atol=1e-5) for k in ref), max(
+        relative_error(got[k], ref[k]) for k in ref
+    )
+
+
 def test_training_step_with_everything_on_makes_no_sync() -> None:
     model = bf16_model("qwen3_moe", experts=True, moe_intermediate_size=128)
     ctl = SpeedController(
