@@ -90,9 +90,13 @@ def _safetensors_files(folder: Path) -> list[Path]:
 
 def load_quantized_moe(folder: Path, config: Any, device: torch.device, dtype: torch.dtype, **kwargs: Any) -> Any:
     """The model in ``folder`` with its linears and experts in NF4 on ``device``, the rest in ``dtype``."""
+    from tqdm.auto import tqdm
+
     model = meta_model(config, dtype, trust_remote_code=kwargs.get("trust_remote_code", False))
     with open_checkpoint(folder) as tensors:
-        for parent, attribute, experts in experts_modules(model):
+        layers = experts_modules(model)
+        # reading and quantizing a 30B model's experts takes minutes: a bar in a terminal, silent elsewhere
+        for parent, attribute, experts in tqdm(layers, desc="4-bit experts", unit="layer", disable=None):
             prefix = _name_of(model, experts)
             weights = {
                 name: _expert_weight(tensors, prefix, name, experts, device, dtype)
