@@ -445,6 +445,11 @@ def smoke(lengths: list[int], variant: str) -> list[dict[str, Any]]:
 # --- reporting ----------------------------------------------------------------------------------------------------
 
 
+def environment_line(meta: dict[str, Any]) -> str:
+    """The report's "GPU: ..., date, library versions" line from :func:`environment`'s record."""
+    return f"GPU: {meta['gpu']}, {meta['date']}, " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items())
+
+
 def environment() -> dict[str, Any]:
     import peft
     import transformers
@@ -470,7 +475,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Longest trainable row: Llama-3.1-8B-shaped QLoRA under 8, 16 and 24 GiB",
         "",
-        f"GPU: {meta['gpu']}, {meta['date']}, " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
+        environment_line(meta),
         "",
         "Random-init Llama-3.1-8B shape (vocab 128,256, hidden 4,096, 32 layers, 32/8 heads, MLP 14,336), NF4 with",
         "double quantization, LoRA r32 on all linear layers, batch size 1, one document filling the row, two full",

@@ -266,13 +266,13 @@ def _line(row: dict[str, Any]) -> str:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    from engine.bench.long_context import environment
+    from engine.bench.long_context import environment, environment_line
 
     meta = report.get("environment") or environment()
     lines = [
         "# QLoRA: 4-bit 8B fine-tuning, stock against TuneDeck",
         "",
-        f"GPU: {meta['gpu']}, {meta['date']}, " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
+        environment_line(meta),
         "",
         "Random-init Llama-3.1-8B and Qwen3-8B shapes in NF4 with double quantization, LoRA r32 on all linear",
         "layers (Qwen3-30B-A3B: experts in NF4 too, LoRA r32 on the attention projections), AdamW, batch size 1,",

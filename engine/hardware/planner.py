@@ -208,10 +208,7 @@ def kept_layer_bytes(hidden: int, kv_dim: int, tokens: int, act: int) -> int:
 def experts_rerun_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     """Per token: 4-bit experts run their forward again inside backward to get the input gradient
     (engine.model.quantized_experts), so one layer's routed activations exist a second time there."""
-    if not (setup.qlora and shape.is_moe):
-        return 0
-    act = setup.activation_bytes
-    return shape.experts_per_token * (act * shape.hidden_size + 3 * act * shape.expert_intermediate_size)
+    return _routed_bytes(shape, setup) if setup.qlora and shape.is_moe else 0
 
 
 def dequantized_experts_bytes(shape: ModelShape, setup: TrainSetup) -> int:
@@ -307,13 +304,18 @@ def _attention_bytes(shape: ModelShape, setup: TrainSetup, backend: str) -> int:
     return act * (2 * shape.q_dim + 2 * kv) + 4 * shape.num_heads
 
 
+def _routed_bytes(shape: ModelShape, setup: TrainSetup) -> int:
+    """Per token: the routed experts' activations (each chosen expert's input, gate, up and activation outputs)."""
+    act = setup.activation_bytes
+    return shape.experts_per_token * (act * shape.hidden_size + 3 * act * shape.expert_intermediate_size)
+
+
 def _mlp_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     act = setup.activation_bytes
     if not shape.is_moe:
         return 3 * act * shape.intermediate_size  # gate output, up output, activation output
-    routed = shape.experts_per_token * (act * shape.hidden_size + 3 * act * shape.expert_intermediate_size)
     shared = 3 * act * shape.shared_expert_intermediate_size
-    return routed + shared + 8 * shape.num_experts  # router logits and probabilities in fp32
+    return _routed_bytes(shape, setup) + shared + 8 * shape.num_experts  # router logits and probabilities in fp32
 
 
 def layer_activation_bytes(shape: ModelShape, setup: TrainSetup, backend: str) -> int:

@@ -179,13 +179,21 @@ def load_base_model(config: ModelConfig, device: torch.device, dtype: torch.dtyp
 
 
 def _moe_config(source: ModelSource, config: ModelConfig, dtype: torch.dtype) -> Any | None:
-    """The model's config when it has 3-D MoE experts (checked on a meta-device skeleton), else None."""
+    """The model's config when it has 3-D MoE experts, else None: a config that names no experts is dense; one
+    that does is checked on a meta-device skeleton."""
     from transformers import AutoConfig
 
+    from engine.errors import ConfigError
+    from engine.hardware.shapes import ModelShape
     from engine.model.moe_load import has_experts, meta_model
 
     try:
         model_config = AutoConfig.from_pretrained(source.location, **_hub_kwargs(config))
+        try:
+            if not ModelShape.from_config_dict(model_config.to_dict(), config.name).is_moe:
+                return None
+        except ConfigError:
+            pass  # an unusual config: let the skeleton tell
         skeleton = meta_model(model_config, dtype, trust_remote_code=config.trust_remote_code is True)
     except Exception as err:
         raise _load_error(source, "model", err) from err

@@ -117,7 +117,6 @@ class SpeedController:
         self.host_embedding = HostEmbedding(self.hf_model, self.device)
         self.lora_16bit = Lora16Bit(model)
         self.lean = lean_recompute.LeanRecompute(self.hf_model, self.offloader.recompute)
-        self._keep_attention = False
         self._rotary_hook: Any = None
         self.kept_share_override: float | None = None
         """A fixed share of layers for kept attention (the bench's sweep); None: chosen from the GPU."""
@@ -193,7 +192,7 @@ class SpeedController:
         if on:
             compiled, _ = fused_kernels.resolve(settings.fused_kernels, self.hf_model, self.device)
             self.chunked.install(mlp_only=compiled)
-        elif self._keep_attention:
+        elif self.offloader.keeps_saved:
             self.chunked.install_units()  # the MLPs keep only their inputs and recompute in backward
         else:
             self.chunked.remove()
@@ -215,7 +214,6 @@ class SpeedController:
         if on and share < 1.0:
             kept = sum(offloaded_checkpoint.keeps_layer(i, share) for i in range(layers))
             reason += f"; {kept} of {layers} layers (the host link would slow the others' forward pass)"
-        self._keep_attention = on
         offloader.kept_share = share
         offloader.keep_saved(on, self.model)
         if on and self._rotary_hook is None:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from engine.hardware.planner import kept_layer_bytes
+from engine.hardware.shapes import ModelShape
 
 __all__ = ["DEVICE_FREE_SHARE", "kept_share", "layer_forward_flops", "layer_saved_bytes", "resident_rotary", "resolve"]
 
@@ -50,21 +51,16 @@ DEFAULT_LINK_BYTES_PER_S = 16 * PCIE_LANE_BYTES_PER_S[4] * LINK_EFFICIENCY
 """Assumed when NVML cannot tell: PCIe 4.0 x16, the common desktop slot."""
 
 
-def _widths(config: Any) -> tuple[int, int, int, int]:
-    """(hidden, q, k/v, MLP) widths of a model's decoder layers, from its configuration."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    hidden = int(getattr(config, "hidden_size", 0) or 0)
-    heads = int(getattr(config, "num_attention_heads", 0) or 1)
-    head_dim = int(getattr(config, "head_dim", 0) or hidden // heads)
-    kv_dim = int(getattr(config, "num_key_value_heads", 0) or heads) * head_dim
-    return hidden, heads * head_dim, kv_dim, int(getattr(config, "intermediate_size", 0) or 0)
+def _shape(config: Any) -> ModelShape:
+    return ModelShape.from_config_dict(config.to_dict(), getattr(config, "model_type", "model"))
 
 
 def layer_forward_flops(config: Any, tokens: int) -> float:
     """Forward FLOPs of one dense decoder layer on one row of ``tokens`` tokens (projections and causal attention)."""
-    hidden, q_dim, kv_dim, intermediate = _widths(config)
-    projections = hidden * (2 * q_dim + 2 * kv_dim) + 3 * hidden * intermediate
-    return 2.0 * projections * tokens + 2.0 * tokens * tokens * q_dim
+    shape = _shape(config)
+    hidden = shape.hidden_size
+    projections = hidden * (2 * shape.q_dim + 2 * shape.kv_dim) + 3 * hidden * shape.intermediate_size
+    return 2.0 * projections * tokens + 2.0 * tokens * tokens * shape.q_dim
 
 
 def kept_share(layer_bytes: int, layer_flops: float, link_bytes_per_s: float, device_flops_per_s: float) -> float:
@@ -108,8 +104,8 @@ def device_flops_per_s(device: torch.device) -> float | None:
 def layer_saved_bytes(config: Any, tokens: int, dtype_bytes: int = 2) -> int:
     """Estimated bytes one decoder layer saves for backward on ``tokens`` tokens (its attention block and its
     MLP's input): :func:`engine.hardware.planner.kept_layer_bytes`."""
-    hidden, _, kv_dim, _ = _widths(config)
-    return kept_layer_bytes(hidden, kv_dim, tokens, dtype_bytes)
+    shape = _shape(config)
+    return kept_layer_bytes(shape.hidden_size, shape.kv_dim, tokens, dtype_bytes)
 
 
 def resolve(

@@ -512,13 +512,8 @@ class _OffloadedLayer(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         hidden = ctx.offloader.fetch(ctx.slot).detach().requires_grad_(ctx.needs_input_grad[2])
-        flag = ctx.offloader.recompute
-        flag.active = True
-        try:
-            with torch.enable_grad(), ctx.replay.restored():
-                out = ctx.run(hidden)
-        finally:
-            flag.active = False
+        with ctx.offloader.recompute.raised(), torch.enable_grad(), ctx.replay.restored():
+            out = ctx.run(hidden)
         outs = out if isinstance(out, tuple) else (out,)
         pairs = [(o, g) for o, g in zip(outs, grads, strict=False) if isinstance(o, torch.Tensor) and o.requires_grad]
         pairs = [(o, g) for o, g in pairs if g is not None]
