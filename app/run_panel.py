@@ -56,7 +56,8 @@ def format_eta(seconds: float) -> str:
 SHORT_NAMES = {"metadata_cache": "cache", "fused_loss": "fused loss", "fused_kernels": "kernels",
                "lora_16bit": "lora 16-bit", "chunked_mlp": "chunked mlp",
                "host_embedding": "host embedding", "lean_recompute": "lean recompute",
-               "dequant_once": "dequant once", "keep_attention": "kept attention"}  # fmt: skip
+               "dequant_once": "dequant once", "keep_attention": "kept attention",
+               "fp8_base": "fp8 base"}  # fmt: skip
 
 
 def speed_label(before: dict[str, dict[str, object]], after: dict[str, dict[str, object]]) -> str:

@@ -43,6 +43,7 @@ SHORT_TITLES = {
     "lean_recompute": "lean recompute",
     "dequant_once": "dequant once",
     "keep_attention": "kept attention",
+    "fp8_base": "fp8 base",
     "moe_routing": "MoE routing",
 }
 Checkpointing = Literal["auto", "none", "standard", "offloaded"]

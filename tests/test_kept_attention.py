@@ -251,3 +251,19 @@ def test_share_follows_link_and_compute() -> None:
     rtx_4090 = kept_attention.kept_share(saved, flops, 16 * lane[4] * 0.87, 165e12 * efficiency)
     assert 0.3 < h200 < 1.0
     assert rtx_4090 == 1.0
+
+
+def test_a_gpu_named_without_its_index_is_the_current_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``cuda`` and ``cuda:N`` name the same GPU: saved tensors on it are parked (they were not, on the GPU)."""
+    from types import SimpleNamespace
+
+    from engine.speed.offloaded_checkpoint import ActivationOffloader
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    offloader = ActivationOffloader(torch.device("cuda"))
+
+    def on(device: str) -> bool:
+        return offloader._on_device(SimpleNamespace(device=torch.device(device)))  # type: ignore[arg-type]
+
+    assert on("cuda:1") and not on("cuda:0") and not on("cpu")
+    assert ActivationOffloader(torch.device("cuda", 0))._on_device(SimpleNamespace(device=torch.device("cuda:0")))  # type: ignore[arg-type]

@@ -98,8 +98,8 @@ def test_offloaded_gradients_equal_standard_on_gpu() -> None:
 
 
 @pytest.mark.parametrize("share", [1.0, 0.5])
-def test_kept_attention_gradients_equal_whole_layer_recompute_on_gpu(share: float) -> None:
-    """Saved tensors go to pinned host memory on a side stream and come back a layer ahead: the same gradients as
+def test_kept_attention_gradients_follow_whole_layer_recompute_on_gpu(share: float) -> None:
+    """Saved tensors go to pinned host memory on a side stream and come back a layer ahead: the gradients of
     recomputing whole layers, on the second step too (reused host buffers), with no host sync."""
     model = bf16_model("llama")
     whole = SpeedConfig(metadata_cache=True, checkpointing="offloaded", keep_attention=False)
@@ -119,9 +119,9 @@ def test_kept_attention_gradients_equal_whole_layer_recompute_on_gpu(share: floa
             torch.cuda.set_sync_debug_mode("default")
     assert ctl.offloader.saved_host_bytes() > 0
     got = grads(model)
-    assert all(torch.allclose(got[k], ref[k], rtol=1e-2, atol=1e-5) for k in ref), max(
-        relative_error(got[k], ref[k]) for k in ref
-    )
+    # bf16 noise, not equality: the whole-layer path's output comes from its no-grad forward, whose attention kernel
+    # rounds differently from the kept layer's forward with grad (measured on the H200: 1.1e-3 at most)
+    assert max(relative_error(got[k], ref[k]) for k in ref) < 5e-3
 
 
 def test_training_step_with_everything_on_makes_no_sync() -> None:
@@ -216,3 +216,30 @@ def test_grouped_flash_attention_matches_repeated_kv_on_gpu(window: int | None) 
         results.append((out.detach(), q.grad, k.grad, v.grad))
     for repeated, grouped in zip(*results, strict=True):
         assert relative_error(grouped, repeated) < 1e-2
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs fp8 tensor cores"
+)
+@pytest.mark.parametrize("checkpointing", ["none", "offloaded"])
+def test_fp8_base_products_on_tensor_cores_follow_bf16_with_no_sync(checkpointing: str) -> None:
+    """fp8 products with the frozen weights (per-row scales, cuBLAS fp8 kernels) stay within fp8 rounding of the
+    bf16 path, in plain training and in offloaded checkpointing's recompute, without a host sync."""
+    model = bf16_model("llama")
+    base = SpeedConfig(metadata_cache=True, checkpointing=checkpointing)
+    ctl = SpeedController(model, base, CUDA)
+    ctl.offloader.min_offload_bytes = ctl.offloader.min_saved_bytes = 0
+    ref_logits = run_step(model, ctl)
+    ref = grads(model)
+    ctl.apply(dataclasses.replace(base, fp8_base=True))
+    assert ctl.state()["fp8_base"]["on"], ctl.state()["fp8_base"]
+    run_step(model, ctl)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        logits = run_step(model, ctl)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    got = grads(model)
+    errors = relative_error(logits, ref_logits), max(relative_error(got[k], ref[k]) for k in ref)
+    assert 1e-3 < errors[0] < 0.15 and errors[1] < 0.3, errors  # measured on the H200: 0.072 and 0.157

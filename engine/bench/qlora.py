@@ -13,10 +13,13 @@ Variants, timed one after another in the same process on the same rows:
 * ``stock``: transformers + peft + bitsandbytes as documented (``prepare_model_for_kbit_training``, standard
   checkpointing, sdpa, the model's own loss);
 * ``auto``: TuneDeck with every switch automatic, as ``tunedeck train --qlora`` runs;
-* ``auto-X``: automatic with switch X off, which tells what each switch is worth.
+* ``auto-X``: automatic with switch X off, which tells what each switch is worth;
+* ``auto+X``: automatic with switch X on, for the switches that are off unless switched on (fp8 base matmuls,
+  kept attention).
 
-Losses: 20 steps of ``auto`` on fresh rows against the same 20 steps of the float32-LoRA ``stock`` path, from the
-same base and adapter initialisation. Each row gives the planner's predicted peak beside the measured one.
+Losses: 20 steps of ``auto`` (and of each ``auto+X``) on fresh rows against the same 20 steps of the
+float32-LoRA ``stock`` path, from the same base and adapter initialisation. Each row gives the planner's predicted
+peak beside the measured one.
 
     tunedeck bench --qlora --out benchmarks/qlora_h200.json
 """
@@ -66,6 +69,8 @@ WHOLE_ROW = "whole_row"
 path (engine.speed.metadata_cache.PackedAttentionMetadata.whole_row_causal)."""
 
 
+SWITCHED_ON = ("fp8_base", "keep_attention")
+"""Switches off unless switched on, whose worth ``auto+X`` measures (X switched on over the automatic choices)."""
 KEPT_SHARE = "auto-kept_share="
 """``auto-kept_share=X``: kept attention switched on, on a fixed share X of the layers (not the one chosen from the
 GPU)."""
@@ -82,6 +87,11 @@ def variant_settings(variant: str) -> SpeedConfig:
         return AUTO
     if variant.startswith(KEPT_SHARE):
         return dataclasses.replace(AUTO, keep_attention=True)
+    if variant.startswith("auto+"):
+        switch = variant.removeprefix("auto+")
+        if switch not in SWITCHED_ON:
+            raise ValueError(f"unknown variant {variant!r}: auto+SWITCH takes SWITCH in {SWITCHED_ON}")
+        return dataclasses.replace(AUTO, **{switch: True})
     switch = variant.removeprefix("auto-")
     if switch == WHOLE_ROW:
         return dataclasses.replace(AUTO, attention_backend="varlen")
@@ -227,9 +237,10 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     with timing_turn(args.timing_lock, args.peers, name):
         for tokens, cap in cases:
             for variant in ours:
-                if variant == "auto" or (tokens, cap) == cases[0]:
+                if variant == "auto" or variant.startswith("auto+") or (tokens, cap) == cases[0]:
                     rows.append(run_variant(tuned, variant, tokens, cap, args, device))
-        auto_losses = losses(tuned, "auto", args, device) if args.loss_steps else []
+        compared = [v for v in ours if v == "auto" or v.startswith("auto+")]
+        ours_losses = {v: losses(tuned, v, args, device) for v in compared} if args.loss_steps else {}
         del tuned
         gc.collect()
         torch.cuda.empty_cache()
@@ -242,16 +253,16 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
             rows += [run_variant(stock, "stock", tokens, cap, args, device) for tokens, cap in cases]
             stock_losses = losses(stock, "stock", args, device) if args.loss_steps else []
             del stock
-    return {"model": name, "rows": rows, "losses": {"auto": auto_losses, "stock": stock_losses}, "notes": notes}
+    return {"model": name, "rows": rows, "losses": {**ours_losses, "stock": stock_losses}, "notes": notes}
 
 
 def is_moe(name: str) -> bool:
     return bool(SHAPES[name].get("num_experts"))
 
 
-def loss_agreement(record: dict[str, Any]) -> float | None:
-    """Largest relative difference between ``auto``'s and the float32-LoRA stock path's per-step losses."""
-    auto, stock = record["losses"]["auto"], record["losses"]["stock"]
+def loss_agreement(record: dict[str, Any], variant: str = "auto") -> float | None:
+    """Largest relative difference between ``variant``'s and the float32-LoRA stock path's per-step losses."""
+    auto, stock = record["losses"].get(variant, []), record["losses"].get("stock", [])
     if not auto or len(auto) != len(stock):
         return None
     return max(abs(a - s) / abs(s) for a, s in zip(auto, stock, strict=True))
@@ -279,6 +290,7 @@ def markdown(report: dict[str, Any]) -> str:
         "one document filling the row, allocator capped with `set_per_process_memory_fraction` (the CUDA context is",
         "not counted). `stock` = transformers + peft + bitsandbytes (`prepare_model_for_kbit_training`, standard",
         "checkpointing, sdpa); `auto` = TuneDeck with every switch automatic; `auto-X` = automatic with X off;",
+        "`auto+X` = automatic with X switched on (fp8_base: frozen-weight products in fp8);",
         "`auto-kept_share=X` = automatic with kept attention switched on for a share X of the layers. Median of the",
         "timed steps after warm-up (compiles done).",
         "",
@@ -288,11 +300,16 @@ def markdown(report: dict[str, Any]) -> str:
     for record in report["models"]:
         for row in record["rows"]:
             lines.append(_table_row(row, record["rows"]))
-    lines += ["", "| model | loss steps | max relative difference, auto vs float32-LoRA stock |", "|---|---:|---:|"]
+    lines += [
+        "",
+        "| model | variant | loss steps | max relative difference vs float32-LoRA stock |",
+        "|---|---|---:|---:|",
+    ]
     for record in report["models"]:
-        agreement = loss_agreement(record)
-        text = f"{agreement:.2e}" if agreement is not None else "-"
-        lines.append(f"| {record['model']} | {len(record['losses']['auto'])} | {text} |")
+        for variant in (v for v in record["losses"] if v != "stock"):
+            agreement = loss_agreement(record, variant)
+            text = f"{agreement:.2e}" if agreement is not None else "-"
+            lines.append(f"| {record['model']} | {variant} | {len(record['losses'][variant])} | {text} |")
     lines += ["", *report.get("notes", []), *(note for record in report["models"] for note in record.get("notes", []))]
     return "\n".join(lines) + "\n"
 
@@ -319,7 +336,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tokens", default="4096,16384", help="row lengths")
     parser.add_argument("--caps", default="8,24", help="allocator caps in GiB")
     default_variants = ",".join(["stock", "auto", *(f"auto-{s}" for s in (*ABLATED, WHOLE_ROW))])
-    parser.add_argument("--variants", default=default_variants, help="stock, auto, auto-SWITCH")
+    parser.add_argument("--variants", default=default_variants, help="stock, auto, auto-SWITCH, auto+SWITCH")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per row")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compiles)")
     parser.add_argument("--loss-steps", type=int, default=20, help="steps of the loss comparison (0: none)")

@@ -24,6 +24,7 @@ from engine.data.model_inputs import stock_model_inputs
 from engine.data.packing import PackedBatch
 from engine.speed import (
     chunked_mlp,
+    fp8_base,
     fused_kernels,
     fused_loss,
     kept_attention,
@@ -240,9 +241,19 @@ class SpeedController:
         extra = lean_recompute.layer_dequant_bytes(self.hf_model)
         free = free_device_memory(self.device) if self.device.type == "cuda" else None
         once, once_reason = lean_recompute.dequant_once_resolve(settings.dequant_once, mode, extra, free)
-        self.lean.switch(skip, once)
+        frozen = sum(1 for _ in lean_recompute.frozen_projections(self.hf_model, every=True))
+        fp8, fp8_reason = fp8_base.resolve(settings.fp8_base, self.device, frozen)
+        self.lean.switch(skip, once, fp8)
+        if fp8:
+            done, total = self.lean.fp8_projections()
+            fp8_reason += (
+                f" ({done} of {total} frozen projections; the others' widths are not multiples of 16)"
+                if done < total
+                else ""
+            )
         self._state["lean_recompute"] = {"on": skip, "reason": skip_reason}
         self._state["dequant_once"] = {"on": once, "reason": once_reason}
+        self._state["fp8_base"] = {"on": fp8, "reason": fp8_reason}
 
     def _kept_share(self, tokens: int, layer_bytes: int) -> float:
         if self.kept_share_override is not None:

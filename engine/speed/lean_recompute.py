@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engine.speed import fp8_base
 from engine.speed.chunked_mlp import feeds_residual_only
 from engine.speed.fused_kernels import decoder_layers
 from engine.speed.offloaded_checkpoint import RecomputeFlag
@@ -107,6 +108,10 @@ class _DequantizedOnce(torch.autograd.Function):
         return grad @ dense.to(grad.dtype), None, None, None
 
 
+FP8_SCALE = "fp8_weight_scale"
+"""Buffer name of a frozen projection's e4m3 weight scale while the fp8-base switch is on (not saved)."""
+
+
 class FrozenProjection(StandIn):
     """Stands in for a frozen base projection (``nn.Linear`` or bitsandbytes ``Linear4bit``), names unchanged."""
 
@@ -119,14 +124,49 @@ class FrozenProjection(StandIn):
         self.dequant_once = False
         self.quantized = is_4bit(wrapped)
         self.out_features = int(getattr(wrapped, "out_features", 0))
+        self.in_features = int(getattr(wrapped, "in_features", 0))
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self.flag.active and not args and not kwargs:
-            if self.skip_unread and self.output_unread:
-                return _UnreadOutput.apply(x, *self._weight_and_state(), self.out_features)
-            if self.dequant_once and self.quantized:
-                return self._dequantized_once(x)
-        return self.wrapped(x, *args, **kwargs)
+        if args or kwargs:
+            return self.wrapped(x, *args, **kwargs)
+        recompute = self.flag.active
+        unread = recompute and self.skip_unread and self.output_unread
+        if self.fp8_scale is not None:
+            return self._fp8(x, keep=recompute and self.dequant_once, unread=unread)
+        if unread:
+            return _UnreadOutput.apply(x, *self._weight_and_state(), self.out_features)
+        if recompute and self.dequant_once and self.quantized:
+            return self._dequantized_once(x)
+        return self.wrapped(x)
+
+    def set_fp8(self, on: bool) -> None:
+        """Multiply in fp8 from the next call (its weight's scale read once here), or in 16-bit again."""
+        if not on or not fp8_base.fits(self.in_features, self.out_features):
+            self._buffers.pop(FP8_SCALE, None)  # shared with the wrapped module
+            for module in (self, self.wrapped):
+                module._non_persistent_buffers_set.discard(FP8_SCALE)
+        elif self.fp8_scale is None:
+            with torch.no_grad():
+                scale = fp8_base.weight_scale(dense_weight(*self._weight_and_state(), self._compute_dtype()))
+            # a buffer (compiled regions take it as an input), never saved with the model
+            self.register_buffer(FP8_SCALE, scale, persistent=False)
+            self.wrapped._non_persistent_buffers_set.add(FP8_SCALE)
+
+    @property
+    def fp8_scale(self) -> torch.Tensor | None:
+        """The weight's fixed e4m3 scale while the fp8-base switch is on (engine.speed.fp8_base); None: 16-bit."""
+        return self._buffers.get(FP8_SCALE)
+
+    def _compute_dtype(self) -> torch.dtype:
+        dtype = getattr(self.wrapped, "compute_dtype", None) or self.wrapped.weight.dtype
+        return dtype if dtype.is_floating_point and dtype.itemsize == 2 else torch.bfloat16
+
+    def _fp8(self, x: torch.Tensor, keep: bool, unread: bool) -> torch.Tensor:
+        weight, state = self._weight_and_state()
+        compute = self._compute_dtype()
+        scale = self.fp8_scale
+        out = fp8_base.Fp8Projection.apply(x.to(compute), weight, state, self.wrapped.bias, scale, keep, unread)
+        return out.to(x.dtype)
 
     def _weight_and_state(self) -> tuple[torch.Tensor, Any]:
         weight = self.wrapped.weight
@@ -151,9 +191,12 @@ def _dense_mlp(layer: torch.nn.Module) -> torch.nn.Module | None:
     return wrapped if {"gate_proj", "up_proj", "down_proj"} <= names or {"gate_up_proj", "down_proj"} <= names else None
 
 
-def frozen_projections(hf_model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, str, torch.nn.Module, bool]]:
+def frozen_projections(
+    hf_model: torch.nn.Module, every: bool = False
+) -> Iterator[tuple[torch.nn.Module, str, torch.nn.Module, bool]]:
     """(parent, attribute, frozen linear, output unread in recompute) for every frozen projection of the decoder
-    layers that either part can act on: the base layer under a LoRA adapter, or a frozen linear that has none."""
+    layers that either part can act on: the base layer under a LoRA adapter, or a frozen linear that has none.
+    ``every``: all frozen projections, as the fp8-base switch acts on each of them."""
     for layer in decoder_layers(hf_model):
         mlp = _dense_mlp(layer)
         down = getattr(mlp, "down_proj", None) if mlp is not None and feeds_residual_only(layer) else None
@@ -163,7 +206,7 @@ def frozen_projections(hf_model: torch.nn.Module) -> Iterator[tuple[torch.nn.Mod
                 if not _is_frozen_linear(base):
                     continue
                 unread = down is not None and (owner is down or (owner is mlp and name == "down_proj"))
-                if unread or is_4bit(base):
+                if unread or every or is_4bit(base):
                     yield owner, name, base, unread
 
 
@@ -209,28 +252,39 @@ def dequant_once_resolve(
 
 @dataclass
 class LeanRecompute:
-    """Installs the frozen-projection stand-ins on one model and sets their two switches; safe between steps."""
+    """Installs the frozen-projection stand-ins on one model and sets their three switches; safe between steps."""
 
     hf_model: torch.nn.Module
     flag: RecomputeFlag
     installed: list[tuple[torch.nn.Module, str, FrozenProjection]] = field(default_factory=list)
+    every: bool = False
+    """Stand-ins on every frozen projection (the fp8 switch acts on each), not only those lean recompute needs."""
 
-    def switch(self, skip_unread: bool, dequant_once: bool) -> None:
-        if not (skip_unread or dequant_once):
+    def switch(self, skip_unread: bool, dequant_once: bool, fp8: bool = False) -> None:
+        if not (skip_unread or dequant_once or fp8):
             self.remove()
             return
+        if fp8 and not self.every:
+            self.remove()
         if not self.installed:
-            self.install()
+            self.install(every=fp8)
         for _, _, wrapper in self.installed:
             wrapper.skip_unread, wrapper.dequant_once = skip_unread, dequant_once
+            wrapper.set_fp8(fp8)
 
-    def install(self) -> None:
-        for owner, name, base, unread in list(frozen_projections(self.hf_model)):
+    def install(self, every: bool = False) -> None:
+        for owner, name, base, unread in list(frozen_projections(self.hf_model, every)):
             wrapper = FrozenProjection(base, self.flag, output_unread=unread)
             owner._modules[name] = wrapper
             self.installed.append((owner, name, wrapper))
+        self.every = every
+
+    def fp8_projections(self) -> tuple[int, int]:
+        """(in fp8, frozen projections installed)."""
+        return sum(w.fp8_scale is not None for _, _, w in self.installed), len(self.installed)
 
     def remove(self) -> None:
         for owner, name, wrapper in self.installed:
             owner._modules[name] = wrapper.wrapped
         self.installed.clear()
+        self.every = False

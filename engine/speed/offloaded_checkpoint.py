@@ -323,12 +323,22 @@ class ActivationOffloader:
         return out
 
     def _worth_parking(self, tensor: torch.Tensor) -> bool:
-        if type(tensor) is not torch.Tensor or tensor.device != self.device or tensor.layout != torch.strided:
+        if type(tensor) is not torch.Tensor or not self._on_device(tensor) or tensor.layout != torch.strided:
             return False
         if tensor.numel() * tensor.element_size() < max(1, self.min_saved_bytes):
             return False
         storage = tensor.untyped_storage().data_ptr()
         return storage not in self._fixed and storage not in self._resident
+
+    def _on_device(self, tensor: torch.Tensor) -> bool:
+        """On this offloader's device; ``cuda`` without an index means the current GPU."""
+        where = tensor.device
+        if where.type != self.device.type:
+            return False
+        index = self.device.index
+        if index is None and self.is_cuda:
+            index = torch.cuda.current_device()
+        return index is None or where.index == index
 
     def _pack(self, group: _Group, tensor: torch.Tensor) -> Any:
         span = dense_span(tensor) if self._worth_parking(tensor) else None

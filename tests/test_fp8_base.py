@@ -1,0 +1,252 @@
+"""fp8 base matmuls: frozen-weight products in e4m3 follow the 16-bit path within fp8 rounding, in every mode.
+
+torch multiplies fp8 on the CPU too (emulated), so these run the real products; the GPU test in
+test_speed_gpu.py checks the tensor-core path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import build_model
+from speed_models import VOCAB, grads, max_relative_error, mixed_precision_lora_model, packed_batch, step
+
+from engine.config import LoraConfig, ModelConfig, SpeedConfig
+from engine.model.load import add_lora, load_base_model
+from engine.speed import SpeedController, fp8_base
+from engine.speed.fp8_base import E4M3_MAX, Fp8Projection, quantize_rows, weight_scale
+from engine.speed.lean_recompute import FrozenProjection
+
+CPU = torch.device("cpu")
+PLAIN = SpeedConfig(metadata_cache=True, checkpointing="none", lean_recompute=False, dequant_once=False)
+OFFLOADED = dataclasses.replace(PLAIN, checkpointing="offloaded")
+FP8_ERROR = 0.25
+"""Bound on each parameter gradient's relative error (norm of the difference over the norm) in a tiny model with
+fp8 products: about 4% per product, compounding through two layers."""
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
+
+
+def worst_gradient_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys() and a
+    return max(relative(a[name], b[name]) for name in b)
+
+
+def run(model: Any, settings: SpeedConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor], SpeedController]:
+    batch = packed_batch((40, 30, 20))
+    controller = SpeedController(model, settings, CPU)
+    loss, _ = step(model, controller.model_inputs(batch), batch)
+    return loss, grads(model), controller
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-fp8")
+    build_model(folder, VOCAB)
+    return folder
+
+
+def qlora_model(folder: Path) -> Any:
+    pytest.importorskip("bitsandbytes")
+    base = load_base_model(ModelConfig(name=str(folder), qlora=True), CPU, torch.bfloat16)
+    torch.manual_seed(0)
+    model = add_lora(base, LoraConfig(rank=8), qlora=True)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.02)
+    model.train()
+    return model
+
+
+def test_rows_quantize_to_e4m3_with_one_scale_each() -> None:
+    t = torch.randn(8, 64) * torch.logspace(-6, 3, 8).unsqueeze(1)  # rows nine orders of magnitude apart
+    t[3] = 0.0
+    q, scale = quantize_rows(t)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (8, 1)
+    back = q.float() * scale
+    assert torch.all(q.float().abs().amax(dim=1)[torch.arange(8) != 3] == E4M3_MAX)
+    assert torch.equal(back[3], torch.zeros(64))  # an all-zero row stays zero, not NaN
+    for row in (0, 4, 7):
+        assert relative(back[row], t[row]) < 0.05  # 3 mantissa bits, whatever the row's magnitude
+
+
+def test_projection_and_input_gradient_follow_float32_within_fp8_rounding() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(3, 50, 64, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(96, 64, dtype=torch.bfloat16) * 0.05
+    bias = torch.randn(96, dtype=torch.bfloat16)
+    out = Fp8Projection.apply(x, weight, None, bias, weight_scale(weight), False, False)
+    reference = x.float() @ weight.float().t() + bias.float()
+    assert out.dtype == torch.bfloat16 and out.shape == (3, 50, 96)
+    assert 0.005 < relative(out, reference) < 0.06  # fp8's rounding, not bf16's (0.2%) and not a wrong product
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    assert 0.005 < relative(x.grad, grad.float() @ weight.float()) < 0.06
+
+
+def test_kept_weight_gives_the_gradient_of_dequantizing_again() -> None:
+    """``keep`` (inside a recompute with dequantize-once) only saves work: the same fp8 weight either way."""
+    torch.manual_seed(1)
+    weight = torch.randn(48, 32, dtype=torch.bfloat16)
+    scale = weight_scale(weight)
+    grads_of = []
+    for keep in (False, True):
+        x = torch.randn(20, 32, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(2)).requires_grad_()
+        Fp8Projection.apply(x, weight, None, None, scale, keep, False).sum().backward()
+        grads_of.append(x.grad)
+    assert torch.equal(*grads_of)
+
+
+def test_unread_output_multiplies_nothing_but_still_gives_its_gradient() -> None:
+    torch.manual_seed(3)
+    weight = torch.randn(48, 32, dtype=torch.bfloat16)
+    x = torch.randn(20, 32, dtype=torch.bfloat16, requires_grad=True)
+    scale = weight_scale(weight)
+    out = Fp8Projection.apply(x, weight, None, None, scale, False, True)
+    assert out.shape == (20, 48)
+    grad = torch.randn(20, 48, dtype=torch.bfloat16)
+    out.backward(grad)
+    read = x.detach().clone().requires_grad_()
+    Fp8Projection.apply(read, weight, None, None, scale, False, False).backward(grad)
+    assert torch.equal(x.grad, read.grad)
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "offloaded"])
+def test_bf16_lora_model_trains_with_fp8_products(checkpointing: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = mixed_precision_lora_model("llama")
+    settings = dataclasses.replace(PLAIN, checkpointing=checkpointing)
+    loss_ref, grads_ref, _ = run(model, settings)
+    scaled_mm = _count_scaled_mm(monkeypatch)
+    loss, grads_fp8, controller = run(model, dataclasses.replace(settings, fp8_base=True))
+    state = controller.state()["fp8_base"]
+    assert state["on"] and "emulated on the CPU" in state["reason"]
+    layers = model.base_model.model.config.num_hidden_layers
+    # every frozen projection forward, and its input gradient except where nothing below needs one
+    assert scaled_mm[0] >= 7 * (2 * layers - 1)
+    assert torch.isfinite(loss) and abs(float(loss - loss_ref)) / float(loss_ref) < 0.02
+    assert not torch.equal(loss, loss_ref)  # the products did change precision
+    assert worst_gradient_error(grads_fp8, grads_ref) < FP8_ERROR
+
+
+def test_qlora_fp8_with_lean_recompute_and_dequantize_once(tiny_dir: Path) -> None:
+    model = qlora_model(tiny_dir)
+    lean = dataclasses.replace(OFFLOADED, lean_recompute=True, dequant_once=True)
+    loss_ref, grads_ref, _ = run(model, lean)
+    loss, grads_fp8, controller = run(model, dataclasses.replace(lean, fp8_base=True))
+    state = controller.state()
+    assert state["fp8_base"]["on"] and state["lean_recompute"]["on"] and state["dequant_once"]["on"]
+    assert abs(float(loss - loss_ref)) / float(loss_ref) < 0.02
+    assert worst_gradient_error(grads_fp8, grads_ref) < FP8_ERROR
+    controller.apply(lean)  # off again: the 16-bit products, bit for bit
+    loss_back, grads_back, _ = run(model, lean)
+    assert torch.equal(loss_back, loss_ref)
+    assert all(torch.equal(grads_back[name], grads_ref[name]) for name in grads_ref)
+
+
+def test_a_wrong_weight_scale_is_caught() -> None:
+    """The comparison above can fail: an fp8 weight scaled by half its true scale doubles every base product."""
+    model = mixed_precision_lora_model("llama")
+    _, grads_ref, _ = run(model, PLAIN)
+    _, _, controller = run(model, dataclasses.replace(PLAIN, fp8_base=True))
+    for _, _, wrapper in controller.lean.installed:
+        wrapper.fp8_scale.mul_(0.5)
+    _, grads_wrong, _ = run(model, dataclasses.replace(PLAIN, fp8_base=True))
+    assert not worst_gradient_error(grads_wrong, grads_ref) < FP8_ERROR
+
+
+def test_switching_off_puts_the_library_modules_back() -> None:
+    model = mixed_precision_lora_model("llama")
+    names = [name for name, _ in model.named_parameters()]
+    saved = list(model.state_dict())
+    _, _, controller = run(model, dataclasses.replace(PLAIN, fp8_base=True))
+    assert any(isinstance(m, FrozenProjection) for m in model.modules())
+    assert [name for name, _ in model.named_parameters()] == names
+    assert list(model.state_dict()) == saved  # the weight scales are never saved
+    controller.apply(PLAIN)
+    assert not any(isinstance(m, FrozenProjection) for m in model.modules())
+    assert not controller.state()["fp8_base"]["on"]
+
+
+def test_widths_that_are_not_multiples_of_16_keep_the_16_bit_path() -> None:
+    model = mixed_precision_lora_model("llama", intermediate_size=120)
+    _, _, controller = run(model, dataclasses.replace(PLAIN, fp8_base=True))
+    done, total = controller.lean.fp8_projections()
+    layers = model.base_model.model.config.num_hidden_layers
+    assert total - done == 3 * layers  # gate, up and down projections are 120 wide
+    assert "not multiples of 16" in controller.state()["fp8_base"]["reason"]
+
+
+def test_compiled_regions_take_the_fp8_products_without_graph_breaks(tiny_dir: Path) -> None:
+    from torch._dynamo.utils import counters
+
+    model = qlora_model(tiny_dir)
+    settings = dataclasses.replace(OFFLOADED, lean_recompute=True, dequant_once=True, fp8_base=True)
+    _, grads_eager, _ = run(model, settings)
+    torch._dynamo.reset()
+    counters.clear()
+    controller = SpeedController(model, settings, CPU)
+    controller.region_compiler.backend = "aot_eager"
+    controller.apply(dataclasses.replace(settings, fused_kernels=True))
+    batch = packed_batch((40, 30, 20))
+    step(model, controller.model_inputs(batch), batch)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert max_relative_error(grads(model), grads_eager) <= 1e-2
+    controller.apply(settings)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize(
+    ("requested", "device", "capability", "on", "words"),
+    [
+        (None, "cuda", (9, 0), False, "automatic: off"),
+        (False, "cuda", (9, 0), False, "switched off"),
+        (True, "cuda", (8, 6), False, "sm86"),
+        (True, "cuda", (7, 5), False, "sm75"),
+        (True, "cuda", (8, 9), True, "fp8 tensor cores"),
+        (True, "cuda", (12, 1), True, "fp8 tensor cores"),
+        (True, "mps", None, False, "NVIDIA"),
+    ],
+)
+def test_resolution_by_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+    requested: bool | None,
+    device: str,
+    capability: tuple[int, int] | None,
+    on: bool,
+    words: str,
+) -> None:
+    """RTX 30 (sm86) and older have no fp8 tensor cores; RTX 40 (sm89), Hopper, Blackwell and GB10 do."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _device=None: capability)
+    monkeypatch.setattr(fp8_base, "_probe", lambda _device: None)
+    monkeypatch.setattr(fp8_base, "_PROBED", {})
+    got, reason = fp8_base.resolve(requested, torch.device(device), frozen=14)
+    assert got is on and words in reason
+
+
+def test_a_torch_without_row_scaled_fp8_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fp8_base, "_PROBED", {})
+    monkeypatch.setattr(torch, "_scaled_mm", _raise_not_supported, raising=False)
+    on, reason = fp8_base.resolve(True, CPU, frozen=14)
+    assert not on and "cannot multiply fp8" in reason and "not supported" in reason
+
+
+def _raise_not_supported(*_: Any, **__: Any) -> torch.Tensor:
+    raise RuntimeError("row-wise scaling not supported on this device")
+
+
+def _count_scaled_mm(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls = [0]
+    real = torch._scaled_mm
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", counted)
+    return calls
