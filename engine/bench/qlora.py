@@ -292,10 +292,12 @@ def markdown(report: dict[str, Any]) -> str:
         "checkpointing, sdpa); `auto` = TuneDeck with every switch automatic; `auto-X` = automatic with X off;",
         "`auto+X` = automatic with X switched on (fp8_base: frozen-weight products in fp8);",
         "`auto-kept_share=X` = automatic with kept attention switched on for a share X of the layers. Median of the",
-        "timed steps after warm-up (compiles done).",
+        "timed steps after warm-up (compiles done). Host ms: how long the host took to queue a step (close to",
+        "ms/step: the host's Python and launch overhead, not the GPU, sets the pace).",
         "",
-        "| model | tokens | cap GiB | variant | ms/step | tokens/s | x stock | peak GiB | planned GiB | syncs |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| model | tokens | cap GiB | variant | ms/step | host ms | tokens/s | x stock | peak GiB | planned GiB "
+        "| syncs |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for record in report["models"]:
         for row in record["rows"]:
@@ -318,16 +320,17 @@ def _table_row(row: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     head = f"| {row['model']} | {row['tokens']:,} | {row['cap_gib']:g} | {row['variant']} "
     if not row["ok"]:
         return (
-            head + "| out of memory | - | - | - | - | - |"
+            head + "| out of memory | - | - | - | - | - | - |"
             if "memory" in row.get("error", "")
-            else (head + f"| {row.get('error', 'failed')[:60]} | - | - | - | - | - |")
+            else (head + f"| {row.get('error', 'failed')[:60]} | - | - | - | - | - | - |")
         )
     stock = next((r for r in rows if r["variant"] == "stock" and r["tokens"] == row["tokens"]
                   and r["cap_gib"] == row["cap_gib"] and r["ok"]), None)  # fmt: skip
     ratio = f"{stock['ms_per_step'] / row['ms_per_step']:.2f}" if stock else "-"
     planned = f"{row['planned_peak_gib']:.2f}" if row.get("planned_peak_gib") else "-"
-    return (head + f"| {row['ms_per_step']:.0f} | {row['tokens_per_s']:,.0f} | {ratio} | {row['peak_gib']:.2f} "
-            f"| {planned} | {row['syncs']} |")  # fmt: skip
+    host = f"{row['host_ms']:.0f}" if row.get("host_ms") is not None else "-"
+    return (head + f"| {row['ms_per_step']:.0f} | {host} | {row['tokens_per_s']:,.0f} | {ratio} "
+            f"| {row['peak_gib']:.2f} | {planned} | {row['syncs']} |")  # fmt: skip
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -373,8 +376,11 @@ def main(argv: list[str] | None = None) -> int:
         from engine.bench.long_context import environment
 
         records = [json.loads(path.read_text(encoding="utf-8")) for path in args.merge]
-        report = {"environment": records[0].get("environment") or environment(), "models": [
-            m for r in records for m in r["models"]]}  # fmt: skip
+        report = {
+            "environment": records[0].get("environment") or environment(),
+            "models": [m for r in records for m in r["models"]],
+            "notes": [n for r in records for n in r.get("notes", [])],
+        }
         write(report, args.out)
         return 0
     if not torch.cuda.is_available():

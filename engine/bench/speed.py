@@ -127,17 +127,20 @@ def count_syncs(sites: list[str] | None = None) -> Iterator[list[int]]:
 def time_steps(step: Callable[[], None], warmup: int, steps: int) -> dict[str, Any]:
     """Median ms/step after warm-up, peak memory over the timed steps, syncs in one extra step.
 
-    The warm-up's wall time is reported too: with the fused kernels on it includes compiling them."""
+    The warm-up's wall time is reported too: with the fused kernels on it includes compiling them. ``host_ms`` is
+    how long the host took to queue a step's work (the median, before waiting for the GPU): close to
+    ``ms_per_step``, the host's Python and launch overhead sets the pace, not the GPU."""
     start = time.perf_counter()
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
     warmup_s = time.perf_counter() - start
     torch.cuda.reset_peak_memory_stats()
-    times = []
+    times, queued = [], []
     for _ in range(steps):
         start = time.perf_counter()
         step()
+        queued.append((time.perf_counter() - start) * 1e3)
         torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
     peak = torch.cuda.max_memory_allocated()
@@ -147,6 +150,7 @@ def time_steps(step: Callable[[], None], warmup: int, steps: int) -> dict[str, A
     return {
         "ms_per_step": statistics.median(times),
         "ms_all": times,
+        "host_ms": statistics.median(queued),
         "warmup_s": warmup_s,
         "peak_vram_gib": peak / 2**30,
         "syncs": syncs[0],

@@ -1,0 +1,50 @@
+"""The QLoRA bench's variants and report: switches turned off (auto-X) and on (auto+X), losses per variant."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.bench.qlora import AUTO, loss_agreement, markdown, variant_settings
+
+REPORT = Path(__file__).resolve().parents[1] / "benchmarks" / "qlora_fp8_h200.json"
+
+
+def test_variants_turn_one_switch_off_or_on() -> None:
+    assert variant_settings("auto") == AUTO
+    assert variant_settings("auto-fused_kernels").fused_kernels is False
+    on = variant_settings("auto+fp8_base")
+    assert on.fp8_base is True and on.fused_kernels is None  # everything else stays automatic
+    assert variant_settings("auto+keep_attention").keep_attention is True
+    assert variant_settings("stock").fused_kernels is False
+
+
+@pytest.mark.parametrize("variant", ["auto+fused_kernels", "auto+nonsense", "auto-fp8_base"])
+def test_a_variant_that_switches_nothing_is_refused(variant: str) -> None:
+    with pytest.raises(ValueError, match="unknown variant"):
+        variant_settings(variant)
+
+
+def test_each_compared_variant_gets_its_loss_agreement() -> None:
+    report = json.loads(REPORT.read_text(encoding="utf-8"))
+    record = report["models"][0]
+    auto, fp8 = loss_agreement(record, "auto"), loss_agreement(record, "auto+fp8_base")
+    assert auto is not None and fp8 is not None
+    assert fp8 > auto  # the fp8 products' rounding shows in the losses
+    assert loss_agreement(record, "auto+keep_attention") is None  # not run: no number rather than a wrong one
+    text = markdown(report)
+    assert f"| llama-3.1-8b | auto+fp8_base | 20 | {fp8:.2e} |" in text
+    assert f"| llama-3.1-8b | auto | 20 | {auto:.2e} |" in text
+    assert "host-bound" in text  # the run's notes come with its table
+
+
+def test_host_time_shows_where_a_row_measured_it() -> None:
+    report = json.loads(REPORT.read_text(encoding="utf-8"))
+    measured = copy.deepcopy(report)
+    row = measured["models"][0]["rows"][0]
+    row["host_ms"] = 401.4
+    assert f"| {row['ms_per_step']:.0f} | 401 |" in markdown(measured)
+    assert f"| {row['ms_per_step']:.0f} | - |" in markdown(report)  # measured before the column existed
