@@ -18,7 +18,7 @@ from speed_models import VOCAB, grads, max_relative_error, mixed_precision_lora_
 from engine.config import LoraConfig, ModelConfig, SpeedConfig
 from engine.model.load import add_lora, load_base_model
 from engine.speed import SpeedController, fp8_base
-from engine.speed.fp8_base import E4M3_MAX, Fp8Projection, quantize_rows, weight_scale
+from engine.speed.fp8_base import E4M3_MAX, Fp8Projection, quantize_rows, weight_columns
 from engine.speed.lean_recompute import FrozenProjection
 
 CPU = torch.device("cpu")
@@ -81,7 +81,7 @@ def test_projection_and_input_gradient_follow_float32_within_fp8_rounding() -> N
     x = torch.randn(3, 50, 64, dtype=torch.bfloat16, requires_grad=True)
     weight = torch.randn(96, 64, dtype=torch.bfloat16) * 0.05
     bias = torch.randn(96, dtype=torch.bfloat16)
-    out = Fp8Projection.apply(x, weight, None, bias, weight_scale(weight), False, False)
+    out = Fp8Projection.apply(x, weight, None, bias, *weight_columns(weight), False, False)
     reference = x.float() @ weight.float().t() + bias.float()
     assert out.dtype == torch.bfloat16 and out.shape == (3, 50, 96)
     assert 0.005 < relative(out, reference) < 0.06  # fp8's rounding, not bf16's (0.2%) and not a wrong product
@@ -94,11 +94,11 @@ def test_kept_weight_gives_the_gradient_of_dequantizing_again() -> None:
     """``keep`` (inside a recompute with dequantize-once) only saves work: the same fp8 weight either way."""
     torch.manual_seed(1)
     weight = torch.randn(48, 32, dtype=torch.bfloat16)
-    scale = weight_scale(weight)
+    columns = weight_columns(weight)
     grads_of = []
     for keep in (False, True):
         x = torch.randn(20, 32, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(2)).requires_grad_()
-        Fp8Projection.apply(x, weight, None, None, scale, keep, False).sum().backward()
+        Fp8Projection.apply(x, weight, None, None, *columns, keep, False).sum().backward()
         grads_of.append(x.grad)
     assert torch.equal(*grads_of)
 
@@ -107,13 +107,13 @@ def test_unread_output_multiplies_nothing_but_still_gives_its_gradient() -> None
     torch.manual_seed(3)
     weight = torch.randn(48, 32, dtype=torch.bfloat16)
     x = torch.randn(20, 32, dtype=torch.bfloat16, requires_grad=True)
-    scale = weight_scale(weight)
-    out = Fp8Projection.apply(x, weight, None, None, scale, False, True)
+    columns = weight_columns(weight)
+    out = Fp8Projection.apply(x, weight, None, None, *columns, False, True)
     assert out.shape == (20, 48)
     grad = torch.randn(20, 48, dtype=torch.bfloat16)
     out.backward(grad)
     read = x.detach().clone().requires_grad_()
-    Fp8Projection.apply(read, weight, None, None, scale, False, False).backward(grad)
+    Fp8Projection.apply(read, weight, None, None, *columns, False, False).backward(grad)
     assert torch.equal(x.grad, read.grad)
 
 
@@ -150,12 +150,13 @@ def test_qlora_fp8_with_lean_recompute_and_dequantize_once(tiny_dir: Path) -> No
 
 
 def test_a_wrong_weight_scale_is_caught() -> None:
-    """The comparison above can fail: an fp8 weight scaled by half its true scale doubles every base product."""
+    """The comparison above can fail: output columns scaled by twice the weight's scale in the product (all but the
+    first, whose scale also quantizes the weight) double most of every frozen projection's output."""
     model = mixed_precision_lora_model("llama")
     _, grads_ref, _ = run(model, PLAIN)
     _, _, controller = run(model, dataclasses.replace(PLAIN, fp8_base=True))
     for _, _, wrapper in controller.lean.installed:
-        wrapper.fp8_scale.mul_(0.5)
+        wrapper.fp8_columns[0][:, 1:].mul_(2.0)
     _, grads_wrong, _ = run(model, dataclasses.replace(PLAIN, fp8_base=True))
     assert not worst_gradient_error(grads_wrong, grads_ref) < FP8_ERROR
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["E4M3_MAX", "fp8_matmul", "quantize_rows", "resolve", "unavailable_reason", "weight_scale"]
+__all__ = ["E4M3_MAX", "fp8_matmul", "quantize_rows", "resolve", "unavailable_reason", "weight_columns", "weight_scale"]
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448
@@ -48,6 +48,14 @@ def weight_scale(weight: torch.Tensor) -> torch.Tensor:
     return _scale_of(weight.abs().amax())
 
 
+def weight_columns(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A frozen (out, in) weight's :func:`weight_scale` laid out as the per-column scales its two products take:
+    (1, out) for forward and (1, in) for the input gradient, made once so no product builds them again."""
+    scale = weight_scale(weight)
+    out_features, in_features = weight.shape
+    return scale.expand(1, out_features).contiguous(), scale.expand(1, in_features).contiguous()
+
+
 def _scale_of(amax: torch.Tensor) -> torch.Tensor:
     """float32 scale that maps ``amax`` onto :data:`E4M3_MAX`; never zero, so an all-zero row stays zero."""
     return (amax.float() / E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
@@ -59,11 +67,10 @@ def quantize_weight(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_matmul(
-    rows: torch.Tensor, rows_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+    rows: torch.Tensor, rows_scale: torch.Tensor, weight: torch.Tensor, columns: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """``(rows * rows_scale) @ (weight * scale).T`` in ``dtype``: rows (M, K) and weight (N, K), both e4m3 and
-    row-major, rows_scale (M, 1), scale 0-d."""
-    columns = scale.reshape(1, 1).expand(1, weight.shape[0]).contiguous()
+    """``(rows * rows_scale) @ (weight * columns.T).T`` in ``dtype``: rows (M, K) and weight (N, K), both e4m3 and
+    row-major; rows_scale (M, 1) and columns (1, N), float32 and contiguous."""
     return torch._scaled_mm(rows, weight.t(), scale_a=rows_scale, scale_b=columns, out_dtype=dtype)
 
 
@@ -76,6 +83,7 @@ def _dense(weight: torch.Tensor, quant_state: Any, dtype: torch.dtype) -> torch.
 class Fp8Projection(torch.autograd.Function):
     """``x @ W.T + b`` through a frozen weight in fp8; backward gives the input gradient in fp8 too.
 
+    ``columns_out`` (1, out) and ``columns_in`` (1, in) hold the weight's one scale (:func:`weight_columns`).
     ``keep``: save the transposed fp8 weight for backward (inside a recompute that backward follows at once);
     otherwise backward dequantizes again. ``unread``: the output is never read (lean recompute), only its
     gradient is needed: nothing is multiplied in forward.
@@ -88,36 +96,38 @@ class Fp8Projection(torch.autograd.Function):
         weight: torch.Tensor,
         quant_state: Any,
         bias: torch.Tensor | None,
-        scale: torch.Tensor,
+        columns_out: torch.Tensor,
+        columns_in: torch.Tensor,
         keep: bool,
         unread: bool,
     ) -> torch.Tensor:
         dense = _dense(weight, quant_state, x.dtype)
         out_features, in_features = dense.shape
-        w8 = quantize_weight(dense, scale)
+        w8 = quantize_weight(dense, columns_out[:, :1])
         ctx.keep, ctx.in_features = keep, in_features
         if keep:
-            ctx.save_for_backward(scale, w8.t().contiguous())
+            ctx.save_for_backward(columns_in, w8.t().contiguous())
         else:
-            ctx.save_for_backward(scale, weight)
+            ctx.save_for_backward(columns_in, weight)
             ctx.quant_state = quant_state
         shape = (*x.shape[:-1], out_features)
         if unread:
             return x.new_empty(shape)
         x8, x_scale = quantize_rows(x.reshape(-1, in_features))
-        out = fp8_matmul(x8, x_scale, w8, scale, x.dtype).reshape(shape)
+        out = fp8_matmul(x8, x_scale, w8, columns_out, x.dtype).reshape(shape)
         return out if bias is None else out + bias.to(out.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         if ctx.keep:
-            scale, w8t = ctx.saved_tensors
+            columns_in, w8t = ctx.saved_tensors
         else:
-            scale, weight = ctx.saved_tensors
-            w8t = quantize_weight(_dense(weight, ctx.quant_state, grad.dtype), scale).t().contiguous()
+            columns_in, weight = ctx.saved_tensors
+            dense = _dense(weight, ctx.quant_state, grad.dtype)
+            w8t = quantize_weight(dense, columns_in[:, :1]).t().contiguous()
         g8, g_scale = quantize_rows(grad.reshape(-1, grad.shape[-1]))
-        grad_x = fp8_matmul(g8, g_scale, w8t, scale, grad.dtype).reshape(*grad.shape[:-1], ctx.in_features)
-        return grad_x, None, None, None, None, None, None
+        grad_x = fp8_matmul(g8, g_scale, w8t, columns_in, grad.dtype).reshape(*grad.shape[:-1], ctx.in_features)
+        return grad_x, None, None, None, None, None, None, None
 
 
 def fits(in_features: int, out_features: int) -> bool:
@@ -130,7 +140,7 @@ def _probe(device: torch.device) -> str | None:
     try:
         a = torch.ones(16, 32, device=device).to(E4M3)
         b = torch.ones(16, 32, device=device).to(E4M3)
-        out = fp8_matmul(a, torch.ones(16, 1, device=device), b, torch.ones((), device=device), torch.bfloat16)
+        out = fp8_matmul(a, torch.ones(16, 1, device=device), b, torch.ones(1, 16, device=device), torch.bfloat16)
         return None if out.shape == (16, 16) else f"unexpected output shape {tuple(out.shape)}"
     except (RuntimeError, TypeError, NotImplementedError, AttributeError) as err:
         return str(err).splitlines()[0][:160]

@@ -108,8 +108,9 @@ class _DequantizedOnce(torch.autograd.Function):
         return grad @ dense.to(grad.dtype), None, None, None
 
 
-FP8_SCALE = "fp8_weight_scale"
-"""Buffer name of a frozen projection's e4m3 weight scale while the fp8-base switch is on (not saved)."""
+FP8_SCALES = ("fp8_scale_out", "fp8_scale_in")
+"""Buffer names of a frozen projection's e4m3 weight scale, laid out for its two products, while the fp8-base
+switch is on (never saved)."""
 
 
 class FrozenProjection(StandIn):
@@ -131,7 +132,7 @@ class FrozenProjection(StandIn):
             return self.wrapped(x, *args, **kwargs)
         recompute = self.flag.active
         unread = recompute and self.skip_unread and self.output_unread
-        if self.fp8_scale is not None:
+        if self.fp8_columns is not None:
             return self._fp8(x, keep=recompute and self.dequant_once, unread=unread)
         if unread:
             return _UnreadOutput.apply(x, *self._weight_and_state(), self.out_features)
@@ -142,20 +143,25 @@ class FrozenProjection(StandIn):
     def set_fp8(self, on: bool) -> None:
         """Multiply in fp8 from the next call (its weight's scale read once here), or in 16-bit again."""
         if not on or not fp8_base.fits(self.in_features, self.out_features):
-            self._buffers.pop(FP8_SCALE, None)  # shared with the wrapped module
-            for module in (self, self.wrapped):
-                module._non_persistent_buffers_set.discard(FP8_SCALE)
-        elif self.fp8_scale is None:
+            for name in FP8_SCALES:
+                self._buffers.pop(name, None)  # shared with the wrapped module
+                for module in (self, self.wrapped):
+                    module._non_persistent_buffers_set.discard(name)
+        elif self.fp8_columns is None:
             with torch.no_grad():
-                scale = fp8_base.weight_scale(dense_weight(*self._weight_and_state(), self._compute_dtype()))
-            # a buffer (compiled regions take it as an input), never saved with the model
-            self.register_buffer(FP8_SCALE, scale, persistent=False)
-            self.wrapped._non_persistent_buffers_set.add(FP8_SCALE)
+                dense = dense_weight(*self._weight_and_state(), self._compute_dtype())
+                columns = fp8_base.weight_columns(dense)
+            for name, value in zip(FP8_SCALES, columns, strict=True):
+                # buffers (compiled regions take them as inputs), never saved with the model
+                self.register_buffer(name, value, persistent=False)
+                self.wrapped._non_persistent_buffers_set.add(name)
 
     @property
-    def fp8_scale(self) -> torch.Tensor | None:
-        """The weight's fixed e4m3 scale while the fp8-base switch is on (engine.speed.fp8_base); None: 16-bit."""
-        return self._buffers.get(FP8_SCALE)
+    def fp8_columns(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The weight's e4m3 scale for its forward and input-gradient products while the fp8-base switch is on
+        (engine.speed.fp8_base.weight_columns); None: 16-bit."""
+        out, into = (self._buffers.get(name) for name in FP8_SCALES)
+        return None if out is None or into is None else (out, into)
 
     def _compute_dtype(self) -> torch.dtype:
         dtype = getattr(self.wrapped, "compute_dtype", None) or self.wrapped.weight.dtype
@@ -164,8 +170,10 @@ class FrozenProjection(StandIn):
     def _fp8(self, x: torch.Tensor, keep: bool, unread: bool) -> torch.Tensor:
         weight, state = self._weight_and_state()
         compute = self._compute_dtype()
-        scale = self.fp8_scale
-        out = fp8_base.Fp8Projection.apply(x.to(compute), weight, state, self.wrapped.bias, scale, keep, unread)
+        columns_out, columns_in = self.fp8_columns  # type: ignore[misc]
+        out = fp8_base.Fp8Projection.apply(
+            x.to(compute), weight, state, self.wrapped.bias, columns_out, columns_in, keep, unread
+        )
         return out.to(x.dtype)
 
     def _weight_and_state(self) -> tuple[torch.Tensor, Any]:
@@ -281,7 +289,7 @@ class LeanRecompute:
 
     def fp8_projections(self) -> tuple[int, int]:
         """(in fp8, frozen projections installed)."""
-        return sum(w.fp8_scale is not None for _, _, w in self.installed), len(self.installed)
+        return sum(w.fp8_columns is not None for _, _, w in self.installed), len(self.installed)
 
     def remove(self) -> None:
         for owner, name, wrapper in self.installed:
