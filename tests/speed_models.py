@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from engine.data.packing import PackedBatch, TokenizedExample, collate
@@ -69,6 +71,23 @@ def mixed_precision_lora_model(model_type: str, dtype: torch.dtype = torch.bfloa
     for name, param in model.named_parameters():
         if "lora_" not in name:
             param.data = param.data.to(dtype)
+    return model
+
+
+def tiny_qlora_model(folder: Path) -> Any:
+    """The tiny checkpoint in ``folder`` loaded in NF4 on the CPU with LoRA r8 (nonzero B, so every LoRA factor gets
+    a gradient); skips without bitsandbytes."""
+    pytest.importorskip("bitsandbytes")
+    from engine.config import LoraConfig, ModelConfig
+    from engine.model.load import add_lora, load_base_model
+
+    base = load_base_model(ModelConfig(name=str(folder), qlora=True), torch.device("cpu"), torch.bfloat16)
+    torch.manual_seed(0)
+    model = add_lora(base, LoraConfig(rank=8), qlora=True)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.02)
+    model.train()
     return model
 
 

@@ -13,10 +13,17 @@ from typing import Any
 import pytest
 import torch
 from helpers import build_model
-from speed_models import VOCAB, grads, max_relative_error, mixed_precision_lora_model, packed_batch, step
+from speed_models import (
+    VOCAB,
+    grads,
+    max_relative_error,
+    mixed_precision_lora_model,
+    packed_batch,
+    step,
+    tiny_qlora_model,
+)
 
-from engine.config import LoraConfig, ModelConfig, SpeedConfig
-from engine.model.load import add_lora, load_base_model
+from engine.config import SpeedConfig
 from engine.speed import SpeedController, fp8_base
 from engine.speed.fp8_base import E4M3_MAX, Fp8Projection, quantize_rows, weight_columns
 from engine.speed.lean_recompute import FrozenProjection
@@ -50,18 +57,6 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("tiny-fp8")
     build_model(folder, VOCAB)
     return folder
-
-
-def qlora_model(folder: Path) -> Any:
-    pytest.importorskip("bitsandbytes")
-    base = load_base_model(ModelConfig(name=str(folder), qlora=True), CPU, torch.bfloat16)
-    torch.manual_seed(0)
-    model = add_lora(base, LoraConfig(rank=8), qlora=True)
-    for name, param in model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(param, std=0.02)
-    model.train()
-    return model
 
 
 def test_rows_quantize_to_e4m3_with_one_scale_each() -> None:
@@ -135,7 +130,7 @@ def test_bf16_lora_model_trains_with_fp8_products(checkpointing: str, monkeypatc
 
 
 def test_qlora_fp8_with_lean_recompute_and_dequantize_once(tiny_dir: Path) -> None:
-    model = qlora_model(tiny_dir)
+    model = tiny_qlora_model(tiny_dir)
     lean = dataclasses.replace(OFFLOADED, lean_recompute=True, dequant_once=True)
     loss_ref, grads_ref, _ = run(model, lean)
     loss, grads_fp8, controller = run(model, dataclasses.replace(lean, fp8_base=True))
@@ -186,7 +181,7 @@ def test_widths_that_are_not_multiples_of_16_keep_the_16_bit_path() -> None:
 def test_compiled_regions_take_the_fp8_products_without_graph_breaks(tiny_dir: Path) -> None:
     from torch._dynamo.utils import counters
 
-    model = qlora_model(tiny_dir)
+    model = tiny_qlora_model(tiny_dir)
     settings = dataclasses.replace(OFFLOADED, lean_recompute=True, dequant_once=True, fp8_base=True)
     _, grads_eager, _ = run(model, settings)
     torch._dynamo.reset()

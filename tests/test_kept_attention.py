@@ -10,10 +10,17 @@ from typing import Any
 import pytest
 import torch
 from helpers import build_model
-from speed_models import VOCAB, grads, max_relative_error, mixed_precision_lora_model, packed_batch, step
+from speed_models import (
+    VOCAB,
+    grads,
+    max_relative_error,
+    mixed_precision_lora_model,
+    packed_batch,
+    step,
+    tiny_qlora_model,
+)
 
-from engine.config import LoraConfig, ModelConfig, SpeedConfig
-from engine.model.load import add_lora, load_base_model
+from engine.config import SpeedConfig
 from engine.speed import SpeedController, kept_attention
 from engine.speed.chunked_mlp import TokenChunked
 from engine.speed.offloaded_checkpoint import ActivationOffloader, dense_span, fixed_storages
@@ -101,15 +108,8 @@ def test_chunked_mlp_takes_over_the_units() -> None:
 def test_qlora_kept_attention_with_lean_recompute(tmp_path: Path) -> None:
     """4-bit layers: quantization states never move; dequantize-once and the skipped down projection still apply
     inside the MLP's recompute."""
-    pytest.importorskip("bitsandbytes")
     build_model(tmp_path, VOCAB)
-    base = load_base_model(ModelConfig(name=str(tmp_path), qlora=True), CPU, torch.bfloat16)
-    torch.manual_seed(0)
-    model = add_lora(base, LoraConfig(rank=8), qlora=True)
-    for name, param in model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(param, std=0.02)
-    model.train()
+    model = tiny_qlora_model(tmp_path)
     lean = dict(lean_recompute=True, dequant_once=True)
     loss_ref, grads_ref, _ = run(model, dataclasses.replace(WHOLE_LAYERS, **lean))
     loss, grads_kept, controller = run(model, dataclasses.replace(KEPT, **lean))

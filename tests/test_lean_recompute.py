@@ -9,10 +9,17 @@ from typing import Any
 import pytest
 import torch
 from helpers import build_model
-from speed_models import VOCAB, grads, max_relative_error, mixed_precision_lora_model, packed_batch, step
+from speed_models import (
+    VOCAB,
+    grads,
+    max_relative_error,
+    mixed_precision_lora_model,
+    packed_batch,
+    step,
+    tiny_qlora_model,
+)
 
-from engine.config import LoraConfig, ModelConfig, SpeedConfig
-from engine.model.load import add_lora, load_base_model
+from engine.config import SpeedConfig
 from engine.speed import SpeedController
 from engine.speed.lean_recompute import (
     FrozenProjection,
@@ -31,18 +38,6 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("tiny-lean")
     build_model(folder, VOCAB)
     return folder
-
-
-def qlora_model(folder: Path) -> Any:
-    pytest.importorskip("bitsandbytes")
-    base = load_base_model(ModelConfig(name=str(folder), qlora=True), CPU, torch.bfloat16)
-    torch.manual_seed(0)
-    model = add_lora(base, LoraConfig(rank=8), qlora=True)
-    for name, param in model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(param, std=0.02)  # nonzero B, so every LoRA factor gets a gradient
-    model.train()
-    return model
 
 
 def run(model: Any, settings: SpeedConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor], SpeedController]:
@@ -102,7 +97,7 @@ def test_only_the_mlp_down_projection_is_unread() -> None:
 
 
 def test_qlora_dequantize_once_and_skip_match_the_library_path(tiny_dir: Path) -> None:
-    model = qlora_model(tiny_dir)
+    model = tiny_qlora_model(tiny_dir)
     loss_full, grads_full, _ = run(model, OFF)
     assert layer_dequant_bytes(model) > 0
     on = dataclasses.replace(OFF, lean_recompute=True, dequant_once=True)
@@ -118,7 +113,7 @@ def test_qlora_dequantize_once_and_skip_match_the_library_path(tiny_dir: Path) -
 
 
 def test_parameter_names_do_not_change_while_installed(tiny_dir: Path) -> None:
-    model = qlora_model(tiny_dir)
+    model = tiny_qlora_model(tiny_dir)
     before = [name for name, _ in model.named_parameters()]
     controller = SpeedController(model, dataclasses.replace(OFF, lean_recompute=True, dequant_once=True), CPU)
     assert controller.lean.installed
@@ -156,7 +151,7 @@ def test_compiled_regions_guard_on_the_recompute_flag_without_graph_breaks(tiny_
     """The flag is read inside compiled regions: flipping it must recompile (one graph per value), not break."""
     from torch._dynamo.utils import counters
 
-    model = qlora_model(tiny_dir)
+    model = tiny_qlora_model(tiny_dir)
     settings = dataclasses.replace(OFF, lean_recompute=True, dequant_once=True)
     _, grads_eager, _ = run(model, settings)
     torch._dynamo.reset()
