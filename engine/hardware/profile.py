@@ -212,7 +212,7 @@ def build_profile(
         "moe_routing": _override(overrides, "moe_routing") or choose_moe_routing(target, dtype.value, shape),
         "checkpointing": _override(overrides, "checkpointing") or _default_checkpointing(target),
     }
-    notes: list[str] = []
+    notes: list[str] = [note for note in (fp8_note(target),) if note]
     if shape is None or target.memory_bytes is None:
         return Profile("cuda" if target.is_gpu else "cpu", target.gpu_class, target.name, notes=tuple(notes), **choices)
     plan = _memory_plan(target, shape, choices, overrides, lora_rank, min_tokens, max_tokens)
@@ -226,6 +226,17 @@ def build_profile(
     speed = tokens_per_second(target, shape, plan) if plan.fits else None
     return Profile("cuda" if target.is_gpu else "cpu", target.gpu_class, target.name, **choices,
                    tokens_per_second=speed, memory_plan=plan, notes=tuple(notes))  # fmt: skip
+
+
+def fp8_note(target: DeviceTarget) -> str | None:
+    """A GPU with fp8 tensor cores (sm89+: RTX 40/50 series, Hopper, Blackwell, GB10) can run the frozen-weight
+    products in fp8 (engine.speed.fp8_base): worth saying, as the switch is off unless switched on."""
+    if not target.is_gpu or target.compute_capability is None or target.compute_capability < (8, 9):
+        return None
+    return (
+        f"{target.label} has fp8 tensor cores: --fp8-base runs the frozen base weights' products in fp8, faster "
+        "where the GPU sets the pace, at fp8 rounding (off unless switched on)"
+    )
 
 
 def _override(overrides: Mapping[str, Any], name: str) -> Choice | None:
