@@ -21,7 +21,9 @@ Both act only inside the recompute of :class:`engine.speed.offloaded_checkpoint.
 :class:`~engine.speed.offloaded_checkpoint.RecomputeFlag` around it; everywhere else (no checkpointing, torch's own
 checkpoint, evaluation, the chunked MLP's per-chunk backward) the projection runs as the library wrote it. The
 flag is a plain attribute so that compiled regions (the fused-kernels switch) guard on it instead of breaking
-their graphs. The frozen projections are wrapped in place like :class:`engine.speed.chunked_mlp.TokenChunked`
+their graphs. The same stand-ins carry the fp8-base switch (:mod:`engine.speed.fp8_base`), which acts in every pass
+and on every frozen projection; inside the recompute it keeps the fp8 weight for backward when dequantize-once is
+on. The frozen projections are wrapped in place like :class:`engine.speed.chunked_mlp.TokenChunked`
 does: the stand-in shares the wrapped module's parameter and child dictionaries, so names and saved adapters do
 not change, and switching off puts the library's module back.
 """
