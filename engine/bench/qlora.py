@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from engine.bench.speed import log_row, time_steps, timing_turn, train_step
+from engine.bench.step_profile import CATEGORIES, profile_step
 from engine.config import SpeedConfig
 from engine.hardware.shapes import BUILTIN_CONFIGS
 
@@ -184,6 +185,11 @@ def run_variant(
         batch = rows_of(tokens, model.config.vocab_size, 1)[0].to(device)
         row.update(measure(lambda: train_step(model, controller, batch, optimizer), args.warmup, args.steps))
         row["state"] = controller.state()
+        if args.steps and args.profile_dir is not None:
+            label = f"{who.name}_{tokens}_{cap:g}gib_{variant}".replace("=", "")
+            row["profile"] = profile_step(
+                lambda: train_step(model, controller, batch, optimizer), args.profile_dir, label
+            )
         if args.steps:
             row["planned_peak_gib"] = planned_peak_gib(who.name, row["state"], tokens)
             row["tokens_per_s"] = tokens / row["ms_per_step"] * 1e3
@@ -312,8 +318,35 @@ def markdown(report: dict[str, Any]) -> str:
             agreement = loss_agreement(record, variant)
             text = f"{agreement:.2e}" if agreement is not None else "-"
             lines.append(f"| {record['model']} | {variant} | {len(record['losses'][variant])} | {text} |")
+    lines += profile_lines(report)
     lines += ["", *report.get("notes", []), *(note for record in report["models"] for note in record.get("notes", []))]
     return "\n".join(lines) + "\n"
+
+
+def profile_lines(report: dict[str, Any]) -> list[str]:
+    """The profiled rows (``--profile-dir``): GPU time by kernel kind and busy time, against the step and the
+    host's time to queue it (engine.bench.step_profile)."""
+    rows = [row for record in report["models"] for row in record["rows"] if row.get("profile")]
+    if not rows:
+        return []
+    kinds = " | ".join(CATEGORIES)
+    lines = [
+        "",
+        "One profiled step per row, in ms: GPU time by kernel kind, the time the GPU was busy at all (copies run",
+        "beside the kernels), the host's time to queue a step and its operators' own time.",
+        "",
+        f"| model | tokens | cap GiB | variant | ms/step | host ms | GPU busy | {kinds} | host ops |",
+        "|---|---:|---:|---|" + "---:|" * (4 + len(CATEGORIES)),
+    ]
+    for row in rows:
+        profile = row["profile"]
+        gpu = " | ".join(f"{profile['gpu_ms'].get(kind, 0.0):.0f}" for kind in CATEGORIES)
+        host = f"{row['host_ms']:.0f}" if row.get("host_ms") is not None else "-"
+        lines.append(
+            f"| {row['model']} | {row['tokens']:,} | {row['cap_gib']:g} | {row['variant']} | {row['ms_per_step']:.0f} "
+            f"| {host} | {profile['gpu_busy_ms']:.0f} | {gpu} | {profile['host_self_ms']:.0f} |"
+        )
+    return lines
 
 
 def _table_row(row: dict[str, Any], rows: list[dict[str, Any]]) -> str:
@@ -347,6 +380,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timing-lock", type=Path, help="a lock file shared by bench processes on one GPU")
     parser.add_argument("--peers", type=int, default=1, help="processes sharing --timing-lock")
     parser.add_argument("--rows-log", type=Path, help="append each row as a JSON line (kept if cut short)")
+    parser.add_argument(
+        "--profile-dir", type=Path, help="profile one step of each row: GPU time by kernel kind, host operators"
+    )
     parser.add_argument("--merge", nargs="*", type=Path, help="build the report from JSON files of model records")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/qlora.json"), help="JSON (+ .md beside)")
     args = parser.parse_args(argv)
