@@ -371,7 +371,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--models", default="llama-3.1-8b,qwen3-8b", help=f"comma-separated: {', '.join(SHAPES)}")
     parser.add_argument("--tokens", default="4096,16384", help="row lengths")
     parser.add_argument("--caps", default="8,24", help="allocator caps in GiB")
-    default_variants = ",".join(["stock", "auto", *(f"auto-{s}" for s in (*ABLATED, WHOLE_ROW))])
+    default_variants = ",".join(["stock", "auto", *(f"auto-{s}" for s in (*ABLATED, WHOLE_ROW)), "auto+fp8_base"])
     parser.add_argument("--variants", default=default_variants, help="stock, auto, auto-SWITCH, auto+SWITCH")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per row")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compiles)")
