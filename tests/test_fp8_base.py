@@ -246,3 +246,13 @@ def _count_scaled_mm(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(torch, "_scaled_mm", counted)
     return calls
+
+
+def test_moe_routers_and_experts_keep_their_precision() -> None:
+    """fp8 acts on linear projections only: a MoE layer's router (its own module) keeps choosing experts from
+    16-bit logits, and the 3-D experts keep their path."""
+    model = mixed_precision_lora_model("qwen3_moe")
+    _, _, controller = run(model, dataclasses.replace(PLAIN, fp8_base=True))
+    wrapped = {name for name, module in model.named_modules() if isinstance(module, FrozenProjection)}
+    assert wrapped and all(".self_attn." in name for name in wrapped)
+    assert controller.state()["fp8_base"]["on"]

@@ -18,7 +18,8 @@ copy dequantize-once keeps otherwise).
 Cost: e4m3 keeps 3 mantissa bits, so each product carries about 4% relative error against bf16's 0.2% (random
 4,096-wide rows). A 4-bit base already carries NF4's larger rounding in the weights themselves, and the trained
 adapters stay in 16/32 bits, but the losses no longer follow the bf16 path within bf16 noise: that is why the
-switch is off unless switched on. Products whose widths are not multiples of 16 keep the 16-bit path.
+switch is off unless switched on. Products whose widths are not multiples of 16 keep the 16-bit path, and so do
+MoE routers and 3-D experts, which are not linear projections: experts are still chosen from 16-bit logits.
 """
 
 from __future__ import annotations
