@@ -1,7 +1,7 @@
 """fp8 base matmuls: frozen-weight products in e4m3 follow the 16-bit path within fp8 rounding, in every mode.
 
-torch multiplies fp8 on the CPU too (emulated), so these run the real products; the GPU test in
-test_speed_gpu.py checks the tensor-core path.
+torch multiplies fp8 on the CPU too (emulated, slower), so these run the real products there, with the switch's
+refusal on the CPU lifted; the GPU test in test_speed_gpu.py checks the tensor-core path.
 """
 
 from __future__ import annotations
@@ -29,11 +29,20 @@ from engine.speed.fp8_base import E4M3_MAX, Fp8Projection, quantize_rows, weight
 from engine.speed.lean_recompute import FrozenProjection
 
 CPU = torch.device("cpu")
+UNAVAILABLE = fp8_base.unavailable_reason
 PLAIN = SpeedConfig(metadata_cache=True, checkpointing="none", lean_recompute=False, dequant_once=False)
 OFFLOADED = dataclasses.replace(PLAIN, checkpointing="offloaded")
 FP8_ERROR = 0.25
 """Bound on each parameter gradient's relative error (norm of the difference over the norm) in a tiny model with
 fp8 products: about 4% per product, compounding through two layers."""
+
+
+@pytest.fixture(autouse=True)
+def fp8_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The product refuses fp8 on the CPU (it would only be emulated); these tests emulate it on purpose."""
+    monkeypatch.setattr(
+        fp8_base, "unavailable_reason", lambda device: None if device.type == "cpu" else UNAVAILABLE(device)
+    )
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -120,7 +129,7 @@ def test_bf16_lora_model_trains_with_fp8_products(checkpointing: str, monkeypatc
     scaled_mm = _count_scaled_mm(monkeypatch)
     loss, grads_fp8, controller = run(model, dataclasses.replace(settings, fp8_base=True))
     state = controller.state()["fp8_base"]
-    assert state["on"] and "emulated on the CPU" in state["reason"]
+    assert state["on"] and "e4m3" in state["reason"]
     layers = model.base_model.model.config.num_hidden_layers
     # every frozen projection forward, and its input gradient except where nothing below needs one
     assert scaled_mm[0] >= 7 * (2 * layers - 1)
@@ -203,10 +212,12 @@ def test_compiled_regions_take_the_fp8_products_without_graph_breaks(tiny_dir: P
         (None, "cuda", (9, 0), False, "automatic: off"),
         (False, "cuda", (9, 0), False, "switched off"),
         (True, "cuda", (8, 6), False, "sm86"),
+        (None, "cuda", (8, 6), False, "sm86"),
         (True, "cuda", (7, 5), False, "sm75"),
         (True, "cuda", (8, 9), True, "fp8 tensor cores"),
         (True, "cuda", (12, 1), True, "fp8 tensor cores"),
         (True, "mps", None, False, "NVIDIA"),
+        (True, "cpu", None, False, "only emulate"),
     ],
 )
 def test_resolution_by_gpu(
@@ -218,6 +229,7 @@ def test_resolution_by_gpu(
     words: str,
 ) -> None:
     """RTX 30 (sm86) and older have no fp8 tensor cores; RTX 40 (sm89), Hopper, Blackwell and GB10 do."""
+    monkeypatch.setattr(fp8_base, "unavailable_reason", UNAVAILABLE)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _device=None: capability)
     monkeypatch.setattr(fp8_base, "_probe", lambda _device: None)
     monkeypatch.setattr(fp8_base, "_PROBED", {})
@@ -226,9 +238,13 @@ def test_resolution_by_gpu(
 
 
 def test_a_torch_without_row_scaled_fp8_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fp8_base, "_PROBED", {})
     monkeypatch.setattr(torch, "_scaled_mm", _raise_not_supported, raising=False)
-    on, reason = fp8_base.resolve(True, CPU, frozen=14)
+    problem = fp8_base._probe(CPU)  # the probe's tiny product fails the same way on any device
+    assert problem is not None and "not supported" in problem
+    monkeypatch.setattr(fp8_base, "unavailable_reason", UNAVAILABLE)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _device=None: (9, 0))
+    monkeypatch.setattr(fp8_base, "_PROBED", {"cuda": problem})
+    on, reason = fp8_base.resolve(True, torch.device("cuda"), frozen=14)
     assert not on and "cannot multiply fp8" in reason and "not supported" in reason
 
 

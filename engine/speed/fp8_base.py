@@ -148,16 +148,16 @@ def _probe(device: torch.device) -> str | None:
 
 
 def unavailable_reason(device: torch.device) -> str | None:
-    """Why fp8 base matmuls cannot run on ``device`` (None when they can). On the CPU they run, emulated."""
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        if (major, minor) < (8, 9):
-            return (
-                f"needs fp8 tensor cores (sm89 or newer: RTX 40/50 series, Hopper, Blackwell, GB10); this GPU "
-                f"is sm{major}{minor}"
-            )
-    elif device.type != "cpu":
-        return f"fp8 matmuls run on NVIDIA GPUs, not on {device.type}"
+    """Why fp8 base matmuls cannot run on ``device`` (None when they can)."""
+    if device.type != "cuda":
+        where = "the CPU would only emulate them, slower" if device.type == "cpu" else f"not {device.type}"
+        return f"fp8 products need an NVIDIA GPU with fp8 tensor cores; {where}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return (
+            f"needs fp8 tensor cores (sm89 or newer: RTX 40/50 series, Hopper, Blackwell, GB10); this GPU "
+            f"is sm{major}{minor}"
+        )
     key = str(device)
     if key not in _PROBED:
         _PROBED[key] = _probe(device)
@@ -167,17 +167,16 @@ def unavailable_reason(device: torch.device) -> str | None:
 
 def resolve(requested: bool | None, device: torch.device, frozen: int) -> tuple[bool, str]:
     """(on, reason): never automatic, since the products' rounding grows from bf16's to e4m3's."""
-    if not requested:
-        if requested is False:
-            return False, "switched off: frozen weights multiply in the model's 16-bit dtype"
-        return False, (
-            "automatic: off; fp8 products are faster on GPUs with fp8 tensor cores but round to 3 mantissa bits "
-            "(about 4% error per product against 0.2% in bf16): switch on to trade that for speed"
-        )
+    if requested is False:
+        return False, "switched off: frozen weights multiply in the model's 16-bit dtype"
     if frozen == 0:
         return False, "the model has no frozen linear projections in its decoder layers"
     problem = unavailable_reason(device)
     if problem is not None:
         return False, problem
-    where = "emulated on the CPU (slower; for checking numerics)" if device.type == "cpu" else "on fp8 tensor cores"
-    return True, f"switched on: frozen weights multiply in e4m3 with per-row scales, {where}"
+    if requested is None:
+        return False, (
+            "automatic: off; fp8 products are faster on this GPU's fp8 tensor cores but round to 3 mantissa bits "
+            "(about 4% error per product against 0.2% in bf16): switch on to trade that for speed"
+        )
+    return True, "switched on: frozen weights multiply in e4m3 with per-row scales on fp8 tensor cores"
