@@ -5,10 +5,12 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from engine.bench.qlora import AUTO, loss_agreement, markdown, variant_settings
+from engine.bench.qlora import AUTO, LAYER_REGIONS, loss_agreement, markdown, set_variant, variant_settings
+from engine.config import SpeedConfig
 
 REPORT = Path(__file__).resolve().parents[1] / "benchmarks" / "qlora_fp8_h200.json"
 
@@ -20,6 +22,22 @@ def test_variants_turn_one_switch_off_or_on() -> None:
     assert on.fp8_base is True and on.fused_kernels is None  # everything else stays automatic
     assert variant_settings("auto+keep_attention").keep_attention is True
     assert variant_settings("stock").fused_kernels is False
+
+
+def test_bench_knobs_are_set_and_cleared_with_their_variant() -> None:
+    """``auto+layer_regions`` is the automatic switches with whole-layer compiled regions; ``auto-kept_share=X``
+    fixes kept attention's share; the next variant clears both."""
+    applied: list[SpeedConfig] = []
+    controller = SimpleNamespace(
+        kept_share_override=None, region_compiler=SimpleNamespace(whole_layers=False), apply=applied.append
+    )
+    set_variant(controller, LAYER_REGIONS)
+    assert controller.region_compiler.whole_layers and applied[-1] == AUTO
+    set_variant(controller, "auto-kept_share=0.5")
+    assert controller.kept_share_override == 0.5 and not controller.region_compiler.whole_layers
+    assert applied[-1].keep_attention is True
+    set_variant(controller, "stock")
+    assert controller.kept_share_override is None and applied[-1].fused_kernels is False
 
 
 @pytest.mark.parametrize("variant", ["auto+fused_kernels", "auto+nonsense", "auto-fp8_base"])

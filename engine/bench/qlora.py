@@ -15,7 +15,8 @@ Variants, timed one after another in the same process on the same rows:
 * ``auto``: TuneDeck with every switch automatic, as ``tunedeck train --qlora`` runs;
 * ``auto-X``: automatic with switch X off, which tells what each switch is worth;
 * ``auto+X``: automatic with switch X on, for the switches that are off unless switched on (fp8 base matmuls,
-  kept attention).
+  kept attention); ``auto+layer_regions``: automatic with the fused kernels compiled per decoder layer instead
+  of per child (fewer compiled calls, each with its host-side cost).
 
 Losses: 20 steps of ``auto`` (and of each ``auto+X``) on fresh rows against the same 20 steps of the
 float32-LoRA ``stock`` path, from the same base and adapter initialisation. Each row gives the planner's predicted
@@ -72,6 +73,9 @@ path (engine.speed.metadata_cache.PackedAttentionMetadata.whole_row_causal)."""
 
 SWITCHED_ON = ("fp8_base", "keep_attention")
 """Switches off unless switched on, whose worth ``auto+X`` measures (X switched on over the automatic choices)."""
+LAYER_REGIONS = "auto+layer_regions"
+"""Automatic, with the fused kernels compiled per decoder layer instead of per child
+(engine.speed.fused_kernels.RegionCompiler.whole_layers): fewer compiled calls per step."""
 KEPT_SHARE = "auto-kept_share="
 """``auto-kept_share=X``: kept attention switched on, on a fixed share X of the layers (not the one chosen from the
 GPU)."""
@@ -84,7 +88,7 @@ def kept_share_of(variant: str) -> float | None:
 def variant_settings(variant: str) -> SpeedConfig:
     if variant == "stock":
         return STOCK
-    if variant == "auto":
+    if variant in ("auto", LAYER_REGIONS):
         return AUTO
     if variant.startswith(KEPT_SHARE):
         return dataclasses.replace(AUTO, keep_attention=True)
@@ -99,6 +103,13 @@ def variant_settings(variant: str) -> SpeedConfig:
     if switch not in ABLATED:
         raise ValueError(f"unknown variant {variant!r}: stock, auto or auto-SWITCH with SWITCH in {ABLATED}")
     return dataclasses.replace(AUTO, **{switch: False})
+
+
+def set_variant(controller: Any, variant: str) -> None:
+    """Apply ``variant``'s switches and the bench's own knobs (a fixed kept share, whole-layer regions)."""
+    controller.kept_share_override = kept_share_of(variant)
+    controller.region_compiler.whole_layers = variant == LAYER_REGIONS
+    controller.apply(variant_settings(variant))
 
 
 def model_config(name: str) -> Any:
@@ -180,8 +191,7 @@ def run_variant(
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     try:
         cap_memory(cap, device)
-        controller.kept_share_override = kept_share_of(variant)
-        controller.apply(variant_settings(variant))  # automatic choices see the cap
+        set_variant(controller, variant)  # automatic choices see the cap
         batch = rows_of(tokens, model.config.vocab_size, 1)[0].to(device)
         row.update(measure(lambda: train_step(model, controller, batch, optimizer), args.warmup, args.steps))
         row["state"] = controller.state()
@@ -198,8 +208,7 @@ def run_variant(
         row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
     finally:
         optimizer.zero_grad(set_to_none=True)
-        controller.kept_share_override = None
-        controller.apply(STOCK)  # the stand-ins and hooks come off; compiled graphs stay cached
+        set_variant(controller, "stock")  # the stand-ins and hooks come off; compiled graphs stay cached
         gc.collect()
         torch.cuda.empty_cache()
         cap_memory(None, device)
@@ -214,11 +223,11 @@ def losses(who: Subject, variant: str, args: argparse.Namespace, device: torch.d
     model, controller = who.model, who.controller
     start = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    controller.apply(variant_settings(variant))
+    set_variant(controller, variant)
     out = []
     for batch in rows_of(args.loss_tokens, model.config.vocab_size, args.loss_steps, seed=1000):
         out.append(float(train_step(model, controller, batch.to(device), optimizer)))
-    controller.apply(STOCK)
+    set_variant(controller, "stock")
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n in start:
@@ -296,7 +305,8 @@ def markdown(report: dict[str, Any]) -> str:
         "one document filling the row, allocator capped with `set_per_process_memory_fraction` (the CUDA context is",
         "not counted). `stock` = transformers + peft + bitsandbytes (`prepare_model_for_kbit_training`, standard",
         "checkpointing, sdpa); `auto` = TuneDeck with every switch automatic; `auto-X` = automatic with X off;",
-        "`auto+X` = automatic with X switched on (fp8_base: frozen-weight products in fp8);",
+        "`auto+X` = automatic with X switched on (fp8_base: frozen-weight products in fp8; layer_regions: fused",
+        "kernels compiled per decoder layer instead of per child);",
         "`auto-kept_share=X` = automatic with kept attention switched on for a share X of the layers. Median of the",
         "timed steps after warm-up (compiles done). Host ms: how long the host took to queue a step (close to",
         "ms/step: the host's Python and launch overhead, not the GPU, sets the pace).",
@@ -371,7 +381,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--models", default="llama-3.1-8b,qwen3-8b", help=f"comma-separated: {', '.join(SHAPES)}")
     parser.add_argument("--tokens", default="4096,16384", help="row lengths")
     parser.add_argument("--caps", default="8,24", help="allocator caps in GiB")
-    default_variants = ",".join(["stock", "auto", *(f"auto-{s}" for s in (*ABLATED, WHOLE_ROW)), "auto+fp8_base"])
+    default_variants = ",".join(
+        ["stock", "auto", *(f"auto-{s}" for s in (*ABLATED, WHOLE_ROW)), "auto+fp8_base", LAYER_REGIONS]
+    )
     parser.add_argument("--variants", default=default_variants, help="stock, auto, auto-SWITCH, auto+SWITCH")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per row")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compiles)")

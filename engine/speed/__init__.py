@@ -15,6 +15,7 @@ loss is the training loop's call to :meth:`SpeedController.loss` instead of the 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -276,9 +277,17 @@ class SpeedController:
                 self.hf_model._set_gradient_checkpointing(enable=False)
             else:
                 fn = self.offloader.checkpoint if mode == "offloaded" else offloaded_checkpoint.standard_checkpoint
-                self.hf_model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=fn)
+                self.hf_model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=self._through(fn))
             self._checkpointing = mode
         self._state["checkpointing"] = {"mode": mode, "reason": reason}
+
+    def _through(self, checkpoint: Callable[..., Any]) -> Callable[..., Any]:
+        """``checkpoint`` running each layer's compiled inner forward where whole layers are compiled."""
+
+        def run(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+            return checkpoint(self.region_compiler.layer_function(function), *args, **kwargs)
+
+        return run
 
     def _resolve_checkpointing(self, requested: str) -> tuple[str, str]:
         integrated = offloaded_checkpoint.offload_unsupported_reason(self.device)
