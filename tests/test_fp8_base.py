@@ -187,7 +187,9 @@ def test_widths_that_are_not_multiples_of_16_keep_the_16_bit_path() -> None:
     assert "not multiples of 16" in controller.state()["fp8_base"]["reason"]
 
 
-def test_compiled_regions_take_the_fp8_products_without_graph_breaks(tiny_dir: Path) -> None:
+@pytest.mark.parametrize("whole_layers", [False, True])
+def test_compiled_regions_take_the_fp8_products_without_graph_breaks(tiny_dir: Path, whole_layers: bool) -> None:
+    """Compiled per child or per whole layer, 4-bit, under offloaded checkpointing with lean recompute."""
     from torch._dynamo.utils import counters
 
     model = tiny_qlora_model(tiny_dir)
@@ -197,6 +199,7 @@ def test_compiled_regions_take_the_fp8_products_without_graph_breaks(tiny_dir: P
     counters.clear()
     controller = SpeedController(model, settings, CPU)
     controller.region_compiler.backend = "aot_eager"
+    controller.region_compiler.whole_layers = whole_layers
     controller.apply(dataclasses.replace(settings, fused_kernels=True))
     batch = packed_batch((40, 30, 20))
     step(model, controller.model_inputs(batch), batch)
