@@ -7,6 +7,7 @@ Inductor compiles slowly on CPU (~15 s a model), so only the equivalence tests u
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import pytest
@@ -240,3 +241,21 @@ def test_a_layer_with_chunked_modules_keeps_child_regions() -> None:
     layers = fused_kernels.decoder_layers(ctl.hf_model)
     assert regions and not any(region in layers for region in regions)
     assert regions == fused_kernels.compile_regions(ctl.hf_model, whole_layers=False)
+
+
+def test_whole_layers_follow_a_checkpointing_change() -> None:
+    """Without checkpointing a whole layer's own call is compiled; once checkpointing is on, its call is eager again
+    and the checkpoint function runs its compiled inner forward."""
+    settings = SpeedConfig(metadata_cache=True, checkpointing="none", fused_kernels=True)
+    ctl = SpeedController(
+        tiny_lora_model("llama"), dataclasses.replace(settings, fused_kernels=False), torch.device("cpu")
+    )
+    ctl.region_compiler = fused_kernels.RegionCompiler(backend=CompileCounter(), whole_layers=True)
+    ctl.apply(settings)
+    layers = fused_kernels.decoder_layers(ctl.hf_model)
+    assert all(layer._compiled_call_impl is not None for layer in layers)
+    ctl.apply(dataclasses.replace(settings, checkpointing="offloaded"))
+    assert all(layer._compiled_call_impl is None for layer in layers)
+    forward = functools.partial(type(layers[0]).forward.__wrapped__, layers[0])
+    assert ctl.region_compiler.layer_function(forward) is not forward
+    assert ctl.region_compiler.layer_function(print) is print  # anything else runs as given

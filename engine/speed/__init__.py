@@ -319,6 +319,7 @@ class SpeedController:
             self._auto_checkpointing_tokens = batch.num_tokens  # re-decide only when batches grow
             self._apply_checkpointing("auto", reason=None)
             self._apply_lean_recompute(self.settings)
+            self._apply_fused_kernels(self.settings)  # whole-layer regions depend on checkpointing
         if batch.num_tokens > self._longest_tokens:
             self._longest_tokens = batch.num_tokens  # automatic chunking re-decides only when batches grow
             self._apply_keep_attention(self.settings)
