@@ -50,6 +50,24 @@ def graph_breaks() -> int:
     return sum(counters["graph_break"].values())
 
 
+def frames_matching_eager(
+    model: Any, ctl: SpeedController, reference_model: Any, reference: SpeedController, counter: Any, rows: list
+) -> list[int]:
+    """One step per row on both models, loss and gradients checked against the eager reference; the compiled
+    frames counted after each step."""
+    frames = []
+    for seed, lengths in enumerate(rows):
+        got = step_loss(model, ctl, lengths, seed)
+        want = step_loss(reference_model, reference, lengths, seed)
+        # the regions are traced as-is; the loss's softmax gradient is compiled kernels: float32 rounding only
+        assert got == pytest.approx(want, rel=1e-6)
+        assert max_relative_error(grads(model), grads(reference_model)) < 1e-5
+        model.zero_grad(set_to_none=True)
+        reference_model.zero_grad(set_to_none=True)
+        frames.append(counter.frame_count)
+    return frames
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
 def test_compiled_layers_match_eager_and_never_recompile(model_type: str) -> None:
@@ -108,16 +126,7 @@ def test_checkpointing_and_attention_paths_trace_whole_regions(metadata_cache: b
     reference = controller(reference_model, dataclasses.replace(settings, fused_kernels=False))
     counter = CompileCounter()
     ctl = controller(model, settings, backend=counter)
-    frames = []
-    for seed, lengths in enumerate(LENGTHS[:4]):
-        got = step_loss(model, ctl, lengths, seed)
-        want = step_loss(reference_model, reference, lengths, seed)
-        # the regions are traced as-is; the loss's softmax gradient is compiled kernels: float32 rounding only
-        assert got == pytest.approx(want, rel=1e-6)
-        assert max_relative_error(grads(model), grads(reference_model)) < 1e-5
-        model.zero_grad(set_to_none=True)
-        reference_model.zero_grad(set_to_none=True)
-        frames.append(counter.frame_count)
+    frames = frames_matching_eager(model, ctl, reference_model, reference, counter, LENGTHS[:4])
     assert frames[0] > 0 and frames[-1] == frames[0], f"graphs per step: {frames}"
     assert graph_breaks() == 0, dict(counters["graph_break"])
 
@@ -215,15 +224,7 @@ def test_whole_layer_regions_trace_without_breaks_and_match_eager(checkpointing:
     reference.offloader.min_offload_bytes = 0
     layers = fused_kernels.decoder_layers(ctl.hf_model)
     assert fused_kernels.compile_regions(ctl.hf_model, whole_layers=True) == layers
-    frames = []
-    for seed, lengths in enumerate(LENGTHS[:3]):
-        assert step_loss(model, ctl, lengths, seed) == pytest.approx(
-            step_loss(reference_model, reference, lengths, seed), rel=1e-6
-        )
-        assert max_relative_error(grads(model), grads(reference_model)) < 1e-5
-        model.zero_grad(set_to_none=True)
-        reference_model.zero_grad(set_to_none=True)
-        frames.append(counter.frame_count)
+    frames = frames_matching_eager(model, ctl, reference_model, reference, counter, LENGTHS[:3])
     assert frames[0] > 0 and frames[-1] == frames[0], f"graphs per step: {frames}"
     assert graph_breaks() == 0, dict(counters["graph_break"])
     inner = type(layers[0]).forward.__wrapped__  # the layer's own forward, below transformers' checkpoint call
