@@ -351,12 +351,17 @@ def profile_lines(report: dict[str, Any]) -> list[str]:
     for row in rows:
         profile = row["profile"]
         gpu = " | ".join(f"{profile['gpu_ms'].get(kind, 0.0):.0f}" for kind in CATEGORIES)
-        host = f"{row['host_ms']:.0f}" if row.get("host_ms") is not None else "-"
+        host = _host_ms(row)
         lines.append(
             f"| {row['model']} | {row['tokens']:,} | {row['cap_gib']:g} | {row['variant']} | {row['ms_per_step']:.0f} "
             f"| {host} | {profile['gpu_busy_ms']:.0f} | {gpu} | {profile['host_self_ms']:.0f} |"
         )
     return lines
+
+
+def _host_ms(row: dict[str, Any]) -> str:
+    """The row's host time to queue a step, or "-" for rows measured before it was recorded."""
+    return f"{row['host_ms']:.0f}" if row.get("host_ms") is not None else "-"
 
 
 def _table_row(row: dict[str, Any], rows: list[dict[str, Any]]) -> str:
@@ -371,7 +376,7 @@ def _table_row(row: dict[str, Any], rows: list[dict[str, Any]]) -> str:
                   and r["cap_gib"] == row["cap_gib"] and r["ok"]), None)  # fmt: skip
     ratio = f"{stock['ms_per_step'] / row['ms_per_step']:.2f}" if stock else "-"
     planned = f"{row['planned_peak_gib']:.2f}" if row.get("planned_peak_gib") else "-"
-    host = f"{row['host_ms']:.0f}" if row.get("host_ms") is not None else "-"
+    host = _host_ms(row)
     return (head + f"| {row['ms_per_step']:.0f} | {host} | {row['tokens_per_s']:,.0f} | {ratio} "
             f"| {row['peak_gib']:.2f} | {planned} | {row['syncs']} |")  # fmt: skip
 

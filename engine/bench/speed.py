@@ -383,13 +383,9 @@ def profile_step(step: Callable[[], None], out: Path, variant: str = "all_on") -
     """Where one step's device time goes (after warm-up): the top kernels, and the top operators with their
     input shapes (which tell the LoRA matmuls, rank-wide, from the base ones), as tables under ``out``
     (``top_kernels.txt`` and ``top_ops.txt`` for all_on, prefixed by the variant's name for the others)."""
-    from torch.profiler import ProfilerActivity, profile
+    from engine.bench.step_profile import profiled
 
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
-        step()
-        torch.cuda.synchronize()
+    prof = profiled(step, record_shapes=True)
     out.mkdir(parents=True, exist_ok=True)
     events = prof.key_averages()
     kernels = events.table(sort_by="self_device_time_total", row_limit=60, max_name_column_width=100)

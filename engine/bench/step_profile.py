@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CATEGORIES", "kernel_category", "profile_step", "timeline"]
+__all__ = ["CATEGORIES", "kernel_category", "profile_step", "profiled", "timeline"]
 
 CATEGORIES = ("gemm", "attention", "dequant", "triton", "copies", "other")
 """Kernel kinds, in the order reports list them."""
@@ -72,9 +72,8 @@ def timeline(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def profile_step(step: Callable[[], object], out: Path, label: str) -> dict[str, Any]:
-    """Profile one call of ``step`` (after one untimed call) and write ``<label>_host_ops.txt`` under ``out``;
-    returns :func:`timeline`'s summary with ``host_self_ms``, the host operators' own time."""
+def profiled(step: Callable[[], object], record_shapes: bool = False) -> Any:
+    """The torch profiler over one call of ``step``, after one untimed call (GPU kernels too where there is one)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
@@ -82,10 +81,17 @@ def profile_step(step: Callable[[], object], out: Path, label: str) -> dict[str,
     step()
     if cuda:
         torch.cuda.synchronize()
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=record_shapes) as prof:
         step()
         if cuda:
             torch.cuda.synchronize()
+    return prof
+
+
+def profile_step(step: Callable[[], object], out: Path, label: str) -> dict[str, Any]:
+    """Profile one call of ``step`` (after one untimed call) and write ``<label>_host_ops.txt`` under ``out``;
+    returns :func:`timeline`'s summary with ``host_self_ms``, the host operators' own time."""
+    prof = profiled(step)
     averages = prof.key_averages()
     out.mkdir(parents=True, exist_ok=True)
     table = averages.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70)

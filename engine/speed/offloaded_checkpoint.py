@@ -171,6 +171,10 @@ class ActivationOffloader:
     """Storages of this step that every layer reads (rotary tables): kept on the device."""
     _group_ring: list[torch.cuda.Event | None] = field(default_factory=lambda: [None, None])
 
+    def __post_init__(self) -> None:
+        if self.is_cuda and self.device.index is None:  # "cuda" names the current GPU: compare tensors with it
+            self.device = torch.device("cuda", torch.cuda.current_device())
+
     @property
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
@@ -331,14 +335,7 @@ class ActivationOffloader:
         return storage not in self._fixed and storage not in self._resident
 
     def _on_device(self, tensor: torch.Tensor) -> bool:
-        """On this offloader's device; ``cuda`` without an index means the current GPU."""
-        where = tensor.device
-        if where.type != self.device.type:
-            return False
-        index = self.device.index
-        if index is None and self.is_cuda:
-            index = torch.cuda.current_device()
-        return index is None or where.index == index
+        return tensor.device == self.device
 
     def _pack(self, group: _Group, tensor: torch.Tensor) -> Any:
         span = dense_span(tensor) if self._worth_parking(tensor) else None
