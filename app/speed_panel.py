@@ -44,6 +44,7 @@ SHORT_TITLES = {
     "dequant_once": "dequant once",
     "keep_attention": "kept attention",
     "fp8_base": "fp8 base",
+    "step_graphs": "step graphs",
     "moe_routing": "MoE routing",
 }
 Checkpointing = Literal["auto", "none", "standard", "offloaded"]

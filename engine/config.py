@@ -247,6 +247,13 @@ class SpeedConfig:
         "(automatic: off)",
         flag="--fp8-base",
     )
+    step_graphs: bool | None = setting(
+        None,
+        "replay each micro-batch's forward and backward from a CUDA graph, so the host's Python and kernel launches "
+        "no longer set the pace (rows are padded into a few shape buckets; one step's activations stay reserved "
+        "between steps; automatic: off)",
+        flag="--step-graphs",
+    )
 
 
 @dataclass

@@ -243,3 +243,90 @@ def test_fp8_base_products_on_tensor_cores_follow_bf16_with_no_sync(checkpointin
     got = grads(model)
     errors = relative_error(logits, ref_logits), max(relative_error(got[k], ref[k]) for k in ref)
     assert 1e-3 < errors[0] < 0.15 and errors[1] < 0.3, errors  # measured on the H200: 0.072 and 0.157
+
+
+GRAPHED_STEPS = [[(700, 500, 300)], [(1450,), (800, 600, 100)], [(1500,)], [(600, 600, 300), (1480,)],
+                 [(900, 500, 50, 1)]]  # fmt: skip
+"""Micro-batches per step: multi-document rows (padded with empty documents for the varlen kernel) and
+one-document rows (the causal path) whose buckets recur."""
+
+
+def nf4_model() -> torch.nn.Module:
+    from speed_models import tiny_config
+
+    from engine.bench.long_context import build_quantized_model, with_lora
+
+    torch.manual_seed(0)
+    config = tiny_config("llama", hidden_size=256, head_dim=64, intermediate_size=512)
+    model = with_lora(build_quantized_model(config, CUDA), "tunedeck")
+    model.train()
+    return model
+
+
+def graphed_training(kind: str, settings: SpeedConfig) -> tuple[list[float], dict[str, torch.Tensor], SpeedController]:
+    model = nf4_model() if kind == "nf4" else bf16_lora_with_float32_adapters()
+    ctl = SpeedController(model, settings, CUDA)
+    ctl.offloader.min_offload_bytes = ctl.offloader.min_saved_bytes = 0
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    start = [p.detach().clone() for p in trainable]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-3)
+    losses = []
+    for i, step in enumerate(GRAPHED_STEPS):
+        batches = [packed_batch(lengths, seed=10 * i + j) for j, lengths in enumerate(step)]
+        trained = sum(b.trained_tokens for b in batches)
+        losses.append(sum(float(ctl.forward_backward(model, b.to(CUDA), trained)) for b in batches))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    updates = {str(i): (p.detach() - p0).float() for i, (p, p0) in enumerate(zip(trainable, start, strict=True))}
+    return losses, updates, ctl
+
+
+def bf16_lora_with_float32_adapters() -> torch.nn.Module:
+    return mixed_precision_lora_model("llama", hidden_size=256, head_dim=64, intermediate_size=512).to(CUDA)
+
+
+@pytest.mark.parametrize(("kind", "checkpointing"), [("bf16", "offloaded"), ("nf4", "offloaded")])
+def test_step_graphs_train_as_eager_steps_with_no_sync(kind: str, checkpointing: str) -> None:
+    """Micro-steps replayed from CUDA graphs (fused kernels, the fused loss, offloaded copies, the input embedding
+    looked up on the host, 4-bit dequantize-once and lean recompute) train as eager ones do, and a replayed
+    micro-step makes no host sync."""
+    settings = SpeedConfig(checkpointing=checkpointing, host_embedding=True)
+    eager = graphed_training(kind, settings)
+    losses, updates, ctl = graphed_training(kind, dataclasses.replace(settings, step_graphs=True))
+    assert ctl.state()["step_graphs"]["on"], ctl.state()["step_graphs"]
+    assert (ctl.graphs.captured, ctl.graphs.replays) == (2, 5)  # rows of 1 and 4 (padded) documents, 1,536 tokens
+    assert relative_error(torch.tensor(losses), torch.tensor(eager[0])) < 2e-2, (losses, eager[0])
+    worst = max(relative_error(updates[k], eager[1][k]) for k in updates)
+    assert worst < 0.1, worst
+    row = packed_batch(GRAPHED_STEPS[-1][0], seed=99).to(CUDA)
+    ctl.forward_backward(ctl.model, row, row.trained_tokens)  # its bucket is captured: this replays
+    replays = ctl.graphs.replays
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ctl.forward_backward(ctl.model, row, row.trained_tokens)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert ctl.graphs.replays == replays + 1
+
+
+def test_a_failed_capture_gives_its_memory_back_and_the_stream_too() -> None:
+    """A capture that runs out of memory must not keep its pool's blocks: the eager work after it needs them."""
+    from engine.speed.step_graphs import CudaGraphCapture
+
+    capture = CudaGraphCapture()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+
+    def runs_short() -> torch.Tensor:
+        taken = torch.empty(64 << 20, device=CUDA)  # 256 MiB from the capture's pool
+        taken.fill_(1.0)
+        raise torch.OutOfMemoryError("out of memory inside the capture")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        capture(runs_short)
+    torch.cuda.empty_cache()
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    assert torch.cuda.memory_reserved() - before < 32 << 20, (before, torch.cuda.memory_reserved())
+    assert float(torch.ones(4, device=CUDA).sum()) == 4.0

@@ -24,6 +24,8 @@ from engine.run.folder import CHECKPOINT_DIR, EVAL_FILE, append_jsonl
 from engine.run.ranks import plain_number
 from engine.run.session import Session
 
+GRAPHS_SHORT_OF_MEMORY = "GPU memory ran short beside the step graphs' memory pool; micro-batches run eagerly"
+
 
 def _next_rows(session: Session) -> list[int]:
     """The packed rows of the next step (``grad_accum`` of them), advancing the data position."""
@@ -55,6 +57,17 @@ def _forward_loss(session: Session, batch: PackedBatch, num_items: int) -> torch
 
     # through DDP / the FSDP2 root, whose hooks must see the forward (the fused loss bypasses the model's own)
     return session.loss_module(compute) if session.loss_module is not None else compute(session.model)
+
+
+def _forward_backward(session: Session, batch: PackedBatch, num_items: int) -> torch.Tensor:
+    """One micro-batch's forward and backward; its detached loss. With step graphs on (a single process without
+    loss scaling), the speed controller replays the work from a CUDA graph."""
+    if session.speed.graphs.on and session.loss_module is None and session.scaler is None:
+        return session.speed.forward_backward(session.model, batch.to(session.device), num_items)
+    loss = _forward_loss(session, batch, num_items)
+    scaled = loss * session.ranks.loss_scale if session.ranks.distributed else loss
+    (session.scaler.scale(scaled) if session.scaler is not None else scaled).backward()
+    return loss.detach()
 
 
 def _without_labels(batch: PackedBatch) -> PackedBatch:
@@ -97,10 +110,8 @@ def _accumulate(session: Session, rows: list[int]) -> tuple[float, StepTokens]:
     total = torch.zeros((), device=session.device)
     for i, batch in enumerate(mine):
         with ranks.accumulating(session.loss_module, last=i == len(mine) - 1):
-            loss = _forward_loss(session, batch, counted.trained)
-            scaled = loss * ranks.loss_scale if ranks.distributed else loss
-            (session.scaler.scale(scaled) if session.scaler is not None else scaled).backward()
-        total += loss.detach().float()
+            loss = _forward_backward(session, batch, counted.trained)
+        total += loss.float()
     return float(total), counted
 
 
@@ -115,7 +126,11 @@ def _accumulate_or_lower(session: Session, rows: list[int]) -> Generator[Event, 
             if session.ranks.distributed:  # the other ranks are already waiting in this step's collectives
                 raise guard.out_of_memory_error(session.step + 1, session.tokens_per_batch) from err
         # outside the except block: the traceback (and the activations its frames hold) is gone by now
+        freed = session.speed.graphs.give_up(GRAPHS_SHORT_OF_MEMORY)
         guard.release_memory(session.optimizer, session.device)
+        if freed:  # the step graphs' memory pool was the difference: retry the same rows without it
+            yield SpeedChanged(session.step, session.speed.state())
+            continue
         yield from _lower_memory(session, [session.data.train_rows[r] for r in rows], session.data.train)
 
 

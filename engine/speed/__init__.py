@@ -15,6 +15,7 @@ loss is the training loop's call to :meth:`SpeedController.loss` instead of the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +35,7 @@ from engine.speed import (
     metadata_cache,
     moe_routing,
     offloaded_checkpoint,
+    step_graphs,
 )
 from engine.speed.host_embedding import HostEmbedding
 from engine.speed.lora_16bit import Lora16Bit
@@ -120,6 +122,7 @@ class SpeedController:
         self.lora_16bit = Lora16Bit(model)
         self.lean = lean_recompute.LeanRecompute(self.hf_model, self.offloader.recompute)
         self._rotary_hook: Any = None
+        self.graphs = step_graphs.StepGraphs(self.device, self._trainable, reset=self.offloader.forget_events)
         self.kept_share_override: float | None = None
         """A fixed share of layers for kept attention (the bench's sweep); None: chosen from the GPU."""
         metadata_cache.register_packed_attention()
@@ -131,6 +134,7 @@ class SpeedController:
     def apply(self, settings: SpeedConfig) -> None:
         """Apply new settings; safe between any two steps (nothing is reloaded)."""
         self.settings = dataclasses.replace(settings)
+        self.graphs.clear()  # first: their memory pool goes back before any switch needs memory
         self._apply_metadata_cache(settings)
         self._apply_moe_routing(settings)
         self._apply_fused_loss(settings)
@@ -141,6 +145,7 @@ class SpeedController:
         self._apply_lora_16bit(settings)
         self._apply_lean_recompute(settings)
         self._apply_fused_kernels(settings)
+        self._apply_step_graphs(settings)
 
     def _apply_metadata_cache(self, settings: SpeedConfig) -> None:
         problem = metadata_cache.unsupported_reason(self.hf_model)
@@ -256,6 +261,15 @@ class SpeedController:
         self._state["dequant_once"] = {"on": once, "reason": once_reason}
         self._state["fp8_base"] = {"on": fp8, "reason": fp8_reason}
 
+    def _apply_step_graphs(self, settings: SpeedConfig) -> None:
+        on, reason = step_graphs.resolve(settings.step_graphs, self.model, self.device)
+        self.graphs.switch(on)  # drops graphs captured under the previous switches
+        self.graphs.failure = None
+        self._state["step_graphs"] = {"on": on, "reason": reason}
+
+    def _trainable(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
     def _kept_share(self, tokens: int, layer_bytes: int) -> float:
         if self.kept_share_override is not None:
             return self.kept_share_override
@@ -320,11 +334,13 @@ class SpeedController:
             self._apply_checkpointing("auto", reason=None)
             self._apply_lean_recompute(self.settings)
             self._apply_fused_kernels(self.settings)  # whole-layer regions depend on checkpointing
+            self.graphs.clear()
         if batch.num_tokens > self._longest_tokens:
             self._longest_tokens = batch.num_tokens  # automatic chunking re-decides only when batches grow
             self._apply_keep_attention(self.settings)
             self._apply_chunked_mlp(self.settings)
             self._apply_fused_kernels(self.settings)
+            self.graphs.clear()
         inputs = stock_model_inputs(self.model, batch)
         if self.host_embedding.on:
             self.host_embedding.stage(batch.host_input_ids)
@@ -332,7 +348,7 @@ class SpeedController:
             return inputs
         whole_row = self.settings.attention_backend == "auto"
         meta = metadata_cache.build_metadata(batch, self.device, self._metadata_backend, whole_row=whole_row)
-        if self._fused_kernels:
+        if self._fused_kernels or self.graphs.on:  # masks built here are graph inputs, not host work inside
             fused_kernels.prepare_metadata(meta, self.hf_model)
         return metadata_cache.packed_inputs(inputs, meta)
 
@@ -354,6 +370,32 @@ class SpeedController:
             )
         return model(**inputs, labels=labels, num_items_in_batch=num_items).loss
 
+    def forward_backward(self, model: torch.nn.Module, batch: PackedBatch, num_items: int) -> torch.Tensor:
+        """Forward and backward of one micro-batch (on the device) through :meth:`loss`; its detached loss.
+
+        With step graphs on, the row is padded into its shape bucket and the work replays from a CUDA graph
+        (:mod:`engine.speed.step_graphs`); a host-side embedding lookup then runs before the graph."""
+        if not self.graphs.on:
+            inputs = self.model_inputs(batch)
+            return self._backward(model, {"inputs": inputs, "labels": batch.labels, "num_items": num_items,
+                                          "positions": batch.loss_positions})  # fmt: skip
+        padded = step_graphs.pad_to(batch, self.graphs.bucket(batch))
+        inputs = self.model_inputs(padded)
+        if self.host_embedding.on:  # the lookup runs on the host: outside the graph, which takes its rows
+            ids = inputs.pop("input_ids")
+            inputs["inputs_embeds"] = self.hf_model.get_input_embeddings()(ids)
+        count = torch.full((), num_items, dtype=torch.float32, device=self.device)
+        tree = {"inputs": inputs, "labels": padded.labels, "num_items": count, "positions": padded.loss_positions}
+        return self.graphs.run(tree, functools.partial(self._backward, model))
+
+    def _backward(self, model: torch.nn.Module, tree: dict[str, Any]) -> torch.Tensor:
+        loss = self.loss(model, tree["inputs"], tree["labels"], tree["num_items"], positions=tree["positions"])
+        loss.backward()
+        return loss.detach()
+
     def state(self) -> dict[str, Any]:
         """Resolved choices, each with a one-line reason."""
-        return {key: dict(value) for key, value in self._state.items()}
+        state = {key: dict(value) for key, value in self._state.items()}
+        if self.graphs.failure is not None and "step_graphs" in state:
+            state["step_graphs"] = {"on": False, "reason": self.graphs.failure}
+        return state

@@ -180,7 +180,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         labels: torch.Tensor,
-        divisor: float,
+        divisor: float | torch.Tensor,
         chunk_size: int | None,
         compiled: bool = False,
     ) -> torch.Tensor:
@@ -233,9 +233,16 @@ def linear_cross_entropy(
     shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
     flat = hidden.reshape(-1, hidden.shape[-1])
     keep = (shifted != IGNORE_INDEX).nonzero().squeeze(1) if positions is None else positions.to(flat.device)
-    divisor = float(num_items) if num_items is not None else float(keep.numel())
+    divisor = _divisor(num_items, keep)
     targets = shifted.index_select(0, keep)
     return LinearCrossEntropy.apply(flat.index_select(0, keep), weight, bias, targets, divisor, chunk_size, compiled)
+
+
+def _divisor(num_items: int | torch.Tensor | None, keep: torch.Tensor) -> float | torch.Tensor:
+    """The loss divisor: a float, or a device tensor as it came (read in a CUDA graph, it changes per replay)."""
+    if isinstance(num_items, torch.Tensor) and num_items.device == keep.device:
+        return num_items.float()
+    return float(num_items) if num_items is not None else float(keep.numel())
 
 
 def _plain_linear(module: Any) -> bool:

@@ -65,8 +65,15 @@ class RecomputeFlag:
             self.active = previous
 
 
-standard_checkpoint: Callable[..., Any] = functools.partial(checkpoint, use_reentrant=False)
-"""transformers' standard recompute: non-reentrant, so LoRA needs no input-gradient hook."""
+def capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a graph (engine.speed.step_graphs)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def standard_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """transformers' standard recompute: non-reentrant, so LoRA needs no input-gradient hook. Inside a CUDA graph
+    capture the RNG state is not saved (step graphs run only models without dropout)."""
+    return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=not capturing(), **kwargs)
 
 
 def default_pinned_budget() -> int:
@@ -190,6 +197,15 @@ class ActivationOffloader:
         self._release_ring()
         self._pending.clear()
         self._resident.clear()
+        self._group_ring = [None, None]
+
+    def forget_events(self) -> None:
+        """Drop the copy events of earlier steps (around a CUDA graph capture: a capture may not wait on an event
+        recorded outside it, and eager steps must not wait on one recorded inside it). Stream order already covers
+        them: every copy waits for the compute stream first."""
+        for buf in (*self._buffers, *self._saved_buffers.values()):
+            buf.last_read = None
+        self._ring = [None, None]
         self._group_ring = [None, None]
 
     def keep_saved(self, on: bool, model: torch.nn.Module | None = None) -> None:
@@ -483,7 +499,9 @@ class ReplayState:
 
     @classmethod
     def capture(cls, device: torch.device) -> ReplayState:
-        device_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        """The state now; the GPU's RNG state is left out inside a CUDA graph capture, which cannot read it (step
+        graphs run only models without dropout)."""
+        device_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" and not capturing() else None
         return cls(
             cpu_rng=torch.get_rng_state(),
             device_rng=device_rng,

@@ -1,0 +1,374 @@
+"""Each micro-batch's forward and backward replayed from one CUDA graph: no Python, no launches on the host.
+
+Why: on a 4-bit 8B model at 4,096 tokens the host needs about as long to queue a step as the GPU needs to run
+it (H200: 393 of 410 ms; benchmarks/qlora_h200.md). Each step launches thousands of kernels: 264 compiled-region
+calls with their guard checks, bitsandbytes' Python-side dequantize ops, 2,400 matmuls and the pinned copies of
+offloaded checkpointing. Captured once, a whole micro-step replays as a single graph launch, so the step runs at
+the GPU's pace, and the GPU-side savings of other switches (fp8 products) turn into time.
+
+How: a CUDA graph replays fixed work on fixed memory, so a micro-batch must look exactly like the one captured.
+Packed rows differ in length, document count and trained tokens, so each row is padded into a bucket first:
+* its length is rounded up to an eighth of the longest row seen so far (at most 12.5% padding; a dataset packed
+  to one row length pads nothing). The padding tokens join the last document and learn nothing: causal attention
+  never lets an earlier token see them, so the real tokens' outputs, loss and gradients are unchanged;
+* its document count is rounded up to a power of two with empty documents (a row of one document stays one, so
+  it keeps the whole-row causal kernel), and the longest document is declared as the whole row;
+* its trained positions are rounded up to a quarter of the row with positions whose label is ignored.
+The loss divisor (trained tokens of the whole step) becomes a device tensor instead of a constant.
+The first micro-batch of a bucket runs eagerly (it compiles, autotunes and allocates host buffers), the second is
+captured and replayed, later ones only replay after their inputs are copied into the captured ones. Gradients
+accumulate into fixed gradient tensors that stay bound to the parameters, whatever the optimizer's
+``zero_grad`` did in between. All graphs share one memory pool; a switch change drops them.
+
+Where it runs: CUDA, one process (no DDP/FSDP hooks), no float16 loss scaling, no dropout (a recompute inside a
+graph cannot replay random masks), and no step that waits for the GPU (MoE routing that reads expert counts on
+the host). A graph that cannot be captured turns the switch off with the reason; the micro-batch then runs
+eagerly, so nothing is lost. Memory: the pool keeps one step's activations reserved between steps (the optimizer
+can no longer reuse them), about a tenth of a QLoRA step's peak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.data.packing import IGNORE_INDEX, PackedBatch
+
+__all__ = [
+    "Bucket",
+    "CudaGraphCapture",
+    "StepGraphs",
+    "bucket_of",
+    "flatten",
+    "pad_to",
+    "resolve",
+    "unsupported_reason",
+]
+
+ROW_STEP_SHARE = 8
+"""Row lengths are rounded up to 1/ROW_STEP_SHARE of the longest row seen."""
+ROW_STEP_MIN = 256
+POSITION_SHARE = 4
+"""Trained positions are rounded up to 1/POSITION_SHARE of the padded row."""
+MAX_GRAPHS = 8
+"""Buckets that keep a graph; micro-batches of further buckets run eagerly."""
+EAGER_RUNS = 1
+"""Eager micro-batches of a bucket before it is captured (compiling, autotuning, host buffers)."""
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """The padded shape of a micro-batch: row length, documents and trained positions."""
+
+    tokens: int
+    documents: int
+    positions: int
+
+
+def _round_up(value: int, step: int) -> int:
+    return -(-value // step) * step
+
+
+def bucket_of(batch: PackedBatch, longest: int) -> Bucket:
+    """The bucket a row pads into, given the longest row seen so far (this one included)."""
+    step = max(ROW_STEP_MIN, _round_up(-(-longest // ROW_STEP_SHARE), 128))
+    tokens = _round_up(batch.num_tokens, step)
+    documents = 1 if batch.num_documents == 1 else 1 << (batch.num_documents - 1).bit_length()
+    trained = batch.loss_positions.numel() if batch.loss_positions is not None else tokens
+    positions = min(tokens, _round_up(max(trained, 1), -(-tokens // POSITION_SHARE)))
+    return Bucket(tokens, documents, positions)
+
+
+def _tail(like: torch.Tensor, count: int, value: int) -> torch.Tensor:
+    return torch.full((*like.shape[:-1], count), value, dtype=like.dtype, device=like.device)
+
+
+def pad_to(batch: PackedBatch, bucket: Bucket) -> PackedBatch:
+    """The row padded into ``bucket``: the same loss and gradients, a shape that repeats.
+
+    Padding tokens (id 0, labels ignored) extend the last document, whose positions they continue; empty documents
+    fill the document count; ignored positions (the row's last, which predicts nothing) fill the trained ones."""
+    extra = bucket.tokens - batch.num_tokens
+    if extra < 0 or bucket.documents < batch.num_documents:
+        raise ValueError(f"a row of {batch.num_tokens} tokens and {batch.num_documents} documents exceeds {bucket}")
+    last = batch.doc_lengths[-1]
+    lengths = (*batch.doc_lengths[:-1], last + extra) + (0,) * (bucket.documents - batch.num_documents)
+    cumulative = [0]
+    for n in lengths:
+        cumulative.append(cumulative[-1] + n)
+    positions = batch.loss_positions
+    if positions is not None:
+        if positions.numel() > bucket.positions:
+            raise ValueError(f"{positions.numel()} trained positions exceed {bucket}")
+        positions = torch.cat([positions, _tail(positions, bucket.positions - positions.numel(), bucket.tokens - 1)])
+    ids = batch.input_ids
+    continued = torch.arange(last, last + extra, dtype=batch.position_ids.dtype, device=batch.position_ids.device)
+    host_ids = batch.host_input_ids
+    return dataclasses.replace(
+        batch,
+        input_ids=torch.cat([ids, _tail(ids, extra, 0)], dim=-1),
+        labels=torch.cat([batch.labels, _tail(batch.labels, extra, IGNORE_INDEX)], dim=-1),
+        position_ids=torch.cat([batch.position_ids, continued.expand(*batch.position_ids.shape[:-1], extra)], dim=-1),
+        document_ids=torch.cat([batch.document_ids, _tail(batch.document_ids, extra, batch.num_documents - 1)], dim=-1),
+        cu_seqlens=torch.tensor(cumulative, dtype=batch.cu_seqlens.dtype, device=batch.cu_seqlens.device),
+        max_seqlen=bucket.tokens,  # an upper bound is all varlen kernels need
+        doc_lengths=lengths,
+        loss_positions=positions,
+        host_input_ids=None if host_ids is None else torch.cat([host_ids, _tail(host_ids, extra, 0)], dim=-1),
+    )
+
+
+# --- inputs as static buffers -----------------------------------------------------------------------------------
+
+
+def flatten(tree: Any, device: torch.device) -> tuple[list[torch.Tensor], tuple[Any, ...]] | None:
+    """(the tensors on ``device`` in a fixed order, a key of everything else) of a micro-batch's inputs, or None
+    when something in them cannot be a graph input (an object of unknown kind) or none of them is on ``device``.
+
+    Dicts, lists, tuples and dataclasses are walked; tensors on ``device`` become graph inputs (their shape, dtype
+    and strides go into the key); numbers, strings, dtypes and None go into the key as they are. Tensors elsewhere
+    (host copies kept for host-side work) are left out: the graphed work never reads them."""
+    leaves: list[torch.Tensor] = []
+    key: list[Any] = []
+
+    def walk(value: Any) -> bool:
+        if isinstance(value, torch.Tensor):
+            if value.device == device:
+                leaves.append(value)
+                key.append(("tensor", tuple(value.shape), value.stride(), value.dtype, value.requires_grad))
+            else:
+                key.append("elsewhere")
+            return True
+        if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
+            key.append(value)
+            return True
+        if isinstance(value, dict):
+            key.append(("dict", tuple(value)))
+            return all(walk(v) for v in value.values())
+        if isinstance(value, (list, tuple)):
+            key.append((type(value).__name__, len(value)))
+            return all(walk(v) for v in value)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            key.append(type(value).__qualname__)
+            return all(walk(getattr(value, f.name)) for f in dataclasses.fields(value))
+        return False
+
+    return (leaves, tuple(key)) if walk(tree) and leaves else None
+
+
+# --- capture and replay -----------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Captured:
+    replay: Callable[[], None]
+    inputs: list[torch.Tensor]
+    loss: torch.Tensor
+
+
+class CudaGraphCapture:
+    """Captures functions as CUDA graphs that share one memory pool (they never run at the same time).
+
+    Captures run on a stream of their own. A capture that fails (out of memory, a host sync) is ended and thrown
+    away, and the caller's stream is current again, so the eager work that follows allocates as before."""
+
+    def __init__(self) -> None:
+        self.pool: Any = None
+        self.stream: torch.cuda.Stream | None = None
+
+    def __call__(self, function: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        """(replay, output) of ``function`` captured as a graph; nothing runs until the first replay."""
+        if self.pool is None:
+            self.pool, self.stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+        assert self.stream is not None
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the pool takes what the eager micro-batches left cached
+        graph = torch.cuda.CUDAGraph()
+        caller = torch.cuda.current_stream()
+        self.stream.wait_stream(caller)
+        with torch.cuda.stream(self.stream):
+            graph.capture_begin(pool=self.pool)
+            try:
+                out = function()
+            except BaseException:
+                _abandon(graph, self.pool)
+                raise
+            graph.capture_end()
+        caller.wait_stream(self.stream)
+        return graph.replay, out
+
+
+def _abandon(graph: Any, pool: Any) -> None:
+    """End a failed capture and give back the memory it took from the pool; the failure is the caller's to report.
+
+    A capture that fails never reaches the end of ``capture_end``, where the allocator stops routing to the pool,
+    so its blocks would stay reserved for good and the eager work after it would run short (measured on the H200:
+    1.9 GiB of an 8 GiB cap). Each step below may fail once the capture is broken; the others still run."""
+    device = torch.cuda.current_device()
+    steps = (graph.capture_end, lambda: torch._C._cuda_endAllocateToPool(device, pool), graph.reset)
+    for step in steps:
+        with contextlib.suppress(Exception):  # the capture already failed: ending it reports that again
+            step()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+@dataclass
+class StepGraphs:
+    """Captures and replays micro-steps per bucket for one model's trainable parameters."""
+
+    device: torch.device
+    parameters: Callable[[], list[torch.nn.Parameter]]
+    reset: Callable[[], None] = lambda: None
+    """Forgets host-side state of the step that a capture must not see (events recorded outside it)."""
+    capturer: Callable[[], Callable[..., tuple[Callable[[], None], torch.Tensor]]] = CudaGraphCapture
+    on: bool = False
+    failure: str | None = None
+    longest: int = 0
+    eager_runs: int = EAGER_RUNS
+    max_graphs: int = MAX_GRAPHS
+    replays: int = 0
+    _seen: Counter[tuple[Any, ...]] = field(default_factory=Counter)
+    _graphs: dict[tuple[Any, ...], _Captured] = field(default_factory=dict)
+    _grads: list[torch.Tensor] = field(default_factory=list)
+    _capture: Any = None
+
+    def __post_init__(self) -> None:
+        if self.device.type == "cuda" and self.device.index is None:  # tensors name their GPU: compare with it
+            self.device = torch.device("cuda", torch.cuda.current_device())
+
+    def switch(self, on: bool) -> None:
+        self.clear()
+        self.on = on
+
+    def clear(self) -> None:
+        """Drop every graph and its memory (after a switch change: the captured work would be stale)."""
+        held = bool(self._graphs)
+        self._graphs.clear()
+        self._seen.clear()
+        self._grads = []
+        self._capture = None
+        if held and self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the pool's memory goes back to the GPU now, not at the next shortage
+
+    def give_up(self, reason: str) -> bool:
+        """Turn the graphs off for this run with ``reason`` and free their memory; True when they held some."""
+        held = bool(self._graphs)
+        if held and self.failure is None:
+            self.failure = f"off: {reason}"
+        self.clear()
+        return held
+
+    @property
+    def captured(self) -> int:
+        return len(self._graphs)
+
+    def bucket(self, batch: PackedBatch) -> Bucket:
+        self.longest = max(self.longest, batch.num_tokens)
+        return bucket_of(batch, self.longest)
+
+    def run(self, tree: Any, body: Callable[[Any], torch.Tensor]) -> torch.Tensor:
+        """``body(tree)`` (forward and backward of one micro-batch, returning its detached loss), replayed from a
+        graph once the tree's bucket has run eagerly."""
+        flat = flatten(tree, self.device) if self.on and self.failure is None else None
+        if flat is None:
+            return body(tree)
+        leaves, key = flat
+        captured = self._graphs.get(key)
+        if captured is None:
+            self._seen[key] += 1
+            if self._seen[key] <= self.eager_runs or len(self._graphs) >= self.max_graphs:
+                return body(tree)
+            captured = self._captured(key, tree, leaves, body)
+            if captured is None:
+                return body(tree)
+        else:
+            self._bind_grads()
+            torch._foreach_copy_(captured.inputs, leaves)
+        captured.replay()
+        self.replays += 1
+        return captured.loss.clone()
+
+    def _captured(self, key: tuple[Any, ...], tree: Any, leaves: list[torch.Tensor], body: Callable[[Any], torch.Tensor]
+                  ) -> _Captured | None:  # fmt: skip
+        self._bind_grads()
+        if self._capture is None:
+            self._capture = self.capturer()
+        self.reset()
+        try:
+            replay, loss = self._capture(lambda: body(tree))
+        except Exception as err:  # any capture failure falls back to eager, with its reason
+            self.failure = f"off: this step cannot run as a CUDA graph ({type(err).__name__}: {_first_line(err)})"
+            self.clear()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.reset()
+            return None
+        self.reset()
+        captured = _Captured(replay, leaves, loss)
+        self._graphs[key] = captured
+        return captured
+
+    def _bind_grads(self) -> None:
+        """Point every trainable parameter's ``.grad`` at its fixed gradient tensor, keeping what it holds."""
+        params = self.parameters()
+        if len(self._grads) != len(params):
+            self._grads = [torch.zeros_like(p) for p in params]
+        zero, sources, targets = [], [], []
+        for param, fixed in zip(params, self._grads, strict=True):
+            if param.grad is None:
+                zero.append(fixed)
+            elif param.grad is not fixed:
+                sources.append(param.grad)
+                targets.append(fixed)
+            param.grad = fixed
+        if zero:
+            torch._foreach_zero_(zero)
+        if targets:
+            torch._foreach_copy_(targets, sources)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0][:160] if text else ""
+
+
+# --- when it applies --------------------------------------------------------------------------------------------
+
+
+def _has_dropout(model: torch.nn.Module) -> bool:
+    if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
+        return True
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+    return any(float(getattr(text, name, 0.0) or 0.0) > 0 for name in ("attention_dropout", "hidden_dropout"))
+
+
+def unsupported_reason(model: torch.nn.Module, device: torch.device) -> str | None:
+    """Why this model's micro-steps cannot be captured as CUDA graphs here (None when they can)."""
+    if device.type != "cuda":
+        return "CUDA graphs need an NVIDIA GPU"
+    if _has_dropout(model):
+        return "the model uses dropout, whose masks a replayed recompute could not draw again"
+    return None
+
+
+def resolve(requested: bool | None, model: torch.nn.Module, device: torch.device) -> tuple[bool, str]:
+    """(on, reason). Automatic is off for now: the captured memory pool stays reserved between steps."""
+    if requested is False:
+        return False, "switched off: every micro-batch launches its work from Python"
+    problem = unsupported_reason(model, device)
+    if problem is not None:
+        return False, problem if requested else f"automatic: off; {problem}"
+    if requested is None:
+        return False, (
+            "automatic: off; switch on to replay each micro-batch from a CUDA graph (rows padded into shape "
+            "buckets, one step's activations kept reserved between steps)"
+        )
+    return True, "switched on: each micro-batch replays from a CUDA graph once its shape bucket has run once"

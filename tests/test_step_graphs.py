@@ -1,0 +1,273 @@
+"""Step graphs: rows padded into shape buckets train exactly as they are, and replayed micro-steps train as eager ones.
+
+A real CUDA graph needs a GPU (tests/test_speed_gpu.py); here a stand-in "graph" records the captured function and
+runs it again on every replay, so everything around the capture is exercised on the CPU: buckets, padding,
+static inputs refilled per micro-batch, gradients bound to fixed tensors, fallback on a failed capture.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from speed_models import VOCAB, grads, max_relative_error, packed_batch, tiny_lora_model
+
+from engine.config import SpeedConfig
+from engine.data.packing import IGNORE_INDEX
+from engine.speed import SpeedController, step_graphs
+from engine.speed.fused_loss import linear_cross_entropy
+from engine.speed.offloaded_checkpoint import ActivationOffloader
+from engine.speed.step_graphs import Bucket, StepGraphs, bucket_of, flatten, pad_to
+
+AUTO = SpeedConfig()
+
+
+class ReplayingCapture:
+    """A CPU stand-in for a CUDA graph: capturing runs nothing, each replay runs the function on the captured
+    inputs."""
+
+    def __init__(self) -> None:
+        self.captures = 0
+
+    def __call__(self, function: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        self.captures += 1
+        out = torch.zeros((), dtype=torch.float32)
+        return lambda: out.copy_(function()), out
+
+
+class FailingCapture:
+    def __call__(self, function: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
+
+
+def graphed(controller: SpeedController, capture: Any) -> None:
+    """Step graphs on, as on a GPU, with ``capture`` standing in for CUDA graph capture."""
+    controller.graphs.switch(True)
+    controller.graphs.capturer = lambda: capture
+
+
+# --- buckets and padding ----------------------------------------------------------------------------------------
+
+
+def test_buckets_round_rows_documents_and_positions_up() -> None:
+    batch = packed_batch((700, 600, 500))  # 1,800 tokens, 3 documents, 1,797 trained positions
+    assert bucket_of(batch, longest=4096) == Bucket(tokens=2048, documents=4, positions=2048)
+    assert bucket_of(batch, longest=1800) == Bucket(tokens=2048, documents=4, positions=2048)  # steps of 256
+    assert bucket_of(packed_batch((4096,)), longest=4096) == Bucket(4096, 1, 4096)  # one document stays one
+    assert bucket_of(packed_batch((3000, 1000)), longest=16384) == Bucket(4096, 2, 4096)  # steps of 2,048
+
+
+def test_a_bucket_pads_at_most_an_eighth_of_the_longest_row() -> None:
+    for tokens in range(257, 8192, 97):
+        bucket = bucket_of(packed_batch((tokens,)), longest=8192)
+        assert tokens <= bucket.tokens < tokens + 8192 // 8 + 128
+
+
+def test_padding_extends_the_last_document_and_ignores_what_it_adds() -> None:
+    batch = packed_batch((5, 3))
+    padded = pad_to(batch, Bucket(tokens=12, documents=4, positions=10))
+    assert padded.input_ids.shape == (1, 12) and padded.labels[0, 8:].eq(IGNORE_INDEX).all()
+    assert padded.position_ids[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]
+    assert padded.document_ids[0].tolist() == [0] * 5 + [1] * 7
+    assert padded.cu_seqlens.tolist() == [0, 5, 12, 12, 12] and padded.max_seqlen == 12
+    assert padded.loss_positions.tolist() == [*batch.loss_positions.tolist(), *[11] * 4]
+    with pytest.raises(ValueError, match="exceeds"):
+        pad_to(batch, Bucket(tokens=6, documents=2, positions=8))
+
+
+@pytest.mark.parametrize("metadata_cache", [True, False])
+@pytest.mark.parametrize("lengths", [(37, 21, 9), (50,)])
+def test_a_padded_row_gives_the_same_loss_and_gradients(metadata_cache: bool, lengths: tuple[int, ...]) -> None:
+    model = tiny_lora_model("llama")
+    controller = SpeedController(model, dataclasses.replace(AUTO, metadata_cache=metadata_cache), torch.device("cpu"))
+    batch = packed_batch(lengths, seed=3)
+    found = []
+    for row in (batch, pad_to(batch, bucket_of(batch, longest=400))):
+        model.zero_grad(set_to_none=True)
+        found.append((controller.forward_backward(model, row, batch.trained_tokens), grads(model)))
+    torch.testing.assert_close(found[1][0], found[0][0], rtol=1e-5, atol=0)
+    assert max_relative_error(found[1][1], found[0][1]) < 1e-5
+
+
+# --- inputs as graph inputs -------------------------------------------------------------------------------------
+
+
+def test_flatten_keys_on_shapes_and_values_and_leaves_host_tensors_out() -> None:
+    cpu = torch.device("cpu")
+    tree = {"ids": torch.zeros(1, 8, dtype=torch.long), "window": None, "n": 3, "rows": [torch.ones(2)]}
+    leaves, key = flatten(tree, cpu)
+    assert len(leaves) == 2 and leaves[0] is tree["ids"]
+    assert flatten({**tree, "ids": torch.ones(1, 8, dtype=torch.long)}, cpu)[1] == key  # new values, same key
+    assert flatten({**tree, "ids": torch.zeros(1, 9, dtype=torch.long)}, cpu)[1] != key
+    assert flatten({**tree, "n": 4}, cpu)[1] != key
+    assert flatten({**tree, "rows": [torch.ones(2, device="meta")]}, cpu)[1] != key  # elsewhere: not an input
+    assert flatten(tree, torch.device("meta")) is None  # no input on the device: nothing to replay
+    assert flatten({"unknown": object()}, cpu) is None
+
+
+def test_gradients_stay_bound_to_fixed_tensors_and_keep_what_they_held() -> None:
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    graphs = StepGraphs(torch.device("cpu"), lambda: params)
+    params[0].grad = torch.full((3,), 2.0)
+    graphs._bind_grads()
+    fixed = [p.grad for p in params]
+    assert fixed[0].tolist() == [2.0] * 3 and fixed[1].tolist() == [0.0] * 2
+    for p in params:
+        p.grad = None  # what zero_grad(set_to_none=True) leaves
+    fixed[0].fill_(7.0)
+    graphs._bind_grads()
+    assert [p.grad for p in params] == fixed and fixed[0].tolist() == [0.0] * 3
+
+
+# --- replayed micro-steps ---------------------------------------------------------------------------------------
+
+STEPS = [[(40, 30), (25, 24, 20)], [(60, 9)], [(33, 31), (70,)], [(41, 28), (30, 20, 19)], [(66,)], [(45, 23)]]
+"""Micro-batches per optimizer step: buckets recur, so later micro-batches replay."""
+
+
+def train(model: Any, controller: SpeedController) -> tuple[list[float], dict[str, torch.Tensor]]:
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for i, step in enumerate(STEPS):
+        batches = [packed_batch(lengths, seed=10 * i + j) for j, lengths in enumerate(step)]
+        trained = sum(b.trained_tokens for b in batches)
+        losses.append(sum(float(controller.forward_backward(model, b, trained)) for b in batches))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "offloaded"])
+def test_replayed_micro_steps_train_as_eager_ones(checkpointing: str) -> None:
+    settings = dataclasses.replace(AUTO, checkpointing=checkpointing)
+    eager_model = tiny_lora_model("llama")
+    eager = train(eager_model, SpeedController(eager_model, settings, torch.device("cpu")))
+    model = tiny_lora_model("llama")
+    controller = SpeedController(model, settings, torch.device("cpu"))
+    capture = ReplayingCapture()
+    graphed(controller, capture)
+    found = train(model, controller)
+    # 9 micro-batches in 4 buckets: 1, 2 and 4 (padded) documents of 128 trained positions recur; (33, 31) has 64
+    assert capture.captures == controller.graphs.captured == 3
+    assert controller.graphs.replays == 5  # every sighting of a bucket after its first
+    torch.testing.assert_close(torch.tensor(found[0]), torch.tensor(eager[0]), rtol=1e-5, atol=0)
+    assert max_relative_error(found[1], eager[1]) < 1e-4
+
+
+def test_a_failed_capture_runs_the_micro_batch_eagerly_and_says_why() -> None:
+    eager_model = tiny_lora_model("llama")
+    eager = train(eager_model, SpeedController(eager_model, AUTO, torch.device("cpu")))
+    model = tiny_lora_model("llama")
+    controller = SpeedController(model, AUTO, torch.device("cpu"))
+    graphed(controller, FailingCapture())
+    found = train(model, controller)
+    reason = controller.state()["step_graphs"]
+    assert not reason["on"] and "cannot run as a CUDA graph (RuntimeError: operation not permitted" in reason["reason"]
+    assert "more detail" not in reason["reason"] and controller.graphs.replays == 0
+    torch.testing.assert_close(torch.tensor(found[0]), torch.tensor(eager[0]), rtol=1e-6, atol=0)
+    controller.apply(AUTO)  # a new choice of switches tries again
+    assert controller.graphs.failure is None
+
+
+def test_a_switch_change_drops_the_graphs() -> None:
+    model = tiny_lora_model("llama")
+    controller = SpeedController(model, AUTO, torch.device("cpu"))
+    graphed(controller, ReplayingCapture())
+    for seed in range(3):
+        controller.forward_backward(model, packed_batch((40, 30), seed=seed), 68)
+    assert controller.graphs.captured == 1
+    controller.apply(dataclasses.replace(AUTO, fused_loss=False))
+    assert controller.graphs.captured == 0 and not controller.graphs.on  # automatic is off on the CPU
+
+
+def test_the_loss_divisor_may_be_a_tensor() -> None:
+    torch.manual_seed(0)
+    hidden = torch.randn(1, 12, 8, requires_grad=True)
+    weight = torch.randn(VOCAB, 8)
+    labels = torch.randint(0, VOCAB, (1, 12))
+    found = []
+    for count in (9, torch.tensor(9.0)):
+        hidden.grad = None
+        loss = linear_cross_entropy(hidden, weight, labels, num_items=count)
+        loss.backward()
+        found.append((loss.detach(), hidden.grad.clone()))
+    torch.testing.assert_close(found[1], found[0], rtol=1e-6, atol=0)
+
+
+# --- when it applies --------------------------------------------------------------------------------------------
+
+
+def test_resolution() -> None:
+    model, cpu, gpu = tiny_lora_model("llama"), torch.device("cpu"), torch.device("cuda")
+    assert step_graphs.resolve(None, model, gpu)[0] is False  # automatic: off
+    assert step_graphs.resolve(True, model, gpu) == (True, step_graphs.resolve(True, model, gpu)[1])
+    assert "switched on" in step_graphs.resolve(True, model, gpu)[1]
+    assert step_graphs.resolve(True, model, cpu) == (False, "CUDA graphs need an NVIDIA GPU")
+    assert "switched off" in step_graphs.resolve(False, model, gpu)[1]
+    dropped = tiny_lora_model("llama", dropout=0.1)
+    assert "dropout" in step_graphs.resolve(True, dropped, gpu)[1]
+    assert step_graphs.resolve(True, dropped, gpu)[0] is False
+
+
+def test_the_offloader_forgets_copy_events_of_earlier_steps() -> None:
+    offloader = ActivationOffloader(torch.device("cpu"), min_offload_bytes=0)
+    offloader.stash(torch.ones(4, 3))
+    offloader._buffers[0].last_read = object()  # type: ignore[assignment]
+    offloader._ring[0] = (torch.ones(1), object())  # type: ignore[assignment]
+    offloader.forget_events()
+    assert offloader._buffers[0].last_read is None and offloader._ring == [None, None]
+
+
+# --- a run ------------------------------------------------------------------------------------------------------
+
+
+def run_config(model_dir: Path, data: Path, out: Path, step_graphs: bool) -> Any:
+    from engine.config import RunConfig
+
+    return RunConfig.from_dict({
+        "model": {"name": str(model_dir)},
+        "data": {"path": str(data), "max_seq_len": 32, "tokens_per_batch": 96, "eval_fraction": 0.1},
+        "lora": {"rank": 4, "alpha": 8.0, "dropout": 0.0},
+        "training": {"max_steps": 6, "learning_rate": 5e-3, "warmup_steps": 1, "save_every": 0, "eval_every": 0},
+        "speed": {"step_graphs": step_graphs},
+        "output": {"dir": str(out), "name": "run"},
+    })  # fmt: skip
+
+
+def losses_of(run_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_run_short_of_memory_beside_the_graphs_drops_them_and_trains_the_same_rows(
+    tiny_model_dir: Path, chat_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Graphs on (the CPU stand-in for capture); the first micro-batch after a capture runs out of memory: the
+    graphs go, the step is retried on the same rows without lowering the batch, and the losses follow the eager
+    run."""
+    from engine.events import OomRecovered, SpeedChanged, StepMetrics
+    from engine.train import run
+
+    reference = list(run(run_config(tiny_model_dir, chat_file, tmp_path / "eager", step_graphs=False)))
+    monkeypatch.setattr(step_graphs, "resolve", lambda requested, model, device: (bool(requested), "switched on"))
+    monkeypatch.setattr(step_graphs.CudaGraphCapture, "__call__", lambda self, f: ReplayingCapture()(f))
+    real_run, raised = StepGraphs.run, []
+
+    def short_once(self: StepGraphs, tree: Any, body: Callable[[Any], torch.Tensor]) -> torch.Tensor:
+        if self.captured and not raised:
+            raised.append(True)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_run(self, tree, body)
+
+    monkeypatch.setattr(StepGraphs, "run", short_once)
+    events = list(run(run_config(tiny_model_dir, chat_file, tmp_path / "graphs", step_graphs=True)))
+    assert raised and not [e for e in events if isinstance(e, OomRecovered)]  # nothing lowered
+    changed = [e.state["step_graphs"] for e in events if isinstance(e, SpeedChanged)]
+    assert changed and "ran short beside the step graphs" in changed[-1]["reason"] and not changed[-1]["on"]
+    assert [e.step for e in events if isinstance(e, StepMetrics)] == [1, 2, 3, 4, 5, 6]
+    assert [e.step for e in reference if isinstance(e, StepMetrics)] == [1, 2, 3, 4, 5, 6]
+    assert losses_of(tmp_path / "graphs" / "run") == pytest.approx(losses_of(tmp_path / "eager" / "run"), rel=1e-4)
