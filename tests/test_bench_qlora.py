@@ -66,3 +66,29 @@ def test_host_time_shows_where_a_row_measured_it() -> None:
     row["host_ms"] = 401.4
     assert f"| {row['ms_per_step']:.0f} | 401 |" in markdown(measured)
     assert f"| {row['ms_per_step']:.0f} | - |" in markdown(report)  # measured before the column existed
+
+
+STEP_GRAPHS = REPORT.with_name("qlora_step_graphs_h200.json")
+
+
+def test_step_graph_rows_show_their_reserved_pool_and_their_losses_against_auto() -> None:
+    report = json.loads(STEP_GRAPHS.read_text(encoding="utf-8"))
+    record = report["models"][0]
+    rows = {row["variant"]: row for row in record["rows"]}
+    graphed = rows["auto+step_graphs"]
+    assert graphed["reserved_gib"] > graphed["peak_gib"]  # the pool is reserved, not allocated, between replays
+    assert graphed["ms_per_step"] < rows["auto"]["ms_per_step"] and graphed["host_ms"] < rows["auto"]["host_ms"]
+    agreement = loss_agreement(record, "auto+step_graphs", "auto")
+    assert agreement is not None and agreement < 1e-3  # replayed steps train as eager ones, within bf16 noise
+    text = markdown(report)
+    assert f"| {graphed['peak_gib']:.2f} | {graphed['reserved_gib']:.2f} | {graphed['planned_peak_gib']:.2f} |" in text
+    assert f"| llama-3.1-8b | auto+step_graphs | 20 | - | {agreement:.2e} |" in text
+    old = json.loads(REPORT.read_text(encoding="utf-8"))["models"][0]["rows"][0]
+    assert f"| {old['peak_gib']:.2f} | - |" in markdown(json.loads(REPORT.read_text(encoding="utf-8")))
+
+
+def test_variants_may_switch_several_switches_on() -> None:
+    both = variant_settings("auto+fp8_base+step_graphs")
+    assert both.fp8_base is True and both.step_graphs is True and both.fused_kernels is None
+    with pytest.raises(ValueError, match="unknown variant"):
+        variant_settings("auto+fp8_base+nonsense")

@@ -15,8 +15,8 @@ Variants, timed one after another in the same process on the same rows:
 * ``auto``: TuneDeck with every switch automatic, as ``tunedeck train --qlora`` runs;
 * ``auto-X``: automatic with switch X off, which tells what each switch is worth;
 * ``auto+X``: automatic with switch X on, for the switches that are off unless switched on (fp8 base matmuls,
-  kept attention); ``auto+layer_regions``: automatic with the fused kernels compiled per decoder layer instead
-  of per child (fewer compiled calls, each with its host-side cost).
+  kept attention, step graphs; ``auto+X+Y`` switches on both); ``auto+layer_regions``: automatic with the fused
+  kernels compiled per decoder layer instead of per child (fewer compiled calls, each with its host-side cost).
 
 Losses: 20 steps of ``auto`` (and of each ``auto+X``) on fresh rows against the same 20 steps of the
 float32-LoRA ``stock`` path, from the same base and adapter initialisation. Each row gives the planner's predicted
@@ -71,7 +71,7 @@ WHOLE_ROW = "whole_row"
 path (engine.speed.metadata_cache.PackedAttentionMetadata.whole_row_causal)."""
 
 
-SWITCHED_ON = ("fp8_base", "keep_attention")
+SWITCHED_ON = ("fp8_base", "keep_attention", "step_graphs")
 """Switches off unless switched on, whose worth ``auto+X`` measures (X switched on over the automatic choices)."""
 LAYER_REGIONS = "auto+layer_regions"
 """Automatic, with the fused kernels compiled per decoder layer instead of per child
@@ -93,10 +93,11 @@ def variant_settings(variant: str) -> SpeedConfig:
     if variant.startswith(KEPT_SHARE):
         return dataclasses.replace(AUTO, keep_attention=True)
     if variant.startswith("auto+"):
-        switch = variant.removeprefix("auto+")
-        if switch not in SWITCHED_ON:
-            raise ValueError(f"unknown variant {variant!r}: auto+SWITCH takes SWITCH in {SWITCHED_ON}")
-        return dataclasses.replace(AUTO, **{switch: True})
+        switches = variant.removeprefix("auto+").split("+")
+        unknown = [s for s in switches if s not in SWITCHED_ON]
+        if unknown:
+            raise ValueError(f"unknown variant {variant!r}: auto+SWITCH[+SWITCH] takes SWITCH in {SWITCHED_ON}")
+        return dataclasses.replace(AUTO, **dict.fromkeys(switches, True))
     switch = variant.removeprefix("auto-")
     if switch == WHOLE_ROW:
         return dataclasses.replace(AUTO, attention_backend="varlen")
@@ -196,7 +197,7 @@ def run_variant(
         row.update(measure(lambda: train_step(model, controller, batch, optimizer), args.warmup, args.steps))
         row["state"] = controller.state()
         if args.steps and args.profile_dir is not None:
-            label = f"{who.name}_{tokens}_{cap:g}gib_{variant}".replace("=", "")
+            label = f"{who.name}_{tokens}_{cap:g}gib_{variant}".replace("=", "").replace("+", "_with_")
             row["profile"] = profile_step(
                 lambda: train_step(model, controller, batch, optimizer), args.profile_dir, label
             )
@@ -208,10 +209,11 @@ def run_variant(
         row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
     finally:
         optimizer.zero_grad(set_to_none=True)
-        set_variant(controller, "stock")  # the stand-ins and hooks come off; compiled graphs stay cached
+        controller.graphs.clear()  # step graphs' memory pool goes back first
         gc.collect()
         torch.cuda.empty_cache()
         cap_memory(None, device)
+        set_variant(controller, "stock")  # the stand-ins and hooks come off; compiled graphs stay cached
     if args.steps:
         print(_line(row), flush=True)
         log_row(row, args.rows_log)
@@ -275,12 +277,17 @@ def is_moe(name: str) -> bool:
     return bool(SHAPES[name].get("num_experts"))
 
 
-def loss_agreement(record: dict[str, Any], variant: str = "auto") -> float | None:
-    """Largest relative difference between ``variant``'s and the float32-LoRA stock path's per-step losses."""
-    auto, stock = record["losses"].get(variant, []), record["losses"].get("stock", [])
-    if not auto or len(auto) != len(stock):
+def loss_agreement(record: dict[str, Any], variant: str = "auto", reference: str = "stock") -> float | None:
+    """Largest relative difference between ``variant``'s and ``reference``'s per-step losses (by default the
+    float32-LoRA stock path's)."""
+    found, expected = record["losses"].get(variant, []), record["losses"].get(reference, [])
+    if not found or len(found) != len(expected):
         return None
-    return max(abs(a - s) / abs(s) for a, s in zip(auto, stock, strict=True))
+    return max(abs(a - s) / abs(s) for a, s in zip(found, expected, strict=True))
+
+
+def _scientific(value: float | None) -> str:
+    return f"{value:.2e}" if value is not None else "-"
 
 
 def _line(row: dict[str, Any]) -> str:
@@ -288,7 +295,7 @@ def _line(row: dict[str, Any]) -> str:
         return f"{row['model']} {row['variant']} {row['tokens']} tokens cap {row['cap_gib']:g}: {row.get('error')}"
     return (f"{row['model']} {row['variant']} {row['tokens']} tokens cap {row['cap_gib']:g}: "
             f"{row['ms_per_step']:.0f} ms/step, {row.get('tokens_per_s', 0):,.0f} tok/s, peak {row['peak_gib']:.2f} "
-            f"GiB, {row['syncs']} syncs")  # fmt: skip
+            f"GiB, reserved {row.get('reserved_gib', 0):.2f} GiB, {row['syncs']} syncs")  # fmt: skip
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -305,29 +312,33 @@ def markdown(report: dict[str, Any]) -> str:
         "one document filling the row, allocator capped with `set_per_process_memory_fraction` (the CUDA context is",
         "not counted). `stock` = transformers + peft + bitsandbytes (`prepare_model_for_kbit_training`, standard",
         "checkpointing, sdpa); `auto` = TuneDeck with every switch automatic; `auto-X` = automatic with X off;",
-        "`auto+X` = automatic with X switched on (fp8_base: frozen-weight products in fp8; layer_regions: fused",
-        "kernels compiled per decoder layer instead of per child);",
+        "`auto+X` = automatic with X switched on (fp8_base: frozen-weight products in fp8; step_graphs: each",
+        "micro-batch replayed from a CUDA graph; layer_regions: fused kernels compiled per decoder layer instead of",
+        "per child; `auto+X+Y`: both);",
         "`auto-kept_share=X` = automatic with kept attention switched on for a share X of the layers. Median of the",
         "timed steps after warm-up (compiles done). Host ms: how long the host took to queue a step (close to",
-        "ms/step: the host's Python and launch overhead, not the GPU, sets the pace).",
+        "ms/step: the host's Python and launch overhead, not the GPU, sets the pace). Reserved GiB: the",
+        "allocator's reserved memory at the peak, which includes step graphs' memory pool (its blocks are not",
+        "allocated between replays, so the peak column alone undercounts those rows).",
         "",
-        "| model | tokens | cap GiB | variant | ms/step | host ms | tokens/s | x stock | peak GiB | planned GiB "
-        "| syncs |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | tokens | cap GiB | variant | ms/step | host ms | tokens/s | x stock | peak GiB | reserved GiB "
+        "| planned GiB | syncs |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for record in report["models"]:
         for row in record["rows"]:
             lines.append(_table_row(row, record["rows"]))
     lines += [
         "",
-        "| model | variant | loss steps | max relative difference vs float32-LoRA stock |",
-        "|---|---|---:|---:|",
+        "| model | variant | loss steps | max relative difference vs float32-LoRA stock | vs auto |",
+        "|---|---|---:|---:|---:|",
     ]
     for record in report["models"]:
         for variant in (v for v in record["losses"] if v != "stock"):
-            agreement = loss_agreement(record, variant)
-            text = f"{agreement:.2e}" if agreement is not None else "-"
-            lines.append(f"| {record['model']} | {variant} | {len(record['losses'][variant])} | {text} |")
+            agreement = _scientific(loss_agreement(record, variant))
+            with_auto = _scientific(loss_agreement(record, variant, "auto")) if variant != "auto" else "-"
+            steps = len(record["losses"][variant])
+            lines.append(f"| {record['model']} | {variant} | {steps} | {agreement} | {with_auto} |")
     lines += profile_lines(report)
     lines += ["", *report.get("notes", []), *(note for record in report["models"] for note in record.get("notes", []))]
     return "\n".join(lines) + "\n"
@@ -368,9 +379,9 @@ def _table_row(row: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     head = f"| {row['model']} | {row['tokens']:,} | {row['cap_gib']:g} | {row['variant']} "
     if not row["ok"]:
         return (
-            head + "| out of memory | - | - | - | - | - | - |"
+            head + "| out of memory | - | - | - | - | - | - | - |"
             if "memory" in row.get("error", "")
-            else (head + f"| {row.get('error', 'failed')[:60]} | - | - | - | - | - | - |")
+            else (head + f"| {row.get('error', 'failed')[:60]} | - | - | - | - | - | - | - |")
         )
     stock = next((r for r in rows if r["variant"] == "stock" and r["tokens"] == row["tokens"]
                   and r["cap_gib"] == row["cap_gib"] and r["ok"]), None)  # fmt: skip
@@ -378,7 +389,13 @@ def _table_row(row: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     planned = f"{row['planned_peak_gib']:.2f}" if row.get("planned_peak_gib") else "-"
     host = _host_ms(row)
     return (head + f"| {row['ms_per_step']:.0f} | {host} | {row['tokens_per_s']:,.0f} | {ratio} "
-            f"| {row['peak_gib']:.2f} | {planned} | {row['syncs']} |")  # fmt: skip
+            f"| {row['peak_gib']:.2f} | {_reserved(row)} | {planned} | {row['syncs']} |")  # fmt: skip
+
+
+def _reserved(row: dict[str, Any]) -> str:
+    """The allocator's reserved memory at the peak: with step graphs it holds their pool, which the allocated
+    peak does not count between replays; "-" for rows measured before it was recorded."""
+    return f"{row['reserved_gib']:.2f}" if row.get("reserved_gib") is not None else "-"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -386,9 +403,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--models", default="llama-3.1-8b,qwen3-8b", help=f"comma-separated: {', '.join(SHAPES)}")
     parser.add_argument("--tokens", default="4096,16384", help="row lengths")
     parser.add_argument("--caps", default="8,24", help="allocator caps in GiB")
-    default_variants = ",".join(
-        ["stock", "auto", *(f"auto-{s}" for s in (*ABLATED, WHOLE_ROW)), "auto+fp8_base", LAYER_REGIONS]
-    )
+    switched_on = ["auto+fp8_base", "auto+step_graphs", "auto+fp8_base+step_graphs"]
+    default_variants = ",".join(["stock", "auto", *(f"auto-{s}" for s in (*ABLATED, WHOLE_ROW)), *switched_on])
     parser.add_argument("--variants", default=default_variants, help="stock, auto, auto-SWITCH, auto+SWITCH")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per row")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compiles)")

@@ -143,7 +143,7 @@ def time_steps(step: Callable[[], None], warmup: int, steps: int) -> dict[str, A
         queued.append((time.perf_counter() - start) * 1e3)
         torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
-    peak = torch.cuda.max_memory_allocated()
+    peak, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     sites: list[str] = []
     with count_syncs(sites) as syncs:
         step()
@@ -153,6 +153,7 @@ def time_steps(step: Callable[[], None], warmup: int, steps: int) -> dict[str, A
         "host_ms": statistics.median(queued),
         "warmup_s": warmup_s,
         "peak_vram_gib": peak / 2**30,
+        "reserved_gib": reserved / 2**30,
         "syncs": syncs[0],
         "sync_sites": sites,
     }
@@ -218,12 +219,10 @@ def model_flops(model: Any, batch: PackedBatch) -> float:
 
 def train_step(model: Any, controller: Any, batch: PackedBatch, optimizer: torch.optim.Optimizer) -> torch.Tensor:
     """One optimizer step through the controller, as the training loop runs it; returns the detached loss."""
-    inputs = controller.model_inputs(batch)
-    loss = controller.loss(model, inputs, batch.labels, batch.trained_tokens, positions=batch.loss_positions)
-    loss.backward()
+    loss = controller.forward_backward(model, batch, batch.trained_tokens)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss.detach()
+    return loss
 
 
 def dense_step(model: Any, controller: Any, batch: PackedBatch, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
