@@ -54,7 +54,7 @@ class GuideBar(QFrame):
         layout.setContentsMargins(8, 6, 8, 6)
         for number, (name, title, page) in enumerate(self.steps, start=1):
             button = QPushButton()
-            button.setMinimumSize(200, 44)
+            button.setMinimumSize(150, 44)  # narrower windows clip the status line; its tooltip keeps it whole
             button.clicked.connect(lambda _=False, title=title: self.page_requested.emit(title))
             button.setProperty("step", f"{number}  {name}")
             page.changed.connect(self.refresh)

@@ -6,7 +6,7 @@ no title and every page lines up alike.
 
 from __future__ import annotations
 
-from PySide6.QtWidgets import QFrame, QLabel, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QFrame, QLabel, QScrollArea, QVBoxLayout, QWidget
 
 PAGE_TEXT = {
     "This computer": "The GPU TuneDeck found, and what it will use on it, each choice with its reason.",
@@ -48,9 +48,11 @@ class PageHeader(QWidget):
 
 
 class Page(QWidget):
-    """A panel under its header; ``panel`` is the page's own widget."""
+    """A panel under its header; ``panel`` is the page's own widget. A ``scrolls`` panel (a long form such as the
+    Speed page's switches) scrolls where the window is smaller than it, so it never makes the window taller or wider
+    than a laptop screen; the others (charts) shrink with the window."""
 
-    def __init__(self, title: str, panel: QWidget, text: str | None = None) -> None:
+    def __init__(self, title: str, panel: QWidget, text: str | None = None, scrolls: bool = False) -> None:
         super().__init__()
         self.panel = panel
         self.header = PageHeader(title, PAGE_TEXT.get(title, "") if text is None else text)
@@ -58,4 +60,12 @@ class Page(QWidget):
         layout.setContentsMargins(0, 0, 0, 0)
         layout.setSpacing(0)
         layout.addWidget(self.header)
-        layout.addWidget(panel, 1)
+        layout.addWidget(_scrolling(panel) if scrolls else panel, 1)
+
+
+def _scrolling(panel: QWidget) -> QScrollArea:
+    scroll = QScrollArea()
+    scroll.setWidgetResizable(True)  # the panel fills the page, and scrolls only below its own minimum
+    scroll.setFrameShape(QFrame.Shape.NoFrame)
+    scroll.setWidget(panel)
+    return scroll

@@ -34,13 +34,17 @@ def test_the_window_remembers_its_size_position_and_page(qtbot: Any, tmp_path: P
     first = open_window(qtbot, settings)
     from app.main_window import default_size
 
-    assert (first.width(), first.height()) == default_size(), "a first start gets the default size"
-    first.resize(1010, 707)
-    first.move(33, 44)
+    least, (width, height) = first.minimumSizeHint(), default_size()
+    expected = (max(width, least.width()), max(height, least.height()))  # a screen under 870 pixels: the smallest
+    assert (first.width(), first.height()) == expected, "a first start gets the default size"
+    # another size that fits the screen (windows never outgrow it)
+    size = (max(least.width(), first.width() - 17), max(least.height(), first.height() - 61))
+    first.resize(*size)
+    first.move(11, 44)  # still on an 800-pixel screen with the window at its smallest
     first.show_page("Speed")
     first.close()
     second = open_window(qtbot, settings)
-    assert (second.width(), second.height()) == (1010, 707)
+    assert (second.width(), second.height()) == size
     assert (second.x(), second.y()) == (first.x(), first.y())
     assert second.current_page() == "Speed" and second.pages.currentIndex() == second.page_titles().index("Speed")
     second.close()
@@ -135,3 +139,9 @@ def test_chat_and_runs_list_a_run_as_soon_as_it_ends(window: Any, finished_run: 
     assert chat.runs.count() == 1 and "ended just now" in chat.runs.itemText(0)
     assert chat.load_button.isEnabled()
     assert runs.table.rowCount() == 1 and runs.table.item(0, 0).text() == "ended just now"
+
+
+def test_the_window_fits_a_laptop_screen_whatever_the_page(window: Any) -> None:
+    """No page makes the window taller or wider than a 1366x768 screen leaves room for: tall panels scroll."""
+    hint = window.minimumSizeHint()
+    assert hint.width() <= 1366 * 0.9 and hint.height() <= 728 * 0.9, hint

@@ -9,7 +9,9 @@ adapters computed in the model's 16-bit dtype) and :mod:`engine.speed.fused_kern
 operations fused by a regional torch.compile). They plug into transformers through
 its registries (attention functions, experts implementations, the gradient-checkpointing function), so switching is
 a change of registered name or checkpoint function: no model reload, no reassigned library method. The fused
-loss is the training loop's call to :meth:`SpeedController.loss` instead of the model's own forward.
+loss is the training loop's call to :meth:`SpeedController.loss` instead of the model's own forward, and
+:mod:`engine.speed.step_graphs` replays each micro-batch's forward and backward from a CUDA graph through
+:meth:`SpeedController.forward_backward`.
 """
 
 from __future__ import annotations
