@@ -159,7 +159,7 @@ def test_replayed_micro_steps_train_as_eager_ones(checkpointing: str) -> None:
     assert max_relative_error(found[1], eager[1]) < 1e-4
 
 
-def test_a_failed_capture_runs_the_micro_batch_eagerly_and_says_why() -> None:
+def test_a_failed_capture_runs_the_micro_batch_eagerly_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     eager_model = tiny_lora_model("llama")
     eager = train(eager_model, SpeedController(eager_model, AUTO, torch.device("cpu")))
     model = tiny_lora_model("llama")
@@ -170,6 +170,10 @@ def test_a_failed_capture_runs_the_micro_batch_eagerly_and_says_why() -> None:
     assert not reason["on"] and "cannot run as a CUDA graph (RuntimeError: operation not permitted" in reason["reason"]
     assert "more detail" not in reason["reason"] and controller.graphs.replays == 0
     torch.testing.assert_close(torch.tensor(found[0]), torch.tensor(eager[0]), rtol=1e-6, atol=0)
+    padded = []
+    monkeypatch.setattr(step_graphs, "pad_to", lambda *args: padded.append(args) or args[0])
+    controller.forward_backward(model, packed_batch((40, 30)), 68)
+    assert padded == []  # turned off: rows are no longer padded either
     controller.apply(AUTO)  # a new choice of switches tries again
     assert controller.graphs.failure is None
 

@@ -350,7 +350,7 @@ class SpeedController:
             return inputs
         whole_row = self.settings.attention_backend == "auto"
         meta = metadata_cache.build_metadata(batch, self.device, self._metadata_backend, whole_row=whole_row)
-        if self._fused_kernels or self.graphs.on:  # masks built here are graph inputs, not host work inside
+        if self._fused_kernels or self.graphs.active:  # masks built here are graph inputs, not host work inside
             fused_kernels.prepare_metadata(meta, self.hf_model)
         return metadata_cache.packed_inputs(inputs, meta)
 
@@ -377,7 +377,7 @@ class SpeedController:
 
         With step graphs on, the row is padded into its shape bucket and the work replays from a CUDA graph
         (:mod:`engine.speed.step_graphs`); a host-side embedding lookup then runs before the graph."""
-        if not self.graphs.on:
+        if not self.graphs.active:  # off, or turned off by a failure: no padding either
             inputs = self.model_inputs(batch)
             return self._backward(model, {"inputs": inputs, "labels": batch.labels, "num_items": num_items,
                                           "positions": batch.loss_positions})  # fmt: skip

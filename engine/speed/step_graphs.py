@@ -266,6 +266,11 @@ class StepGraphs:
         return held
 
     @property
+    def active(self) -> bool:
+        """Switched on and not turned off by a failure: micro-batches are padded and replayed."""
+        return self.on and self.failure is None
+
+    @property
     def captured(self) -> int:
         return len(self._graphs)
 
@@ -276,7 +281,7 @@ class StepGraphs:
     def run(self, tree: Any, body: Callable[[Any], torch.Tensor]) -> torch.Tensor:
         """``body(tree)`` (forward and backward of one micro-batch, returning its detached loss), replayed from a
         graph once the tree's bucket has run eagerly."""
-        flat = flatten(tree, self.device) if self.on and self.failure is None else None
+        flat = flatten(tree, self.device) if self.active else None
         if flat is None:
             return body(tree)
         leaves, key = flat
