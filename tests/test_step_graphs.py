@@ -230,14 +230,15 @@ def test_the_offloader_forgets_copy_events_of_earlier_steps() -> None:
 # --- a run ------------------------------------------------------------------------------------------------------
 
 
-def run_config(model_dir: Path, data: Path, out: Path, step_graphs: bool) -> Any:
+def run_config(model_dir: Path, data: Path, out: Path, step_graphs: bool, eval_every: int = 0) -> Any:
     from engine.config import RunConfig
 
     return RunConfig.from_dict({
         "model": {"name": str(model_dir)},
         "data": {"path": str(data), "max_seq_len": 32, "tokens_per_batch": 96, "eval_fraction": 0.1},
         "lora": {"rank": 4, "alpha": 8.0, "dropout": 0.0},
-        "training": {"max_steps": 6, "learning_rate": 5e-3, "warmup_steps": 1, "save_every": 0, "eval_every": 0},
+        "training": {"max_steps": 6, "learning_rate": 5e-3, "warmup_steps": 1, "save_every": 0,
+                     "eval_every": eval_every},
         "speed": {"step_graphs": step_graphs},
         "output": {"dir": str(out), "name": "run"},
     })  # fmt: skip
@@ -275,3 +276,28 @@ def test_a_run_short_of_memory_beside_the_graphs_drops_them_and_trains_the_same_
     assert [e.step for e in events if isinstance(e, StepMetrics)] == [1, 2, 3, 4, 5, 6]
     assert [e.step for e in reference if isinstance(e, StepMetrics)] == [1, 2, 3, 4, 5, 6]
     assert losses_of(tmp_path / "graphs" / "run") == pytest.approx(losses_of(tmp_path / "eager" / "run"), rel=1e-4)
+
+
+def test_an_evaluation_short_of_memory_beside_the_graphs_drops_them_first(
+    tiny_model_dir: Path, chat_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engine.events import EvalMetrics, OomRecovered, SpeedChanged
+    from engine.run import step as step_module
+    from engine.train import run
+
+    monkeypatch.setattr(step_graphs, "resolve", lambda requested, model, device: (bool(requested), "switched on"))
+    monkeypatch.setattr(step_graphs.CudaGraphCapture, "__call__", lambda self, f: ReplayingCapture()(f))
+    real_eval, raised = step_module.evaluate_loss, []
+
+    def short_once(session: Any) -> Any:
+        if session.speed.graphs.captured and not raised:
+            raised.append(True)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_eval(session)
+
+    monkeypatch.setattr(step_module, "evaluate_loss", short_once)
+    events = list(run(run_config(tiny_model_dir, chat_file, tmp_path, step_graphs=True, eval_every=3)))
+    assert raised and not [e for e in events if isinstance(e, OomRecovered)]  # the eval batch was not lowered
+    assert [e.step for e in events if isinstance(e, EvalMetrics)] == [3, 6]
+    changed = [e.state["step_graphs"] for e in events if isinstance(e, SpeedChanged)]
+    assert "ran short beside the step graphs" in changed[-1]["reason"]

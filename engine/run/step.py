@@ -126,12 +126,19 @@ def _accumulate_or_lower(session: Session, rows: list[int]) -> Generator[Event, 
             if session.ranks.distributed:  # the other ranks are already waiting in this step's collectives
                 raise guard.out_of_memory_error(session.step + 1, session.tokens_per_batch) from err
         # outside the except block: the traceback (and the activations its frames hold) is gone by now
-        freed = session.speed.graphs.give_up(GRAPHS_SHORT_OF_MEMORY)
+        dropped = yield from _drop_graphs(session)
         guard.release_memory(session.optimizer, session.device)
-        if freed:  # the step graphs' memory pool was the difference: retry the same rows without it
-            yield SpeedChanged(session.step, session.speed.state())
+        if dropped:  # the step graphs' memory pool was the difference: retry the same rows without it
             continue
         yield from _lower_memory(session, [session.data.train_rows[r] for r in rows], session.data.train)
+
+
+def _drop_graphs(session: Session) -> Generator[Event, None, bool]:
+    """The first remedy for running out of memory: free the step graphs' memory pool, if they hold one."""
+    if not session.speed.graphs.give_up(GRAPHS_SHORT_OF_MEMORY):
+        return False
+    yield SpeedChanged(session.step, session.speed.state())
+    return True
 
 
 def _lower_memory(session: Session, rows: list[list[int]], examples: list[TokenizedExample]) -> Iterator[Event]:
@@ -264,8 +271,10 @@ def evaluate(session: Session) -> Iterator[Event]:
         except Exception as err:
             if not guard.is_out_of_memory(err):
                 raise
+        dropped = yield from _drop_graphs(session)
         guard.release_memory(session.optimizer, session.device)
-        yield from _lower_memory(session, session.data.eval_rows, session.data.eval)
+        if not dropped:
+            yield from _lower_memory(session, session.data.eval_rows, session.data.eval)
     if result is None:
         return
     loss, tokens = result
