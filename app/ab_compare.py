@@ -2,7 +2,8 @@
 
 Each round runs the switch on for a block of steps and off for another (the order alternates between rounds,
 so a slow drift in speed, e.g. a GPU warming up, does not favour one side). The first step of every block is
-not counted: it may carry one-off costs of the change (a compile, a cache refill). The result is the mean
+not counted: it may carry one-off costs of the change (a compile, a cache refill); step graphs leave out two (their
+first row of a shape runs eagerly, the second is captured). The result is the mean
 speedup over rounds with its spread (standard deviation), so a user sees how much of a difference is noise.
 Qt-free: the speed page feeds it events and applies the settings it asks for.
 """
@@ -115,12 +116,22 @@ class Measurement:
         return f"{abs(change):.1f}% {word} ± {self.spread * 100:.1f}% over {len(self.ratios)} rounds ({rates}){noise}"
 
 
+SETTLING_STEPS = {"step_graphs": 2}
+"""Steps after a change that a block does not count, where a switch needs more than one to settle: step graphs
+run a row shape's first micro-batch eagerly and capture the second (their graphs go at every change)."""
+
+
+def settling_steps(switch: str) -> int:
+    return SETTLING_STEPS.get(switch, 1)
+
+
 class ABCompare:
     """Drives the measurement step by step; ``next_settings`` says what to request from the run next."""
 
     def __init__(self, base: SpeedConfig, switch: str, *, rounds: int = 3, block_steps: int = 3) -> None:
         if block_steps < 2:
             raise ValueError("a block needs at least 2 steps: the first one is not counted")
+        block_steps = max(block_steps, settling_steps(switch) + 1)  # at least one counted step per block
         self.base, self.switch, self.rounds, self.block_steps = base, switch, rounds, block_steps
         self.result = Measurement(switch)
         self._plan = [on for r in range(rounds) for on in ((True, False) if r % 2 == 0 else (False, True))]
@@ -158,7 +169,7 @@ class ABCompare:
 
     def _finish_block(self) -> None:
         on = self._plan[self._block]
-        mean = statistics.fmean(self._samples[1:])  # the first step after a change is not counted
+        mean = statistics.fmean(self._samples[settling_steps(self.switch) :])  # one-off costs of the change
         (self.result.on if on else self.result.off).append(mean)
         self._round_means[on] = mean
         self._samples = []

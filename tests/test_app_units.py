@@ -39,7 +39,7 @@ def drive(compare: ABCompare, rates: dict[bool, list[float]]) -> list[SpeedConfi
     """Feed the measurement like a run would: a SpeedChanged after each request, then steps at given rates."""
     requests, step, setting = [], 10, compare.first_settings()
     while not compare.done:
-        on = setting.metadata_cache
+        on = getattr(setting, compare.switch)
         compare.speed_applied(step)
         for rate in rates[bool(on)]:
             step += 1
@@ -62,6 +62,15 @@ def test_ab_compare_measures_the_speedup_without_the_first_step_of_each_block() 
     assert requests[-1] == base, "the user's settings come back at the end"
     assert [r.metadata_cache for r in requests[:-1]] == [False, False, True, True, False]  # on/off, off/on, on/off
     assert "20.0% faster ± 0.0% over 3 rounds" in compare.result.summary()
+
+
+def test_ab_compare_of_step_graphs_leaves_out_the_eager_and_the_capture_step() -> None:
+    """After each change step graphs run a row shape eagerly, then capture it: two slow steps that do not count,
+    and blocks grow to keep one counted step."""
+    compare = ABCompare(SpeedConfig(), "step_graphs", rounds=2, block_steps=2)
+    assert compare.block_steps == 3
+    drive(compare, {True: [100.0, 50.0, 1300.0], False: [100.0, 1000.0, 1000.0]})
+    assert compare.result.speedup == pytest.approx(1.3)
 
 
 def test_ab_compare_reports_the_spread_and_noise() -> None:
