@@ -21,10 +21,11 @@ accumulate into fixed gradient tensors that stay bound to the parameters, whatev
 ``zero_grad`` did in between. All graphs share one memory pool; a switch change drops them.
 
 Where it runs: CUDA, one process (no DDP/FSDP hooks), no float16 loss scaling, no dropout (a recompute inside a
-graph cannot replay random masks), and no step that waits for the GPU (MoE routing that reads expert counts on
-the host). A graph that cannot be captured turns the switch off with the reason; the micro-batch then runs
-eagerly, so nothing is lost. Memory: the pool keeps one step's activations reserved between steps (the optimizer
-can no longer reuse them), about a tenth of a QLoRA step's peak.
+graph cannot replay random masks). A step that waits for the GPU (MoE routing that reads expert counts on the
+host) or runs out of memory cannot be captured: the switch then turns itself off with the reason and the
+micro-batch runs eagerly, so nothing is lost. Memory: the pool keeps one step's activations reserved between
+steps, where the optimizer can no longer reuse them (H200, Llama-3.1-8B in 4-bit, 4,096 tokens under an 8 GiB cap:
+7.82 GiB reserved against 7.50 GiB eagerly; a 16,384-token row did not fit its capture there).
 """
 
 from __future__ import annotations
