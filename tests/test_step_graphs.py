@@ -301,3 +301,16 @@ def test_an_evaluation_short_of_memory_beside_the_graphs_drops_them_first(
     assert [e.step for e in events if isinstance(e, EvalMetrics)] == [3, 6]
     changed = [e.state["step_graphs"] for e in events if isinstance(e, SpeedChanged)]
     assert "ran short beside the step graphs" in changed[-1]["reason"]
+
+
+def test_a_run_that_cannot_replay_keeps_them_off_whatever_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(step_graphs, "resolve", lambda requested, model, device: (bool(requested), "switched on"))
+    model = tiny_lora_model("llama")
+    controller = SpeedController(model, dataclasses.replace(AUTO, step_graphs=True), torch.device("cpu"))
+    assert controller.graphs.active
+    controller.refuse_step_graphs("several GPUs: DDP/FSDP hooks run in every backward")
+    assert not controller.graphs.on and controller.state()["step_graphs"]["reason"].startswith("off: several GPUs")
+    controller.apply(dataclasses.replace(AUTO, step_graphs=True))  # switched on again from the app
+    assert not controller.graphs.on and "several GPUs" in controller.state()["step_graphs"]["reason"]
+    controller.apply(AUTO)  # automatic (off) says its own reason
+    assert not controller.graphs.on and "several GPUs" not in controller.state()["step_graphs"]["reason"]

@@ -112,6 +112,9 @@ def start(
     loss_module = ranks.wrap(model, device)
     session = _make_session(config, run_dir, device, dtype, tokenizer, model, data)
     session.ranks, session.loss_module = ranks, loss_module
+    graphs_refused = _step_graphs_refused(session)
+    if graphs_refused is not None:
+        session.speed.refuse_step_graphs(graphs_refused)
     if resuming:
         yield from _restore(session)
     yield RunStarted(
@@ -220,4 +223,13 @@ def _load_checkpoint(session: Session, checkpoint: Path) -> str | None:
     session.step, session.micro_batches = state.step, state.micro_batches
     if 0 < state.tokens_per_batch < session.tokens_per_batch:  # memory ran short before: do not hit it again
         session.tokens_per_batch = state.tokens_per_batch
+    return None
+
+
+def _step_graphs_refused(session: Session) -> str | None:
+    """Why this run's micro-batches cannot replay from CUDA graphs (None when they can)."""
+    if session.loss_module is not None:
+        return "several GPUs: DDP/FSDP hooks run in every backward"
+    if session.scaler is not None:
+        return "float16 loss scaling checks every step's gradients on the host"
     return None

@@ -125,6 +125,7 @@ class SpeedController:
         self.lean = lean_recompute.LeanRecompute(self.hf_model, self.offloader.recompute)
         self._rotary_hook: Any = None
         self.graphs = step_graphs.StepGraphs(self.device, self._trainable, reset=self.offloader.forget_events)
+        self._graphs_refused: str | None = None
         self.kept_share_override: float | None = None
         """A fixed share of layers for kept attention (the bench's sweep); None: chosen from the GPU."""
         metadata_cache.register_packed_attention()
@@ -263,8 +264,16 @@ class SpeedController:
         self._state["dequant_once"] = {"on": once, "reason": once_reason}
         self._state["fp8_base"] = {"on": fp8, "reason": fp8_reason}
 
+    def refuse_step_graphs(self, reason: str) -> None:
+        """This run cannot replay its micro-batches (several GPUs, float16 loss scaling): step graphs stay off with
+        ``reason``, whatever they are switched to."""
+        self._graphs_refused = reason
+        self._apply_step_graphs(self.settings)
+
     def _apply_step_graphs(self, settings: SpeedConfig) -> None:
         on, reason = step_graphs.resolve(settings.step_graphs, self.model, self.device)
+        if self._graphs_refused is not None and (on or settings.step_graphs):
+            on, reason = False, f"off: {self._graphs_refused}"
         self.graphs.switch(on)  # drops graphs captured under the previous switches
         self.graphs.failure = None
         self._state["step_graphs"] = {"on": on, "reason": reason}
