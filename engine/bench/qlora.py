@@ -209,7 +209,6 @@ def run_variant(
         row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
     finally:
         optimizer.zero_grad(set_to_none=True)
-        controller.graphs.clear()  # step graphs' memory pool goes back first
         gc.collect()
         torch.cuda.empty_cache()
         cap_memory(None, device)

@@ -60,9 +60,9 @@ def _forward_loss(session: Session, batch: PackedBatch, num_items: int) -> torch
 
 
 def _forward_backward(session: Session, batch: PackedBatch, num_items: int) -> torch.Tensor:
-    """One micro-batch's forward and backward; its detached loss. With step graphs on (a single process without
-    loss scaling), the speed controller replays the work from a CUDA graph."""
-    if session.speed.graphs.active and session.loss_module is None and session.scaler is None:
+    """One micro-batch's forward and backward; its detached loss. With step graphs on, the speed controller replays
+    the work from a CUDA graph (runs with several processes or loss scaling keep them off: session.start)."""
+    if session.speed.graphs.active:
         return session.speed.forward_backward(session.model, batch.to(session.device), num_items)
     loss = _forward_loss(session, batch, num_items)
     scaled = loss * session.ranks.loss_scale if session.ranks.distributed else loss

@@ -275,7 +275,6 @@ class SpeedController:
         if self._graphs_refused is not None and (on or settings.step_graphs):
             on, reason = False, f"off: {self._graphs_refused}"
         self.graphs.switch(on)  # drops graphs captured under the previous switches
-        self.graphs.failure = None
         self._state["step_graphs"] = {"on": on, "reason": reason}
 
     def _trainable(self) -> list[torch.nn.Parameter]:

@@ -65,6 +65,13 @@ class RecomputeFlag:
             self.active = previous
 
 
+def with_index(device: torch.device) -> torch.device:
+    """``device`` naming its GPU by index: tensors say ``cuda:0`` where a setting said ``cuda``."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def capturing() -> bool:
     """Whether the current CUDA stream is being captured into a graph (engine.speed.step_graphs)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
@@ -179,8 +186,7 @@ class ActivationOffloader:
     _group_ring: list[torch.cuda.Event | None] = field(default_factory=lambda: [None, None])
 
     def __post_init__(self) -> None:
-        if self.is_cuda and self.device.index is None:  # "cuda" names the current GPU: compare tensors with it
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = with_index(self.device)  # compared with the devices tensors name
 
     @property
     def is_cuda(self) -> bool:

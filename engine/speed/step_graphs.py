@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from engine.data.packing import IGNORE_INDEX, PackedBatch
+from engine.speed.offloaded_checkpoint import with_index
 
 __all__ = [
     "Bucket",
@@ -241,12 +242,12 @@ class StepGraphs:
     _capture: Any = None
 
     def __post_init__(self) -> None:
-        if self.device.type == "cuda" and self.device.index is None:  # tensors name their GPU: compare with it
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = with_index(self.device)  # compared with the devices tensors name
 
     def switch(self, on: bool) -> None:
+        """On or off, with no graphs and no earlier failure (a new choice of switches tries again)."""
         self.clear()
-        self.on = on
+        self.on, self.failure = on, None
 
     def clear(self) -> None:
         """Drop every graph and its memory (after a switch change: the captured work would be stale)."""
@@ -312,8 +313,6 @@ class StepGraphs:
         except Exception as err:  # any capture failure falls back to eager, with its reason
             self.failure = f"off: this step cannot run as a CUDA graph ({type(err).__name__}: {_first_line(err)})"
             self.clear()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
             self.reset()
             return None
         self.reset()
