@@ -198,10 +198,10 @@ class CudaGraphCapture:
             graph.capture_begin(pool=self.pool)
             try:
                 out = function()
+                graph.capture_end()  # fails too when the function left work on another stream unjoined
             except BaseException:
                 _abandon(graph, self.pool)
                 raise
-            graph.capture_end()
         caller.wait_stream(self.stream)
         return graph.replay, out
 
