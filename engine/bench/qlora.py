@@ -285,8 +285,9 @@ def loss_agreement(record: dict[str, Any], variant: str = "auto", reference: str
     return max(abs(a - s) / abs(s) for a, s in zip(found, expected, strict=True))
 
 
-def _scientific(value: float | None) -> str:
-    return f"{value:.2e}" if value is not None else "-"
+def _number(value: float | None, spec: str) -> str:
+    """``value`` formatted by ``spec``, or "-" where there is none (not run, or measured before it was recorded)."""
+    return format(value, spec) if value is not None else "-"
 
 
 def _line(row: dict[str, Any]) -> str:
@@ -334,8 +335,8 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     for record in report["models"]:
         for variant in (v for v in record["losses"] if v != "stock"):
-            agreement = _scientific(loss_agreement(record, variant))
-            with_auto = _scientific(loss_agreement(record, variant, "auto")) if variant != "auto" else "-"
+            agreement = _number(loss_agreement(record, variant), ".2e")
+            with_auto = _number(loss_agreement(record, variant, "auto"), ".2e") if variant != "auto" else "-"
             steps = len(record["losses"][variant])
             lines.append(f"| {record['model']} | {variant} | {steps} | {agreement} | {with_auto} |")
     lines += profile_lines(report)
@@ -361,17 +362,12 @@ def profile_lines(report: dict[str, Any]) -> list[str]:
     for row in rows:
         profile = row["profile"]
         gpu = " | ".join(f"{profile['gpu_ms'].get(kind, 0.0):.0f}" for kind in CATEGORIES)
-        host = _host_ms(row)
+        host = _number(row.get("host_ms"), ".0f")
         lines.append(
             f"| {row['model']} | {row['tokens']:,} | {row['cap_gib']:g} | {row['variant']} | {row['ms_per_step']:.0f} "
             f"| {host} | {profile['gpu_busy_ms']:.0f} | {gpu} | {profile['host_self_ms']:.0f} |"
         )
     return lines
-
-
-def _host_ms(row: dict[str, Any]) -> str:
-    """The row's host time to queue a step, or "-" for rows measured before it was recorded."""
-    return f"{row['host_ms']:.0f}" if row.get("host_ms") is not None else "-"
 
 
 def _table_row(row: dict[str, Any], rows: list[dict[str, Any]]) -> str:
@@ -385,16 +381,10 @@ def _table_row(row: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     stock = next((r for r in rows if r["variant"] == "stock" and r["tokens"] == row["tokens"]
                   and r["cap_gib"] == row["cap_gib"] and r["ok"]), None)  # fmt: skip
     ratio = f"{stock['ms_per_step'] / row['ms_per_step']:.2f}" if stock else "-"
-    planned = f"{row['planned_peak_gib']:.2f}" if row.get("planned_peak_gib") else "-"
-    host = _host_ms(row)
+    planned = _number(row.get("planned_peak_gib") or None, ".2f")
+    host, reserved = _number(row.get("host_ms"), ".0f"), _number(row.get("reserved_gib"), ".2f")
     return (head + f"| {row['ms_per_step']:.0f} | {host} | {row['tokens_per_s']:,.0f} | {ratio} "
-            f"| {row['peak_gib']:.2f} | {_reserved(row)} | {planned} | {row['syncs']} |")  # fmt: skip
-
-
-def _reserved(row: dict[str, Any]) -> str:
-    """The allocator's reserved memory at the peak: with step graphs it holds their pool, which the allocated
-    peak does not count between replays; "-" for rows measured before it was recorded."""
-    return f"{row['reserved_gib']:.2f}" if row.get("reserved_gib") is not None else "-"
+            f"| {row['peak_gib']:.2f} | {reserved} | {planned} | {row['syncs']} |")  # fmt: skip
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
