@@ -76,3 +76,25 @@ def test_profiled_rows_get_their_own_table() -> None:
     text = markdown(profiled)
     assert "| GPU busy | gemm | attention | dequant | triton | copies | other | host ops |" in text
     assert f"| {row['ms_per_step']:.0f} | 398 | 362 | 248 | 47 | 19 | 38 | 41 | 6 | 452 |" in text
+
+
+def test_gaps_name_the_kernels_around_them_and_the_host_work_meanwhile() -> None:
+    from engine.bench.step_profile import gaps, kernel_table
+
+    events = [
+        {"cat": "kernel", "name": "nvjet_gemm", "ts": 0, "dur": 10_000},
+        {"cat": "kernel", "name": "triton_red_fused", "ts": 10_020, "dur": 1_000},  # 20 µs: not a gap
+        {"cat": "kernel", "name": "flash_fwd", "ts": 15_000, "dur": 1_000},  # 3.98 ms after the last
+        {"cat": "kernel", "name": "nvjet_gemm", "ts": 16_500, "dur": 500},  # 0.5 ms after
+        {"cat": "cpu_op", "name": "Optimizer.step#AdamW.step", "ts": 11_500, "dur": 3_000},
+        {"cat": "cpu_op", "name": "aten::add_", "ts": 12_000, "dur": 10},
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 100},  # before the gap
+    ]
+    found = gaps(events)
+    assert [round(g["ms"], 2) for g in found] == [3.98, 0.5]
+    first = found[0]
+    assert (first["before"], first["after"]) == ("triton_red_fused", "flash_fwd")
+    assert first["host"] == ["Optimizer.step#AdamW.step", "aten::add_"] and round(first["at_ms"], 2) == 11.02
+    table = kernel_table(events).splitlines()
+    assert table[1].split()[:3] == ["10.500", "2", "gemm"]
+    assert gaps([]) == []

@@ -7,7 +7,9 @@ Python) and the GPU waits. Faster kernels only help the first. One profiled step
 * **GPU**: every kernel's time, summed by kind (GEMM, attention, 4-bit dequantize, fused Triton kernels, copies,
   other), and how long the GPU was busy at all (the union of kernel intervals, copies excluded: they run on a side
   stream beside the kernels) against the span from the first kernel to the last;
-* **host**: the host operators' own time (the torch profiler's self CPU time), as a table, with the total.
+* **host**: the host operators' own time (the torch profiler's self CPU time), as a table, with the total;
+* **kernels and gaps**: the kernels by total time, and the longest stretches in which the GPU ran nothing, each
+  with the kernels on either side and the host operators running meanwhile (what kept the GPU waiting).
 
 Compare the busy time with the step time and the host's queueing time (``host_ms`` in the bench rows): a GPU busy
 for most of the step sets the pace; a host that needs nearly the whole step to queue it does.
@@ -24,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CATEGORIES", "kernel_category", "profile_step", "profiled", "timeline"]
+__all__ = ["CATEGORIES", "gaps", "kernel_category", "kernel_table", "profile_step", "profiled", "timeline"]
 
 CATEGORIES = ("gemm", "attention", "dequant", "triton", "copies", "other")
 """Kernel kinds, in the order reports list them."""
@@ -72,6 +74,62 @@ def timeline(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _kernels(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The trace's GPU kernels and memsets (what occupies the GPU's engines for compute), by start time."""
+    wanted = [e for e in events if e.get("cat") in ("kernel", "gpu_memset") and "dur" in e]
+    return sorted(wanted, key=lambda e: float(e["ts"]))
+
+
+def kernel_table(events: Iterable[dict[str, Any]], limit: int = 40) -> str:
+    """The ``limit`` kernels with the most GPU time, summed by name: total ms, calls and kind."""
+    total: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    kinds: dict[str, str] = {}
+    for event in _kernels(events):
+        name = str(event.get("name", ""))
+        total[name] += float(event["dur"]) / 1e3
+        calls[name] += 1
+        kinds[name] = kernel_category(name, event["cat"])
+    lines = [f"{'ms':>9} {'calls':>6}  {'kind':<9} kernel"]
+    for name in sorted(total, key=total.__getitem__, reverse=True)[:limit]:
+        lines.append(f"{total[name]:9.3f} {calls[name]:6d}  {kinds[name]:<9} {name[:150]}")
+    return "\n".join(lines)
+
+
+def gaps(events: list[dict[str, Any]], limit: int = 15, shortest_us: float = 50.0) -> list[dict[str, Any]]:
+    """The ``limit`` longest stretches (at least ``shortest_us``) in which no kernel ran, longest first: where
+    (ms from the first kernel), how long, the kernels before and after, and the longest host operators that
+    overlap it."""
+    kernels = _kernels(events)
+    if not kernels:
+        return []
+    first = float(kernels[0]["ts"])
+    found, end, before = [], first, ""
+    for event in kernels:
+        start = float(event["ts"])
+        if start - end >= shortest_us:
+            found.append({"at_ms": (end - first) / 1e3, "ms": (start - end) / 1e3, "before": before,
+                          "after": str(event.get("name", "")), "span": (end, start)})  # fmt: skip
+        if start + float(event["dur"]) > end:
+            end, before = start + float(event["dur"]), str(event.get("name", ""))
+    found = sorted(found, key=lambda gap: gap["ms"], reverse=True)[:limit]
+    host = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation") and "dur" in e]
+    for gap in found:
+        low, high = gap.pop("span")
+        over = [e for e in host if float(e["ts"]) < high and float(e["ts"]) + float(e["dur"]) > low]
+        longest = sorted(over, key=lambda e: float(e["dur"]), reverse=True)[:3]
+        gap["host"] = [str(e.get("name", "")) for e in longest]
+    return found
+
+
+def gap_lines(found: list[dict[str, Any]]) -> str:
+    lines = [f"{'at ms':>9} {'gap ms':>8}  after kernel -> before kernel | host operators meanwhile"]
+    for gap in found:
+        lines.append(f"{gap['at_ms']:9.3f} {gap['ms']:8.3f}  {gap['before'][:60]} -> {gap['after'][:60]} "
+                     f"| {', '.join(name[:50] for name in gap['host'])}")  # fmt: skip
+    return "\n".join(lines)
+
+
 def profiled(step: Callable[[], object], record_shapes: bool = False) -> Any:
     """The torch profiler over one call of ``step``, after one untimed call (GPU kernels too where there is one)."""
     from torch.profiler import ProfilerActivity, profile
@@ -89,8 +147,10 @@ def profiled(step: Callable[[], object], record_shapes: bool = False) -> Any:
 
 
 def profile_step(step: Callable[[], object], out: Path, label: str) -> dict[str, Any]:
-    """Profile one call of ``step`` (after one untimed call) and write ``<label>_host_ops.txt`` under ``out``;
-    returns :func:`timeline`'s summary with ``host_self_ms``, the host operators' own time."""
+    """Profile one call of ``step`` (after one untimed call) and write ``<label>_host_ops.txt`` and
+    ``<label>_kernels.txt`` (kernels by time, then the GPU's longest idle gaps) under ``out``; returns
+    :func:`timeline`'s summary with ``host_self_ms``, the host operators' own time, and ``gaps``, the five longest
+    idle gaps."""
     prof = profiled(step)
     averages = prof.key_averages()
     out.mkdir(parents=True, exist_ok=True)
@@ -99,6 +159,11 @@ def profile_step(step: Callable[[], object], out: Path, label: str) -> dict[str,
     with tempfile.TemporaryDirectory() as folder:
         trace = Path(folder) / "trace.json"
         prof.export_chrome_trace(str(trace))
-        summary = timeline(json.loads(trace.read_text(encoding="utf-8")).get("traceEvents", []))
+        events = json.loads(trace.read_text(encoding="utf-8")).get("traceEvents", [])
+    summary = timeline(events)
+    found = gaps(events)
+    kernels = f"{kernel_table(events)}\n\nThe GPU's longest idle gaps\n{gap_lines(found)}\n"
+    (out / f"{label}_kernels.txt").write_text(kernels, encoding="utf-8")
+    summary["gaps"] = [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in g.items()} for g in found[:5]]
     summary["host_self_ms"] = round(sum(event.self_cpu_time_total for event in averages) / 1e3, 3)
     return summary
