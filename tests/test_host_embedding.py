@@ -77,3 +77,34 @@ def test_hooks_give_the_same_loss_and_gradients_and_come_off_again() -> None:
     assert all(torch.equal(p.grad, ref_grads[n]) for n, p in model.named_parameters() if p.grad is not None)
     embedding.remove()
     assert not table._forward_pre_hooks and not table._forward_hooks and not embedding.on
+
+
+def test_a_direct_lookup_gives_the_modules_rows_from_the_staged_ids() -> None:
+    """The step-graph path gathers straight into the (pinned, on a GPU) upload buffer: the same rows as the module,
+    from the staged host ids; a subclass that changes its rows goes through its own forward."""
+    model = tiny_lora_model("llama", seed=3)
+    embedding = HostEmbedding(hf(model), torch.device("cpu"))
+    table = hf(model).get_input_embeddings()
+    ids = BATCH.input_ids
+    expected = table(ids)
+    assert torch.equal(embedding.lookup(ids), expected)  # not installed: the module itself
+    embedding.install()
+    staged = ids.clone()
+    embedding.stage(staged)
+    seen: list[torch.Tensor] = []
+    table.register_forward_pre_hook(lambda _, args: seen.append(args[0]))
+    first = embedding.lookup(ids)
+    assert torch.equal(first, expected) and not seen  # gathered directly, not through the module
+    assert embedding._staged is None  # the staged ids were used up
+    second = embedding.lookup(ids[:, :5])
+    assert torch.equal(second, expected[:, :5]) and torch.equal(first, expected)  # buffers alternate
+    table.__class__ = ScaledEmbedding
+    assert torch.equal(embedding.lookup(ids), 2 * expected) and seen
+    embedding.remove()
+
+
+class ScaledEmbedding(torch.nn.Embedding):
+    """Rows scaled in forward, as some model families do."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(ids)

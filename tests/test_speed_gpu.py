@@ -276,7 +276,7 @@ def graphed_training(kind: str, settings: SpeedConfig) -> tuple[list[float], dic
         trained = sum(b.trained_tokens for b in batches)
         losses.append(sum(float(ctl.forward_backward(model, b.to(CUDA), trained)) for b in batches))
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        ctl.zero_grad(optimizer)
     updates = {str(i): (p.detach() - p0).float() for i, (p, p0) in enumerate(zip(trainable, start, strict=True))}
     return losses, updates, ctl
 

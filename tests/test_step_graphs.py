@@ -110,6 +110,30 @@ def test_flatten_keys_on_shapes_and_values_and_leaves_host_tensors_out() -> None
     assert flatten({"unknown": object()}, cpu) is None
 
 
+def test_gradients_are_cleared_in_place_while_graphs_hold_them_and_freed_otherwise() -> None:
+    model = tiny_lora_model("llama")
+    controller = SpeedController(model, AUTO, torch.device("cpu"))
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    batch = packed_batch((30, 20))
+    controller.forward_backward(model, batch, batch.trained_tokens)
+    controller.zero_grad(optimizer)
+    assert all(p.grad is None for p in model.parameters())  # no graphs: the memory goes back
+    graphed(controller, ReplayingCapture())
+    for _ in range(2):  # eager, then captured
+        controller.forward_backward(model, batch, batch.trained_tokens)
+    grads_before = [p.grad for p in model.parameters() if p.requires_grad]
+    controller.zero_grad(optimizer)
+    assert all(p.grad is g and float(g.abs().sum()) == 0 for p, g in zip(
+        [p for p in model.parameters() if p.requires_grad], grads_before, strict=True))  # fmt: skip
+    stray = next(p for p in model.parameters() if p.requires_grad)
+    stray.grad = torch.ones_like(stray)  # not a fixed tensor: let go, so it cannot leak into the next step
+    controller.zero_grad(optimizer)
+    assert stray.grad is None
+    controller.graphs.give_up("short of memory")
+    controller.zero_grad(optimizer)
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_gradients_stay_bound_to_fixed_tensors_and_keep_what_they_held() -> None:
     params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
     graphs = StepGraphs(torch.device("cpu"), lambda: params)
@@ -138,7 +162,7 @@ def train(model: Any, controller: SpeedController) -> tuple[list[float], dict[st
         trained = sum(b.trained_tokens for b in batches)
         losses.append(sum(float(controller.forward_backward(model, b, trained)) for b in batches))
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        controller.zero_grad(optimizer)  # as the training loop clears them
     return losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
@@ -155,6 +179,9 @@ def test_replayed_micro_steps_train_as_eager_ones(checkpointing: str) -> None:
     # 9 micro-batches in 4 buckets: 1, 2 and 4 (padded) documents of 128 trained positions recur; (33, 31) has 64
     assert capture.captures == controller.graphs.captured == 3
     assert controller.graphs.replays == 5  # every sighting of a bucket after its first
+    fixed = controller.graphs._grads  # cleared in place between steps, never re-bound
+    assert fixed and all(p.grad is g for p, g in zip(controller.graphs._params, fixed, strict=True))
+    assert all(float(g.abs().sum()) == 0 for g in fixed)
     torch.testing.assert_close(torch.tensor(found[0]), torch.tensor(eager[0]), rtol=1e-5, atol=0)
     assert max_relative_error(found[1], eager[1]) < 1e-4
 

@@ -221,7 +221,7 @@ def train_step(model: Any, controller: Any, batch: PackedBatch, optimizer: torch
     """One optimizer step through the controller, as the training loop runs it; returns the detached loss."""
     loss = controller.forward_backward(model, batch, batch.trained_tokens)
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    controller.zero_grad(optimizer)
     return loss
 
 

@@ -170,7 +170,7 @@ def _optimizer_step(session: Session) -> None:
     else:
         session.optimizer.step()
     session.scheduler.step()
-    session.optimizer.zero_grad(set_to_none=True)
+    session.speed.zero_grad(session.optimizer)
 
 
 def _is_bad_step(session: Session, loss: float, grad_norm: float) -> bool:
@@ -180,7 +180,7 @@ def _is_bad_step(session: Session, loss: float, grad_norm: float) -> bool:
 
 def _skip_update(session: Session, loss: float, grad_norm: float) -> StepSkipped:
     """Throw the step's gradients away; the weights, optimizer moments and learning-rate schedule stay as they were."""
-    session.optimizer.zero_grad(set_to_none=True)
+    session.speed.zero_grad(session.optimizer)
     if session.scaler is not None:
         session.scaler.update()
     counter = session.non_finite

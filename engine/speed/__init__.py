@@ -392,11 +392,18 @@ class SpeedController:
         padded = step_graphs.pad_to(batch, self.graphs.bucket(batch))
         inputs = self.model_inputs(padded)
         if self.host_embedding.on:  # the lookup runs on the host: outside the graph, which takes its rows
-            ids = inputs.pop("input_ids")
-            inputs["inputs_embeds"] = self.hf_model.get_input_embeddings()(ids)
+            inputs["inputs_embeds"] = self.host_embedding.lookup(inputs.pop("input_ids"))
         count = torch.full((), num_items, dtype=torch.float32, device=self.device)
         tree = {"inputs": inputs, "labels": padded.labels, "num_items": count, "positions": padded.loss_positions}
         return self.graphs.run(tree, functools.partial(self._backward, model))
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """Clear the gradients after an optimizer step: in place, in one kernel, while step graphs hold them in
+        fixed tensors (the next micro-step accumulates into those), else set to None, which frees their memory."""
+        if self.graphs.holds_grads:
+            self.graphs.zero_grads()
+        else:
+            optimizer.zero_grad(set_to_none=True)
 
     def _backward(self, model: torch.nn.Module, tree: dict[str, Any]) -> torch.Tensor:
         loss = self.loss(model, tree["inputs"], tree["labels"], tree["num_items"], positions=tree["positions"])

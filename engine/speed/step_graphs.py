@@ -239,6 +239,8 @@ class StepGraphs:
     _seen: Counter[tuple[Any, ...]] = field(default_factory=Counter)
     _graphs: dict[tuple[Any, ...], _Captured] = field(default_factory=dict)
     _grads: list[torch.Tensor] = field(default_factory=list)
+    _params: list[torch.nn.Parameter] | None = None
+    """The trainable parameters, listed once per set of graphs (walking an 8B model's modules costs host time)."""
     _capture: Any = None
 
     def __post_init__(self) -> None:
@@ -255,6 +257,7 @@ class StepGraphs:
         self._graphs.clear()
         self._seen.clear()
         self._grads = []
+        self._params = None
         self._capture = None
         if held and self.device.type == "cuda":
             torch.cuda.empty_cache()  # the pool's memory goes back to the GPU now, not at the next shortage
@@ -275,6 +278,12 @@ class StepGraphs:
     @property
     def captured(self) -> int:
         return len(self._graphs)
+
+    @property
+    def holds_grads(self) -> bool:
+        """Parameters' gradients are the graphs' fixed tensors: clear them in place, not to None (a micro-step
+        would only bind them again, which costs host time at the start of every step)."""
+        return self.active and bool(self._grads)
 
     def bucket(self, batch: PackedBatch) -> Bucket:
         self.longest = max(self.longest, batch.num_tokens)
@@ -320,11 +329,23 @@ class StepGraphs:
         self._graphs[key] = captured
         return captured
 
+    def zero_grads(self) -> None:
+        """Zero the fixed gradient tensors in one kernel (:attr:`holds_grads`); a parameter whose gradient is some
+        other tensor lets it go, so the next micro-step binds it again from zero."""
+        for param, fixed in zip(self._params or [], self._grads, strict=False):
+            if param.grad is not fixed:
+                param.grad = None
+        torch._foreach_zero_(self._grads)
+
     def _bind_grads(self) -> None:
         """Point every trainable parameter's ``.grad`` at its fixed gradient tensor, keeping what it holds."""
-        params = self.parameters()
+        if self._params is None:
+            self._params = self.parameters()
+        params = self._params
         if len(self._grads) != len(params):
             self._grads = [torch.zeros_like(p) for p in params]
+        if all(param.grad is fixed for param, fixed in zip(params, self._grads, strict=True)):
+            return
         zero, sources, targets = [], [], []
         for param, fixed in zip(params, self._grads, strict=True):
             if param.grad is None:
