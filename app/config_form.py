@@ -69,6 +69,7 @@ LABELS = {
     "training.epochs": "Passes over the data",
     "training.learning_rate": "Learning rate",
     "training.weight_decay": "Weight decay",
+    "training.optimizer": "AdamW kernel",
     "training.warmup_steps": "Warm-up steps",
     "training.schedule": "Learning-rate schedule",
     "training.grad_accum": "Rows per step",

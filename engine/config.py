@@ -129,6 +129,11 @@ class TrainingConfig:
     epochs: float = setting(1.0, "passes over the training data when max_steps is 0", flag="--epochs")
     learning_rate: float = setting(2e-4, "peak learning rate of AdamW", flag="--lr")
     weight_decay: float = setting(0.0, "AdamW weight decay")
+    optimizer: Literal["auto", "fused", "foreach"] = setting(
+        "auto",
+        "AdamW implementation: fused (one kernel per step; automatic on an NVIDIA GPU) or foreach (elsewhere)",
+        flag="--adamw",
+    )
     warmup_steps: int = setting(10, "linear warm-up steps before the decay")
     schedule: Literal["cosine", "linear", "constant"] = setting("cosine", "learning-rate decay after warm-up")
     grad_accum: int = setting(1, "micro-batches accumulated into one optimizer step", flag="--grad-accum")

@@ -252,7 +252,9 @@ def _mem(device: torch.device) -> dict[str, float]:
 
 def train_steps(model: Any, controller: Any, batch: Any, steps: int, device: torch.device) -> list[dict[str, Any]]:
     """Full AdamW steps on one row; memory and time per phase of each step."""
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    from engine.bench.speed import bench_adamw
+
+    optimizer = bench_adamw(model, 1e-4)
     on_device = batch.to(device)
     out = []
     for _ in range(steps):

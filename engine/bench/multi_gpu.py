@@ -55,7 +55,7 @@ def rank_main(args: argparse.Namespace) -> int:
     """Under torchrun: time ``--steps`` DDP steps and (rank 0) write the result to ``--result``."""
     import torch.distributed as dist
 
-    from engine.bench.speed import DENSE_SHAPES, build_lora_model, packed_row
+    from engine.bench.speed import DENSE_SHAPES, bench_adamw, build_lora_model, packed_row
     from engine.distributed.group import init_ranks
     from engine.speed import SpeedController
 
@@ -67,7 +67,7 @@ def rank_main(args: argparse.Namespace) -> int:
     _progress(ranks, began, f"{args.shape} built on {device}")
     controller = SpeedController(model, speed_settings(args.speed), device)
     loss_module = ranks.wrap(model, device)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    optimizer = bench_adamw(model, 1e-5)
     batch = packed_row(args.tokens, shape["vocab_size"], seed=ranks.rank).to(device)
 
     def compute(m: torch.nn.Module) -> torch.Tensor:

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from engine.bench.speed import log_row, time_steps, timing_turn, train_step
+from engine.bench.speed import bench_adamw, log_row, time_steps, timing_turn, train_step
 from engine.bench.step_profile import CATEGORIES, profile_step
 from engine.config import SpeedConfig
 from engine.hardware.shapes import BUILTIN_CONFIGS
@@ -189,7 +189,7 @@ def run_variant(
     """One timed row (only the warm-up when ``args.steps`` is 0); out of memory is a row too, never an abort."""
     model, controller = who.model, who.controller
     row: dict[str, Any] = {"model": who.name, "variant": variant, "tokens": tokens, "cap_gib": cap, "ok": False}
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    optimizer = bench_adamw(model, 1e-5)
     try:
         cap_memory(cap, device)
         set_variant(controller, variant)  # automatic choices see the cap
@@ -223,7 +223,7 @@ def losses(who: Subject, variant: str, args: argparse.Namespace, device: torch.d
     """``args.loss_steps`` steps on fresh rows from the adapter's initial weights (restored afterwards)."""
     model, controller = who.model, who.controller
     start = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    optimizer = bench_adamw(model, 1e-4)
     set_variant(controller, variant)
     out = []
     for batch in rows_of(args.loss_tokens, model.config.vocab_size, args.loss_steps, seed=1000):

@@ -217,6 +217,15 @@ def model_flops(model: Any, batch: PackedBatch) -> float:
     return 4 * linear * tokens + 3 * attention_fwd
 
 
+def bench_adamw(model: Any, lr: float) -> torch.optim.Optimizer:
+    """The AdamW a training run builds on this device (engine.run.optimizer: fused on an NVIDIA GPU), for every
+    row, stock too: transformers' Trainer uses the fused AdamW by default."""
+    from engine.run.optimizer import adamw
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    return adamw(params, lr, 0.0, "auto", params[0].device)[0]
+
+
 def train_step(model: Any, controller: Any, batch: PackedBatch, optimizer: torch.optim.Optimizer) -> torch.Tensor:
     """One optimizer step through the controller, as the training loop runs it; returns the detached loss."""
     loss = controller.forward_backward(model, batch, batch.trained_tokens)
@@ -235,7 +244,7 @@ def bench_dense(name: str, args: argparse.Namespace, peak_tflops: float) -> list
 
     device = torch.device("cuda")
     model = build_lora_model(DENSE_SHAPES[name], device)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    optimizer = bench_adamw(model, 1e-5)
     controller = SpeedController(model, STOCK, device)
     controller.chunked.chunk_tokens = args.chunk_tokens  # None: the model's default chunk size
     selected = [v for v in DENSE_VARIANTS if not args.variants or v in args.variants.split(",")]
@@ -412,7 +421,7 @@ def compare_losses(name: str, model: Any, controller: Any, args: argparse.Namesp
             for k, v in model.named_parameters():
                 if k in init:
                     v.copy_(init[k])
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        optimizer = bench_adamw(model, 1e-4)
         controller.apply(DENSE_VARIANTS[variant])
         curves[variant] = [float(train_step(model, controller, batch, optimizer)) for batch in rows]
     diffs = [abs(a - b) / abs(b) for a, b in zip(curves["all_on"], curves["stock"], strict=True)]

@@ -26,6 +26,7 @@ from engine.model.quantized_experts import experts_notice
 from engine.run import checkpoint as ckpt
 from engine.run import guard
 from engine.run.folder import CHECKPOINT_DIR, EVAL_FILE, METRICS_FILE, truncate_log
+from engine.run.optimizer import adamw
 from engine.run.ranks import Ranks
 from engine.run.schedule import lr_lambda
 from engine.speed import SpeedController
@@ -163,7 +164,8 @@ def _make_session(
     config: RunConfig, run_dir: Path, device: torch.device, dtype: torch.dtype, tokenizer: Any, model: Any, data: Any
 ) -> Session:
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=config.training.learning_rate, weight_decay=config.training.weight_decay)
+    training = config.training
+    optimizer, _ = adamw(params, training.learning_rate, training.weight_decay, training.optimizer, device)
     total_steps = _total_steps(config, len(data.train_rows))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(config.training.schedule, config.training.warmup_steps, total_steps)
