@@ -68,3 +68,27 @@ def test_a_run_with_the_fused_optimizer_follows_the_foreach_curve(
 def test_an_unknown_optimizer_is_refused(tiny_model_dir: Path, chat_file: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="optimizer"):
         make_config(tiny_model_dir, chat_file, tmp_path, optimizer="sgd")
+
+
+def test_a_checkpoint_of_one_kernel_resumes_under_the_other() -> None:
+    """Runs resumed after changing ``--adamw`` (or moving between a GPU and the CPU) keep their moments and steps."""
+    generator = torch.Generator().manual_seed(1)
+    start = torch.randn(6, 4, generator=generator)
+    gradients = [torch.randn(6, 4, generator=generator) for _ in range(4)]
+
+    def steps(optimizer: torch.optim.Optimizer, param: torch.nn.Parameter, grads: list[torch.Tensor]) -> None:
+        for grad in grads:
+            param.grad = grad.clone()
+            optimizer.step()
+
+    reference = torch.nn.Parameter(start.clone())
+    steps(adamw([reference], 1e-2, 0.0, "foreach", torch.device("cpu"))[0], reference, gradients)
+    for first, then in (("foreach", "fused"), ("fused", "foreach")):
+        param = torch.nn.Parameter(start.clone())
+        before, _ = adamw([param], 1e-2, 0.0, first, torch.device("cpu"))
+        steps(before, param, gradients[:2])
+        after, _ = adamw([param], 1e-2, 0.0, then, torch.device("cpu"))
+        after.load_state_dict(before.state_dict())
+        steps(after, param, gradients[2:])
+        assert float(after.state[param]["step"]) == 4
+        torch.testing.assert_close(param.detach(), reference.detach(), rtol=1e-6, atol=1e-6)
