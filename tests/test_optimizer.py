@@ -37,7 +37,7 @@ def test_fused_and_foreach_make_the_same_updates(dtype: torch.dtype) -> None:
     finals = []
     for choice in ("fused", "foreach"):
         params = [torch.nn.Parameter(p.clone()) for p in start]
-        optimizer, _ = adamw(params, 1e-2, 0.1, choice, torch.device("cpu"))
+        optimizer = adamw(params, 1e-2, 0.1, choice, torch.device("cpu"))
         assert optimizer.defaults["fused"] is (True if choice == "fused" else None)
         for step in gradients:
             for param, grad in zip(params, step, strict=True):
@@ -82,12 +82,12 @@ def test_a_checkpoint_of_one_kernel_resumes_under_the_other() -> None:
             optimizer.step()
 
     reference = torch.nn.Parameter(start.clone())
-    steps(adamw([reference], 1e-2, 0.0, "foreach", torch.device("cpu"))[0], reference, gradients)
+    steps(adamw([reference], 1e-2, 0.0, "foreach", torch.device("cpu")), reference, gradients)
     for first, then in (("foreach", "fused"), ("fused", "foreach")):
         param = torch.nn.Parameter(start.clone())
-        before, _ = adamw([param], 1e-2, 0.0, first, torch.device("cpu"))
+        before = adamw([param], 1e-2, 0.0, first, torch.device("cpu"))
         steps(before, param, gradients[:2])
-        after, _ = adamw([param], 1e-2, 0.0, then, torch.device("cpu"))
+        after = adamw([param], 1e-2, 0.0, then, torch.device("cpu"))
         after.load_state_dict(before.state_dict())
         steps(after, param, gradients[2:])
         assert float(after.state[param]["step"]) == 4

@@ -223,7 +223,7 @@ def bench_adamw(model: Any, lr: float) -> torch.optim.Optimizer:
     from engine.run.optimizer import adamw
 
     params = [p for p in model.parameters() if p.requires_grad]
-    return adamw(params, lr, 0.0, "auto", params[0].device)[0]
+    return adamw(params, lr, 0.0, "auto", params[0].device)
 
 
 def train_step(model: Any, controller: Any, batch: PackedBatch, optimizer: torch.optim.Optimizer) -> torch.Tensor:

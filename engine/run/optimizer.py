@@ -31,7 +31,7 @@ def resolve(choice: str, device: torch.device) -> tuple[bool, str]:
 
 def adamw(
     params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float, choice: str, device: torch.device
-) -> tuple[torch.optim.AdamW, str]:
-    """The AdamW for ``params`` as :func:`resolve` chooses, and the reason."""
-    fused, reason = resolve(choice, device)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None), reason
+) -> torch.optim.AdamW:
+    """The AdamW for ``params`` as :func:`resolve` chooses."""
+    fused, _ = resolve(choice, device)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)

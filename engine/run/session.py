@@ -165,7 +165,7 @@ def _make_session(
 ) -> Session:
     params = [p for p in model.parameters() if p.requires_grad]
     training = config.training
-    optimizer, _ = adamw(params, training.learning_rate, training.weight_decay, training.optimizer, device)
+    optimizer = adamw(params, training.learning_rate, training.weight_decay, training.optimizer, device)
     total_steps = _total_steps(config, len(data.train_rows))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(config.training.schedule, config.training.warmup_steps, total_steps)
