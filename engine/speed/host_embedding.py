@@ -58,8 +58,6 @@ class HostEmbedding:
     _staged: torch.Tensor | None = None
     _pinned: list[_PinnedSlot] = field(default_factory=lambda: [_PinnedSlot(), _PinnedSlot()])
     _turn: int = 0
-    _sending: _PinnedSlot = field(default_factory=_PinnedSlot)
-    """The slot :meth:`_staging` handed out last, whose upload :meth:`_send` records."""
 
     @property
     def on(self) -> bool:
@@ -129,35 +127,35 @@ class HostEmbedding:
             return embed(ids)
         (host_ids,) = self._ids_to_host(embed, (ids,))
         weight = embed.weight
-        staging = self._staging(host_ids.numel() * weight.shape[1], weight.dtype)
-        rows = staging.view(host_ids.numel(), weight.shape[1])
-        torch.index_select(weight, 0, host_ids.reshape(-1), out=rows)
-        return self._send(staging.view(*host_ids.shape, weight.shape[1]))
+        slot, staging = self._staging(host_ids.numel() * weight.shape[1], weight.dtype)
+        torch.index_select(weight, 0, host_ids.reshape(-1), out=staging.view(host_ids.numel(), weight.shape[1]))
+        return self._send(slot, staging.view(*host_ids.shape, weight.shape[1]))
 
     def _upload(self, rows: torch.Tensor) -> torch.Tensor:
         """Send the looked-up rows to the GPU from one of two pinned buffers, without blocking the host."""
-        staging = self._staging(rows.numel(), rows.dtype).view(rows.shape)
+        slot, staging = self._staging(rows.numel(), rows.dtype)
+        staging = staging.view(rows.shape)
         staging.copy_(rows)
-        return self._send(staging)
+        return self._send(slot, staging)
 
-    def _staging(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """The next of two pinned buffers, ``numel`` long. A buffer is reused once its last copy is done (an event
-        query, not a wait), so pinned memory is allocated (``cudaHostAlloc``, which synchronizes) only in the first
-        steps and when rows grow."""
+    def _staging(self, numel: int, dtype: torch.dtype) -> tuple[_PinnedSlot, torch.Tensor]:
+        """The next of two pinned buffers, ``numel`` long, with its slot. A buffer is reused once its last copy is
+        done (an event query, not a wait), so pinned memory is allocated (``cudaHostAlloc``, which synchronizes)
+        only in the first steps and when rows grow."""
         slot = self._pinned[self._turn]
         self._turn ^= 1
         busy = slot.done is not None and not slot.done.query()
         if busy or slot.buffer.numel() < numel or slot.buffer.dtype != dtype:
             slot.buffer = torch.empty(numel, dtype=dtype, pin_memory=self.device.type == "cuda")
-        self._sending = slot
-        return slot.buffer[:numel]
+        return slot, slot.buffer[:numel]
 
-    def _send(self, staging: torch.Tensor) -> torch.Tensor:
+    def _send(self, slot: _PinnedSlot, staging: torch.Tensor) -> torch.Tensor:
+        """The staged rows on the device; the slot remembers when its copy is done."""
         if self.device.type != "cuda":
             return staging.to(self.device, copy=True)  # the buffer is reused: the rows must not alias it
         out = staging.to(self.device, non_blocking=True)
-        self._sending.done = torch.cuda.Event()
-        self._sending.done.record()
+        slot.done = torch.cuda.Event()
+        slot.done.record()
         return out
 
     def remove(self) -> None:
