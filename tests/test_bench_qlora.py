@@ -92,3 +92,50 @@ def test_variants_may_switch_several_switches_on() -> None:
     assert both.fp8_base is True and both.step_graphs is True and both.fused_kernels is None
     with pytest.raises(ValueError, match="unknown variant"):
         variant_settings("auto+fp8_base+nonsense")
+
+
+def test_a_foreach_adamw_tail_keeps_the_switches_and_changes_only_the_optimizer() -> None:
+    from engine.bench.qlora import optimizer_choice
+
+    assert variant_settings("auto+fp8_base+step_graphs+foreach_adamw") == variant_settings("auto+fp8_base+step_graphs")
+    assert variant_settings("auto+foreach_adamw") == AUTO
+    assert optimizer_choice("auto+step_graphs+foreach_adamw") == "foreach" and optimizer_choice("auto") == "auto"
+    report = json.loads(REPORT.read_text(encoding="utf-8"))
+    assert "as `tunedeck train` runs" not in markdown(report)
+    report["settings"] = {**report.get("settings", {}), "as_trainer": "True"}
+    assert "as `tunedeck train` runs" in markdown(report)
+
+
+def test_a_step_timed_as_the_trainer_clips_before_the_update(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--as-trainer`` clips the gradients to norm 1 (reading the norm) before the optimizer steps, as the training
+    loop does; without it nothing is clipped. The returned loss is the same either way."""
+    import torch
+
+    events: list[str] = []
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def recorded_clip(params: object, max_norm: float, *args: object, **kwargs: object) -> torch.Tensor:
+        events.append(f"clip {max_norm}")
+        return clip(params, max_norm, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", recorded_clip)
+    without = _loss_at_update(events, as_trainer=False)
+    assert events == ["step"]
+    clipped = _loss_at_update(events, as_trainer=True)
+    assert events == ["step", "clip 1.0", "step"] and without == clipped
+
+
+def _loss_at_update(events: list[str], as_trainer: bool) -> float:
+    import torch
+    from speed_models import packed_batch, tiny_lora_model
+
+    from engine.bench.speed import bench_adamw, train_step
+    from engine.speed import SpeedController
+
+    torch.manual_seed(0)
+    model = tiny_lora_model("llama")
+    controller = SpeedController(model, AUTO, torch.device("cpu"))
+    optimizer = bench_adamw(model, 1e-3, "foreach")
+    assert optimizer.defaults["fused"] is None
+    optimizer.register_step_pre_hook(lambda *_: events.append("step"))
+    return float(train_step(model, controller, packed_batch((30, 20)), optimizer, as_trainer=as_trainer))

@@ -16,7 +16,11 @@ Variants, timed one after another in the same process on the same rows:
 * ``auto-X``: automatic with switch X off, which tells what each switch is worth;
 * ``auto+X``: automatic with switch X on, for the switches that are off unless switched on (fp8 base matmuls,
   kept attention, step graphs; ``auto+X+Y`` switches on both); ``auto+layer_regions``: automatic with the fused
-  kernels compiled per decoder layer instead of per child (fewer compiled calls, each with its host-side cost).
+  kernels compiled per decoder layer instead of per child (fewer compiled calls, each with its host-side cost);
+  a ``+foreach_adamw`` tail on any TuneDeck variant updates with the foreach AdamW instead of the fused one.
+
+``--as-trainer`` reads each step's loss and gradient norm on the host before the update, as ``tunedeck train``
+does, so the rows include the GPU's wait on the host between steps.
 
 Losses: 20 steps of ``auto`` (and of each ``auto+X``) on fresh rows against the same 20 steps of the
 float32-LoRA ``stock`` path, from the same base and adapter initialisation. Each row gives the planner's predicted
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import sys
@@ -76,6 +81,9 @@ SWITCHED_ON = ("fp8_base", "keep_attention", "step_graphs")
 LAYER_REGIONS = "auto+layer_regions"
 """Automatic, with the fused kernels compiled per decoder layer instead of per child
 (engine.speed.fused_kernels.RegionCompiler.whole_layers): fewer compiled calls per step."""
+FOREACH_ADAMW = "foreach_adamw"
+"""A bench knob as a variant's ``+foreach_adamw`` tail: the row's AdamW is the foreach one, not the fused one
+(engine.run.optimizer), to measure both."""
 KEPT_SHARE = "auto-kept_share="
 """``auto-kept_share=X``: kept attention switched on, on a fixed share X of the layers (not the one chosen from the
 GPU)."""
@@ -85,7 +93,13 @@ def kept_share_of(variant: str) -> float | None:
     return float(variant.removeprefix(KEPT_SHARE)) if variant.startswith(KEPT_SHARE) else None
 
 
+def optimizer_choice(variant: str) -> str:
+    """The ``--adamw`` choice of a variant's rows."""
+    return "foreach" if variant.endswith(f"+{FOREACH_ADAMW}") else "auto"
+
+
 def variant_settings(variant: str) -> SpeedConfig:
+    variant = variant.removesuffix(f"+{FOREACH_ADAMW}")
     if variant == "stock":
         return STOCK
     if variant in ("auto", LAYER_REGIONS):
@@ -108,6 +122,7 @@ def variant_settings(variant: str) -> SpeedConfig:
 
 def set_variant(controller: Any, variant: str) -> None:
     """Apply ``variant``'s switches and the bench's own knobs (a fixed kept share, whole-layer regions)."""
+    variant = variant.removesuffix(f"+{FOREACH_ADAMW}")
     controller.kept_share_override = kept_share_of(variant)
     controller.region_compiler.whole_layers = variant == LAYER_REGIONS
     controller.apply(variant_settings(variant))
@@ -189,18 +204,17 @@ def run_variant(
     """One timed row (only the warm-up when ``args.steps`` is 0); out of memory is a row too, never an abort."""
     model, controller = who.model, who.controller
     row: dict[str, Any] = {"model": who.name, "variant": variant, "tokens": tokens, "cap_gib": cap, "ok": False}
-    optimizer = bench_adamw(model, 1e-5)
+    optimizer = bench_adamw(model, 1e-5, optimizer_choice(variant))
+    step = functools.partial(train_step, model, controller, optimizer=optimizer, as_trainer=args.as_trainer)
     try:
         cap_memory(cap, device)
         set_variant(controller, variant)  # automatic choices see the cap
         batch = rows_of(tokens, model.config.vocab_size, 1)[0].to(device)
-        row.update(measure(lambda: train_step(model, controller, batch, optimizer), args.warmup, args.steps))
+        row.update(measure(lambda: step(batch=batch), args.warmup, args.steps))
         row["state"] = controller.state()
         if args.steps and args.profile_dir is not None:
             label = f"{who.name}_{tokens}_{cap:g}gib_{variant}".replace("=", "").replace("+", "_with_")
-            row["profile"] = profile_step(
-                lambda: train_step(model, controller, batch, optimizer), args.profile_dir, label
-            )
+            row["profile"] = profile_step(lambda: step(batch=batch), args.profile_dir, label)
         if args.steps:
             row["planned_peak_gib"] = planned_peak_gib(who.name, row["state"], tokens)
             row["tokens_per_s"] = tokens / row["ms_per_step"] * 1e3
@@ -223,7 +237,7 @@ def losses(who: Subject, variant: str, args: argparse.Namespace, device: torch.d
     """``args.loss_steps`` steps on fresh rows from the adapter's initial weights (restored afterwards)."""
     model, controller = who.model, who.controller
     start = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    optimizer = bench_adamw(model, 1e-4)
+    optimizer = bench_adamw(model, 1e-4, optimizer_choice(variant))
     set_variant(controller, variant)
     out = []
     for batch in rows_of(args.loss_tokens, model.config.vocab_size, args.loss_steps, seed=1000):
@@ -298,6 +312,15 @@ def _line(row: dict[str, Any]) -> str:
             f"GiB, reserved {row.get('reserved_gib', 0):.2f} GiB, {row['syncs']} syncs")  # fmt: skip
 
 
+def _trainer_lines(report: dict[str, Any]) -> list[str]:
+    if str(report.get("settings", {}).get("as_trainer")) != "True":
+        return []
+    return [
+        "Timed as `tunedeck train` runs (`--as-trainer`): each step's loss and gradient norm are read on the host",
+        "before the update (2 host syncs a step, in the syncs column), so the GPU's wait between steps is included.",
+    ]
+
+
 def markdown(report: dict[str, Any]) -> str:
     from engine.bench.long_context import environment, environment_line
 
@@ -314,12 +337,13 @@ def markdown(report: dict[str, Any]) -> str:
         "checkpointing, sdpa); `auto` = TuneDeck with every switch automatic; `auto-X` = automatic with X off;",
         "`auto+X` = automatic with X switched on (fp8_base: frozen-weight products in fp8; step_graphs: each",
         "micro-batch replayed from a CUDA graph; layer_regions: fused kernels compiled per decoder layer instead of",
-        "per child; `auto+X+Y`: both);",
+        "per child; `auto+X+Y`: both; a `+foreach_adamw` tail: the foreach AdamW instead of the fused one);",
         "`auto-kept_share=X` = automatic with kept attention switched on for a share X of the layers. Median of the",
         "timed steps after warm-up (compiles done). Host ms: how long the host took to queue a step (close to",
         "ms/step: the host's Python and launch overhead, not the GPU, sets the pace). Reserved GiB: the",
         "allocator's reserved memory at the peak, which includes step graphs' memory pool (its blocks are not",
         "allocated between replays, so the peak column alone undercounts those rows).",
+        *_trainer_lines(report),
         "",
         "| model | tokens | cap GiB | variant | ms/step | host ms | tokens/s | x stock | peak GiB | reserved GiB "
         "| planned GiB | syncs |",
@@ -396,6 +420,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     default_variants = ",".join(["stock", "auto", *(f"auto-{s}" for s in (*ABLATED, WHOLE_ROW)), *switched_on])
     parser.add_argument("--variants", default=default_variants, help="stock, auto, auto-SWITCH, auto+SWITCH")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per row")
+    parser.add_argument(
+        "--as-trainer",
+        action="store_true",
+        help="read each step's loss and gradient norm on the host before the update, as tunedeck train does",
+    )
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compiles)")
     parser.add_argument("--loss-steps", type=int, default=20, help="steps of the loss comparison (0: none)")
     parser.add_argument("--loss-tokens", type=int, default=4096, help="row length of the loss comparison")

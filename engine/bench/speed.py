@@ -217,18 +217,28 @@ def model_flops(model: Any, batch: PackedBatch) -> float:
     return 4 * linear * tokens + 3 * attention_fwd
 
 
-def bench_adamw(model: Any, lr: float) -> torch.optim.Optimizer:
+def bench_adamw(model: Any, lr: float, choice: str = "auto") -> torch.optim.Optimizer:
     """The AdamW a training run builds on this device (engine.run.optimizer: fused on an NVIDIA GPU), for every
-    row, stock too: transformers' Trainer uses the fused AdamW by default."""
+    row, stock too: transformers' Trainer uses the fused AdamW by default. ``choice``: as ``--adamw``."""
     from engine.run.optimizer import adamw
 
     params = [p for p in model.parameters() if p.requires_grad]
-    return adamw(params, lr, 0.0, "auto", params[0].device)
+    return adamw(params, lr, 0.0, choice, params[0].device)
 
 
-def train_step(model: Any, controller: Any, batch: PackedBatch, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-    """One optimizer step through the controller, as the training loop runs it; returns the detached loss."""
+def train_step(
+    model: Any, controller: Any, batch: PackedBatch, optimizer: torch.optim.Optimizer, as_trainer: bool = False
+) -> torch.Tensor:
+    """One optimizer step through the controller, as the training loop runs it; returns the detached loss.
+
+    ``as_trainer``: the loss and the clipped gradient norm are read on the host before the update, as
+    ``tunedeck train`` reads them for its guard and its progress (two host syncs a step, after which the GPU waits
+    for the host's optimizer launch and the next step's preparation)."""
     loss = controller.forward_backward(model, batch, batch.trained_tokens)
+    if as_trainer:
+        float(loss)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        float(torch.nn.utils.clip_grad_norm_(params, 1.0))
     optimizer.step()
     controller.zero_grad(optimizer)
     return loss
