@@ -17,8 +17,9 @@ Packed rows differ in length, document count and trained tokens, so each row is 
 The loss divisor (trained tokens of the whole step) becomes a device tensor instead of a constant.
 The first micro-batch of a bucket runs eagerly (it compiles, autotunes and allocates host buffers), the second is
 captured and replayed, later ones only replay after their inputs are copied into the captured ones. Gradients
-accumulate into fixed gradient tensors that stay bound to the parameters, whatever the optimizer's
-``zero_grad`` did in between. All graphs share one memory pool; a switch change drops them.
+accumulate into fixed gradient tensors that stay bound to the parameters: between steps the speed controller
+clears them in place (one kernel), and a micro-step binds them again if anything else replaced them. All graphs
+share one memory pool; a switch change drops them.
 
 Where it runs: CUDA, one process (no DDP/FSDP hooks), no float16 loss scaling, no dropout (a recompute inside a
 graph cannot replay random masks). A step that waits for the GPU (MoE routing that reads expert counts on the
@@ -332,16 +333,19 @@ class StepGraphs:
     def zero_grads(self) -> None:
         """Zero the fixed gradient tensors in one kernel (:attr:`holds_grads`); a parameter whose gradient is some
         other tensor lets it go, so the next micro-step binds it again from zero."""
-        for param, fixed in zip(self._params or [], self._grads, strict=False):
+        for param, fixed in zip(self._trainable(), self._grads, strict=True):
             if param.grad is not fixed:
                 param.grad = None
         torch._foreach_zero_(self._grads)
 
-    def _bind_grads(self) -> None:
-        """Point every trainable parameter's ``.grad`` at its fixed gradient tensor, keeping what it holds."""
+    def _trainable(self) -> list[torch.nn.Parameter]:
         if self._params is None:
             self._params = self.parameters()
-        params = self._params
+        return self._params
+
+    def _bind_grads(self) -> None:
+        """Point every trainable parameter's ``.grad`` at its fixed gradient tensor, keeping what it holds."""
+        params = self._trainable()
         if len(self._grads) != len(params):
             self._grads = [torch.zeros_like(p) for p in params]
         if all(param.grad is fixed for param, fixed in zip(params, self._grads, strict=True)):
