@@ -32,6 +32,10 @@ CATEGORIES = ("gemm", "attention", "dequant", "triton", "copies", "other")
 """Kernel kinds, in the order reports list them."""
 _ATTENTION = ("flash", "fmha", "sdpa", "cudnn", "attn")
 _GEMM = ("nvjet", "gemm", "cutlass", "xmma", "splitk")
+_DEQUANT = ("dequant", "four_bit_to_e4m3")
+"""bitsandbytes' kernels, and TuneDeck's 4-bit to e4m3 kernel (engine.speed.e4m3_weights)."""
+_OWN_TRITON = ("cross_entropy_grad",)
+"""TuneDeck's hand-written Triton kernels outside the weights' (engine.speed.loss_kernel)."""
 
 
 def kernel_category(name: str, trace_category: str) -> str:
@@ -39,13 +43,13 @@ def kernel_category(name: str, trace_category: str) -> str:
     if trace_category in ("gpu_memcpy", "gpu_memset"):
         return "copies"
     lowered = name.lower()
-    if "dequant" in lowered:
+    if any(word in lowered for word in _DEQUANT):
         return "dequant"
     if any(word in lowered for word in _ATTENTION):
         return "attention"
     if any(word in lowered for word in _GEMM):
         return "gemm"
-    if lowered.startswith("triton"):
+    if lowered.startswith("triton") or lowered in _OWN_TRITON:
         return "triton"
     return "other"
 

@@ -252,14 +252,10 @@ class SpeedController:
         once, once_reason = lean_recompute.dequant_once_resolve(settings.dequant_once, mode, extra, free)
         frozen = sum(1 for _ in lean_recompute.frozen_projections(self.hf_model, every=True))
         fp8, fp8_reason = fp8_base.resolve(settings.fp8_base, self.device, frozen)
-        self.lean.switch(skip, once, fp8)
+        compiled, _ = fused_kernels.resolve(settings.fused_kernels, self.hf_model, self.device)
+        self.lean.switch(skip, once, fp8, one_pass=compiled)
         if fp8:
-            done, total = self.lean.fp8_projections()
-            fp8_reason += (
-                f" ({done} of {total} frozen projections; the others' widths are not multiples of 16)"
-                if done < total
-                else ""
-            )
+            fp8_reason += fp8_coverage(*self.lean.fp8_projections())
         self._state["lean_recompute"] = {"on": skip, "reason": skip_reason}
         self._state["dequant_once"] = {"on": once, "reason": once_reason}
         self._state["fp8_base"] = {"on": fp8, "reason": fp8_reason}
@@ -416,3 +412,13 @@ class SpeedController:
         if self.graphs.failure is not None and "step_graphs" in state:
             state["step_graphs"] = {"on": False, "reason": self.graphs.failure}
         return state
+
+
+def fp8_coverage(done: int, one_pass: int, total: int) -> str:
+    """What the fp8-base reason adds: projections left in 16 bits, and the 4-bit weights cast in one pass."""
+    words = ""
+    if done < total:
+        words += f" ({done} of {total} frozen projections; the others' widths are not multiples of 16)"
+    if one_pass:
+        words += f"; {one_pass} 4-bit weights go to e4m3 in one pass (fused kernels)"
+    return words

@@ -28,7 +28,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["E4M3_MAX", "fp8_matmul", "quantize_rows", "resolve", "unavailable_reason", "weight_columns", "weight_scale"]
+__all__ = [
+    "E4M3_MAX",
+    "e4m3_weights",
+    "fp8_matmul",
+    "quantize_rows",
+    "resolve",
+    "unavailable_reason",
+    "weight_columns",
+    "weight_scale",
+]
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448
@@ -81,13 +90,38 @@ def _dense(weight: torch.Tensor, quant_state: Any, dtype: torch.dtype) -> torch.
     return dense_weight(weight, quant_state, dtype)
 
 
+def e4m3_weights(
+    weight: torch.Tensor,
+    quant_state: Any,
+    dtype: torch.dtype,
+    scale: torch.Tensor,
+    rows_out: bool,
+    transposed_out: bool,
+    one_pass: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A frozen weight in e4m3 under its fixed ``scale``: (row-major (out, in) or None, transposed or None).
+
+    ``one_pass``: a 4-bit weight the kernel covers goes straight from its codes
+    (:mod:`engine.speed.e4m3_weights`); otherwise it is dequantized to ``dtype`` and cast.
+    """
+    if not (rows_out or transposed_out):
+        return None, None
+    if one_pass:
+        from engine.speed.e4m3_weights import e4m3_from_4bit
+
+        return e4m3_from_4bit(weight, quant_state, scale, dtype, rows_out, transposed_out)
+    w8 = quantize_weight(_dense(weight, quant_state, dtype), scale)
+    return (w8 if rows_out else None), (w8.t().contiguous() if transposed_out else None)
+
+
 class Fp8Projection(torch.autograd.Function):
     """``x @ W.T + b`` through a frozen weight in fp8; backward gives the input gradient in fp8 too.
 
     ``columns_out`` (1, out) and ``columns_in`` (1, in) hold the weight's one scale (:func:`weight_columns`).
     ``keep``: save the transposed fp8 weight for backward (inside a recompute that backward follows at once);
     otherwise backward dequantizes again. ``unread``: the output is never read (lean recompute), only its
-    gradient is needed: nothing is multiplied in forward.
+    gradient is needed: nothing is multiplied in forward. ``one_pass``: 4-bit weights go to e4m3 in one kernel
+    (:func:`e4m3_weights`).
     """
 
     @staticmethod
@@ -101,18 +135,18 @@ class Fp8Projection(torch.autograd.Function):
         columns_in: torch.Tensor,
         keep: bool,
         unread: bool,
+        one_pass: bool = False,
     ) -> torch.Tensor:
-        dense = _dense(weight, quant_state, x.dtype)
-        out_features, in_features = dense.shape
-        w8 = quantize_weight(dense, columns_out[:, :1])
-        ctx.keep, ctx.in_features = keep, in_features
+        w8, w8t = e4m3_weights(weight, quant_state, x.dtype, columns_out[:, :1], not unread, keep, one_pass)
+        in_features, out_features = columns_in.shape[1], columns_out.shape[1]
+        ctx.keep, ctx.in_features, ctx.one_pass = keep, in_features, one_pass
         if keep:
-            ctx.save_for_backward(columns_in, w8.t().contiguous())
+            ctx.save_for_backward(columns_in, w8t)
         else:
             ctx.save_for_backward(columns_in, weight)
             ctx.quant_state = quant_state
         shape = (*x.shape[:-1], out_features)
-        if unread:
+        if w8 is None:
             return x.new_empty(shape)
         x8, x_scale = quantize_rows(x.reshape(-1, in_features))
         out = fp8_matmul(x8, x_scale, w8, columns_out, x.dtype).reshape(shape)
@@ -124,11 +158,10 @@ class Fp8Projection(torch.autograd.Function):
             columns_in, w8t = ctx.saved_tensors
         else:
             columns_in, weight = ctx.saved_tensors
-            dense = _dense(weight, ctx.quant_state, grad.dtype)
-            w8t = quantize_weight(dense, columns_in[:, :1]).t().contiguous()
+            _, w8t = e4m3_weights(weight, ctx.quant_state, grad.dtype, columns_in[:, :1], False, True, ctx.one_pass)
         g8, g_scale = quantize_rows(grad.reshape(-1, grad.shape[-1]))
         grad_x = fp8_matmul(g8, g_scale, w8t, columns_in, grad.dtype).reshape(*grad.shape[:-1], ctx.in_features)
-        return grad_x, None, None, None, None, None, None, None
+        return grad_x, None, None, None, None, None, None, None, None
 
 
 def fits(in_features: int, out_features: int) -> bool:

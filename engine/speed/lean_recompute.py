@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.speed import fp8_base
+from engine.speed import e4m3_weights, fp8_base
 from engine.speed.chunked_mlp import feeds_residual_only
 from engine.speed.fused_kernels import decoder_layers
 from engine.speed.offloaded_checkpoint import RecomputeFlag
@@ -125,6 +125,8 @@ class FrozenProjection(StandIn):
         """The output only feeds the layer's residual sum, which an offloaded layer's recompute throws away."""
         self.skip_unread = False
         self.dequant_once = False
+        self.one_pass = False
+        """fp8 weights straight from the 4-bit codes in one kernel (engine.speed.e4m3_weights), where it applies."""
         self.quantized = is_4bit(wrapped)
         self.out_features = int(getattr(wrapped, "out_features", 0))
         self.in_features = int(getattr(wrapped, "in_features", 0))
@@ -142,8 +144,13 @@ class FrozenProjection(StandIn):
             return self._dequantized_once(x)
         return self.wrapped(x)
 
-    def set_fp8(self, on: bool) -> None:
-        """Multiply in fp8 from the next call (its weight's scale read once here), or in 16-bit again."""
+    def set_fp8(self, on: bool, one_pass: bool = False) -> None:
+        """Multiply in fp8 from the next call (its weight's scale read once here), or in 16-bit again.
+
+        ``one_pass``: a 4-bit weight the one-pass kernel covers goes to e4m3 without its 16-bit copy.
+        """
+        _, state = self._weight_and_state()
+        self.one_pass = bool(on and one_pass and state is not None and e4m3_weights.covers(state))
         if not on or not fp8_base.fits(self.in_features, self.out_features):
             for name in FP8_SCALES:
                 self._buffers.pop(name, None)  # shared with the wrapped module
@@ -174,7 +181,7 @@ class FrozenProjection(StandIn):
         compute = self._compute_dtype()
         columns_out, columns_in = self.fp8_columns  # type: ignore[misc]
         out = fp8_base.Fp8Projection.apply(
-            x.to(compute), weight, state, self.wrapped.bias, columns_out, columns_in, keep, unread
+            x.to(compute), weight, state, self.wrapped.bias, columns_out, columns_in, keep, unread, self.one_pass
         )
         return out.to(x.dtype)
 
@@ -270,7 +277,8 @@ class LeanRecompute:
     every: bool = False
     """Stand-ins on every frozen projection (the fp8 switch acts on each), not only those lean recompute needs."""
 
-    def switch(self, skip_unread: bool, dequant_once: bool, fp8: bool = False) -> None:
+    def switch(self, skip_unread: bool, dequant_once: bool, fp8: bool = False, one_pass: bool = False) -> None:
+        """Set the three switches; ``one_pass`` lets fp8 weights come from 4-bit codes in one kernel."""
         if not (skip_unread or dequant_once or fp8):
             self.remove()
             return
@@ -280,7 +288,7 @@ class LeanRecompute:
             self.install(every=fp8)
         for _, _, wrapper in self.installed:
             wrapper.skip_unread, wrapper.dequant_once = skip_unread, dequant_once
-            wrapper.set_fp8(fp8)
+            wrapper.set_fp8(fp8, one_pass)
 
     def install(self, every: bool = False) -> None:
         for owner, name, base, unread in list(frozen_projections(self.hf_model, every)):
@@ -289,9 +297,10 @@ class LeanRecompute:
             self.installed.append((owner, name, wrapper))
         self.every = every
 
-    def fp8_projections(self) -> tuple[int, int]:
-        """(in fp8, frozen projections installed)."""
-        return sum(w.fp8_columns is not None for _, _, w in self.installed), len(self.installed)
+    def fp8_projections(self) -> tuple[int, int, int]:
+        """(in fp8, of those with e4m3 weights from 4-bit codes in one pass, frozen projections installed)."""
+        on = [w for _, _, w in self.installed if w.fp8_columns is not None]
+        return len(on), sum(w.one_pass for w in on), len(self.installed)
 
     def remove(self) -> None:
         for owner, name, wrapper in self.installed:
