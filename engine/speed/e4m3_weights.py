@@ -24,6 +24,7 @@ node and CUDA graphs capture it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -133,11 +134,13 @@ def four_bit_to_e4m3(
     forward, backward = _outputs(packed.device, rows, columns, rows_out, transposed_out)
     tile_rows, tile_bytes, warps = TILES[(rows_out, transposed_out)]
     grid = (rows // tile_rows, columns // 2 // tile_bytes)
-    _kernel()[grid](
-        packed, absmax, absmax2, code2, offset, table, scale, forward, backward, rows, columns,
-        BLOCKSIZE=blocksize, GROUP=group, NESTED=nested, ROUND_TO=_triton_dtype(dtype), ROWS_OUT=rows_out,
-        TRANSPOSED_OUT=transposed_out, TILE_R=tile_rows, TILE_B=tile_bytes, num_warps=warps,
-    )  # fmt: skip
+    on_its_device = torch.cuda.device(packed.device) if packed.is_cuda else contextlib.nullcontext()
+    with on_its_device:  # Triton launches on the current device, which need not be the weight's
+        _kernel()[grid](
+            packed, absmax, absmax2, code2, offset, table, scale, forward, backward, rows, columns,
+            BLOCKSIZE=blocksize, GROUP=group, NESTED=nested, ROUND_TO=_triton_dtype(dtype), ROWS_OUT=rows_out,
+            TRANSPOSED_OUT=transposed_out, TILE_R=tile_rows, TILE_B=tile_bytes, num_warps=warps,
+        )  # fmt: skip
     return forward, backward
 
 

@@ -20,6 +20,7 @@ Triton compiles for NVIDIA GPUs; on the CPU the same kernel runs under Triton's 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -107,17 +108,19 @@ def softmax_cross_entropy_grad(
     grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
     loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows:
-        _kernel()[(rows,)](
-            logits,
-            labels.to(torch.int64).contiguous(),
-            grad,
-            loss,
-            vocab,
-            logits.stride(0),
-            grad.stride(0),
-            float(scale),
-            ignore_index=ignore_index,
-            block=BLOCK,
-            num_warps=NUM_WARPS,
-        )
+        on_its_device = torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext()
+        with on_its_device:  # Triton launches on the current device, which need not be the tensors'
+            _kernel()[(rows,)](
+                logits,
+                labels.to(torch.int64).contiguous(),
+                grad,
+                loss,
+                vocab,
+                logits.stride(0),
+                grad.stride(0),
+                float(scale),
+                ignore_index=ignore_index,
+                block=BLOCK,
+                num_warps=NUM_WARPS,
+            )
     return loss.sum(), grad
