@@ -14,7 +14,8 @@ path's steps, except that it divides by the scale where this multiplies by its r
 are the two-pass path's bits except for about 2 in a million weights, one e4m3 step apart (GPU test).
 
 Measured on the H200 in the same row: the 448 conversions of a step took 17.9 ms against about 37 ms for
-bitsandbytes' dequantize, the casts and the transposed copies; the step went from 320 to 294 ms.
+bitsandbytes' dequantize, the casts and the transposed copies; the step went from 320 to 294 ms (two runs
+the same day, benchmarks/qlora_one_pass_h200.md).
 
 The kernel covers bitsandbytes' 2-D 4-bit weights (NF4 or FP4, plain or double-quantized block scales) whose rows
 hold whole blocks and whose widths are multiples of the tiles; anything else, and machines without Triton, keep
