@@ -163,6 +163,7 @@ def quant_state(rows: int, columns: int, device: str = "cuda", **changes: object
         (quant_state(100, 4096), False),
         (quant_state(4096, 4096, blocksize=0), False),
         (quant_state(4096, 4096, quant_type="int8"), False),
+        (quant_state(4096, 4096, quant_type="fp4"), False),  # not checked against bitsandbytes on a GPU
         (quant_state(4096, 4096, code=None), False),
         (SimpleNamespace(shape=torch.Size((2, 3, 4))), False),
     ],

@@ -17,10 +17,10 @@ Measured on the H200 in the same row: the 448 conversions of a step took 17.9 ms
 bitsandbytes' dequantize, the casts and the transposed copies; the step went from 320 to 294 ms (two runs
 the same day, benchmarks/qlora_one_pass_h200.md).
 
-The kernel covers bitsandbytes' 2-D 4-bit weights (NF4 or FP4, plain or double-quantized block scales) whose rows
-hold whole blocks and whose widths are multiples of the tiles; anything else, and machines without Triton, keep
-the two-pass path (:func:`covers`). The kernel is a torch custom op, so compiled regions call it as one opaque
-node and CUDA graphs capture it.
+The kernel covers bitsandbytes' 2-D NF4 weights (plain or double-quantized block scales) whose rows hold whole
+blocks and whose widths are multiples of the tiles; anything else (FP4, not checked against bitsandbytes on a GPU),
+and machines without Triton, keep the two-pass path (:func:`covers`). The kernel is a torch custom op, so compiled
+regions call it as one opaque node and CUDA graphs capture it.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def covers(quant_state: Any) -> bool:
     absmax = getattr(quant_state, "absmax", None)
     if len(shape) != 2 or blocksize <= 0 or absmax is None or not absmax.is_cuda:
         return False
-    if getattr(quant_state, "quant_type", None) not in ("nf4", "fp4") or getattr(quant_state, "code", None) is None:
+    if getattr(quant_state, "quant_type", None) != "nf4" or getattr(quant_state, "code", None) is None:
         return False
     if blocksize % 2 or shape[1] % blocksize:
         return False
