@@ -28,10 +28,12 @@ from typing import Any
 
 import torch
 
+from engine.speed.e4m3_weights import e4m3_from_4bit
+
 __all__ = [
     "E4M3_MAX",
-    "e4m3_weights",
     "fp8_matmul",
+    "frozen_weight_e4m3",
     "quantize_rows",
     "resolve",
     "unavailable_reason",
@@ -90,7 +92,7 @@ def _dense(weight: torch.Tensor, quant_state: Any, dtype: torch.dtype) -> torch.
     return dense_weight(weight, quant_state, dtype)
 
 
-def e4m3_weights(
+def frozen_weight_e4m3(
     weight: torch.Tensor,
     quant_state: Any,
     dtype: torch.dtype,
@@ -107,8 +109,6 @@ def e4m3_weights(
     if not (rows_out or transposed_out):
         return None, None
     if one_pass:
-        from engine.speed.e4m3_weights import e4m3_from_4bit
-
         return e4m3_from_4bit(weight, quant_state, scale, dtype, rows_out, transposed_out)
     w8 = quantize_weight(_dense(weight, quant_state, dtype), scale)
     return (w8 if rows_out else None), (w8.t().contiguous() if transposed_out else None)
@@ -121,7 +121,7 @@ class Fp8Projection(torch.autograd.Function):
     ``keep``: save the transposed fp8 weight for backward (inside a recompute that backward follows at once);
     otherwise backward dequantizes again. ``unread``: the output is never read (lean recompute), only its
     gradient is needed: nothing is multiplied in forward. ``one_pass``: 4-bit weights go to e4m3 in one kernel
-    (:func:`e4m3_weights`).
+    (:func:`frozen_weight_e4m3`).
     """
 
     @staticmethod
@@ -137,7 +137,7 @@ class Fp8Projection(torch.autograd.Function):
         unread: bool,
         one_pass: bool = False,
     ) -> torch.Tensor:
-        w8, w8t = e4m3_weights(weight, quant_state, x.dtype, columns_out[:, :1], not unread, keep, one_pass)
+        w8, w8t = frozen_weight_e4m3(weight, quant_state, x.dtype, columns_out[:, :1], not unread, keep, one_pass)
         in_features, out_features = columns_in.shape[1], columns_out.shape[1]
         ctx.keep, ctx.in_features, ctx.one_pass = keep, in_features, one_pass
         if keep:
@@ -158,7 +158,8 @@ class Fp8Projection(torch.autograd.Function):
             columns_in, w8t = ctx.saved_tensors
         else:
             columns_in, weight = ctx.saved_tensors
-            _, w8t = e4m3_weights(weight, ctx.quant_state, grad.dtype, columns_in[:, :1], False, True, ctx.one_pass)
+            scale = columns_in[:, :1]
+            _, w8t = frozen_weight_e4m3(weight, ctx.quant_state, grad.dtype, scale, False, True, ctx.one_pass)
         g8, g_scale = quantize_rows(grad.reshape(-1, grad.shape[-1]))
         grad_x = fp8_matmul(g8, g_scale, w8t, columns_in, grad.dtype).reshape(*grad.shape[:-1], ctx.in_features)
         return grad_x, None, None, None, None, None, None, None, None
