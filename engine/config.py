@@ -134,6 +134,12 @@ class TrainingConfig:
         "AdamW implementation: fused (one kernel per step; automatic on an NVIDIA GPU) or foreach (elsewhere)",
         flag="--adamw",
     )
+    step_readout: Literal["auto", "late", "immediate"] = setting(
+        "auto",
+        "when the host reads each step's loss and gradient norm: late (one step behind, so the GPU never waits for "
+        "the host; automatic with the fused AdamW in a one-process run) or immediate (before the update)",
+        flag="--step-readout",
+    )
     warmup_steps: int = setting(10, "linear warm-up steps before the decay")
     schedule: Literal["cosine", "linear", "constant"] = setting("cosine", "learning-rate decay after warm-up")
     grad_accum: int = setting(1, "micro-batches accumulated into one optimizer step", flag="--grad-accum")

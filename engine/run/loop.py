@@ -43,7 +43,7 @@ from engine.run.folder import (
 )
 from engine.run.ranks import Ranks
 from engine.run.session import Session, start
-from engine.run.step import evaluate, train_step
+from engine.run.step import evaluate, read_in_flight, train_step
 
 
 def train_in_process(config: RunConfig, run_dir: Path, resuming: bool, control: RunControl) -> Iterator[Event]:
@@ -98,9 +98,11 @@ def on_one_gpu(config: RunConfig, gpus: list[int]) -> RunConfig:
 
 def _train(session: Session, control: RunControl) -> Iterator[Event]:
     started = time.perf_counter()
-    training = session.config.training
-    while session.step < session.total_steps:
+    while session.step + (session.in_flight is not None) < session.total_steps:
         control.sync()
+        requested = control.take_speed_request()
+        if control.stop_requested or control.paused or requested is not None:
+            yield from _reported(session, (yield from read_in_flight(session)))
         if control.stop_requested:
             break
         if control.paused:
@@ -109,14 +111,28 @@ def _train(session: Session, control: RunControl) -> Iterator[Event]:
             if control.stop_requested:
                 break
             yield RunResumed(session.step)
-        requested = control.take_speed_request()
         if requested is not None:
             session.speed.apply(requested)
             yield SpeedChanged(session.step, session.speed.state())
         session.ranks.inject_fault(session.step + 1)
-        metrics = yield from train_step(session)
-        if metrics is None:  # skipped: non-finite loss or gradient
-            continue
+        yield from _reported(session, (yield from train_step(session)))
+        if session.in_flight is not None and _due(session, session.step + 1):
+            yield from _reported(session, (yield from read_in_flight(session)))  # evaluate and save its weights
+    yield from _reported(session, (yield from read_in_flight(session)))
+    yield from _finish(session, time.perf_counter() - started, cancelled=session.step < session.total_steps)
+
+
+def _due(session: Session, step: int) -> bool:
+    """Whether ``step`` ends the run or is followed by an evaluation or a checkpoint."""
+    training = session.config.training
+    every = [n for n in (training.eval_every, training.save_every) if n]
+    return step >= session.total_steps or any(step % n == 0 for n in every)
+
+
+def _reported(session: Session, done: list[StepMetrics]) -> Iterator[Event]:
+    """Log and yield the metrics of steps read back, then evaluate and save where one of them is due."""
+    training = session.config.training
+    for metrics in done:
         if session.ranks.is_main:
             append_jsonl(session.run_dir / METRICS_FILE, _metrics_record(metrics))
         yield metrics
@@ -124,7 +140,6 @@ def _train(session: Session, control: RunControl) -> Iterator[Event]:
             yield from evaluate(session)
         if training.save_every and session.step % training.save_every == 0 and session.step < session.total_steps:
             yield _save_checkpoint(session)
-    yield from _finish(session, time.perf_counter() - started, cancelled=session.step < session.total_steps)
 
 
 def _finish(session: Session, wall_time: float, cancelled: bool) -> Iterator[Event]:

@@ -24,7 +24,7 @@ from engine.events import Event, Notice, RunStarted, SpeedChanged
 from engine.model.load import add_lora, count_parameters, load_base_model, load_tokenizer, pick_device, pick_dtype
 from engine.model.quantized_experts import experts_notice
 from engine.run import checkpoint as ckpt
-from engine.run import guard
+from engine.run import guard, readout
 from engine.run.folder import CHECKPOINT_DIR, EVAL_FILE, METRICS_FILE, truncate_log
 from engine.run.optimizer import adamw
 from engine.run.ranks import Ranks
@@ -65,6 +65,10 @@ class Session:
     ranks: Ranks = field(default_factory=Ranks.single)
     loss_module: torch.nn.Module | None = None
     """DDP around the model, or the FSDP2 root; None in a one-process run."""
+    late_readout: bool = False
+    """Each step's loss and gradient norm are read one step late (engine.run.readout)."""
+    in_flight: readout.InFlight | None = None
+    """With late readout: the step queued last, whose values the host has not read yet."""
 
     def __post_init__(self) -> None:
         self.schedule = RowSchedule(len(self.data.train_rows), self.config.training.seed)
@@ -113,6 +117,11 @@ def start(
     loss_module = ranks.wrap(model, device)
     session = _make_session(config, run_dir, device, dtype, tokenizer, model, data)
     session.ranks, session.loss_module = ranks, loss_module
+    session.late_readout, readout_reason = readout.resolve(
+        config.training.step_readout, session.optimizer, ranks.distributed, session.scaler is not None
+    )
+    if config.training.step_readout == "late" and not session.late_readout:
+        yield Notice(readout_reason)
     graphs_refused = _step_graphs_refused(session)
     if graphs_refused is not None:
         session.speed.refuse_step_graphs(graphs_refused)

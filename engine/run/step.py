@@ -19,7 +19,7 @@ import torch
 from engine.data.packing import IGNORE_INDEX, PackedBatch, TokenizedExample, collate
 from engine.events import EvalMetrics, Event, OomRecovered, SpeedChanged, StepMetrics, StepSkipped
 from engine.run import checkpoint as ckpt
-from engine.run import guard
+from engine.run import guard, readout
 from engine.run.folder import CHECKPOINT_DIR, EVAL_FILE, append_jsonl
 from engine.run.ranks import plain_number
 from engine.run.session import Session
@@ -98,7 +98,7 @@ class StepTokens:
     trained: int
 
 
-def _accumulate(session: Session, rows: list[int]) -> tuple[float, StepTokens]:
+def _accumulate(session: Session, rows: list[int]) -> tuple[torch.Tensor, StepTokens]:
     """Forward and backward over the step's rows (this rank's share of them); the loss is the sum over trained
     tokens / their count over the whole step, this rank's part of it under several ranks."""
     data = session.data
@@ -112,10 +112,10 @@ def _accumulate(session: Session, rows: list[int]) -> tuple[float, StepTokens]:
         with ranks.accumulating(session.loss_module, last=i == len(mine) - 1):
             loss = _forward_backward(session, batch, counted.trained)
         total += loss.float()
-    return float(total), counted
+    return total, counted
 
 
-def _accumulate_or_lower(session: Session, rows: list[int]) -> Generator[Event, None, tuple[float, StepTokens]]:
+def _accumulate_or_lower(session: Session, rows: list[int]) -> Generator[Event, None, tuple[torch.Tensor, StepTokens]]:
     """Run the step's forward/backward, lowering memory use and retrying after each out-of-memory error."""
     while True:
         try:
@@ -193,14 +193,23 @@ def _last_checkpoint(session: Session) -> str | None:
     return str(found[-1]) if found else None
 
 
-def train_step(session: Session) -> Generator[Event, None, StepMetrics | None]:
-    """One optimizer step over ``grad_accum`` packed rows; None when the update was skipped (non-finite)."""
+def train_step(session: Session) -> Generator[Event, None, list[StepMetrics]]:
+    """One optimizer step over ``grad_accum`` packed rows. Returns the metrics of the steps the host has now read:
+    this one (read at once), or the one queued before it (read late: engine.run.readout); none when skipped."""
+    if session.late_readout:
+        return (yield from _queue_and_read_previous(session))
+    metrics = yield from _step_read_at_once(session)
+    return [] if metrics is None else [metrics]
+
+
+def _step_read_at_once(session: Session) -> Generator[Event, None, StepMetrics | None]:
     if session.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(session.device)
     start = time.perf_counter()
     learning_rate = float(session.scheduler.get_last_lr()[0])
     rows = _next_rows(session)
-    loss_value, counted = yield from _accumulate_or_lower(session, rows)
+    total, counted = yield from _accumulate_or_lower(session, rows)
+    loss_value = float(total)
     rank_memory: list[int] | None = None
     if session.ranks.distributed:  # one small all-reduce: the step's loss and every rank's peak memory
         loss_value, rank_memory = session.ranks.reduce_step(loss_value, _memory_bytes(session.device))
@@ -213,23 +222,98 @@ def train_step(session: Session) -> Generator[Event, None, StepMetrics | None]:
     session.non_finite.good()
     _optimizer_step(session)
     elapsed = time.perf_counter() - start
+    memory = max(rank_memory) if rank_memory else _memory_bytes(session.device)
+    epoch = session.schedule.epoch(session.micro_batches)
+    return _good_step(session, loss_value, grad_norm, learning_rate, counted, elapsed, memory, epoch, rank_memory)
+
+
+def _good_step(
+    session: Session,
+    loss: float,
+    grad_norm: float,
+    learning_rate: float,
+    counted: StepTokens,
+    elapsed: float,
+    memory_bytes: int,
+    epoch: float,
+    rank_memory: list[int] | None = None,
+) -> StepMetrics:
+    """Count a step whose update went in, and its metrics."""
     session.step += 1
-    session.last_loss = loss_value
-    tokens = counted.tokens
+    session.last_loss = loss
     return StepMetrics(
         step=session.step,
         total_steps=session.total_steps,
-        epoch=session.schedule.epoch(session.micro_batches),
-        loss=loss_value,
+        epoch=epoch,
+        loss=loss,
         learning_rate=learning_rate,
         grad_norm=grad_norm,
-        tokens=tokens,
+        tokens=counted.tokens,
         trained_tokens=counted.trained,
         step_time_s=elapsed,
-        tokens_per_s=tokens / elapsed if elapsed > 0 else 0.0,
-        memory_bytes=max(rank_memory) if rank_memory else _memory_bytes(session.device),
+        tokens_per_s=counted.tokens / elapsed if elapsed > 0 else 0.0,
+        memory_bytes=memory_bytes,
         rank_memory_bytes=rank_memory,
     )
+
+
+def _queue_and_read_previous(session: Session) -> Generator[Event, None, list[StepMetrics]]:
+    """Queue this step whole (update included), then read the step queued before it, which the GPU has finished
+    by now or is finishing while this one waits behind it."""
+    previous = session.in_flight
+    session.in_flight = yield from _queue_step(session)
+    return (yield from _read_one(session, previous))
+
+
+def read_in_flight(session: Session) -> Generator[Event, None, list[StepMetrics]]:
+    """Read the step still in flight, if any (before an evaluation, a checkpoint, a pause or the end of the run)."""
+    previous, session.in_flight = session.in_flight, None
+    return (yield from _read_one(session, previous))
+
+
+def _read_one(session: Session, step: readout.InFlight | None) -> Generator[Event, None, list[StepMetrics]]:
+    if step is None:
+        return []
+    metrics = yield from _read(session, step)
+    return [] if metrics is None else [metrics]
+
+
+def _queue_step(session: Session) -> Generator[Event, None, readout.InFlight]:
+    if session.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(session.device)
+    started, began = time.perf_counter(), readout.began_event(session.device)
+    learning_rate = float(session.scheduler.get_last_lr()[0])
+    rows = _next_rows(session)
+    total, counted = yield from _accumulate_or_lower(session, rows)
+    max_norm = session.config.training.max_grad_norm
+    values = readout.update_on_device(session.optimizer, session.trainable, total, max_norm)
+    session.scheduler.step()
+    session.speed.zero_grad(session.optimizer)
+    return readout.send(
+        values,
+        began,
+        started,
+        learning_rate=learning_rate,
+        tokens=counted.tokens,
+        trained_tokens=counted.trained,
+        epoch=session.schedule.epoch(session.micro_batches),
+        memory_bytes=_memory_bytes(session.device),
+    )
+
+
+def _read(session: Session, step: readout.InFlight) -> Generator[Event, None, StepMetrics | None]:
+    loss, grad_norm, skipped, seconds = step.read()
+    if skipped:  # the GPU left weights and moments alone; the schedule advanced at queue time, so it goes back
+        readout.rewind_schedule(session.scheduler)
+        counter = session.non_finite
+        counter.bad(session.step + 1)
+        yield StepSkipped(session.step + 1, loss, grad_norm, counter.in_a_row, counter.total)
+        if counter.exhausted:
+            raise counter.error(_last_checkpoint(session))
+        return None
+    session.non_finite.good()
+    counted = StepTokens(step.tokens, step.trained_tokens)
+    return _good_step(session, loss, grad_norm, step.learning_rate, counted, seconds, step.memory_bytes, step.epoch)
 
 
 def _memory_bytes(device: torch.device) -> int:
