@@ -26,18 +26,25 @@ def test_variants_turn_one_switch_off_or_on() -> None:
 
 def test_bench_knobs_are_set_and_cleared_with_their_variant() -> None:
     """``auto+layer_regions`` is the automatic switches with whole-layer compiled regions; ``auto-kept_share=X``
-    fixes kept attention's share; the next variant clears both."""
+    fixes kept attention's share; ``+fp8_recompute_only`` keeps fp8 out of the forward pass; the next variant clears
+    each."""
     applied: list[SpeedConfig] = []
     controller = SimpleNamespace(
-        kept_share_override=None, region_compiler=SimpleNamespace(whole_layers=False), apply=applied.append
+        kept_share_override=None,
+        region_compiler=SimpleNamespace(whole_layers=False),
+        lean=SimpleNamespace(fp8_in_forward=True),
+        apply=applied.append,
     )
     set_variant(controller, LAYER_REGIONS)
     assert controller.region_compiler.whole_layers and applied[-1] == AUTO
     set_variant(controller, "auto-kept_share=0.5")
     assert controller.kept_share_override == 0.5 and not controller.region_compiler.whole_layers
     assert applied[-1].keep_attention is True
+    set_variant(controller, "auto+fp8_base+step_graphs+fp8_recompute_only+read_late")
+    assert not controller.lean.fp8_in_forward and applied[-1].fp8_base and applied[-1].step_graphs
     set_variant(controller, "stock")
     assert controller.kept_share_override is None and applied[-1].fused_kernels is False
+    assert controller.lean.fp8_in_forward
 
 
 @pytest.mark.parametrize("variant", ["auto+fused_kernels", "auto+nonsense", "auto-fp8_base"])
@@ -103,7 +110,7 @@ def test_a_foreach_adamw_tail_keeps_the_switches_and_changes_only_the_optimizer(
     report = json.loads(REPORT.read_text(encoding="utf-8"))
     assert "as `tunedeck train` runs" not in markdown(report)
     report["settings"] = {**report.get("settings", {}), "as_trainer": "True"}
-    assert "as `tunedeck train` runs" in markdown(report)
+    assert "as `tunedeck train --step-readout immediate` runs" in markdown(report)
 
 
 def test_a_step_timed_as_the_trainer_clips_before_the_update(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -139,3 +146,35 @@ def _loss_at_update(events: list[str], as_trainer: bool) -> float:
     assert optimizer.defaults["fused"] is None
     optimizer.register_step_pre_hook(lambda *_: events.append("step"))
     return float(train_step(model, controller, packed_batch((30, 20)), optimizer, as_trainer=as_trainer))
+
+
+def test_variant_tails_choose_the_optimizer_and_how_values_are_read() -> None:
+    from engine.bench.qlora import optimizer_choice, split_tails, variant_settings
+
+    assert split_tails("auto+fp8_base+read_late") == ("auto+fp8_base", {"read_late"})
+    assert split_tails("auto+foreach_adamw+read_immediate") == ("auto", {"foreach_adamw", "read_immediate"})
+    assert optimizer_choice("auto+step_graphs+foreach_adamw") == "foreach"
+    assert variant_settings("auto+fp8_base+read_late").fp8_base is True
+    with pytest.raises(ValueError, match="fused AdamW"):
+        variant_settings("auto+foreach_adamw+read_late")
+
+
+def test_late_readout_steps_make_the_updates_of_plain_steps() -> None:
+    """The bench's late-readout rows train as its plain rows: same losses over three steps (fused AdamW on the CPU)."""
+    import torch
+    from speed_models import packed_batch, tiny_lora_model
+
+    from engine.bench.qlora import LateReadout, step_function
+    from engine.bench.speed import bench_adamw
+    from engine.speed import SpeedController
+
+    curves = []
+    for variant in ("auto+read_late", "auto"):
+        torch.manual_seed(0)
+        model = tiny_lora_model("llama")
+        controller = SpeedController(model, AUTO, torch.device("cpu"))
+        step = step_function(variant, False, model, controller, bench_adamw(model, 1e-2, "fused"))
+        assert isinstance(step, LateReadout) is (variant == "auto+read_late")
+        curves.append([float(step(batch=packed_batch((30, 20)))) for _ in range(3)])
+    assert curves[0] == pytest.approx(curves[1], rel=1e-6)
+    assert curves[0][0] != pytest.approx(curves[0][2], rel=1e-4)  # the steps did update

@@ -327,6 +327,33 @@ def test_fp8_weights_from_4bit_codes_in_one_pass_train_as_the_two_pass_weights_o
     assert relative_error(flat_on, flat_off) < 1e-2  # LoRA A's gradients are zero at step one (B starts at zero)
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs fp8 tensor cores"
+)
+def test_fp8_only_in_the_recompute_keeps_the_16bit_forward_on_gpu() -> None:
+    """With fp8 kept out of the forward pass, an offloaded step's logits (and so its loss) are the bf16 path's to
+    the bit; only the recompute and the input gradients carry fp8 rounding, less of it than fp8 everywhere."""
+    model = bf16_model("llama")
+    base = SpeedConfig(metadata_cache=True, checkpointing="offloaded")
+    ctl = SpeedController(model, base, CUDA)
+    ctl.offloader.min_offload_bytes = ctl.offloader.min_saved_bytes = 0
+    ref_logits = run_step(model, ctl)
+    ref = grads(model)
+    model.zero_grad(set_to_none=True)
+    errors = {}
+    for in_forward in (True, False):
+        ctl.lean.fp8_in_forward = in_forward
+        ctl.apply(dataclasses.replace(base, fp8_base=True))
+        logits = run_step(model, ctl)
+        got = grads(model)
+        model.zero_grad(set_to_none=True)
+        errors[in_forward] = relative_error(logits, ref_logits), max(relative_error(got[k], ref[k]) for k in ref)
+        ctl.apply(base)
+    assert errors[False][0] == 0.0, errors
+    assert 1e-4 < errors[False][1] < errors[True][1], errors
+    print(f"\nlogits, gradients vs bf16: fp8 everywhere {errors[True]}, fp8 in the recompute only {errors[False]}")
+
+
 GRAPHED_STEPS = [[(700, 500, 300)], [(1450,), (800, 600, 100)], [(1500,)], [(600, 600, 300), (1480,)],
                  [(900, 500, 50, 1)]]  # fmt: skip
 """Micro-batches per step: multi-document rows (padded with empty documents for the varlen kernel) and

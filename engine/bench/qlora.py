@@ -17,10 +17,15 @@ Variants, timed one after another in the same process on the same rows:
 * ``auto+X``: automatic with switch X on, for the switches that are off unless switched on (fp8 base matmuls,
   kept attention, step graphs; ``auto+X+Y`` switches on both); ``auto+layer_regions``: automatic with the fused
   kernels compiled per decoder layer instead of per child (fewer compiled calls, each with its host-side cost);
-  a ``+foreach_adamw`` tail on any TuneDeck variant updates with the foreach AdamW instead of the fused one.
+  a ``+foreach_adamw`` tail on any TuneDeck variant updates with the foreach AdamW instead of the fused one;
+  a ``+fp8_recompute_only`` tail on an fp8-base variant keeps the forward pass in 16 bits (fp8 products only in
+  the offloaded recompute and backward).
 
-``--as-trainer`` reads each step's loss and gradient norm on the host before the update, as ``tunedeck train``
-does, so the rows include the GPU's wait on the host between steps.
+How a row reads each step's loss and gradient norm: not at all by default (the GPU's work alone); with a
+``+read_immediate`` tail (or ``--as-trainer`` for every row) on the host before the update, as ``tunedeck train
+--step-readout immediate`` does, so the row includes the GPU's wait on the host between steps; with a
+``+read_late`` tail one step late, as ``tunedeck train`` does by default with the fused AdamW
+(engine.run.readout).
 
 Losses: 20 steps of ``auto`` (and of each ``auto+X``) on fresh rows against the same 20 steps of the
 float32-LoRA ``stock`` path, from the same base and adapter initialisation. Each row gives the planner's predicted
@@ -44,7 +49,7 @@ from typing import Any
 
 import torch
 
-from engine.bench.speed import bench_adamw, log_row, time_steps, timing_turn, train_step
+from engine.bench.speed import LateReadout, bench_adamw, log_row, time_steps, timing_turn, train_step
 from engine.bench.step_profile import CATEGORIES, profile_step
 from engine.config import SpeedConfig
 from engine.hardware.shapes import BUILTIN_CONFIGS
@@ -84,6 +89,12 @@ LAYER_REGIONS = "auto+layer_regions"
 FOREACH_ADAMW = "foreach_adamw"
 """A bench knob as a variant's ``+foreach_adamw`` tail: the row's AdamW is the foreach one, not the fused one
 (engine.run.optimizer), to measure both."""
+READ_IMMEDIATE, READ_LATE = "read_immediate", "read_late"
+"""Bench knobs as a variant's tail: each step's values read on the host before the update, or one step late."""
+FP8_RECOMPUTE_ONLY = "fp8_recompute_only"
+"""A bench knob as a tail on an fp8-base variant: the forward pass (the loss) stays in 16 bits, fp8 products only
+in the offloaded recompute and backward (engine.speed.lean_recompute.FrozenProjection.fp8_in_forward)."""
+TAILS = (FOREACH_ADAMW, READ_IMMEDIATE, READ_LATE, FP8_RECOMPUTE_ONLY)
 KEPT_SHARE = "auto-kept_share="
 """``auto-kept_share=X``: kept attention switched on, on a fixed share X of the layers (not the one chosen from the
 GPU)."""
@@ -93,13 +104,34 @@ def kept_share_of(variant: str) -> float | None:
     return float(variant.removeprefix(KEPT_SHARE)) if variant.startswith(KEPT_SHARE) else None
 
 
+def split_tails(variant: str) -> tuple[str, set[str]]:
+    """A variant without its bench-knob tails (``+foreach_adamw``, ``+read_immediate``, ``+read_late``), and them."""
+    tails: set[str] = set()
+    while any(variant.endswith(f"+{tail}") for tail in TAILS):
+        base, tail = variant.rsplit("+", 1)
+        variant = base
+        tails.add(tail)
+    return variant, tails
+
+
 def optimizer_choice(variant: str) -> str:
     """The ``--adamw`` choice of a variant's rows."""
-    return "foreach" if variant.endswith(f"+{FOREACH_ADAMW}") else "auto"
+    return "foreach" if FOREACH_ADAMW in split_tails(variant)[1] else "auto"
+
+
+def step_function(variant: str, as_trainer: bool, model: Any, controller: Any, optimizer: Any) -> Callable:
+    """``step(batch)`` for a variant's rows, reading each step's values as its tail (or ``--as-trainer``) says."""
+    tails = split_tails(variant)[1]
+    if READ_LATE in tails:
+        return LateReadout(model, controller, optimizer)
+    immediate = as_trainer or READ_IMMEDIATE in tails
+    return functools.partial(train_step, model, controller, optimizer=optimizer, as_trainer=immediate)
 
 
 def variant_settings(variant: str) -> SpeedConfig:
-    variant = variant.removesuffix(f"+{FOREACH_ADAMW}")
+    variant, tails = split_tails(variant)
+    if {FOREACH_ADAMW, READ_LATE} <= tails:
+        raise ValueError(f"variant {variant!r}: +read_late needs the fused AdamW (it skips bad steps on the GPU)")
     if variant == "stock":
         return STOCK
     if variant in ("auto", LAYER_REGIONS):
@@ -121,8 +153,10 @@ def variant_settings(variant: str) -> SpeedConfig:
 
 
 def set_variant(controller: Any, variant: str) -> None:
-    """Apply ``variant``'s switches and the bench's own knobs (a fixed kept share, whole-layer regions)."""
-    variant = variant.removesuffix(f"+{FOREACH_ADAMW}")
+    """Apply ``variant``'s switches and the bench's own knobs (a fixed kept share, whole-layer regions, fp8 only in
+    the recompute)."""
+    variant, tails = split_tails(variant)
+    controller.lean.fp8_in_forward = FP8_RECOMPUTE_ONLY not in tails
     controller.kept_share_override = kept_share_of(variant)
     controller.region_compiler.whole_layers = variant == LAYER_REGIONS
     controller.apply(variant_settings(variant))
@@ -205,7 +239,7 @@ def run_variant(
     model, controller = who.model, who.controller
     row: dict[str, Any] = {"model": who.name, "variant": variant, "tokens": tokens, "cap_gib": cap, "ok": False}
     optimizer = bench_adamw(model, 1e-5, optimizer_choice(variant))
-    step = functools.partial(train_step, model, controller, optimizer=optimizer, as_trainer=args.as_trainer)
+    step = step_function(variant, args.as_trainer, model, controller, optimizer)
     try:
         cap_memory(cap, device)
         set_variant(controller, variant)  # automatic choices see the cap
@@ -234,15 +268,21 @@ def run_variant(
 
 
 def losses(who: Subject, variant: str, args: argparse.Namespace, device: torch.device) -> list[float]:
-    """``args.loss_steps`` steps on fresh rows from the adapter's initial weights (restored afterwards)."""
+    """``args.loss_steps`` steps on fresh rows from the adapter's initial weights (restored afterwards). TuneDeck's
+    variants train under the first cap, so their automatic choices (checkpointing among them) are the timed
+    rows'; stock trains uncapped (under a small cap it runs out of memory)."""
     model, controller = who.model, who.controller
     start = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     optimizer = bench_adamw(model, 1e-4, optimizer_choice(variant))
-    set_variant(controller, variant)
-    out = []
-    for batch in rows_of(args.loss_tokens, model.config.vocab_size, args.loss_steps, seed=1000):
-        out.append(float(train_step(model, controller, batch.to(device), optimizer)))
-    set_variant(controller, "stock")
+    cap_memory(None if variant == "stock" else args.caps[0], device)
+    try:
+        set_variant(controller, variant)
+        out = []
+        for batch in rows_of(args.loss_tokens, model.config.vocab_size, args.loss_steps, seed=1000):
+            out.append(float(train_step(model, controller, batch.to(device), optimizer)))
+    finally:
+        cap_memory(None, device)
+        set_variant(controller, "stock")
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n in start:
@@ -316,8 +356,9 @@ def _trainer_lines(report: dict[str, Any]) -> list[str]:
     if str(report.get("settings", {}).get("as_trainer")) != "True":
         return []
     return [
-        "Timed as `tunedeck train` runs (`--as-trainer`): each step's loss and gradient norm are read on the host",
-        "before the update (2 host syncs a step, in the syncs column), so the GPU's wait between steps is included.",
+        "Timed as `tunedeck train --step-readout immediate` runs (`--as-trainer`): each step's loss and gradient norm",
+        "are read on the host before the update (2 host syncs a step, in the syncs column), so the GPU's wait between",
+        "steps is included.",
     ]
 
 
@@ -337,7 +378,9 @@ def markdown(report: dict[str, Any]) -> str:
         "checkpointing, sdpa); `auto` = TuneDeck with every switch automatic; `auto-X` = automatic with X off;",
         "`auto+X` = automatic with X switched on (fp8_base: frozen-weight products in fp8; step_graphs: each",
         "micro-batch replayed from a CUDA graph; layer_regions: fused kernels compiled per decoder layer instead of",
-        "per child; `auto+X+Y`: both; a `+foreach_adamw` tail: the foreach AdamW instead of the fused one);",
+        "per child; `auto+X+Y`: both; a `+foreach_adamw` tail: the foreach AdamW instead of the fused one; "
+        "`+read_immediate` / `+read_late` tails: each step's loss and gradient norm read on the host before the "
+        "update / one step late, as `tunedeck train` does);",
         "`auto-kept_share=X` = automatic with kept attention switched on for a share X of the layers. Median of the",
         "timed steps after warm-up (compiles done). Host ms: how long the host took to queue a step (close to",
         "ms/step: the host's Python and launch overhead, not the GPU, sets the pace). Reserved GiB: the",

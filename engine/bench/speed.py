@@ -232,8 +232,8 @@ def train_step(
     """One optimizer step through the controller, as the training loop runs it; returns the detached loss.
 
     ``as_trainer``: the loss and the clipped gradient norm are read on the host before the update, as
-    ``tunedeck train`` reads them for its guard and its progress (two host syncs a step, after which the GPU waits
-    for the host's optimizer launch and the next step's preparation)."""
+    ``tunedeck train --step-readout immediate`` reads them for its guard and its progress (two host syncs a step,
+    after which the GPU waits for the host's optimizer launch and the next step's preparation)."""
     loss = controller.forward_backward(model, batch, batch.trained_tokens)
     if as_trainer:
         float(loss)
@@ -242,6 +242,30 @@ def train_step(
     optimizer.step()
     controller.zero_grad(optimizer)
     return loss
+
+
+@dataclasses.dataclass
+class LateReadout:
+    """Steps as ``tunedeck train`` takes them with late readout (engine.run.readout): clipped, checked and updated
+    on the GPU, each step's values read on the host after the next step is queued."""
+
+    model: Any
+    controller: Any
+    optimizer: torch.optim.Optimizer
+    previous: Any = None
+
+    def __call__(self, batch: PackedBatch) -> torch.Tensor:
+        from engine.run import readout
+
+        loss = self.controller.forward_backward(self.model, batch, batch.trained_tokens)
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        values = readout.update_on_device(self.optimizer, params, loss, 1.0)
+        self.controller.zero_grad(self.optimizer)
+        sent = readout.send(values, None, 0.0, learning_rate=0.0, tokens=0, trained_tokens=0, epoch=0.0, memory_bytes=0)
+        if self.previous is not None:
+            self.previous.read()
+        self.previous = sent
+        return loss
 
 
 def dense_step(model: Any, controller: Any, batch: PackedBatch, optimizer: torch.optim.Optimizer) -> Callable[[], None]:

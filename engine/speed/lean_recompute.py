@@ -127,6 +127,9 @@ class FrozenProjection(StandIn):
         self.dequant_once = False
         self.one_pass = False
         """fp8 weights straight from the 4-bit codes in one kernel (engine.speed.e4m3_weights), where it applies."""
+        self.fp8_in_forward = True
+        """With the fp8-base switch on: fp8 in the forward pass too; False keeps the forward pass (the loss) in
+        16 bits and multiplies in fp8 only in an offloaded layer's recompute and backward."""
         self.quantized = is_4bit(wrapped)
         self.out_features = int(getattr(wrapped, "out_features", 0))
         self.in_features = int(getattr(wrapped, "in_features", 0))
@@ -136,7 +139,7 @@ class FrozenProjection(StandIn):
             return self.wrapped(x, *args, **kwargs)
         recompute = self.flag.active
         unread = recompute and self.skip_unread and self.output_unread
-        if self.fp8_columns is not None:
+        if self.fp8_columns is not None and (recompute or self.fp8_in_forward):
             return self._fp8(x, keep=recompute and self.dequant_once, unread=unread)
         if unread:
             return _UnreadOutput.apply(x, *self._weight_and_state(), self.out_features)
@@ -276,6 +279,9 @@ class LeanRecompute:
     installed: list[tuple[torch.nn.Module, str, FrozenProjection]] = field(default_factory=list)
     every: bool = False
     """Stand-ins on every frozen projection (the fp8 switch acts on each), not only those lean recompute needs."""
+    fp8_in_forward: bool = True
+    """With the fp8 switch on, fp8 in the forward pass as well as in the recompute and backward
+    (FrozenProjection.fp8_in_forward)."""
 
     def switch(self, skip_unread: bool, dequant_once: bool, fp8: bool = False, one_pass: bool = False) -> None:
         """Set the three switches; ``one_pass`` lets fp8 weights come from 4-bit codes in one kernel."""
@@ -288,6 +294,7 @@ class LeanRecompute:
             self.install(every=fp8)
         for _, _, wrapper in self.installed:
             wrapper.skip_unread, wrapper.dequant_once = skip_unread, dequant_once
+            wrapper.fp8_in_forward = self.fp8_in_forward
             wrapper.set_fp8(fp8, one_pass)
 
     def install(self, every: bool = False) -> None:
