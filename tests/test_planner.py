@@ -218,10 +218,10 @@ def test_choose_reports_what_would_fit() -> None:
         load_shape("llama-3.1-8b"),
         usable_bytes(12 * GIB),
         base=TrainSetup(chunk_tokens=1024, chunk_scope="mlp"),
-        min_tokens=32768,
+        min_tokens=49152,
     )
-    assert not longer.fits and longer.estimate.peak * 1.1 > longer.budget_bytes  # the estimate is for 32,768
-    assert longer.largest_possible_tokens is not None and 16384 < longer.largest_possible_tokens < 32768
+    assert not longer.fits and longer.estimate.peak * 1.1 > longer.budget_bytes  # the estimate is for 49,152
+    assert longer.largest_possible_tokens is not None and 32768 < longer.largest_possible_tokens < 49152
     assert f"up to {longer.largest_possible_tokens:,} tokens" in longer.reasons["fit"]
 
 
@@ -254,10 +254,15 @@ def phase_peak(probe: dict) -> float:
     return max(phase["peak_gib"] for step in probe["steps"] for phase in step.values() if isinstance(phase, dict))
 
 
-def test_long_context_peaks_are_predicted_within_10_percent_above() -> None:
-    """The 8B QLoRA long-context probes (per-token modules in chunks, offloaded checkpointing): every row that
-    trained peaked at or below the prediction, by at most 10%, and every row that ran out was predicted over its cap."""
-    data = json.loads((BENCHMARKS / "long_context_h200.json").read_text(encoding="utf-8"))
+@pytest.mark.parametrize(
+    ("report", "least"),
+    [("long_context_h200.json", 5), ("long_context_h200_16gib.json", 1), ("long_context_h200_24gib.json", 1)],
+)
+def test_long_context_peaks_are_predicted_within_10_percent_above(report: str, least: int) -> None:
+    """The 8B QLoRA long-context probes (per-token modules in chunks, offloaded checkpointing; eager layers under
+    8 GiB, compiled ones in the 16 and 24 GiB re-measurements): every row that trained peaked at or below the
+    prediction, by at most 10%, and every row that ran out was predicted over its cap."""
+    data = json.loads((BENCHMARKS / report).read_text(encoding="utf-8"))
     shape = load_shape("llama-3.1-8b")
     checked = 0
     for search in data["searches"]:
@@ -273,7 +278,22 @@ def test_long_context_peaks_are_predicted_within_10_percent_above() -> None:
             else:
                 assert predicted > probe["cap_gib"], (probe["tokens"], predicted)
             checked += 1
-    assert checked >= 5
+    assert checked >= least
+
+
+def test_long_rows_with_compiled_layers_are_predicted_within_10_percent_above() -> None:
+    """Three lengths of 8B QLoRA with compiled layers under a 24 GiB cap, where the peak falls in an attention
+    block's backward (benchmarks/qlora_memory_peak_h200.md); the planner before it counted that block's backward on
+    top of the whole layer's tensors and was 9-13% over."""
+    data = json.loads((BENCHMARKS / "qlora_memory_peak_h200.json").read_text(encoding="utf-8"))
+    shape = load_shape("llama-3.1-8b")
+    assert data["state"]["fused_kernels"]["on"] and len(data["rows"]) == 3
+    for row in data["rows"]:
+        setup = setup_from_speed_state(data["state"], shape, row["tokens"], qlora=True, lora_rank=32)
+        predicted = estimate_memory(shape, setup).peak / GIB
+        measured = row["measured_peak_gib"]
+        assert measured <= predicted <= 1.10 * measured, (row["tokens"], measured, predicted)
+        assert predicted < row["planned_before_gib"]
 
 
 def test_offloaded_speed_rows_are_predicted_within_10_percent_above() -> None:

@@ -243,6 +243,41 @@ def test_4bit_weights_reach_e4m3_in_one_pass_with_the_two_pass_bits_on_gpu(
             assert differ <= 1e-4, (rows_out, transposed_out, differ)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two NVIDIA GPUs")
+def test_both_triton_kernels_run_on_their_tensors_gpu_while_another_is_current() -> None:
+    """A run on ``cuda:1`` in a process whose current GPU is ``cuda:0`` (``--gpus 1`` style): the loss kernel and
+    the 4-bit-to-e4m3 kernel give what they give with ``cuda:1`` current."""
+    from bitsandbytes.functional import quantize_4bit
+
+    from engine.speed import loss_kernel
+    from engine.speed.e4m3_weights import e4m3_from_4bit
+    from engine.speed.fp8_base import weight_scale
+    from engine.speed.fused_loss import IGNORE_INDEX
+
+    second = torch.device("cuda", 1)
+    g = torch.Generator(device=second).manual_seed(2)
+    logits = (torch.randn(256, 32000, device=second, generator=g) * 3).to(torch.bfloat16)
+    labels = torch.randint(0, 32000, (256,), device=second, generator=g)
+    weight = (torch.randn(1024, 4096, device=second, generator=g) * 0.02).to(torch.bfloat16)
+    with torch.cuda.device(second):
+        packed, state = quantize_4bit(weight, blocksize=64, quant_type="nf4", compress_statistics=True)
+        scale = weight_scale(weight)
+
+    def both() -> tuple[torch.Tensor, ...]:
+        loss, grad = loss_kernel.softmax_cross_entropy_grad(logits, labels, 0.5, ignore_index=IGNORE_INDEX)
+        rows, columns = e4m3_from_4bit(packed, state, scale, torch.bfloat16, True, True)
+        assert rows is not None and columns is not None
+        return loss, grad, rows.view(torch.uint8), columns.view(torch.uint8)
+
+    with torch.cuda.device(second):
+        want = both()
+    with torch.cuda.device(0):
+        got = both()
+    torch.cuda.synchronize(second)
+    for a, b in zip(got, want, strict=True):
+        assert a.device == second and torch.equal(a, b)
+
+
 @pytest.mark.parametrize("window", [None, 96])
 def test_grouped_flash_attention_matches_repeated_kv_on_gpu(window: int | None) -> None:
     """The kernel fed grouped K/V equals the same kernel fed K/V repeated to every query head, gradients too."""

@@ -356,6 +356,22 @@ def _attention_backward_bytes(shape: ModelShape, setup: TrainSetup, backend: str
     return 4 * shape.q_dim + 2 * setup.activation_bytes * (shape.q_dim - shape.kv_dim)
 
 
+def attention_phase_bytes(shape: ModelShape, setup: TrainSetup, backend: str) -> int:
+    """Per token: what a compiled layer holds while its attention block runs backward, after its MLP's backward
+    has freed the MLP's saved tensors: the attention block's saved tensors (the norm's output, q, k, v, the output
+    and its log-sum-exp) and the attention kernel's backward buffers.
+
+    A one-document row takes SDPA's causal path (cuDNN on Hopper), whose backward holds two float32 buffers the
+    size of the queries, the 16-bit query, key and value gradients and a float32 value per head; measured on the
+    H200 at 16,384-49,152 tokens of Llama-3.1-8B (benchmarks/qlora_memory_peak_h200.md) to the byte. A packed row
+    takes the varlen kernel, whose buffers (:func:`_attention_backward_bytes`) are smaller; the larger is counted.
+    """
+    act = setup.activation_bytes
+    saved = act * shape.hidden_size + _attention_bytes(shape, setup, backend)
+    causal = 8 * shape.q_dim + act * (shape.q_dim + 2 * shape.kv_dim) + 4 * shape.num_heads
+    return saved + max(causal, _attention_backward_bytes(shape, setup, backend))
+
+
 def chunk_split(shape: ModelShape, setup: TrainSetup) -> tuple[int, int]:
     """Per token: (bytes of :func:`layer_activation_bytes` that chunking keeps to one chunk, bytes it adds to the
     whole row).
@@ -433,8 +449,10 @@ def estimate_memory(
                 whole -= act * h  # the layer's input, which the chunked first norm keeps: counted in kept_inputs
             layer += (whole - local) * t + local * chunk
         # the MLP's gradients and the attention kernel's backward buffers are alive one after the other
-        transient = max(width_grads * chunk, _attention_backward_bytes(shape, setup, backend) * t)
-        recompute = kept_inputs + layer + transient + layer_mask + copies + hidden_grads * t
+        working = layer + max(width_grads * chunk, _attention_backward_bytes(shape, setup, backend) * t)
+        if setup.chunk_scope == "mlp":  # compiled layers: see attention_phase_bytes
+            working = max(layer + width_grads * chunk, attention_phase_bytes(shape, setup, backend) * t)
+        recompute = kept_inputs + working + layer_mask + copies + hidden_grads * t
         recompute += dequantized_layer_bytes(shape, setup) + dequantized_experts_bytes(shape, setup)
         recompute += experts_rerun_bytes(shape, setup) * t
         if setup.keep_attention and setup.checkpointing == "offloaded":
