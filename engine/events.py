@@ -117,7 +117,8 @@ class OomRecovered(Event):
     """A step ran out of accelerator memory; memory was released and the step is retried with less.
 
     ``action`` is ``"tokens_per_batch"`` (packed rows are split into smaller micro-batches of at most
-    ``tokens_per_batch`` tokens, same documents in the same order) or ``"offloaded_checkpointing"``.
+    ``tokens_per_batch`` tokens, same documents in the same order), ``"offloaded_checkpointing"`` or
+    ``"chunked_mlp"`` (the MLPs run over chunks of the sequence in the recompute).
     """
 
     step: int

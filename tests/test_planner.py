@@ -283,11 +283,11 @@ def test_long_context_peaks_are_predicted_within_10_percent_above(report: str, l
 
 def test_long_rows_with_compiled_layers_are_predicted_within_10_percent_above() -> None:
     """Three lengths of 8B QLoRA with compiled layers under a 24 GiB cap, where the peak falls in an attention
-    block's backward (benchmarks/qlora_memory_peak_h200.md); the planner before it counted that block's backward on
-    top of the whole layer's tensors and was 9-13% over."""
+    block's backward, and one 8,192-token document in chunks under 8 GiB (benchmarks/qlora_memory_peak_h200.md);
+    the planner before counted that block's backward on top of the whole layer's tensors and was 3-13% over."""
     data = json.loads((BENCHMARKS / "qlora_memory_peak_h200.json").read_text(encoding="utf-8"))
     shape = load_shape("llama-3.1-8b")
-    assert data["state"]["fused_kernels"]["on"] and len(data["rows"]) == 3
+    assert data["state"]["fused_kernels"]["on"] and len(data["rows"]) == 4
     for row in data["rows"]:
         setup = setup_from_speed_state(data["state"], shape, row["tokens"], qlora=True, lora_rank=32)
         predicted = estimate_memory(shape, setup).peak / GIB

@@ -3,6 +3,7 @@ refused permissions and damaged checkpoints. Each test fails without the protect
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import math
@@ -122,18 +123,53 @@ def test_out_of_memory_at_the_smallest_setting_stops_with_a_clear_message(
     wrap_forward(monkeypatch, oom_above(20))  # every document is longer: nothing can fit
     events = list(run(make_config(tiny_model_dir, chat_file, tmp_path, {"tokens_per_batch": 128})))
     actions = [(e.action, e.tokens_per_batch) for e in events if isinstance(e, OomRecovered)]
-    *lowered, last = actions
+    *lowered, offloaded, chunked = actions
     budgets = [budget for _, budget in lowered]
     smallest = budgets[-1]  # the longest document of the step: documents are never cut
     assert {kind for kind, _ in lowered} == {"tokens_per_batch"} and budgets[0] == 64
     assert budgets == sorted(budgets, reverse=True) and 28 <= smallest <= 32
-    assert last == ("offloaded_checkpointing", smallest)
+    assert offloaded == ("offloaded_checkpointing", smallest) and chunked == ("chunked_mlp", smallest)
     speed = [e for e in events if isinstance(e, SpeedChanged)][-1]
     assert speed.state["checkpointing"]["mode"] != "none"  # offloaded where supported, recompute on CPU
+    assert speed.state["chunked_mlp"]["on"]
     (failed,) = failures(events)
     assert "out of GPU memory at step 1" in failed.message and f"{smallest} tokens" in failed.message
+    assert "chunks" in failed.message
     assert failed.hint and "QLoRA" in failed.hint
     assert not isinstance(events[-1], RunFinished)
+
+
+def oom_until_chunked(fault_calls: list[int]) -> Callable:
+    """Out of memory on every training forward until the per-token modules run in chunks (one long document that
+    fits only that way)."""
+
+    def fault(session, batch, num_items, real):
+        if session.model.training and not session.speed.state()["chunked_mlp"]["on"]:
+            fault_calls.append(session.step + 1)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 224.00 MiB")
+        return real(session, batch, num_items)
+
+    return fault
+
+
+def test_a_document_that_fits_only_in_chunks_trains_after_switching_them_on(
+    tiny_model_dir: Path, chat_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Splitting rows and offloading are tried first; then the MLPs go to chunks, the run finishes every step, and
+    its losses are those of a run with chunks on from the start."""
+    packed = {"tokens_per_batch": 48}
+    chunked = make_config(tiny_model_dir, chat_file, tmp_path / "ref", packed)
+    chunked = dataclasses.replace(chunked, speed=dataclasses.replace(chunked.speed, chunked_mlp=True))
+    assert not failures(list(run(chunked)))
+    calls: list[int] = []
+    wrap_forward(monkeypatch, oom_until_chunked(calls))
+    events = list(run(make_config(tiny_model_dir, chat_file, tmp_path / "oom", packed)))
+    assert not failures(events), failures(events)
+    actions = [e.action for e in events if isinstance(e, OomRecovered)]
+    assert actions[-2:] == ["offloaded_checkpointing", "chunked_mlp"] and set(calls) == {1}
+    assert "chunks" in [e for e in events if isinstance(e, OomRecovered)][-1].message
+    assert [e.step for e in events if isinstance(e, StepMetrics)] == [1, 2, 3, 4, 5, 6]
+    assert_same_curve(curve(tmp_path / "oom" / "run"), curve(tmp_path / "ref" / "run"), rel=1e-4)
 
 
 def test_other_errors_in_a_step_are_not_mistaken_for_out_of_memory(

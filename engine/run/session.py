@@ -61,6 +61,8 @@ class Session:
     tokens_per_batch: int = field(init=False)
     """Largest micro-batch in tokens; lowered after an out-of-memory step (rows are then split, never reordered)."""
     offload_tried: bool = False
+    chunks_tried: bool = False
+    """The per-token modules were switched to chunks after running out of memory."""
     non_finite: guard.NonFiniteCounter = field(init=False)
     ranks: Ranks = field(default_factory=Ranks.single)
     loss_module: torch.nn.Module | None = None

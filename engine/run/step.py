@@ -142,9 +142,13 @@ def _drop_graphs(session: Session) -> Generator[Event, None, bool]:
 
 
 def _lower_memory(session: Session, rows: list[list[int]], examples: list[TokenizedExample]) -> Iterator[Event]:
-    offloaded = session.speed.state().get("checkpointing", {}).get("mode") == "offloaded"
+    state = session.speed.state()
+    offloaded = state.get("checkpointing", {}).get("mode") == "offloaded"
+    chunked = bool(state.get("chunked_mlp", {}).get("on"))
     longest = _longest_document(examples, rows)
-    action = guard.next_oom_action(session.tokens_per_batch, longest, session.offload_tried or offloaded)
+    action = guard.next_oom_action(
+        session.tokens_per_batch, longest, session.offload_tried or offloaded, session.chunks_tried or chunked
+    )
     if action is None:
         raise guard.out_of_memory_error(session.step + 1, session.tokens_per_batch)
     message = action.describe(session.tokens_per_batch)
@@ -153,6 +157,10 @@ def _lower_memory(session: Session, rows: list[list[int]], examples: list[Tokeni
     if action.kind == guard.OFFLOADED_CHECKPOINTING:
         session.offload_tried = True
         session.speed.apply(dataclasses.replace(session.speed.settings, checkpointing="offloaded"))
+        yield SpeedChanged(session.step, session.speed.state())
+    elif action.kind == guard.CHUNKED_MLP:
+        session.chunks_tried = True
+        session.speed.apply(dataclasses.replace(session.speed.settings, chunked_mlp=True))
         yield SpeedChanged(session.step, session.speed.state())
 
 
