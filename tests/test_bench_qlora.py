@@ -26,14 +26,11 @@ def test_variants_turn_one_switch_off_or_on() -> None:
 
 def test_bench_knobs_are_set_and_cleared_with_their_variant() -> None:
     """``auto+layer_regions`` is the automatic switches with whole-layer compiled regions; ``auto-kept_share=X``
-    fixes kept attention's share; ``+fp8_recompute_only`` keeps fp8 out of the forward pass; the next variant clears
-    each."""
+    fixes kept attention's share; ``+fp8_recompute_only`` sets the fp8 scope to the recompute; the next variant
+    clears each."""
     applied: list[SpeedConfig] = []
     controller = SimpleNamespace(
-        kept_share_override=None,
-        region_compiler=SimpleNamespace(whole_layers=False),
-        lean=SimpleNamespace(fp8_in_forward=True),
-        apply=applied.append,
+        kept_share_override=None, region_compiler=SimpleNamespace(whole_layers=False), apply=applied.append
     )
     set_variant(controller, LAYER_REGIONS)
     assert controller.region_compiler.whole_layers and applied[-1] == AUTO
@@ -41,10 +38,10 @@ def test_bench_knobs_are_set_and_cleared_with_their_variant() -> None:
     assert controller.kept_share_override == 0.5 and not controller.region_compiler.whole_layers
     assert applied[-1].keep_attention is True
     set_variant(controller, "auto+fp8_base+step_graphs+fp8_recompute_only+read_late")
-    assert not controller.lean.fp8_in_forward and applied[-1].fp8_base and applied[-1].step_graphs
+    assert applied[-1].fp8_scope == "recompute" and applied[-1].fp8_base and applied[-1].step_graphs
     set_variant(controller, "stock")
     assert controller.kept_share_override is None and applied[-1].fused_kernels is False
-    assert controller.lean.fp8_in_forward
+    assert applied[-1].fp8_scope == "all"
 
 
 @pytest.mark.parametrize("variant", ["auto+fused_kernels", "auto+nonsense", "auto-fp8_base"])

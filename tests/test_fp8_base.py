@@ -153,6 +153,32 @@ def test_qlora_fp8_with_lean_recompute_and_dequantize_once(tiny_dir: Path) -> No
     assert all(torch.equal(grads_back[name], grads_ref[name]) for name in grads_ref)
 
 
+def test_fp8_in_the_recompute_only_keeps_the_16bit_loss(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fp8_scope="recompute"``: the loss is the 16-bit path's bit for bit, the gradients carry fp8 rounding from
+    the recompute and the input gradients (fewer products than fp8 everywhere)."""
+    model = tiny_qlora_model(tiny_dir)
+    lean = dataclasses.replace(OFFLOADED, lean_recompute=True, dequant_once=True)
+    loss_ref, grads_ref, _ = run(model, lean)
+    scaled_mm = _count_scaled_mm(monkeypatch)
+    loss, grads_fp8, controller = run(model, dataclasses.replace(lean, fp8_base=True, fp8_scope="recompute"))
+    state = controller.state()["fp8_base"]
+    assert state["on"] and "loss stay 16-bit" in state["reason"]
+    assert scaled_mm[0] > 0 and torch.equal(loss, loss_ref)
+    assert 0 < worst_gradient_error(grads_fp8, grads_ref) < FP8_ERROR
+    products_in_recompute = scaled_mm[0]
+    run(model, dataclasses.replace(lean, fp8_base=True))
+    assert scaled_mm[0] - products_in_recompute > products_in_recompute  # fp8 everywhere adds the forward's
+
+
+def test_fp8_in_the_recompute_only_needs_offloaded_checkpointing() -> None:
+    model = mixed_precision_lora_model("llama")
+    loss_ref, grads_ref, _ = run(model, PLAIN)
+    loss, grads, controller = run(model, dataclasses.replace(PLAIN, fp8_base=True, fp8_scope="recompute"))
+    state = controller.state()["fp8_base"]
+    assert not state["on"] and "offloaded checkpointing" in state["reason"]
+    assert torch.equal(loss, loss_ref) and all(torch.equal(grads[k], grads_ref[k]) for k in grads_ref)
+
+
 def test_a_wrong_weight_scale_is_caught() -> None:
     """The comparison above can fail: output columns scaled by twice the weight's scale in the product (all but the
     first, whose scale also quantizes the weight) double most of every frozen projection's output."""

@@ -376,17 +376,17 @@ def test_fp8_only_in_the_recompute_keeps_the_16bit_forward_on_gpu() -> None:
     ref = grads(model)
     model.zero_grad(set_to_none=True)
     errors = {}
-    for in_forward in (True, False):
-        ctl.lean.fp8_in_forward = in_forward
-        ctl.apply(dataclasses.replace(base, fp8_base=True))
+    for scope in ("all", "recompute"):
+        ctl.apply(dataclasses.replace(base, fp8_base=True, fp8_scope=scope))
+        assert ctl.state()["fp8_base"]["on"], ctl.state()["fp8_base"]
         logits = run_step(model, ctl)
         got = grads(model)
         model.zero_grad(set_to_none=True)
-        errors[in_forward] = relative_error(logits, ref_logits), max(relative_error(got[k], ref[k]) for k in ref)
+        errors[scope] = relative_error(logits, ref_logits), max(relative_error(got[k], ref[k]) for k in ref)
         ctl.apply(base)
-    assert errors[False][0] == 0.0, errors
-    assert 1e-4 < errors[False][1] < errors[True][1], errors
-    print(f"\nlogits, gradients vs bf16: fp8 everywhere {errors[True]}, fp8 in the recompute only {errors[False]}")
+    assert errors["recompute"][0] == 0.0, errors
+    assert 1e-4 < errors["recompute"][1] < errors["all"][1], errors
+    print(f"\nlogits, gradients vs bf16 by fp8 scope: {errors}")
 
 
 GRAPHED_STEPS = [[(700, 500, 300)], [(1450,), (800, 600, 100)], [(1500,)], [(600, 600, 300), (1480,)],

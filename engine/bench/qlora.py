@@ -18,8 +18,8 @@ Variants, timed one after another in the same process on the same rows:
   kept attention, step graphs; ``auto+X+Y`` switches on both); ``auto+layer_regions``: automatic with the fused
   kernels compiled per decoder layer instead of per child (fewer compiled calls, each with its host-side cost);
   a ``+foreach_adamw`` tail on any TuneDeck variant updates with the foreach AdamW instead of the fused one;
-  a ``+fp8_recompute_only`` tail on an fp8-base variant keeps the forward pass in 16 bits (fp8 products only in
-  the offloaded recompute and backward).
+  a ``+fp8_recompute_only`` tail on an fp8-base variant runs it with ``--fp8-scope recompute`` (the forward pass
+  in 16 bits, fp8 products only in the offloaded recompute and the input gradients).
 
 How a row reads each step's loss and gradient norm: not at all by default (the GPU's work alone); with a
 ``+read_immediate`` tail (or ``--as-trainer`` for every row) on the host before the update, as ``tunedeck train
@@ -92,8 +92,8 @@ FOREACH_ADAMW = "foreach_adamw"
 READ_IMMEDIATE, READ_LATE = "read_immediate", "read_late"
 """Bench knobs as a variant's tail: each step's values read on the host before the update, or one step late."""
 FP8_RECOMPUTE_ONLY = "fp8_recompute_only"
-"""A bench knob as a tail on an fp8-base variant: the forward pass (the loss) stays in 16 bits, fp8 products only
-in the offloaded recompute and backward (engine.speed.lean_recompute.FrozenProjection.fp8_in_forward)."""
+"""A tail on an fp8-base variant: ``--fp8-scope recompute``, the forward pass (the loss) stays in 16 bits, fp8
+products only in the offloaded recompute and the input gradients."""
 TAILS = (FOREACH_ADAMW, READ_IMMEDIATE, READ_LATE, FP8_RECOMPUTE_ONLY)
 KEPT_SHARE = "auto-kept_share="
 """``auto-kept_share=X``: kept attention switched on, on a fixed share X of the layers (not the one chosen from the
@@ -132,6 +132,11 @@ def variant_settings(variant: str) -> SpeedConfig:
     variant, tails = split_tails(variant)
     if {FOREACH_ADAMW, READ_LATE} <= tails:
         raise ValueError(f"variant {variant!r}: +read_late needs the fused AdamW (it skips bad steps on the GPU)")
+    settings = _switch_settings(variant)
+    return dataclasses.replace(settings, fp8_scope="recompute") if FP8_RECOMPUTE_ONLY in tails else settings
+
+
+def _switch_settings(variant: str) -> SpeedConfig:
     if variant == "stock":
         return STOCK
     if variant in ("auto", LAYER_REGIONS):
@@ -153,12 +158,11 @@ def variant_settings(variant: str) -> SpeedConfig:
 
 
 def set_variant(controller: Any, variant: str) -> None:
-    """Apply ``variant``'s switches and the bench's own knobs (a fixed kept share, whole-layer regions, fp8 only in
-    the recompute)."""
-    variant, tails = split_tails(variant)
-    controller.lean.fp8_in_forward = FP8_RECOMPUTE_ONLY not in tails
-    controller.kept_share_override = kept_share_of(variant)
-    controller.region_compiler.whole_layers = variant == LAYER_REGIONS
+    """Apply ``variant``'s switches (its tails' too) and the bench's own knobs (a fixed kept share, whole-layer
+    regions)."""
+    base = split_tails(variant)[0]
+    controller.kept_share_override = kept_share_of(base)
+    controller.region_compiler.whole_layers = base == LAYER_REGIONS
     controller.apply(variant_settings(variant))
 
 

@@ -252,7 +252,9 @@ class SpeedController:
         once, once_reason = lean_recompute.dequant_once_resolve(settings.dequant_once, mode, extra, free)
         frozen = sum(1 for _ in lean_recompute.frozen_projections(self.hf_model, every=True))
         fp8, fp8_reason = fp8_base.resolve(settings.fp8_base, self.device, frozen)
+        fp8, fp8_reason = fp8_base.scoped(fp8, fp8_reason, settings.fp8_scope, mode)
         compiled, _ = fused_kernels.resolve(settings.fused_kernels, self.hf_model, self.device)
+        self.lean.fp8_in_forward = settings.fp8_scope != "recompute"
         self.lean.switch(skip, once, fp8, one_pass=compiled)
         if fp8:
             fp8_reason += fp8_coverage(*self.lean.fp8_projections())

@@ -20,6 +20,12 @@ Cost: e4m3 keeps 3 mantissa bits, so each product carries about 4% relative erro
 adapters stay in 16/32 bits, but the losses no longer follow the bf16 path within bf16 noise: that is why the
 switch is off unless switched on. Products whose widths are not multiples of 16 keep the 16-bit path, and so do
 MoE routers and 3-D experts, which are not linear projections: experts are still chosen from 16-bit logits.
+
+Scope (``--fp8-scope``): ``all`` as above, or ``recompute``: the forward pass stays in 16 bits, so the loss is the
+16-bit path's, and only offloaded checkpointing's recompute and the input gradients multiply in fp8. The gradients
+then come from activations rebuilt with fp8 products. Measured on the H200 (Llama-3.1-8B QLoRA, 4,096 tokens, 8 GiB):
+20-step losses within 2.4e-4 of the automatic path against 2.9e-3 with fp8 everywhere (bf16's own noise there is
+1.5-1.9e-4); 339 ms a step with step graphs against 303 ms for fp8 everywhere and about 395 ms for bf16.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ __all__ = [
     "frozen_weight_e4m3",
     "quantize_rows",
     "resolve",
+    "scoped",
     "unavailable_reason",
     "weight_columns",
     "weight_scale",
@@ -197,6 +204,18 @@ def unavailable_reason(device: torch.device) -> str | None:
         _PROBED[key] = _probe(device)
     problem = _PROBED[key]
     return None if problem is None else f"this torch cannot multiply fp8 with per-row scales here: {problem}"
+
+
+def scoped(on: bool, reason: str, scope: str, checkpointing: str) -> tuple[bool, str]:
+    """(on, reason) once the scope is applied: fp8 only in the recompute needs offloaded checkpointing's recompute."""
+    if not on or scope != "recompute":
+        return on, reason
+    if checkpointing != "offloaded":
+        return False, (
+            "fp8 scope 'recompute' multiplies in fp8 only in offloaded checkpointing's recompute; with "
+            f"{checkpointing} checkpointing every product stays 16-bit"
+        )
+    return True, reason + "; the forward pass and its loss stay 16-bit (fp8 scope: recompute and input gradients)"
 
 
 def resolve(requested: bool | None, device: torch.device, frozen: int) -> tuple[bool, str]:
