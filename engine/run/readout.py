@@ -101,7 +101,7 @@ def began_event(device: torch.device) -> torch.cuda.Event | None:
     if device.type != "cuda":
         return None
     event = torch.cuda.Event(enable_timing=True)
-    event.record()
+    event.record(torch.cuda.current_stream(device))  # the run's GPU, which need not be the current one
     return event
 
 
@@ -110,7 +110,9 @@ def send(values: torch.Tensor, began: torch.cuda.Event | None, started: float, *
     if values.device.type != "cuda":
         return InFlight(values.detach().clone(), None, None, started, **step)  # type: ignore[arg-type]
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-    host.copy_(values, non_blocking=True)
+    stream = torch.cuda.current_stream(values.device)
+    with torch.cuda.stream(stream):
+        host.copy_(values, non_blocking=True)
     copied = torch.cuda.Event(enable_timing=True)
-    copied.record()
+    copied.record(stream)
     return InFlight(host, copied, began, started, **step)  # type: ignore[arg-type]
