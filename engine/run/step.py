@@ -3,7 +3,10 @@
 A step trains on ``grad_accum`` packed rows (this rank's share of them), splits a row into smaller
 micro-batches after an out-of-memory error (engine.run.guard), skips the update when the loss or gradient is not
 finite, and reports :class:`~engine.events.StepMetrics`. The loss of a step is the sum over its trained tokens
-divided by their count over the whole step, so micro-batching and ranks never change what is learned.
+divided by their count over the whole step, so micro-batching and ranks never change what is learned. With late
+readout (engine.run.readout) a step is queued whole, its skip decided on the GPU, and its metrics reported after
+the next step is queued; the training loop reads a step at once where an evaluation, a checkpoint, a pause or the
+end follows it.
 """
 
 from __future__ import annotations
