@@ -35,7 +35,7 @@ def test_a_step_is_clipped_checked_and_updated_without_a_host_sync(bad: bool) ->
     torch.cuda.set_sync_debug_mode("error")
     try:
         values = readout.update_on_device(optimizer, params, loss, 1.0)
-        sent = readout.send(values, None, 0.0, learning_rate=0.1, tokens=1, trained_tokens=1, epoch=0.0, memory_bytes=0)
+        sent = readout.send(values, None, 0.0)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     got_loss, norm, skipped, _ = sent.read()

@@ -261,7 +261,7 @@ class LateReadout:
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         values = readout.update_on_device(self.optimizer, params, loss, 1.0)
         self.controller.zero_grad(self.optimizer)
-        sent = readout.send(values, None, 0.0, learning_rate=0.0, tokens=0, trained_tokens=0, epoch=0.0, memory_bytes=0)
+        sent = readout.send(values, None, 0.0)
         if self.previous is not None:
             self.previous.read()
         self.previous = sent

@@ -124,21 +124,24 @@ def _train(session: Session, control: RunControl) -> Iterator[Event]:
 
 def _due(session: Session, step: int) -> bool:
     """Whether ``step`` ends the run or is followed by an evaluation or a checkpoint."""
-    training = session.config.training
-    every = [n for n in (training.eval_every, training.save_every) if n]
-    return step >= session.total_steps or any(step % n == 0 for n in every)
+    return step >= session.total_steps or _every(session, step, "eval_every") or _every(session, step, "save_every")
+
+
+def _every(session: Session, step: int, setting: str) -> bool:
+    """Whether ``training.<setting>`` (eval_every, save_every) falls on ``step`` before the run's last step."""
+    every = getattr(session.config.training, setting)
+    return bool(every) and step % every == 0 and step < session.total_steps
 
 
 def _reported(session: Session, done: list[StepMetrics]) -> Iterator[Event]:
     """Log and yield the metrics of steps read back, then evaluate and save where one of them is due."""
-    training = session.config.training
     for metrics in done:
         if session.ranks.is_main:
             append_jsonl(session.run_dir / METRICS_FILE, _metrics_record(metrics))
         yield metrics
-        if training.eval_every and session.step % training.eval_every == 0 and session.step < session.total_steps:
+        if _every(session, session.step, "eval_every"):
             yield from evaluate(session)
-        if training.save_every and session.step % training.save_every == 0 and session.step < session.total_steps:
+        if _every(session, session.step, "save_every"):
             yield _save_checkpoint(session)
 
 

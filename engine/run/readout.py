@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["InFlight", "began_event", "resolve", "rewind_schedule", "send", "update_on_device"]
+__all__ = ["InFlight", "Readback", "began_event", "resolve", "rewind_schedule", "send", "update_on_device"]
 
 
 def resolve(choice: str, optimizer: torch.optim.Optimizer, distributed: bool, scaled: bool) -> tuple[bool, str]:
@@ -70,19 +70,14 @@ def rewind_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
 
 
 @dataclass
-class InFlight:
-    """A queued step: its update is on its way through the GPU, its values on their way to the host."""
+class Readback:
+    """A step's values on their way to the host, and the GPU events that time the step."""
 
     values: torch.Tensor
     """(loss, gradient norm, skipped) in host memory once ``copied`` has passed."""
     copied: torch.cuda.Event | None
     began: torch.cuda.Event | None
     started: float
-    learning_rate: float
-    tokens: int
-    trained_tokens: int
-    epoch: float
-    memory_bytes: int
 
     def read(self) -> tuple[float, float, bool, float]:
         """(loss, gradient norm, skipped, seconds the step took); waits for the GPU only if it is still on it."""
@@ -96,6 +91,18 @@ class InFlight:
         return loss, norm, bool(skipped), seconds
 
 
+@dataclass
+class InFlight:
+    """A queued step: its update is on its way through the GPU, its values on their way to the host."""
+
+    readback: Readback
+    learning_rate: float
+    tokens: int
+    trained_tokens: int
+    epoch: float
+    memory_bytes: int
+
+
 def began_event(device: torch.device) -> torch.cuda.Event | None:
     """Marks the start of a step's GPU work (None off the GPU)."""
     if device.type != "cuda":
@@ -105,14 +112,14 @@ def began_event(device: torch.device) -> torch.cuda.Event | None:
     return event
 
 
-def send(values: torch.Tensor, began: torch.cuda.Event | None, started: float, **step: int | float) -> InFlight:
-    """Start the copy of ``values`` to the host behind the work queued so far; ``step``: InFlight's other fields."""
+def send(values: torch.Tensor, began: torch.cuda.Event | None, started: float) -> Readback:
+    """Start the copy of ``values`` to the host behind the work queued so far."""
     if values.device.type != "cuda":
-        return InFlight(values.detach().clone(), None, None, started, **step)  # type: ignore[arg-type]
+        return Readback(values.detach().clone(), None, None, started)
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
     stream = torch.cuda.current_stream(values.device)
     with torch.cuda.stream(stream):
         host.copy_(values, non_blocking=True)
     copied = torch.cuda.Event(enable_timing=True)
     copied.record(stream)
-    return InFlight(host, copied, began, started, **step)  # type: ignore[arg-type]
+    return Readback(host, copied, began, started)

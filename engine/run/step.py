@@ -300,20 +300,18 @@ def _queue_step(session: Session) -> Generator[Event, None, readout.InFlight]:
     values = readout.update_on_device(session.optimizer, session.trainable, total, max_norm)
     session.scheduler.step()
     session.speed.zero_grad(session.optimizer)
-    return readout.send(
-        values,
-        began,
-        started,
-        learning_rate=learning_rate,
-        tokens=counted.tokens,
-        trained_tokens=counted.trained,
-        epoch=session.schedule.epoch(session.micro_batches),
-        memory_bytes=_memory_bytes(session.device),
+    return readout.InFlight(
+        readout.send(values, began, started),
+        learning_rate,
+        counted.tokens,
+        counted.trained,
+        session.schedule.epoch(session.micro_batches),
+        _memory_bytes(session.device),
     )
 
 
 def _read(session: Session, step: readout.InFlight) -> Generator[Event, None, StepMetrics | None]:
-    loss, grad_norm, skipped, seconds = step.read()
+    loss, grad_norm, skipped, seconds = step.readback.read()
     if skipped:  # the GPU left weights and moments alone; the schedule advanced at queue time, so it goes back
         readout.rewind_schedule(session.scheduler)
         counter = session.non_finite
