@@ -18,7 +18,9 @@ from engine.config import SpeedConfig
 
 ALL = "all"
 """The pseudo-switch of "all on vs all off"."""
-SPEED_SWITCHES = ("metadata_cache", "fused_loss", "lora_16bit", "fused_kernels", "lean_recompute", "dequant_once")
+SPEED_SWITCHES = (
+    "metadata_cache", "fused_loss", "lora_16bit", "fused_kernels", "lean_recompute", "dequant_once", "four_bit_kernel",
+)  # fmt: skip
 """What "all on vs all off" flips (with MoE routing): the switches that trade nothing for speed. The memory savers
 (checkpointing, chunked MLP, host embedding) cost time by design and stay as the run has them."""
 TITLES = {
@@ -31,6 +33,7 @@ TITLES = {
     "host_embedding": "Input embedding in host memory",
     "lean_recompute": "Lean recompute (skip unread projections)",
     "dequant_once": "4-bit weights dequantized once per layer",
+    "four_bit_kernel": "4-bit weights decoded in one kernel",
     "keep_attention": "Kept attention (only MLPs recompute)",
     "fp8_base": "Frozen weights multiplied in fp8",
     "step_graphs": "Micro-batches replayed from CUDA graphs",
@@ -38,7 +41,8 @@ TITLES = {
     ALL: "All speed switches together",
 }
 ON_OFF_SWITCHES = ("metadata_cache", "fused_loss", "lora_16bit", "fused_kernels", "chunked_mlp", "host_embedding",
-                   "lean_recompute", "dequant_once", "keep_attention", "fp8_base", "step_graphs")  # fmt: skip
+                   "lean_recompute", "dequant_once", "four_bit_kernel", "keep_attention", "fp8_base",
+                   "step_graphs")  # fmt: skip
 """Switches that are simply on or off (the others choose between modes)."""
 SWITCHES = tuple(name for name in TITLES if name in {f.name for f in dataclasses.fields(SpeedConfig)})
 """The switches this engine has, in the order the speed page lists them."""

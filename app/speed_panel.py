@@ -42,6 +42,7 @@ SHORT_TITLES = {
     "host_embedding": "host embedding",
     "lean_recompute": "lean recompute",
     "dequant_once": "dequant once",
+    "four_bit_kernel": "4-bit kernel",
     "keep_attention": "kept attention",
     "fp8_base": "fp8 base",
     "step_graphs": "step graphs",

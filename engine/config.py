@@ -244,6 +244,13 @@ class SpeedConfig:
         "offloaded checkpointing when one layer's 16-bit weights fit easily)",
         flag="--dequant-once",
     )
+    four_bit_kernel: bool | None = setting(
+        None,
+        "decode 4-bit (NF4) weights in one Triton kernel and multiply them with cuBLAS directly, instead of "
+        "bitsandbytes' two dequantize kernels and Python per call; same numbers (automatic: on for NVIDIA GPUs with "
+        "triton)",
+        flag="--four-bit-kernel",
+    )
     keep_attention: bool | None = setting(
         None,
         "under offloaded checkpointing, keep what each layer's attention saves for backward in host memory, so "

@@ -24,6 +24,7 @@ from engine.speed import SpeedController
 from engine.speed.lean_recompute import (
     FrozenProjection,
     dequant_once_resolve,
+    four_bit_kernel_resolve,
     frozen_projections,
     layer_dequant_bytes,
     lean_recompute_resolve,
@@ -145,6 +146,34 @@ def test_lean_recompute_resolution(requested: bool | None, checkpointing: str, o
 )  # fmt: skip
 def test_dequant_once_resolution(requested: bool | None, extra: int, free: int | None, on: bool) -> None:
     assert dequant_once_resolve(requested, "offloaded", extra, free)[0] is on
+
+
+@pytest.mark.parametrize(
+    ("requested", "device", "covered", "on", "reason"),
+    [(None, "cuda", True, True, "automatic: 14 of 14 4-bit weights decoded in one kernel"),
+     (True, "cuda", True, True, "switched on; 14 of 14"),
+     (False, "cuda", True, False, "switched off: bitsandbytes'"),
+     (None, "cpu", True, False, "runs on NVIDIA GPUs"),
+     (None, "cuda", False, False, "no 4-bit weight here has a format or shape")],
+)  # fmt: skip
+def test_four_bit_kernel_resolution(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch, requested: bool | None, device: str, covered: bool, on: bool,
+    reason: str,
+) -> None:  # fmt: skip
+    from engine.speed import four_bit_weights
+
+    monkeypatch.setattr(four_bit_weights, "covers_16bit", lambda state: covered)
+    got, why = four_bit_kernel_resolve(requested, torch.device(device), tiny_qlora_model(tiny_dir))
+    assert got is on and reason in why, why
+
+
+def test_four_bit_kernel_needs_4bit_weights_and_is_off_on_the_cpu(tiny_dir: Path) -> None:
+    assert four_bit_kernel_resolve(None, torch.device("cuda"), mixed_precision_lora_model("llama")) == (
+        False, "no 4-bit projections"
+    )  # fmt: skip
+    _, _, controller = run(tiny_qlora_model(tiny_dir), SpeedConfig(metadata_cache=True))
+    assert controller.state()["four_bit_kernel"]["on"] is False
+    assert controller.lean.one_kernel_projections() == 0
 
 
 def test_compiled_regions_guard_on_the_recompute_flag_without_graph_breaks(tiny_dir: Path) -> None:

@@ -221,7 +221,7 @@ def test_4bit_weights_reach_e4m3_in_one_pass_with_the_two_pass_bits_on_gpu(
     rare value that division and multiplication by the reciprocal round apart."""
     from bitsandbytes.functional import dequantize_4bit, quantize_4bit
 
-    from engine.speed.e4m3_weights import covers, e4m3_from_4bit
+    from engine.speed.four_bit_weights import covers, e4m3_from_4bit
     from engine.speed.fp8_base import quantize_weight, weight_scale
 
     g = torch.Generator(device=CUDA).manual_seed(shape[0])
@@ -243,14 +243,75 @@ def test_4bit_weights_reach_e4m3_in_one_pass_with_the_two_pass_bits_on_gpu(
             assert differ <= 1e-4, (rows_out, transposed_out, differ)
 
 
+@pytest.mark.parametrize("shape", [(14336, 4096), (4096, 14336), (1024, 4096), (4096, 12288)])
+@pytest.mark.parametrize(("nested", "dtype"), [(True, torch.bfloat16), (False, torch.bfloat16), (True, torch.float16)])
+def test_4bit_weights_reach_16_bits_in_one_kernel_with_bitsandbytes_bits_on_gpu(
+    shape: tuple[int, int], nested: bool, dtype: torch.dtype
+) -> None:
+    """At Llama-3.1-8B and Qwen3-8B projection shapes: every bit of bitsandbytes' ``dequantize_4bit``."""
+    from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+
+    from engine.speed.four_bit_weights import covers_16bit, sixteen_bit_from_4bit
+
+    g = torch.Generator(device=CUDA).manual_seed(shape[1])
+    weight = (torch.randn(shape, device=CUDA, generator=g) * 0.02).to(dtype)
+    packed, state = quantize_4bit(weight, blocksize=64, quant_type="nf4", compress_statistics=nested)
+    assert covers_16bit(state)
+    want = dequantize_4bit(packed, state)
+    got = sixteen_bit_from_4bit(packed, state, dtype)
+    assert got.dtype == want.dtype == dtype and got.shape == want.shape
+    differ = int((got.view(torch.int16) != want.view(torch.int16)).sum())
+    assert differ == 0, f"{differ} of {got.numel()} weights differ"
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        SpeedConfig(metadata_cache=True, checkpointing="none", fused_kernels=False),
+        SpeedConfig(metadata_cache=True, checkpointing="offloaded", fused_kernels=False, dequant_once=False),
+        SpeedConfig(metadata_cache=True, checkpointing="offloaded", fused_kernels=True, dequant_once=True),
+    ],
+    ids=["plain", "offloaded", "offloaded-compiled-dequant-once"],
+)
+def test_the_4bit_kernel_trains_with_bitsandbytes_products_and_gradients_on_gpu(settings: SpeedConfig) -> None:
+    """A 4-bit model's logits and LoRA gradients are the same bits whether bitsandbytes or the one-pass kernel
+    decodes its weights: in plain training, in offloaded checkpointing's forward, recompute and backward, and in
+    compiled regions with dequantize-once keeping the decoded weights."""
+    from speed_models import tiny_config
+
+    from engine.bench.long_context import build_quantized_model, with_lora
+
+    torch.manual_seed(0)
+    config = tiny_config("llama", hidden_size=512, head_dim=64, intermediate_size=1024)
+    model = with_lora(build_quantized_model(config, CUDA), "tunedeck")
+    model.train()
+    for name, param in model.named_parameters():  # LoRA B starts at zero: make every adapter's gradient count
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.02)
+    ctl = SpeedController(model, dataclasses.replace(settings, four_bit_kernel=False), CUDA)
+    ctl.offloader.min_offload_bytes = ctl.offloader.min_saved_bytes = 0
+    results = {}
+    for on in (False, True):
+        ctl.apply(dataclasses.replace(settings, four_bit_kernel=on))
+        assert ctl.state()["four_bit_kernel"]["on"] is on, ctl.state()["four_bit_kernel"]
+        assert (ctl.lean.one_kernel_projections() > 0) is on
+        results[on] = run_step(model, ctl), grads(model)
+        model.zero_grad(set_to_none=True)
+    (logits_off, grads_off), (logits_on, grads_on) = results[False], results[True]
+    assert torch.equal(logits_on, logits_off), relative_error(logits_on, logits_off)
+    assert grads_on.keys() == grads_off.keys() and grads_on
+    for key in grads_off:
+        assert torch.equal(grads_on[key], grads_off[key]), (key, relative_error(grads_on[key], grads_off[key]))
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two NVIDIA GPUs")
 def test_both_triton_kernels_run_on_their_tensors_gpu_while_another_is_current() -> None:
     """A run on ``cuda:1`` in a process whose current GPU is ``cuda:0`` (``--gpus 1`` style): the loss kernel and
-    the 4-bit-to-e4m3 kernel give what they give with ``cuda:1`` current."""
+    the 4-bit decode kernel (to e4m3 and to 16 bits) give what they give with ``cuda:1`` current."""
     from bitsandbytes.functional import quantize_4bit
 
     from engine.speed import loss_kernel
-    from engine.speed.e4m3_weights import e4m3_from_4bit
+    from engine.speed.four_bit_weights import e4m3_from_4bit, sixteen_bit_from_4bit
     from engine.speed.fp8_base import weight_scale
     from engine.speed.fused_loss import IGNORE_INDEX
 
@@ -267,7 +328,8 @@ def test_both_triton_kernels_run_on_their_tensors_gpu_while_another_is_current()
         loss, grad = loss_kernel.softmax_cross_entropy_grad(logits, labels, 0.5, ignore_index=IGNORE_INDEX)
         rows, columns = e4m3_from_4bit(packed, state, scale, torch.bfloat16, True, True)
         assert rows is not None and columns is not None
-        return loss, grad, rows.view(torch.uint8), columns.view(torch.uint8)
+        dense = sixteen_bit_from_4bit(packed, state, torch.bfloat16)
+        return loss, grad, rows.view(torch.uint8), columns.view(torch.uint8), dense
 
     with torch.cuda.device(second):
         want = both()
@@ -435,7 +497,7 @@ def test_step_graphs_train_as_eager_steps_with_no_sync(kind: str, checkpointing:
     looked up on the host, 4-bit dequantize-once and lean recompute) train as eager ones do, and a replayed
     micro-step makes no host sync."""
     settings = SpeedConfig(checkpointing=checkpointing, host_embedding=True)
-    eager = graphed_training(kind, settings)
+    eager = graphed_training(kind, dataclasses.replace(settings, step_graphs=False))
     losses, updates, ctl = graphed_training(kind, dataclasses.replace(settings, step_graphs=True))
     assert ctl.state()["step_graphs"]["on"], ctl.state()["step_graphs"]
     assert (ctl.graphs.captured, ctl.graphs.replays) == (2, 5)  # rows of 1 and 4 (padded) documents, 1,536 tokens

@@ -230,12 +230,104 @@ def test_the_loss_divisor_may_be_a_tensor() -> None:
     torch.testing.assert_close(found[1], found[0], rtol=1e-6, atol=0)
 
 
+# --- automatic: on trial ---------------------------------------------------------------------------------------
+
+
+class FakeInterval:
+    """A GPU interval whose time is set by the test; ``done`` once the test says the GPU has passed it."""
+
+    def __init__(self, ms: float) -> None:
+        self.value, self.started, self.stopped, self.finished = ms, False, False, True
+
+    def start(self) -> None:
+        self.started = True
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def done(self) -> bool:
+        return self.finished
+
+    def ms(self) -> float:
+        return self.value
+
+
+def on_trial(controller: SpeedController, eager_ms: float, replay_ms: float) -> list[FakeInterval]:
+    """Automatic step graphs on the CPU stand-in, their eager and replay runs timed as ``eager_ms`` and
+    ``replay_ms``; the intervals handed out, in order."""
+    made: list[FakeInterval] = []
+
+    def timer() -> FakeInterval:
+        made.append(FakeInterval(eager_ms if not made else replay_ms))
+        return made[-1]
+
+    controller.graphs.timer = timer
+    controller.graphs.switch(True, trial=True)
+    controller.graphs.capturer = lambda: ReplayingCapture()
+    return made
+
+
+def micro_batches(controller: SpeedController, model: torch.nn.Module, count: int) -> list[float]:
+    return [float(controller.forward_backward(model, packed_batch((40, 30), seed=i), 68)) for i in range(count)]
+
+
+def test_automatic_graphs_stay_where_a_replay_beats_the_eager_run() -> None:
+    model = tiny_lora_model("llama")
+    controller = SpeedController(model, AUTO, torch.device("cpu"))
+    made = on_trial(controller, eager_ms=420.0, replay_ms=370.0)
+    micro_batches(controller, model, 4)  # compile, timed eager, capture + first replay, timed second replay
+    assert [(m.started, m.stopped) for m in made] == [(True, True), (True, True)]
+    assert controller.graphs.trial is not None  # judged at the next micro-batch, once the GPU is done
+    micro_batches(controller, model, 1)
+    assert controller.graphs.active and controller.graphs.trial is None and controller.graphs.replays == 3
+    state = controller.state()["step_graphs"]
+    reason = "automatic: on; a replayed micro-batch took 370 ms against 420 ms run eagerly"
+    assert state == {"on": True, "reason": reason}
+
+
+def test_automatic_graphs_go_where_the_gpu_sets_the_pace() -> None:
+    model = tiny_lora_model("llama")
+    eager = SpeedController(model, AUTO, torch.device("cpu"))
+    reference = micro_batches(eager, model, 6)
+    controller = SpeedController(model, AUTO, torch.device("cpu"))
+    on_trial(controller, eager_ms=1600.0, replay_ms=1590.0)
+    losses = micro_batches(controller, model, 6)
+    assert not controller.graphs.active and controller.graphs.captured == 0  # the pool is given back
+    state = controller.state()["step_graphs"]
+    assert state["on"] is False and state["reason"].startswith("automatic: off; a replayed micro-batch took 1,590 ms")
+    assert "the GPU, not the host, sets the pace" in state["reason"]
+    assert losses == pytest.approx(reference, rel=1e-5)  # every micro-batch trained, replayed or not
+
+
+def test_the_trial_waits_for_the_gpu_to_pass_its_timed_replay() -> None:
+    model = tiny_lora_model("llama")
+    controller = SpeedController(model, AUTO, torch.device("cpu"))
+    made = on_trial(controller, eager_ms=420.0, replay_ms=100.0)
+    micro_batches(controller, model, 4)
+    made[1].finished = False
+    micro_batches(controller, model, 2)
+    assert controller.graphs.trial is not None and controller.graphs.verdict is None
+    made[1].finished = True
+    micro_batches(controller, model, 1)
+    assert controller.graphs.trial is None and controller.graphs.verdict is not None
+
+
+def test_switched_on_graphs_are_not_on_trial() -> None:
+    model = tiny_lora_model("llama")
+    controller = SpeedController(model, AUTO, torch.device("cpu"))
+    graphed(controller, ReplayingCapture())
+    assert controller.graphs.trial is None and controller.graphs.eager_runs == step_graphs.EAGER_RUNS
+    micro_batches(controller, model, 3)
+    assert controller.graphs.replays == 2
+
+
 # --- when it applies --------------------------------------------------------------------------------------------
 
 
 def test_resolution() -> None:
     model, cpu, gpu = tiny_lora_model("llama"), torch.device("cpu"), torch.device("cuda")
-    assert step_graphs.resolve(None, model, gpu)[0] is False  # automatic: off
+    assert step_graphs.resolve(None, model, gpu)[0] is True  # automatic: on trial
+    assert "automatic: trying" in step_graphs.resolve(None, model, gpu)[1]
     assert step_graphs.resolve(True, model, gpu) == (True, step_graphs.resolve(True, model, gpu)[1])
     assert "switched on" in step_graphs.resolve(True, model, gpu)[1]
     assert step_graphs.resolve(True, model, cpu) == (False, "CUDA graphs need an NVIDIA GPU")
@@ -339,5 +431,5 @@ def test_a_run_that_cannot_replay_keeps_them_off_whatever_the_switch(monkeypatch
     assert not controller.graphs.on and controller.state()["step_graphs"]["reason"].startswith("off: several GPUs")
     controller.apply(dataclasses.replace(AUTO, step_graphs=True))  # switched on again from the app
     assert not controller.graphs.on and "several GPUs" in controller.state()["step_graphs"]["reason"]
-    controller.apply(AUTO)  # automatic (off) says its own reason
+    controller.apply(AUTO)  # automatic (off here) says its own reason
     assert not controller.graphs.on and "several GPUs" not in controller.state()["step_graphs"]["reason"]

@@ -23,7 +23,7 @@ REPORT = Path(__file__).resolve().parents[1] / "benchmarks" / "qlora_fp8_h200.js
         ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<...>", "kernel", "attention"),
         ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "kernel", "attention"),
         ("void kDequantizeBlockwise<__nv_bfloat16, 512, 64, 8, 2>", "kernel", "dequant"),
-        ("four_bit_to_e4m3_kernel", "kernel", "dequant"),
+        ("four_bit_decode_kernel", "kernel", "dequant"),
         ("cross_entropy_grad", "kernel", "triton"),
         ("triton_poi_fused_add_mul_silu_silu_backward_view_2", "kernel", "triton"),
         ("Memcpy DtoH (Device -> Pinned)", "gpu_memcpy", "copies"),

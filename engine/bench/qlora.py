@@ -69,10 +69,10 @@ AUTO = SpeedConfig()
 STOCK = SpeedConfig(
     metadata_cache=False, checkpointing="standard", moe_routing="stock", fused_loss=False, chunked_mlp=False,
     host_embedding=False, lora_16bit=False, fused_kernels=False, lean_recompute=False, dequant_once=False,
-    keep_attention=False,
+    keep_attention=False, four_bit_kernel=False,
 )  # fmt: skip
 ABLATED = (
-    "fused_kernels", "lean_recompute", "dequant_once", "host_embedding", "fused_loss",
+    "fused_kernels", "lean_recompute", "dequant_once", "four_bit_kernel", "host_embedding", "fused_loss",
     "metadata_cache",
 )  # fmt: skip
 """Switches whose worth ``auto-X`` measures (each turned off alone)."""

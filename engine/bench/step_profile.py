@@ -32,8 +32,8 @@ CATEGORIES = ("gemm", "attention", "dequant", "triton", "copies", "other")
 """Kernel kinds, in the order reports list them."""
 _ATTENTION = ("flash", "fmha", "sdpa", "cudnn", "attn")
 _GEMM = ("nvjet", "gemm", "cutlass", "xmma", "splitk")
-_DEQUANT = ("dequant", "four_bit_to_e4m3")
-"""bitsandbytes' kernels, and TuneDeck's 4-bit to e4m3 kernel (engine.speed.e4m3_weights)."""
+_DEQUANT = ("dequant", "four_bit_decode")
+"""bitsandbytes' kernels, and TuneDeck's 4-bit decode kernel (engine.speed.four_bit_weights)."""
 _OWN_TRITON = ("cross_entropy_grad",)
 """TuneDeck's hand-written Triton kernels outside the weights' (engine.speed.loss_kernel)."""
 

@@ -254,12 +254,15 @@ class SpeedController:
         fp8, fp8_reason = fp8_base.resolve(settings.fp8_base, self.device, frozen)
         fp8, fp8_reason = fp8_base.scoped(fp8, fp8_reason, settings.fp8_scope, mode)
         compiled, _ = fused_kernels.resolve(settings.fused_kernels, self.hf_model, self.device)
+        requested_kernel = settings.four_bit_kernel
+        kernel, kernel_reason = lean_recompute.four_bit_kernel_resolve(requested_kernel, self.device, self.hf_model)
         self.lean.fp8_in_forward = settings.fp8_scope != "recompute"
-        self.lean.switch(skip, once, fp8, one_pass=compiled)
+        self.lean.switch(skip, once, fp8, one_pass=compiled, one_kernel=kernel)
         if fp8:
             fp8_reason += fp8_coverage(*self.lean.fp8_projections())
         self._state["lean_recompute"] = {"on": skip, "reason": skip_reason}
         self._state["dequant_once"] = {"on": once, "reason": once_reason}
+        self._state["four_bit_kernel"] = {"on": kernel, "reason": kernel_reason}
         self._state["fp8_base"] = {"on": fp8, "reason": fp8_reason}
 
     def refuse_step_graphs(self, reason: str) -> None:
@@ -272,7 +275,7 @@ class SpeedController:
         on, reason = step_graphs.resolve(settings.step_graphs, self.model, self.device)
         if self._graphs_refused is not None and (on or settings.step_graphs):
             on, reason = False, f"off: {self._graphs_refused}"
-        self.graphs.switch(on)  # drops graphs captured under the previous switches
+        self.graphs.switch(on, trial=settings.step_graphs is None)  # drops graphs captured under the previous ones
         self._state["step_graphs"] = {"on": on, "reason": reason}
 
     def _trainable(self) -> list[torch.nn.Parameter]:
@@ -413,6 +416,8 @@ class SpeedController:
         state = {key: dict(value) for key, value in self._state.items()}
         if self.graphs.failure is not None and "step_graphs" in state:
             state["step_graphs"] = {"on": False, "reason": self.graphs.failure}
+        elif self.graphs.verdict is not None and "step_graphs" in state:
+            state["step_graphs"] = {"on": True, "reason": self.graphs.verdict}
         return state
 
 

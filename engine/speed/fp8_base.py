@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from engine.speed.e4m3_weights import e4m3_from_4bit
+from engine.speed.four_bit_weights import e4m3_from_4bit
 
 __all__ = [
     "E4M3_MAX",
@@ -111,7 +111,7 @@ def frozen_weight_e4m3(
     """A frozen weight in e4m3 under its fixed ``scale``: (row-major (out, in) or None, transposed or None).
 
     ``one_pass``: a 4-bit weight the kernel covers goes straight from its codes
-    (:mod:`engine.speed.e4m3_weights`); otherwise it is dequantized to ``dtype`` and cast.
+    (:mod:`engine.speed.four_bit_weights`); otherwise it is dequantized to ``dtype`` and cast.
     """
     if not (rows_out or transposed_out):
         return None, None

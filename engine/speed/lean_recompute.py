@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.speed import e4m3_weights, fp8_base
+from engine.speed import four_bit_weights, fp8_base
 from engine.speed.chunked_mlp import feeds_residual_only
 from engine.speed.fused_kernels import decoder_layers
 from engine.speed.offloaded_checkpoint import RecomputeFlag
@@ -47,6 +47,7 @@ __all__ = [
     "FrozenProjection",
     "LeanRecompute",
     "dequant_once_resolve",
+    "four_bit_kernel_resolve",
     "frozen_projections",
     "layer_dequant_bytes",
     "lean_recompute_resolve",
@@ -71,10 +72,13 @@ def _is_frozen_linear(module: torch.nn.Module) -> bool:
     return type(module) is torch.nn.Linear and isinstance(weight, torch.Tensor) and not weight.requires_grad
 
 
-def dense_weight(weight: torch.Tensor, quant_state: Any, dtype: torch.dtype) -> torch.Tensor:
-    """The (out, in) weight in ``dtype``: dequantized from 4 bits when there is a quantization state."""
+def dense_weight(weight: torch.Tensor, quant_state: Any, dtype: torch.dtype, one_kernel: bool = False) -> torch.Tensor:
+    """The (out, in) weight in ``dtype``: dequantized from 4 bits when there is a quantization state, by the one-pass
+    kernel (:func:`engine.speed.four_bit_weights.sixteen_bit_from_4bit`, the same bits) when ``one_kernel``."""
     if quant_state is None:
         return weight.to(dtype)
+    if one_kernel:
+        return four_bit_weights.sixteen_bit_from_4bit(weight, quant_state, quant_state.dtype).to(dtype)
     from bitsandbytes.functional import dequantize_4bit
 
     return dequantize_4bit(weight, quant_state).to(dtype)
@@ -84,30 +88,39 @@ class _UnreadOutput(torch.autograd.Function):
     """``x @ W.T`` whose value nobody reads: forward only allocates, backward gives ``grad @ W``."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, quant_state: Any, out_features: int) -> torch.Tensor:  # type: ignore[override]
-        ctx.weight, ctx.quant_state = weight, quant_state
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, quant_state: Any, out_features: int, one_kernel: bool
+    ) -> torch.Tensor:
+        ctx.weight, ctx.quant_state, ctx.one_kernel = weight, quant_state, one_kernel
         return x.new_empty((*x.shape[:-1], out_features))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        return grad @ dense_weight(ctx.weight, ctx.quant_state, grad.dtype), None, None, None
+        return grad @ dense_weight(ctx.weight, ctx.quant_state, grad.dtype, ctx.one_kernel), None, None, None, None
 
 
-class _DequantizedOnce(torch.autograd.Function):
-    """``x @ W.T + b`` for a frozen 4-bit weight, keeping the dequantized weight for the input gradient."""
+class _Decoded(torch.autograd.Function):
+    """``x @ W.T + b`` for a frozen 4-bit weight decoded here and multiplied by cuBLAS (bitsandbytes' products).
+
+    ``keep``: the 16-bit weight stays for the input gradient (dequantize-once); otherwise backward decodes again,
+    as bitsandbytes does. ``one_kernel``: decoded by the one-pass kernel instead of bitsandbytes' two.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, quant_state: Any, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        dense = dense_weight(weight, quant_state, x.dtype)
-        ctx.save_for_backward(dense)
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, quant_state: Any, bias: torch.Tensor | None, keep: bool,
+        one_kernel: bool,
+    ) -> torch.Tensor:  # fmt: skip
+        dense = dense_weight(weight, quant_state, x.dtype, one_kernel)
+        ctx.keep, ctx.one_kernel, ctx.quant_state = keep, one_kernel, quant_state
+        ctx.save_for_backward(dense if keep else weight)
         return F.linear(x, dense, None if bias is None else bias.to(x.dtype))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        (dense,) = ctx.saved_tensors
-        return grad @ dense.to(grad.dtype), None, None, None
+        (saved,) = ctx.saved_tensors
+        dense = saved if ctx.keep else dense_weight(saved, ctx.quant_state, grad.dtype, ctx.one_kernel)
+        return grad @ dense.to(grad.dtype), None, None, None, None, None
 
 
 FP8_SCALES = ("fp8_scale_out", "fp8_scale_in")
@@ -125,8 +138,11 @@ class FrozenProjection(StandIn):
         """The output only feeds the layer's residual sum, which an offloaded layer's recompute throws away."""
         self.skip_unread = False
         self.dequant_once = False
+        self.one_kernel = False
+        """A 4-bit weight the one-pass kernel covers is decoded by it, and multiplied here, in every pass (the
+        4-bit kernel switch); otherwise bitsandbytes' own dequantize and matmul run outside the recompute."""
         self.one_pass = False
-        """fp8 weights straight from the 4-bit codes in one kernel (engine.speed.e4m3_weights), where it applies."""
+        """fp8 weights straight from the 4-bit codes in one kernel (engine.speed.four_bit_weights), where it applies."""
         self.fp8_in_forward = True
         """With the fp8-base switch on: fp8 in the forward pass too; False keeps the forward pass (the loss) in
         16 bits and multiplies in fp8 only in an offloaded layer's recompute and backward."""
@@ -142,10 +158,16 @@ class FrozenProjection(StandIn):
         if self.fp8_columns is not None and (recompute or self.fp8_in_forward):
             return self._fp8(x, keep=recompute and self.dequant_once, unread=unread)
         if unread:
-            return _UnreadOutput.apply(x, *self._weight_and_state(), self.out_features)
-        if recompute and self.dequant_once and self.quantized:
-            return self._dequantized_once(x)
+            return _UnreadOutput.apply(x, *self._weight_and_state(), self.out_features, self.one_kernel)
+        keep = recompute and self.dequant_once and self.quantized
+        if keep or self.one_kernel:
+            return self._decoded(x, keep)
         return self.wrapped(x)
+
+    def set_one_kernel(self, on: bool) -> None:
+        """Decode this 4-bit weight with the one-pass kernel from the next call, where the kernel covers it."""
+        _, state = self._weight_and_state()
+        self.one_kernel = bool(on and state is not None and four_bit_weights.covers_16bit(state))
 
     def set_fp8(self, on: bool, one_pass: bool = False) -> None:
         """Multiply in fp8 from the next call (its weight's scale read once here), or in 16-bit again.
@@ -153,7 +175,7 @@ class FrozenProjection(StandIn):
         ``one_pass``: a 4-bit weight the one-pass kernel covers goes to e4m3 without its 16-bit copy.
         """
         _, state = self._weight_and_state()
-        self.one_pass = bool(on and one_pass and state is not None and e4m3_weights.covers(state))
+        self.one_pass = bool(on and one_pass and state is not None and four_bit_weights.covers(state))
         if not on or not fp8_base.fits(self.in_features, self.out_features):
             for name in FP8_SCALES:
                 self._buffers.pop(name, None)  # shared with the wrapped module
@@ -192,14 +214,15 @@ class FrozenProjection(StandIn):
         weight = self.wrapped.weight
         return weight, getattr(weight, "quant_state", None) if self.quantized else None
 
-    def _dequantized_once(self, x: torch.Tensor) -> torch.Tensor:
+    def _decoded(self, x: torch.Tensor, keep: bool) -> torch.Tensor:
         compute = getattr(self.wrapped, "compute_dtype", None) or x.dtype
         weight, state = self._weight_and_state()
-        out = _DequantizedOnce.apply(x.to(compute), weight, state, self.wrapped.bias)
+        out = _Decoded.apply(x.to(compute), weight, state, self.wrapped.bias, keep, self.one_kernel)
         return out.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"{type(self.wrapped).__name__}, output unread in recompute: {self.output_unread}"
+        unread, one_kernel = self.output_unread, self.one_kernel
+        return f"{type(self.wrapped).__name__}, output unread in recompute: {unread}, one kernel: {one_kernel}"
 
 
 def _dense_mlp(layer: torch.nn.Module) -> torch.nn.Module | None:
@@ -248,6 +271,28 @@ def lean_recompute_resolve(requested: bool | None, checkpointing: str) -> tuple[
     return True, f"automatic: {how}" if requested is None else f"switched on; {how}"
 
 
+def four_bit_kernel_resolve(
+    requested: bool | None, device: torch.device, hf_model: torch.nn.Module
+) -> tuple[bool, str]:
+    """(on, reason): automatic wherever the one-pass kernel covers a 4-bit projection (CUDA with Triton, NF4)."""
+    if requested is False:
+        return False, "switched off: bitsandbytes' dequantize and 4-bit matmul"
+    bases = [base for _, _, base, _ in frozen_projections(hf_model) if is_4bit(base)]
+    states = [base.weight.quant_state for base in bases]
+    if not states:
+        return False, "no 4-bit projections"
+    if device.type != "cuda":
+        return False, "the one-pass 4-bit kernel runs on NVIDIA GPUs (Triton); here bitsandbytes decodes"
+    covered = sum(four_bit_weights.covers_16bit(state) for state in states)
+    if covered == 0:
+        return False, "no 4-bit weight here has a format or shape the one-pass kernel covers (NF4, whole tiles)"
+    how = (
+        f"{covered} of {len(states)} 4-bit weights decoded in one kernel and multiplied by cuBLAS directly "
+        "(bitsandbytes' bits, without its two kernels and Python per call)"
+    )
+    return True, f"automatic: {how}" if requested is None else f"switched on; {how}"
+
+
 def dequant_once_resolve(
     requested: bool | None, checkpointing: str, extra_bytes: int, free_bytes: int | None
 ) -> tuple[bool, str]:
@@ -283,9 +328,12 @@ class LeanRecompute:
     """With the fp8 switch on, fp8 in the forward pass as well as in the recompute and backward
     (FrozenProjection.fp8_in_forward)."""
 
-    def switch(self, skip_unread: bool, dequant_once: bool, fp8: bool = False, one_pass: bool = False) -> None:
-        """Set the three switches; ``one_pass`` lets fp8 weights come from 4-bit codes in one kernel."""
-        if not (skip_unread or dequant_once or fp8):
+    def switch(
+        self, skip_unread: bool, dequant_once: bool, fp8: bool = False, one_pass: bool = False, one_kernel: bool = False
+    ) -> None:
+        """Set the four switches; ``one_pass`` lets fp8 weights come from 4-bit codes in one kernel, ``one_kernel``
+        decodes 16-bit weights that way (the 4-bit kernel switch)."""
+        if not (skip_unread or dequant_once or fp8 or one_kernel):
             self.remove()
             return
         if fp8 and not self.every:
@@ -296,6 +344,11 @@ class LeanRecompute:
             wrapper.skip_unread, wrapper.dequant_once = skip_unread, dequant_once
             wrapper.fp8_in_forward = self.fp8_in_forward
             wrapper.set_fp8(fp8, one_pass)
+            wrapper.set_one_kernel(one_kernel)
+
+    def one_kernel_projections(self) -> int:
+        """4-bit projections decoded by the one-pass kernel."""
+        return sum(wrapper.one_kernel for _, _, wrapper in self.installed)
 
     def install(self, every: bool = False) -> None:
         for owner, name, base, unread in list(frozen_projections(self.hf_model, every)):

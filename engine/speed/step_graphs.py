@@ -63,6 +63,9 @@ MAX_GRAPHS = 8
 """Buckets that keep a graph; micro-batches of further buckets run eagerly."""
 EAGER_RUNS = 1
 """Eager micro-batches of a bucket before it is captured (compiling, autotuning, host buffers)."""
+TRIAL_KEEP = 0.97
+"""Automatic step graphs stay on only where a replayed micro-batch takes at most this share of the time the same
+micro-batch took eagerly."""
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,71 @@ def flatten(tree: Any, device: torch.device) -> tuple[list[torch.Tensor], tuple[
 # --- capture and replay -----------------------------------------------------------------------------------------
 
 
+class GpuInterval:
+    """GPU time between :meth:`start` and :meth:`stop` on the current stream, read without a host sync once the GPU
+    has passed the stop (:meth:`done`)."""
+
+    def __init__(self) -> None:
+        self.begin = torch.cuda.Event(enable_timing=True)
+        self.end = torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> None:
+        self.begin.record()
+
+    def stop(self) -> None:
+        self.end.record()
+
+    def done(self) -> bool:
+        return bool(self.end.query())
+
+    def ms(self) -> float:
+        return float(self.begin.elapsed_time(self.end))
+
+
+@dataclass
+class Trial:
+    """Automatic step graphs: one bucket's eager micro-batch (after the one that compiles) timed against its second
+    replay (after the one that uploads the graph), the graphs kept only if they are faster.
+
+    The GPU's time from a micro-batch's first kernel to its last counts the gaps where it waited for the host, so
+    a host-bound step (a fast GPU: the H200 on an 8B 4-bit model) replays much faster, and a GPU-bound one (a
+    consumer card on the same model) about as fast; then the graphs' padding and reserved memory buy nothing."""
+
+    timer: Callable[[], Any] = GpuInterval
+    key: tuple[Any, ...] | None = None
+    eager: Any = None
+    replay: Any = None
+    replays: int = 0
+
+    def timed(self, key: tuple[Any, ...], phase: str, run: Callable[[], Any]) -> Any:
+        """``run()``, timed when it is the trial's eager run or its second replay of the trial's bucket."""
+        due = (phase == "eager" and self.eager is None) or (phase == "replay" and key == self.key)
+        if phase == "replay" and due:
+            self.replays += 1
+            due = self.replays == 2 and self.replay is None
+        if not due:
+            return run()
+        interval = self.timer()
+        interval.start()
+        out = run()
+        interval.stop()
+        if phase == "eager":
+            self.key, self.eager = key, interval
+        else:
+            self.replay = interval
+        return out
+
+    def verdict(self) -> tuple[bool, str] | None:
+        """(keep, reason) once both runs are timed and done on the GPU; None before."""
+        if self.eager is None or self.replay is None or not self.replay.done():
+            return None
+        eager, replay = self.eager.ms(), self.replay.ms()
+        measured = f"a replayed micro-batch took {replay:,.0f} ms against {eager:,.0f} ms run eagerly"
+        if replay <= TRIAL_KEEP * eager:
+            return True, f"automatic: on; {measured}"
+        return False, f"automatic: off; {measured}: the GPU, not the host, sets the pace here"
+
+
 @dataclass(eq=False)
 class _Captured:
     replay: Callable[[], None]
@@ -233,6 +301,10 @@ class StepGraphs:
     capturer: Callable[[], Callable[..., tuple[Callable[[], None], torch.Tensor]]] = CudaGraphCapture
     on: bool = False
     failure: str | None = None
+    verdict: str | None = None
+    """Why automatic step graphs stayed on, once their trial has timed them (:class:`Trial`)."""
+    trial: Trial | None = None
+    timer: Callable[[], Any] = GpuInterval
     longest: int = 0
     eager_runs: int = EAGER_RUNS
     max_graphs: int = MAX_GRAPHS
@@ -247,10 +319,13 @@ class StepGraphs:
     def __post_init__(self) -> None:
         self.device = with_index(self.device)  # compared with the devices tensors name
 
-    def switch(self, on: bool) -> None:
-        """On or off, with no graphs and no earlier failure (a new choice of switches tries again)."""
+    def switch(self, on: bool, trial: bool = False) -> None:
+        """On or off, with no graphs and no earlier failure (a new choice of switches tries again). ``trial``
+        (automatic): a replay is timed against an eager run first, and the graphs stay only if faster."""
         self.clear()
-        self.on, self.failure = on, None
+        self.on, self.failure, self.verdict = on, None, None
+        self.trial = Trial(self.timer) if on and trial else None
+        self.eager_runs = EAGER_RUNS + (self.trial is not None)  # the first eager run compiles; the next is timed
 
     def clear(self) -> None:
         """Drop every graph and its memory (after a switch change: the captured work would be stale)."""
@@ -293,6 +368,7 @@ class StepGraphs:
     def run(self, tree: Any, body: Callable[[Any], torch.Tensor]) -> torch.Tensor:
         """``body(tree)`` (forward and backward of one micro-batch, returning its detached loss), replayed from a
         graph once the tree's bucket has run eagerly."""
+        self._judge()
         flat = flatten(tree, self.device) if self.active else None
         if flat is None:
             return body(tree)
@@ -301,6 +377,8 @@ class StepGraphs:
         if captured is None:
             self._seen[key] += 1
             if self._seen[key] <= self.eager_runs or len(self._graphs) >= self.max_graphs:
+                if self.trial is not None and self._seen[key] == self.eager_runs:
+                    return self.trial.timed(key, "eager", lambda: body(tree))
                 return body(tree)
             captured = self._captured(key, tree, leaves, body)
             if captured is None:
@@ -308,9 +386,25 @@ class StepGraphs:
         else:
             self._bind_grads()
             torch._foreach_copy_(captured.inputs, leaves)
-        captured.replay()
+        if self.trial is not None:
+            self.trial.timed(key, "replay", captured.replay)
+        else:
+            captured.replay()
         self.replays += 1
         return captured.loss.clone()
+
+    def _judge(self) -> None:
+        """End the trial once it is timed: keep the graphs with the measured reason, or drop them and their memory."""
+        verdict = self.trial.verdict() if self.trial is not None else None
+        if verdict is None:
+            return
+        keep, reason = verdict
+        self.trial = None
+        if keep:
+            self.verdict = reason
+        else:
+            self.clear()
+            self.failure = reason
 
     def _captured(self, key: tuple[Any, ...], tree: Any, leaves: list[torch.Tensor], body: Callable[[Any], torch.Tensor]
                   ) -> _Captured | None:  # fmt: skip
@@ -390,15 +484,15 @@ def unsupported_reason(model: torch.nn.Module, device: torch.device) -> str | No
 
 
 def resolve(requested: bool | None, model: torch.nn.Module, device: torch.device) -> tuple[bool, str]:
-    """(on, reason). Automatic is off for now: the captured memory pool stays reserved between steps."""
+    """(on, reason). Automatic is on where graphs can run, on trial (:class:`Trial`)."""
     if requested is False:
         return False, "switched off: every micro-batch launches its work from Python"
     problem = unsupported_reason(model, device)
     if problem is not None:
         return False, problem if requested else f"automatic: off; {problem}"
     if requested is None:
-        return False, (
-            "automatic: off; switch on to replay each micro-batch from a CUDA graph (rows padded into shape "
-            "buckets, one step's activations kept reserved between steps)"
+        return True, (
+            "automatic: trying; a replayed micro-batch is timed against an eager one, and the graphs stay only if "
+            "faster (rows padded into shape buckets, one step's activations kept reserved between steps)"
         )
     return True, "switched on: each micro-batch replays from a CUDA graph once its shape bucket has run once"
