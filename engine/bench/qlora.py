@@ -73,7 +73,7 @@ STOCK = SpeedConfig(
 )  # fmt: skip
 ABLATED = (
     "fused_kernels", "lean_recompute", "dequant_once", "four_bit_kernel", "host_embedding", "fused_loss",
-    "metadata_cache",
+    "metadata_cache", "step_graphs",
 )  # fmt: skip
 """Switches whose worth ``auto-X`` measures (each turned off alone)."""
 WHOLE_ROW = "whole_row"

@@ -335,6 +335,8 @@ class StepGraphs:
         self._grads = []
         self._params = None
         self._capture = None
+        if held:
+            self.reset()  # host-side state may still point into the pool (the offloader's prefetched layer inputs)
         if held and self.device.type == "cuda":
             torch.cuda.empty_cache()  # the pool's memory goes back to the GPU now, not at the next shortage
 
