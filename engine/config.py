@@ -276,7 +276,8 @@ class SpeedConfig:
         None,
         "replay each micro-batch's forward and backward from a CUDA graph, so the host's Python and kernel launches "
         "no longer set the pace (rows are padded into a few shape buckets; one step's activations stay reserved "
-        "between steps; automatic: off)",
+        "between steps; automatic: on trial, kept only where a replayed micro-batch measures faster than an eager "
+        "one)",
         flag="--step-graphs",
     )
 

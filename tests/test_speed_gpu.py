@@ -517,6 +517,35 @@ def test_step_graphs_train_as_eager_steps_with_no_sync(kind: str, checkpointing:
     assert ctl.graphs.replays == replays + 1
 
 
+def test_a_micro_batch_whose_capture_runs_short_runs_eagerly_with_the_captures_memory_back() -> None:
+    """Through StepGraphs, as a run meets it: the capture runs out of memory inside the model's work, and the
+    eager run of the same micro-batch that follows finds that memory free again (no cleanup by the caller)."""
+    from engine.speed.step_graphs import StepGraphs
+
+    graphs = StepGraphs(CUDA, lambda: [])
+    graphs.switch(True)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    calls = []
+
+    def body(tree: dict[str, torch.Tensor]) -> torch.Tensor:
+        calls.append(torch.cuda.is_current_stream_capturing())
+        held = [torch.empty(64 << 20, device=CUDA).fill_(1.0) for _ in range(4)]  # 1 GiB, alive in these frames
+        if calls[-1]:
+            raise torch.OutOfMemoryError("out of memory inside the capture")
+        return held[0].sum().detach()
+
+    tree = {"x": torch.ones(8, device=CUDA)}
+    graphs.run(tree, body)  # eager: compiles, in a run
+    after_eager = torch.cuda.memory_reserved()
+    loss = graphs.run(tree, body)  # the capture runs short; the same micro-batch runs eagerly
+    assert calls == [False, True, False] and float(loss) == float(64 << 20)
+    assert graphs.failure is not None and "OutOfMemoryError" in graphs.failure and graphs.news == 1
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_reserved() - max(before, after_eager) < 64 << 20, (before, torch.cuda.memory_reserved())
+
+
 def test_a_failed_capture_gives_its_memory_back_and_the_stream_too() -> None:
     """A capture that runs out of memory must not keep its pool's blocks: the eager work after it needs them."""
     from engine.speed.step_graphs import CudaGraphCapture

@@ -397,6 +397,45 @@ def test_a_run_short_of_memory_beside_the_graphs_drops_them_and_trains_the_same_
     assert losses_of(tmp_path / "graphs" / "run") == pytest.approx(losses_of(tmp_path / "eager" / "run"), rel=1e-4)
 
 
+@pytest.mark.parametrize(("replay_ms", "on"), [(300.0, True), (419.0, False)])
+def test_a_run_reports_the_trials_verdict_and_trains_every_step(
+    tiny_model_dir: Path, chat_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, replay_ms: float,
+    on: bool,
+) -> None:  # fmt: skip
+    """Automatic step graphs (the CPU stand-in for capture, timed as given): the run says what the trial found
+    as soon as it finds it, and trains the eager run's curve either way."""
+    from engine.events import SpeedChanged, StepMetrics
+    from engine.train import run
+
+    list(run(run_config(tiny_model_dir, chat_file, tmp_path / "eager", step_graphs=False)))
+    monkeypatch.setattr(step_graphs, "resolve", lambda requested, model, device: (True, "automatic: trying"))
+    monkeypatch.setattr(step_graphs.CudaGraphCapture, "__call__", lambda self, f: ReplayingCapture()(f))
+    made: list[FakeInterval] = []
+
+    def timer() -> FakeInterval:
+        made.append(FakeInterval(420.0 if not made else replay_ms))
+        return made[-1]
+
+    post_init = StepGraphs.__post_init__
+
+    def with_timer(self: StepGraphs) -> None:
+        post_init(self)
+        self.timer = timer
+
+    monkeypatch.setattr(StepGraphs, "__post_init__", with_timer)
+    config = run_config(tiny_model_dir, chat_file, tmp_path / "auto", step_graphs=False)
+    config.speed.step_graphs = None
+    events = list(run(config))
+    verdicts = [e for e in events if isinstance(e, SpeedChanged) and "replayed" in e.state["step_graphs"]["reason"]]
+    assert len(verdicts) == 1 and len(made) == 2, [
+        e.state["step_graphs"] for e in events if isinstance(e, SpeedChanged)
+    ]
+    state = verdicts[0].state["step_graphs"]
+    assert state["on"] is on and state["reason"].startswith(f"automatic: {'on' if on else 'off'}; a replayed")
+    assert [e.step for e in events if isinstance(e, StepMetrics)] == [1, 2, 3, 4, 5, 6]
+    assert losses_of(tmp_path / "auto" / "run") == pytest.approx(losses_of(tmp_path / "eager" / "run"), rel=1e-4)
+
+
 def test_an_evaluation_short_of_memory_beside_the_graphs_drops_them_first(
     tiny_model_dir: Path, chat_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -115,7 +115,10 @@ def _train(session: Session, control: RunControl) -> Iterator[Event]:
             session.speed.apply(requested)
             yield SpeedChanged(session.step, session.speed.state())
         session.ranks.inject_fault(session.step + 1)
+        news = session.speed.graphs.news
         yield from _reported(session, (yield from train_step(session)))
+        if session.speed.graphs.news != news:  # step graphs kept or dropped after their trial, or a capture failed
+            yield SpeedChanged(session.step, session.speed.state())
         if session.in_flight is not None and _due(session, session.step + 1):
             yield from _reported(session, (yield from read_in_flight(session)))  # evaluate and save its weights
     yield from _reported(session, (yield from read_in_flight(session)))
