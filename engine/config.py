@@ -247,8 +247,8 @@ class SpeedConfig:
     four_bit_kernel: bool | None = setting(
         None,
         "decode 4-bit (NF4) weights in one Triton kernel and multiply them with cuBLAS directly, instead of "
-        "bitsandbytes' two dequantize kernels and Python per call; same numbers (automatic: on for NVIDIA GPUs with "
-        "triton)",
+        "bitsandbytes' two dequantize kernels and Python per call; the same weights and products (automatic: on for "
+        "NVIDIA GPUs with triton under offloaded checkpointing with dequantize-once and whole-row MLPs)",
         flag="--four-bit-kernel",
     )
     keep_attention: bool | None = setting(

@@ -92,7 +92,7 @@ INTERPRETED = textwrap.dedent(
             state.offset.reshape(1).float(), state.code, 256, True)
     torch.library.opcheck(four_bit_weights.four_bit_to_e4m3,
                           (*args, scale.reshape(1), 64, 512, 64, torch.bfloat16, True, True))
-    torch.library.opcheck(four_bit_weights.four_bit_to_16bit, (*args, 64, 512, 64, torch.bfloat16))
+    torch.library.opcheck(four_bit_weights.four_bit_to_16bit, (*args, 64, 512, 64, torch.bfloat16, 1))
     results["opcheck"] = True
 
     # 16-bit: bitsandbytes' dequantize_4bit bit for bit
@@ -151,8 +151,33 @@ TRAINING = textwrap.dedent(
         results[on] = float(loss), grads(model)
     (loss_off, grads_off), (loss_on, grads_on) = results[False], results[True]
     worst = max(float((grads_on[k] - grads_off[k]).norm() / grads_off[k].norm()) for k in grads_off)
+
+    # what a compiled region saves for backward (inductor's partitioner) when dequantize-once does not keep it
+    four_bit_weights.sixteen_bit_from_4bit = decode  # the counter's side effect would keep Dynamo out
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from engine.speed.lean_recompute import _Decoded
+    import bitsandbytes.functional as bnb
+    weight = (torch.randn(64, 1024) * 0.02).to(torch.bfloat16)
+    packed, state = bnb.quantize_4bit(weight, blocksize=64, quant_type="nf4", compress_statistics=True)
+    saved = {}
+    def forward_graph(gm, inputs):
+        outputs = [node for node in gm.graph.nodes if node.op == "output"][0].args[0]
+        saved["forward"] = [list(out.meta["val"].shape) for out in outputs[1:] if "val" in out.meta]
+        return make_boxed_func(gm.forward)
+    def backward_graph(gm, inputs):
+        saved["backward"] = [str(node.target) for node in gm.graph.nodes if node.op == "call_function"]
+        return make_boxed_func(gm.forward)
+    backend = aot_autograd(fw_compiler=forward_graph, bw_compiler=backward_graph,
+                           partition_fn=min_cut_rematerialization_partition)
+    def project(x):
+        return _Decoded.apply(x, packed, state, None, False, True)
+    leaf = torch.randn(5, 1024, dtype=torch.bfloat16, requires_grad=True)
+    torch.compile(project, backend=backend)(leaf).float().sum().backward()
     print(json.dumps({"losses": [loss_off, loss_on], "worst_grad": worst, "calls": calls[0],
-                      "one_kernel": controller.lean.one_kernel_projections(), "grads": len(grads_off)}))
+                      "one_kernel": controller.lean.one_kernel_projections(), "grads": len(grads_off),
+                      "saved": saved}))
     """
 )
 """A 4-bit model trained one step with offloaded checkpointing, dequantize-once and lean recompute, its weights
@@ -222,6 +247,15 @@ def test_a_4bit_model_trains_on_the_kernels_weights_as_on_bitsandbytes() -> None
     assert abs(loss_on - loss_off) <= 1e-3 * abs(loss_off)
     # the interpreter truncates each weight to 16 bits (one step, ~0.4%); a wrong weight moves gradients by ~1
     assert 0.0 <= got["worst_grad"] < 0.05, got  # type: ignore[operator]
+
+
+@pytest.mark.slow
+def test_compiled_regions_decode_again_for_backward_instead_of_keeping_the_weight() -> None:
+    """Inductor's partitioner must not fold backward's decode into the forward's: that would keep every 16-bit
+    weight alive from its forward to its backward (out of memory at 16,384 tokens under 8 GiB)."""
+    saved = interpreted_training()["saved"]
+    assert saved["forward"] and [64, 1024] not in saved["forward"], saved  # type: ignore[index]
+    assert "tunedeck.four_bit_to_16bit.default" in saved["backward"], saved  # type: ignore[index]
 
 
 @pytest.mark.slow

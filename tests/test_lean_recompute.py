@@ -154,7 +154,9 @@ def test_dequant_once_resolution(requested: bool | None, extra: int, free: int |
      (True, "cuda", True, True, "switched on; 14 of 14"),
      (False, "cuda", True, False, "switched off: bitsandbytes'"),
      (None, "cpu", True, False, "runs on NVIDIA GPUs"),
-     (None, "cuda", False, False, "no 4-bit weight here has a format or shape")],
+     (None, "cuda", False, False, "no 4-bit weight here has a format or shape"),
+     (None, "cuda-unmeasured", True, False, "automatic: off; on only under offloaded checkpointing"),
+     (True, "cuda-unmeasured", True, True, "switched on; 14 of 14")],
 )  # fmt: skip
 def test_four_bit_kernel_resolution(
     tiny_dir: Path, monkeypatch: pytest.MonkeyPatch, requested: bool | None, device: str, covered: bool, on: bool,
@@ -163,7 +165,9 @@ def test_four_bit_kernel_resolution(
     from engine.speed import four_bit_weights
 
     monkeypatch.setattr(four_bit_weights, "covers_16bit", lambda state: covered)
-    got, why = four_bit_kernel_resolve(requested, torch.device(device), tiny_qlora_model(tiny_dir))
+    measured = not device.endswith("-unmeasured")
+    where = torch.device(device.removesuffix("-unmeasured"))
+    got, why = four_bit_kernel_resolve(requested, where, tiny_qlora_model(tiny_dir), measured=measured)
     assert got is on and reason in why, why
 
 

@@ -255,7 +255,10 @@ class SpeedController:
         fp8, fp8_reason = fp8_base.scoped(fp8, fp8_reason, settings.fp8_scope, mode)
         compiled, _ = fused_kernels.resolve(settings.fused_kernels, self.hf_model, self.device)
         requested_kernel = settings.four_bit_kernel
-        kernel, kernel_reason = lean_recompute.four_bit_kernel_resolve(requested_kernel, self.device, self.hf_model)
+        measured = once and not self._state.get("chunked_mlp", {}).get("on", False)
+        kernel, kernel_reason = lean_recompute.four_bit_kernel_resolve(
+            requested_kernel, self.device, self.hf_model, measured=measured
+        )
         self.lean.fp8_in_forward = settings.fp8_scope != "recompute"
         self.lean.switch(skip, once, fp8, one_pass=compiled, one_kernel=kernel)
         if fp8:

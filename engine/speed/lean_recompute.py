@@ -25,7 +25,9 @@ A third part acts in every pass, recompute or not:
   its absmax and code kernels and its Python autograd function. Profiled on the H200 (Llama-3.1-8B shape, 4,096
   tokens, 8 GiB cap): the step's 448 decodes took 12 ms of GPU time against 17 ms. Logits are the library path's
   bits; gradients match up to the order in which autograd sums a layer input's contributions (1.6e-4, GPU test).
-  Automatic on NVIDIA GPUs with Triton (:func:`four_bit_kernel_resolve`).
+  Backward decodes again (``use=1``) unless dequantize-once keeps the weight, so compiled graphs cannot fold the
+  two decodes into one kept weight. Automatic on NVIDIA GPUs with Triton under offloaded checkpointing with
+  dequantize-once and whole-row MLPs, the setting measured on a GPU (:func:`four_bit_kernel_resolve`).
 
 The first two act only inside the recompute of :class:`engine.speed.offloaded_checkpoint.ActivationOffloader`, which
 sets its :class:`~engine.speed.offloaded_checkpoint.RecomputeFlag` around it; everywhere else (no checkpointing,
@@ -82,13 +84,16 @@ def _is_frozen_linear(module: torch.nn.Module) -> bool:
     return type(module) is torch.nn.Linear and isinstance(weight, torch.Tensor) and not weight.requires_grad
 
 
-def dense_weight(weight: torch.Tensor, quant_state: Any, dtype: torch.dtype, one_kernel: bool = False) -> torch.Tensor:
+def dense_weight(
+    weight: torch.Tensor, quant_state: Any, dtype: torch.dtype, one_kernel: bool = False, use: int = 0
+) -> torch.Tensor:
     """The (out, in) weight in ``dtype``: dequantized from 4 bits when there is a quantization state, by the one-pass
-    kernel (:func:`engine.speed.four_bit_weights.sixteen_bit_from_4bit`, the same bits) when ``one_kernel``."""
+    kernel (:func:`engine.speed.four_bit_weights.sixteen_bit_from_4bit`, the same bits) when ``one_kernel``;
+    ``use`` 1 for an input gradient's weight (never merged with the forward's in compiled graphs)."""
     if quant_state is None:
         return weight.to(dtype)
     if one_kernel:
-        return four_bit_weights.sixteen_bit_from_4bit(weight, quant_state, quant_state.dtype).to(dtype)
+        return four_bit_weights.sixteen_bit_from_4bit(weight, quant_state, quant_state.dtype, use).to(dtype)
     from bitsandbytes.functional import dequantize_4bit
 
     return dequantize_4bit(weight, quant_state).to(dtype)
@@ -106,7 +111,8 @@ class _UnreadOutput(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        return grad @ dense_weight(ctx.weight, ctx.quant_state, grad.dtype, ctx.one_kernel), None, None, None, None
+        dense = dense_weight(ctx.weight, ctx.quant_state, grad.dtype, ctx.one_kernel, use=1)
+        return grad @ dense, None, None, None, None
 
 
 class _Decoded(torch.autograd.Function):
@@ -129,7 +135,7 @@ class _Decoded(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         (saved,) = ctx.saved_tensors
-        dense = saved if ctx.keep else dense_weight(saved, ctx.quant_state, grad.dtype, ctx.one_kernel)
+        dense = saved if ctx.keep else dense_weight(saved, ctx.quant_state, grad.dtype, ctx.one_kernel, use=1)
         return grad @ dense.to(grad.dtype), None, None, None, None, None
 
 
@@ -282,9 +288,11 @@ def lean_recompute_resolve(requested: bool | None, checkpointing: str) -> tuple[
 
 
 def four_bit_kernel_resolve(
-    requested: bool | None, device: torch.device, hf_model: torch.nn.Module
+    requested: bool | None, device: torch.device, hf_model: torch.nn.Module, measured: bool = True
 ) -> tuple[bool, str]:
-    """(on, reason): automatic wherever the one-pass kernel covers a 4-bit projection (CUDA with Triton, NF4)."""
+    """(on, reason): automatic where the one-pass kernel covers a 4-bit projection (CUDA with Triton, NF4) in the
+    setting it was measured in on a GPU (``measured``: offloaded checkpointing with dequantize-once and whole-row
+    MLPs); switched on, everywhere it covers."""
     if requested is False:
         return False, "switched off: bitsandbytes' dequantize and 4-bit matmul"
     bases = [base for _, _, base, _ in frozen_projections(hf_model) if is_4bit(base)]
@@ -300,6 +308,11 @@ def four_bit_kernel_resolve(
         f"{covered} of {len(states)} 4-bit weights decoded in one kernel and multiplied by cuBLAS directly "
         "(bitsandbytes' bits, without its two kernels and Python per call)"
     )
+    if requested is None and not measured:
+        return False, (
+            "automatic: off; on only under offloaded checkpointing with dequantize-once and whole-row MLPs, where it "
+            "was measured on a GPU (switch on to use it here)"
+        )
     return True, f"automatic: {how}" if requested is None else f"switched on; {how}"
 
 
