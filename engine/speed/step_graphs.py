@@ -216,10 +216,11 @@ class Trial:
 
     def timed(self, key: tuple[Any, ...], phase: str, run: Callable[[], Any]) -> Any:
         """``run()``, timed when it is the trial's eager run or its second replay of the trial's bucket."""
-        due = (phase == "eager" and self.eager is None) or (phase == "replay" and key == self.key)
-        if phase == "replay" and due:
-            self.replays += 1
-            due = self.replays == 2 and self.replay is None
+        if phase == "eager":
+            due = self.eager is None
+        else:
+            self.replays += key == self.key
+            due = key == self.key and self.replays == 2
         if not due:
             return run()
         interval = self.timer()
