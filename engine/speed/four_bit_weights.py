@@ -51,9 +51,8 @@ TILES = {(True, False): (16, 256, 4), (False, True): (64, 64, 4), (True, True): 
 """(rows, packed bytes, warps) per program for each (row-major, transposed) pair of outputs, the fastest measured
 on the H200 (14,336 x 4,096 NF4: 0.045, 0.050 and 0.083 ms against 0.118 ms for bitsandbytes' kernel and the cast
 alone). A transposed store is contiguous along the tile's rows, so its tile is tall. Writing both layouts from a
-tall tile gave wrong transposed values with Triton 3.6, so both come from the wide tile (GPU test)."""
-SIXTEEN_BIT_TILE = (16, 256, 4)
-"""(rows, packed bytes, warps) per program for the 16-bit weight (row-major)."""
+tall tile gave wrong transposed values with Triton 3.6, so both come from the wide tile (GPU test). A 16-bit
+weight is written row-major from the same wide tile."""
 
 
 def covers(quant_state: Any) -> bool:
@@ -162,9 +161,8 @@ def four_bit_to_e4m3(
     as the two-pass path's do."""
     forward, backward = _outputs(packed.device, rows, columns, rows_out, transposed_out)
     _launch(
-        TILES[(rows_out, transposed_out)], packed, absmax, absmax2, code2, offset, table, group, nested, scale,
-        forward, backward, rows, columns, blocksize, dtype, to_e4m3=True, rows_out=rows_out,
-        transposed_out=transposed_out,
+        packed, absmax, absmax2, code2, offset, table, group, nested, scale, forward, backward, rows, columns,
+        blocksize, dtype, to_e4m3=True, rows_out=rows_out, transposed_out=transposed_out,
     )  # fmt: skip
     return forward, backward
 
@@ -214,8 +212,8 @@ def four_bit_to_16bit(
     8B row under 8 GiB)."""
     out = torch.empty((rows, columns), dtype=dtype, device=packed.device)
     _launch(
-        SIXTEEN_BIT_TILE, packed, absmax, absmax2, code2, offset, table, group, nested, absmax, out, out, rows,
-        columns, blocksize, dtype, to_e4m3=False, rows_out=True, transposed_out=False,
+        packed, absmax, absmax2, code2, offset, table, group, nested, absmax, out, out, rows, columns, blocksize,
+        dtype, to_e4m3=False, rows_out=True, transposed_out=False,
     )  # fmt: skip
     return out
 
@@ -240,7 +238,6 @@ def _(
 
 
 def _launch(
-    tile: tuple[int, int, int],
     packed: torch.Tensor,
     absmax: torch.Tensor,
     absmax2: torch.Tensor,
@@ -260,7 +257,7 @@ def _launch(
     rows_out: bool,
     transposed_out: bool,
 ) -> None:
-    tile_rows, tile_bytes, warps = tile
+    tile_rows, tile_bytes, warps = TILES[(rows_out, transposed_out)]
     grid = (rows // tile_rows, columns // 2 // tile_bytes)
     on_its_device = torch.cuda.device(packed.device) if packed.is_cuda else contextlib.nullcontext()
     with on_its_device:  # Triton launches on the current device, which need not be the weight's

@@ -295,8 +295,7 @@ def four_bit_kernel_resolve(
     MLPs); switched on, everywhere it covers."""
     if requested is False:
         return False, "switched off: bitsandbytes' dequantize and 4-bit matmul"
-    bases = [base for _, _, base, _ in frozen_projections(hf_model) if is_4bit(base)]
-    states = [base.weight.quant_state for base in bases]
+    states = [base.weight.quant_state for _, _, base, _ in frozen_projections(hf_model) if is_4bit(base)]
     if not states:
         return False, "no 4-bit projections"
     if device.type != "cuda":

@@ -208,7 +208,7 @@ class Trial:
     a host-bound step (a fast GPU: the H200 on an 8B 4-bit model) replays much faster, and a GPU-bound one (a
     consumer card on the same model) about as fast; then the graphs' padding and reserved memory buy nothing."""
 
-    timer: Callable[[], Any] = GpuInterval
+    timer: Callable[[], Any]
     key: tuple[Any, ...] | None = None
     eager: Any = None
     replay: Any = None
@@ -345,9 +345,10 @@ class StepGraphs:
         self._grads = []
         self._params = None
         self._capture = None
-        if held:
-            self.reset()  # host-side state may still point into the pool (the offloader's prefetched layer inputs)
-        if held and self.device.type == "cuda":
+        if not held:
+            return
+        self.reset()  # host-side state may still point into the pool (the offloader's prefetched layer inputs)
+        if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the pool's memory goes back to the GPU now, not at the next shortage
 
     def give_up(self, reason: str) -> bool:
