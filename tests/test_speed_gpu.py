@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -566,3 +570,40 @@ def test_a_failed_capture_gives_its_memory_back_and_the_stream_too() -> None:
     assert torch.cuda.current_stream() == torch.cuda.default_stream()
     assert torch.cuda.memory_reserved() - before < 32 << 20, (before, torch.cuda.memory_reserved())
     assert float(torch.ones(4, device=CUDA).sum()) == 4.0
+
+
+DROP_WHILE_A_REPLAY_IS_QUEUED = """
+import sys
+import torch
+from engine.speed.step_graphs import StepGraphs
+
+graphs = StepGraphs(torch.device("cuda"), lambda: [])
+if sys.argv[1] == "no-wait":
+    graphs.wait = lambda device: None
+graphs.switch(True)
+tree = {"x": torch.ones(64 << 20, device="cuda")}
+body = lambda tree: (tree["x"] * 2.0).sum().detach()  # 256 MiB of the pool once captured
+graphs.run(tree, body)  # eager
+graphs.run(tree, body)  # captured, first replay
+torch.cuda.synchronize()
+torch.cuda._sleep(1 << 31)  # about a second of GPU time ahead of the next replay
+loss = graphs.run(tree, body)  # queued behind it
+graphs.switch(False)  # drops the graphs and gives their pool back
+print(float(loss))
+"""
+
+
+def run_drop_while_a_replay_is_queued(mode: str) -> subprocess.CompletedProcess[str]:
+    """In a fresh process (an illegal memory access ends the CUDA context) with expandable segments, whose
+    freed memory is unmapped."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
+    command = [sys.executable, "-c", DROP_WHILE_A_REPLAY_IS_QUEUED, mode]
+    return subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_dropping_graphs_while_a_replay_is_queued_waits_for_it() -> None:
+    done = run_drop_while_a_replay_is_queued("wait")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout.split()[-1]) == pytest.approx(2.0 * (64 << 20), rel=1e-3)

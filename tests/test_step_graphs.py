@@ -216,6 +216,22 @@ def test_a_switch_change_drops_the_graphs() -> None:
     assert controller.graphs.captured == 0 and not controller.graphs.on  # automatic is off on the CPU
 
 
+def test_graphs_are_dropped_only_after_the_gpu_has_run_their_replays() -> None:
+    """Their pool's memory is unmapped when given back; a replay still queued would touch it (GPU test below)."""
+    model = tiny_lora_model("llama")
+    controller = SpeedController(model, AUTO, torch.device("cpu"))
+    graphed(controller, ReplayingCapture())
+    held_while_waiting: list[int] = []
+    controller.graphs.wait = lambda device: held_while_waiting.append(controller.graphs.captured)
+    controller.apply(dataclasses.replace(AUTO, fused_loss=False))
+    assert held_while_waiting == []  # nothing captured, nothing to wait for: no needless sync
+    graphed(controller, ReplayingCapture())
+    for seed in range(3):
+        controller.forward_backward(model, packed_batch((40, 30), seed=seed), 68)
+    controller.apply(AUTO)
+    assert held_while_waiting == [1]
+
+
 def test_the_loss_divisor_may_be_a_tensor() -> None:
     torch.manual_seed(0)
     hidden = torch.randn(1, 12, 8, requires_grad=True)
@@ -299,6 +315,16 @@ def test_automatic_graphs_go_where_the_gpu_sets_the_pace() -> None:
     assert losses == pytest.approx(reference, rel=1e-5)  # every micro-batch trained, replayed or not
 
 
+def test_a_trial_that_drops_the_graphs_waits_for_their_replays_first() -> None:
+    model = tiny_lora_model("llama")
+    controller = SpeedController(model, AUTO, torch.device("cpu"))
+    on_trial(controller, eager_ms=1600.0, replay_ms=1590.0)
+    held_while_waiting: list[int] = []
+    controller.graphs.wait = lambda device: held_while_waiting.append(controller.graphs.captured)
+    micro_batches(controller, model, 5)
+    assert held_while_waiting == [1] and controller.graphs.captured == 0
+
+
 def test_the_trial_waits_for_the_gpu_to_pass_its_timed_replay() -> None:
     model = tiny_lora_model("llama")
     controller = SpeedController(model, AUTO, torch.device("cpu"))
@@ -322,6 +348,35 @@ def test_switched_on_graphs_are_not_on_trial() -> None:
 
 
 # --- when it applies --------------------------------------------------------------------------------------------
+
+
+def test_automatic_graphs_stay_off_where_the_row_needs_chunked_mlps_to_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(step_graphs, "unsupported_reason", lambda model, device: None)  # as on a GPU
+    model = tiny_lora_model("llama")
+    controller = SpeedController(model, dataclasses.replace(AUTO, chunked_mlp=True), torch.device("cpu"))
+    assert controller.state()["step_graphs"] == {"on": False, "reason": step_graphs.MEMORY_BOUND}
+    assert not controller.graphs.on
+    controller.apply(AUTO)  # rows too short to chunk: graphs on trial
+    assert controller.graphs.on and controller.graphs.trial is not None
+    controller.apply(dataclasses.replace(AUTO, chunked_mlp=True, step_graphs=True))  # the user's choice stands
+    assert controller.graphs.on and controller.graphs.trial is None
+
+
+def test_automatic_graphs_go_when_a_longer_row_turns_chunking_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.speed import chunked_mlp
+
+    monkeypatch.setattr(step_graphs, "unsupported_reason", lambda model, device: None)
+    resolve = chunked_mlp.resolve
+    monkeypatch.setattr(chunked_mlp, "resolve", lambda requested, mode, tokens, *a, **k: (
+        (True, "automatic: chunked") if tokens > 300 else resolve(requested, mode, tokens, *a, **k)))  # fmt: skip
+    model = tiny_lora_model("llama")
+    controller = SpeedController(model, AUTO, torch.device("cpu"))
+    on_trial(controller, eager_ms=420.0, replay_ms=100.0)
+    micro_batches(controller, model, 4)
+    assert controller.graphs.captured == 1
+    loss = controller.forward_backward(model, packed_batch((200, 150), seed=5), 348)  # padded to 512 tokens
+    assert torch.isfinite(loss) and not controller.graphs.on and controller.graphs.captured == 0
+    assert controller.state()["step_graphs"] == {"on": False, "reason": step_graphs.MEMORY_BOUND}
 
 
 def test_resolution() -> None:

@@ -278,6 +278,8 @@ class SpeedController:
         on, reason = step_graphs.resolve(settings.step_graphs, self.model, self.device)
         if self._graphs_refused is not None and (on or settings.step_graphs):
             on, reason = False, f"off: {self._graphs_refused}"
+        elif on and settings.step_graphs is None and self._state.get("chunked_mlp", {}).get("on"):
+            on, reason = False, step_graphs.MEMORY_BOUND
         self.graphs.switch(on, trial=settings.step_graphs is None)  # drops graphs captured under the previous ones
         self._state["step_graphs"] = {"on": on, "reason": reason}
 
@@ -355,6 +357,8 @@ class SpeedController:
             self._apply_chunked_mlp(self.settings)
             self._apply_fused_kernels(self.settings)
             self.graphs.clear()
+            if self.graphs.on and self.settings.step_graphs is None and self._state["chunked_mlp"]["on"]:
+                self._apply_step_graphs(self.settings)  # the row now needs chunks to fit: no room for a graph
         inputs = stock_model_inputs(self.model, batch)
         if self.host_embedding.on:
             self.host_embedding.stage(batch.host_input_ids)

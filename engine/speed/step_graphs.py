@@ -33,13 +33,17 @@ graph cannot replay random masks). A step that waits for the GPU (MoE routing th
 host) or runs out of memory cannot be captured: the switch then turns itself off with the reason and the
 micro-batch runs eagerly, so nothing is lost. Memory: the pool keeps one step's activations reserved between
 steps, where the optimizer can no longer reuse them (H200, Llama-3.1-8B in 4-bit, 4,096 tokens under an 8 GiB cap:
-7.82 GiB reserved against 7.50 GiB eagerly; a 16,384-token row did not fit its capture there).
+7.82 GiB reserved against 7.50 GiB eagerly; the 16,384-token row under that cap ran out of memory beside its
+graphs). So automatic graphs stay off where the row needs its MLPs chunked to fit (:data:`MEMORY_BOUND`): there
+memory, not the host, limits the run, and the GPU's long kernels leave the host little to save anyway.
+Dropping graphs waits for the replays still queued (:func:`wait_for_replays`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -59,6 +63,7 @@ __all__ = [
     "pad_to",
     "resolve",
     "unsupported_reason",
+    "wait_for_replays",
 ]
 
 ROW_STEP_SHARE = 8
@@ -73,6 +78,11 @@ EAGER_RUNS = 1
 TRIAL_KEEP = 0.97
 """Automatic step graphs stay on only where a replayed micro-batch takes at most this share of the time the same
 micro-batch took eagerly."""
+MEMORY_BOUND = (
+    "automatic: off; the row needs its MLPs chunked to fit in memory, and graphs would keep one step's activations "
+    "reserved beside it"
+)
+"""Why automatic step graphs stay off where memory, not the host, limits the run (a long row under a small cap)."""
 
 
 @dataclass(frozen=True)
@@ -283,6 +293,17 @@ class CudaGraphCapture:
         return graph.replay, out
 
 
+def wait_for_replays(device: torch.device) -> None:
+    """Wait until the GPU has run everything queued, replays included, before graphs and their pool are dropped.
+
+    Giving the pool's memory back unmaps it, and the allocator waits only for the stream the pool was captured on,
+    not for the one replays run on: a replay still queued (the host runs a step ahead) would then touch unmapped
+    memory, an illegal memory access that ends the process. Dropping graphs is rare (a switch change, a trial that
+    keeps them off, a shortage), so this one sync costs nothing per step."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _abandon(graph: Any, pool: Any) -> None:
     """End a failed capture and give back the memory it took from the pool; the failure is the caller's to report.
 
@@ -313,6 +334,8 @@ class StepGraphs:
     """Why automatic step graphs stayed on, once their trial has timed them (:class:`Trial`)."""
     trial: Trial | None = None
     timer: Callable[[], Any] = GpuInterval
+    wait: Callable[[torch.device], None] = wait_for_replays
+    """Waits for replays still running on the GPU before their graphs and memory go (:func:`wait_for_replays`)."""
     news: int = 0
     """Counts the changes a run should report (a trial's verdict, a failed capture): a caller compares it."""
     longest: int = 0
@@ -340,6 +363,8 @@ class StepGraphs:
     def clear(self) -> None:
         """Drop every graph and its memory (after a switch change: the captured work would be stale)."""
         held = bool(self._graphs)
+        if held:
+            self.wait(self.device)
         self._graphs.clear()
         self._seen.clear()
         self._grads = []
@@ -436,6 +461,7 @@ class StepGraphs:
             self.news += 1
             self.clear()
             self.reset()
+            gc.collect()  # frames of the failed capture that refer to each other, and the pool tensors they hold
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # their pool's blocks go back now: the eager run after this needs them
             return None
