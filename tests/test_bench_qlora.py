@@ -6,6 +6,7 @@ import copy
 import json
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -175,3 +176,67 @@ def test_late_readout_steps_make_the_updates_of_plain_steps() -> None:
         curves.append([float(step(batch=packed_batch((30, 20)))) for _ in range(3)])
     assert curves[0] == pytest.approx(curves[1], rel=1e-6)
     assert curves[0][0] != pytest.approx(curves[0][2], rel=1e-4)  # the steps did update
+
+
+def test_a_bench_step_short_of_memory_beside_step_graphs_drops_them_and_runs_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As the training loop recovers: the graphs' pool goes and the same micro-batch runs eagerly. Without graphs
+    to drop, running out of memory is the row's result."""
+    import torch
+    from speed_models import packed_batch, tiny_lora_model
+
+    from engine.bench.speed import bench_adamw, train_step
+    from engine.speed import SpeedController
+
+    def replaying(function: Any) -> tuple[Any, torch.Tensor]:
+        out = torch.zeros(())
+        return lambda: out.copy_(function()), out
+
+    torch.manual_seed(0)
+    model = tiny_lora_model("llama")
+    controller = SpeedController(model, AUTO, torch.device("cpu"))
+    controller.graphs.switch(True)
+    controller.graphs.capturer = lambda: replaying
+    optimizer = bench_adamw(model, 1e-3, "foreach")
+    for _ in range(2):  # eager, then captured and replayed
+        train_step(model, controller, packed_batch((30, 20)), optimizer)
+    assert controller.graphs.captured == 1
+    run = controller.forward_backward
+    calls: list[int] = []
+
+    def short_once(*args: Any) -> torch.Tensor:
+        calls.append(controller.graphs.captured)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 128.00 MiB")
+        return run(*args)
+
+    monkeypatch.setattr(controller, "forward_backward", short_once)
+    loss = train_step(model, controller, packed_batch((30, 20)), optimizer)
+    assert calls == [1, 0] and torch.isfinite(loss)
+    assert "ran short" in controller.state()["step_graphs"]["reason"]
+    calls.clear()
+    with pytest.raises(torch.OutOfMemoryError):
+        train_step(model, controller, packed_batch((30, 20)), optimizer)
+    assert calls == [0]
+
+
+def test_bench_processes_of_the_same_model_take_turns_instead_of_waiting_for_each_other(tmp_path: Path) -> None:
+    """Two processes benching one model (say, different row lengths) are two peers, not one."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; from pathlib import Path; from engine.bench.speed import timing_turn\n"
+        "with timing_turn(Path(sys.argv[1]), 2, 'llama-3.1-8b'):\n"
+        "    open(sys.argv[2], 'a').write('timed\\n')\n"
+    )
+    lock, done = tmp_path / "lock" / "timing", tmp_path / "done"
+    root = Path(__file__).resolve().parents[1]
+    peers = [subprocess.Popen([sys.executable, "-c", script, str(lock), str(done)], cwd=root) for _ in range(2)]
+    try:
+        codes = [peer.wait(timeout=60) for peer in peers]
+    finally:
+        for peer in peers:
+            peer.kill()
+    assert codes == [0, 0] and done.read_text().split() == ["timed", "timed"]

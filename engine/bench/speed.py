@@ -14,6 +14,7 @@ import dataclasses
 import datetime
 import functools
 import json
+import os
 import platform
 import statistics
 import sys
@@ -30,6 +31,8 @@ import torch
 from engine.config import SpeedConfig
 from engine.data.packing import PackedBatch, TokenizedExample, collate
 from engine.hardware.shapes import BUILTIN_CONFIGS
+from engine.run import guard
+from engine.run.step import GRAPHS_SHORT_OF_MEMORY
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -234,7 +237,7 @@ def train_step(
     ``as_trainer``: the loss and the clipped gradient norm are read on the host before the update, as
     ``tunedeck train --step-readout immediate`` reads them for its guard and its progress (two host syncs a step,
     after which the GPU waits for the host's optimizer launch and the next step's preparation)."""
-    loss = controller.forward_backward(model, batch, batch.trained_tokens)
+    loss = forward_backward(model, controller, batch, optimizer)
     if as_trainer:
         float(loss)
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -242,6 +245,20 @@ def train_step(
     optimizer.step()
     controller.zero_grad(optimizer)
     return loss
+
+
+def forward_backward(model: Any, controller: Any, batch: PackedBatch, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    """The micro-batch's forward and backward; where it runs out of memory beside step graphs, the graphs and
+    their memory pool go and it runs again eagerly, as the training loop recovers (``engine.run.step``)."""
+    try:
+        return controller.forward_backward(model, batch, batch.trained_tokens)
+    except Exception as err:
+        if not guard.is_out_of_memory(err) or not controller.graphs.captured:
+            raise
+    # outside the except block: the traceback's frames, and the activations they hold, are gone
+    controller.graphs.give_up(GRAPHS_SHORT_OF_MEMORY)
+    guard.release_memory(optimizer, controller.device)
+    return controller.forward_backward(model, batch, batch.trained_tokens)
 
 
 @dataclasses.dataclass
@@ -257,7 +274,7 @@ class LateReadout:
     def __call__(self, batch: PackedBatch) -> torch.Tensor:
         from engine.run import readout
 
-        loss = self.controller.forward_backward(self.model, batch, batch.trained_tokens)
+        loss = forward_backward(self.model, self.controller, batch, self.optimizer)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         values = readout.update_on_device(self.optimizer, params, loss, 1.0)
         self.controller.zero_grad(self.optimizer)
@@ -394,7 +411,8 @@ def timing_turn(lock: Path | None, peers: int, name: str) -> Iterator[None]:
     """Exclusive use of the GPU for timing when several bench processes share it (``--timing-lock``).
 
     Each process first marks itself ready (its compiles are done), waits until all ``peers`` are, then times
-    its variants holding an exclusive lock: compiles run side by side, timed steps never overlap.
+    its variants holding an exclusive lock: compiles run side by side, timed steps never overlap. A process marks
+    itself under ``name`` and its process id, so peers benching the same model count as two.
     """
     if lock is None:
         yield
@@ -402,7 +420,7 @@ def timing_turn(lock: Path | None, peers: int, name: str) -> Iterator[None]:
     import fcntl
 
     lock.parent.mkdir(parents=True, exist_ok=True)
-    (lock.parent / f"{lock.name}.ready.{name}").touch()
+    (lock.parent / f"{lock.name}.ready.{name}.{os.getpid()}").touch()
     while len(list(lock.parent.glob(f"{lock.name}.ready.*"))) < peers:
         time.sleep(0.5)
     with lock.open("a") as handle:
