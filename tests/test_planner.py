@@ -361,6 +361,7 @@ def test_the_plan_names_the_longest_row_that_trains() -> None:
         ("qlora_h200.json", 10, {False, True}),
         ("qlora_fp8_h200.json", 4, {True}),
         ("qlora_step_readout_h200.json", 4, {True}),
+        ("qlora_rerun_h200.json", 1, {True}),
     ],
 )
 def test_qlora_bench_rows_are_predicted_within_10_percent_above(
