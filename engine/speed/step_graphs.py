@@ -22,11 +22,15 @@ clears them in place (one kernel), and a micro-step binds them again if anything
 share one memory pool; a switch change drops them.
 
 Automatic, on trial (:class:`Trial`): where graphs can run, the first bucket runs eagerly twice (the first run
-compiles, the second is timed), is captured, and its second replay is timed too; the graphs stay only if the replay
-took at most 97% of the eager run's GPU time, and the run reports what it measured either way. A fast GPU on a
-model whose step launches thousands of kernels is host-bound, and replays much faster (H200, Llama-3.1-8B in 4-bit,
-4,096 tokens under an 8 GiB cap: 364-370 ms against 431-466 ms eagerly, benchmarks/qlora_automatic_graphs_h200.md);
-a card that spends longer in its kernels replays about as fast, and keeps its memory and unpadded rows instead.
+compiles, the second is timed), is captured, and its second replay is timed too, each from its start to the next
+micro-batch's; the graphs stay only if the replay took at most 97% of the eager run's GPU time, and the run reports
+what it measured either way. A fast GPU on a model whose step launches thousands of kernels is host-bound, and
+replays much faster (H200, Llama-3.1-8B in 4-bit, 4,096 tokens under an 8 GiB cap: 353-370 ms against 407-466 ms
+eagerly, benchmarks/qlora_automatic_graphs_h200.md); a card that spends longer in its kernels replays about as fast,
+and keeps its memory and unpadded rows instead. Those H200 figures timed each micro-batch only to its own end. The
+Qwen3-8B row then measured 373 against 381 ms and kept graphs off, although its host took 442 ms of a 448 ms eager
+step (benchmarks/qlora_rerun_h200.md); counting the time to the next micro-batch takes in the host work between
+them, which a replay lets overlap the GPU's.
 
 Where it runs: CUDA, one process (no DDP/FSDP hooks), no float16 loss scaling, no dropout (a recompute inside a
 graph cannot replay random masks). A step that waits for the GPU (MoE routing that reads expert counts on the
@@ -214,15 +218,26 @@ class Trial:
     """Automatic step graphs: one bucket's eager micro-batch (after the one that compiles) timed against its second
     replay (after the one that uploads the graph), the graphs kept only if they are faster.
 
-    The GPU's time from a micro-batch's first kernel to its last counts the gaps where it waited for the host, so
-    a host-bound step (a fast GPU: the H200 on an 8B 4-bit model) replays much faster, and a GPU-bound one (a
-    consumer card on the same model) about as fast; then the graphs' padding and reserved memory buy nothing."""
+    Each is timed on the GPU from its start to the start of the micro-batch after it, so the time counts what the
+    host does between them too (the optimizer step, the next batch's inputs). Where the host sets the pace (a fast
+    GPU: the H200 on an 8B 4-bit model), the GPU waits for it inside an eager micro-batch and again between them; a
+    replay is queued at once, and the host's work between micro-batches then overlaps the GPU's. Where the GPU sets
+    the pace (a consumer card on the same model) both take about as long, and the graphs' padding and reserved
+    memory buy nothing."""
 
     timer: Callable[[], Any]
     key: tuple[Any, ...] | None = None
     eager: Any = None
     replay: Any = None
     replays: int = 0
+    running: Any = None
+    """The interval of the timed micro-batch, until the next one starts."""
+
+    def next_micro_batch(self) -> None:
+        """A micro-batch starts: the timed one before it, if any, ends here."""
+        if self.running is not None:
+            self.running.stop()
+            self.running = None
 
     def timed(self, key: tuple[Any, ...], phase: str, run: Callable[[], Any]) -> Any:
         """``run()``, timed when it is the trial's eager run or its second replay of the trial's bucket."""
@@ -236,7 +251,7 @@ class Trial:
         interval = self.timer()
         interval.start()
         out = run()
-        interval.stop()
+        self.running = interval
         if phase == "eager":
             self.key, self.eager = key, interval
         else:
@@ -244,11 +259,14 @@ class Trial:
         return out
 
     def verdict(self) -> tuple[bool, str] | None:
-        """(keep, reason) once both runs are timed and done on the GPU; None before."""
-        if self.eager is None or self.replay is None or not self.replay.done():
+        """(keep, reason) once both runs are timed to the next micro-batch and done on the GPU; None before."""
+        if self.eager is None or self.replay is None or self.running is not None or not self.replay.done():
             return None
         eager, replay = self.eager.ms(), self.replay.ms()
-        measured = f"a replayed micro-batch took {replay:,.0f} ms against {eager:,.0f} ms run eagerly"
+        measured = (
+            f"a replayed micro-batch took {replay:,.0f} ms from its start to the next one's, against {eager:,.0f} ms "
+            "run eagerly"
+        )
         if replay <= TRIAL_KEEP * eager:
             return True, f"automatic: on; {measured}"
         return False, f"automatic: off; {measured}: the GPU, not the host, sets the pace here"
@@ -297,9 +315,9 @@ def wait_for_replays(device: torch.device) -> None:
     """Wait until the GPU has run everything queued, replays included, before graphs and their pool are dropped.
 
     Giving the pool's memory back unmaps it, and the allocator waits only for the stream the pool was captured on,
-    not for the one replays run on: a replay still queued (the host runs a step ahead) would then touch unmapped
-    memory, an illegal memory access that ends the process. Dropping graphs is rare (a switch change, a trial that
-    keeps them off, a shortage), so this one sync costs nothing per step."""
+    not for the one replays run on: a replay still queued (the host runs a step ahead) could then touch unmapped
+    memory, an illegal memory access. Dropping graphs is rare (a switch change, a trial that keeps them off, a
+    shortage), so this one sync costs nothing per step."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -406,6 +424,8 @@ class StepGraphs:
     def run(self, tree: Any, body: Callable[[Any], torch.Tensor]) -> torch.Tensor:
         """``body(tree)`` (forward and backward of one micro-batch, returning its detached loss), replayed from a
         graph once the tree's bucket has run eagerly."""
+        if self.trial is not None:
+            self.trial.next_micro_batch()
         self._judge()
         flat = flatten(tree, self.device) if self.active else None
         if flat is None:
