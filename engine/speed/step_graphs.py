@@ -26,11 +26,11 @@ compiles, the second is timed), is captured, and its second replay is timed too,
 micro-batch's; the graphs stay only if the replay took at most 97% of the eager run's GPU time, and the run reports
 what it measured either way. A fast GPU on a model whose step launches thousands of kernels is host-bound, and
 replays much faster (H200, Llama-3.1-8B in 4-bit, 4,096 tokens under an 8 GiB cap: 353-370 ms against 407-466 ms
-eagerly, benchmarks/qlora_automatic_graphs_h200.md); a card that spends longer in its kernels replays about as fast,
-and keeps its memory and unpadded rows instead. Those H200 figures timed each micro-batch only to its own end. The
-Qwen3-8B row then measured 373 against 381 ms and kept graphs off, although its host took 442 ms of a 448 ms eager
-step (benchmarks/qlora_rerun_h200.md); counting the time to the next micro-batch takes in the host work between
-them, which a replay lets overlap the GPU's.
+eagerly, benchmarks/qlora_automatic_graphs_h200.md and qlora_rerun_h200.md); a card that spends longer in its
+kernels replays about as fast, and keeps its memory and unpadded rows instead. Those H200 figures timed each
+micro-batch only to its own end. The Qwen3-8B row then measured 373 against 381 ms and kept graphs off, although its
+host took 442 ms of a 448 ms eager step (qlora_rerun_h200.md); counting the time to the next micro-batch takes in
+the host work between them, which a replay lets overlap the GPU's.
 
 Where it runs: CUDA, one process (no DDP/FSDP hooks), no float16 loss scaling, no dropout (a recompute inside a
 graph cannot replay random masks). A step that waits for the GPU (MoE routing that reads expert counts on the
