@@ -240,3 +240,27 @@ def test_bench_processes_of_the_same_model_take_turns_instead_of_waiting_for_eac
         for peer in peers:
             peer.kill()
     assert codes == [0, 0] and done.read_text().split() == ["timed", "timed"]
+
+
+def test_the_warm_up_lasts_until_automatic_step_graphs_have_decided() -> None:
+    """Timed steps never include the trial's eager runs and capture; a choice that never decides stops the warm-up
+    at its limit."""
+    from engine.bench.speed import settle
+
+    events: list[str] = []
+    verdict_after = 3
+    steps = settle(lambda: events.append("step"), lambda: events.count("step") >= verdict_after,
+                   lambda: events.append("wait"), limit=8)  # fmt: skip
+    assert steps == 3 and events == ["step", "wait"] * 3
+    assert settle(lambda: events.append("step"), lambda: True, lambda: None, limit=8) == 0
+    events.clear()
+    assert settle(lambda: events.append("step"), lambda: False, lambda: None, limit=8) == 8
+
+
+def test_bench_rows_wait_for_the_step_graphs_verdict() -> None:
+    from engine.bench.speed import graphs_decided
+
+    trial = SimpleNamespace(graphs=SimpleNamespace(trial=object()))
+    assert not graphs_decided(trial)
+    trial.graphs.trial = None
+    assert graphs_decided(trial)

@@ -49,7 +49,15 @@ from typing import Any
 
 import torch
 
-from engine.bench.speed import LateReadout, bench_adamw, log_row, time_steps, timing_turn, train_step
+from engine.bench.speed import (
+    LateReadout,
+    bench_adamw,
+    graphs_decided,
+    log_row,
+    time_steps,
+    timing_turn,
+    train_step,
+)
 from engine.bench.step_profile import CATEGORIES, profile_step
 from engine.config import SpeedConfig
 from engine.hardware.shapes import BUILTIN_CONFIGS
@@ -194,11 +202,13 @@ def cap_memory(cap_gib: float | None, device: torch.device) -> None:
     torch.cuda.set_per_process_memory_fraction(min(1.0, (cap_gib or 1e9) * GIB / total), device)
 
 
-def measure(step: Callable[[], object], warmup: int, steps: int) -> dict[str, Any]:
+def measure(
+    step: Callable[[], object], warmup: int, steps: int, settled: Callable[[], bool] = lambda: True
+) -> dict[str, Any]:
     """:func:`engine.bench.speed.time_steps` with the peak under this report's key; only the warm-up when ``steps``
     is 0 (the compile pass)."""
     if steps:
-        result = time_steps(step, warmup, steps)
+        result = time_steps(step, warmup, steps, settled)
         result["peak_gib"] = result.pop("peak_vram_gib")
         return result
     start = time.perf_counter()
@@ -248,7 +258,8 @@ def run_variant(
         cap_memory(cap, device)
         set_variant(controller, variant)  # automatic choices see the cap
         batch = rows_of(tokens, model.config.vocab_size, 1)[0].to(device)
-        row.update(measure(lambda: step(batch=batch), args.warmup, args.steps))
+        decided = functools.partial(graphs_decided, controller)  # no timed step runs the step graphs' trial
+        row.update(measure(lambda: step(batch=batch), args.warmup, args.steps, decided))
         row["state"] = controller.state()
         if args.steps and args.profile_dir is not None:
             label = f"{who.name}_{tokens}_{cap:g}gib_{variant}".replace("=", "").replace("+", "_with_")
@@ -386,8 +397,9 @@ def markdown(report: dict[str, Any]) -> str:
         "`+read_immediate` / `+read_late` tails: each step's loss and gradient norm read on the host before the "
         "update / one step late, as `tunedeck train` does);",
         "`auto-kept_share=X` = automatic with kept attention switched on for a share X of the layers. Median of the",
-        "timed steps after warm-up (compiles done). Host ms: how long the host took to queue a step (close to",
-        "ms/step: the host's Python and launch overhead, not the GPU, sets the pace). Reserved GiB: the",
+        "timed steps after warm-up (compiles done, automatic step graphs' trial decided). Host ms: how long the host",
+        "took to queue a step (close to ms/step: the host's Python and launch overhead, not the GPU, sets the",
+        "pace). Reserved GiB: the",
         "allocator's reserved memory at the peak, which includes step graphs' memory pool (its blocks are not",
         "allocated between replays, so the peak column alone undercounts those rows).",
         *_trainer_lines(report),

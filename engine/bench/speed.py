@@ -127,16 +127,40 @@ def count_syncs(sites: list[str] | None = None) -> Iterator[list[int]]:
         sites.extend(stacks)
 
 
-def time_steps(step: Callable[[], None], warmup: int, steps: int) -> dict[str, Any]:
+SETTLE_STEPS = 8
+"""Warm-up steps at most beyond ``--warmup`` while an automatic choice is still measuring."""
+
+
+def settle(step: Callable[[], None], settled: Callable[[], bool], wait: Callable[[], None], limit: int) -> int:
+    """Warm-up steps until ``settled()`` (an automatic choice that measures itself first, such as step graphs on
+    trial, has decided), each waited for so what it timed is done; at most ``limit``. Returns how many ran."""
+    extra = 0
+    while not settled() and extra < limit:
+        step()
+        wait()
+        extra += 1
+    return extra
+
+
+def graphs_decided(controller: Any) -> bool:
+    """Automatic step graphs have their trial's verdict (or were never on trial)."""
+    return controller.graphs.trial is None
+
+
+def time_steps(
+    step: Callable[[], None], warmup: int, steps: int, settled: Callable[[], bool] = lambda: True
+) -> dict[str, Any]:
     """Median ms/step after warm-up, peak memory over the timed steps, syncs in one extra step.
 
-    The warm-up's wall time is reported too: with the fused kernels on it includes compiling them. ``host_ms`` is
-    how long the host took to queue a step's work (the median, before waiting for the GPU): close to
-    ``ms_per_step``, the host's Python and launch overhead sets the pace, not the GPU."""
+    The warm-up runs until ``settled()`` too (:func:`settle`), so no timed step still measures an automatic
+    choice. Its wall time and steps are reported: with the fused kernels on it includes compiling them.
+    ``host_ms`` is how long the host took to queue a step's work (the median, before waiting for the GPU): close
+    to ``ms_per_step``, the host's Python and launch overhead sets the pace, not the GPU."""
     start = time.perf_counter()
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
+    warmup += settle(step, settled, torch.cuda.synchronize, SETTLE_STEPS)
     warmup_s = time.perf_counter() - start
     torch.cuda.reset_peak_memory_stats()
     times, queued = [], []
@@ -155,6 +179,7 @@ def time_steps(step: Callable[[], None], warmup: int, steps: int) -> dict[str, A
         "ms_all": times,
         "host_ms": statistics.median(queued),
         "warmup_s": warmup_s,
+        "warmup_steps": warmup,
         "peak_vram_gib": peak / 2**30,
         "reserved_gib": reserved / 2**30,
         "syncs": syncs[0],
@@ -353,7 +378,9 @@ def time_variant(
     controller.apply(DENSE_VARIANTS[variant])
     row = {"model": name, "tokens": batch.num_tokens, "variant": variant, "state": controller.state()}
     step = dense_step(model, controller, batch, optimizer)
-    row.update(_guarded(functools.partial(time_steps, step, args.warmup, args.steps)))
+    decided = functools.partial(graphs_decided, controller)
+    row.update(_guarded(functools.partial(time_steps, step, args.warmup, args.steps, decided)))
+    row["state"] = controller.state()  # with the verdicts of choices that measured themselves first
     row.update(compile_counts())
     if "ms_per_step" in row:
         row["tokens_per_s"] = batch.num_tokens / row["ms_per_step"] * 1e3
