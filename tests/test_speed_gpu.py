@@ -536,7 +536,7 @@ def test_dropped_step_graphs_leave_nothing_allocated_in_their_pools(chunked: boo
     found 1.92 GiB still allocated in graph pools after its graphs were dropped."""
     settings = SpeedConfig(checkpointing="offloaded", host_embedding=True, chunked_mlp=chunked, step_graphs=True)
     _, _, ctl = graphed_training("nf4", settings)
-    assert ctl.graphs.captured == 2 and graph_pool_bytes() > 0  # the captured losses, at least
+    assert ctl.graphs.captured > 0 and graph_pool_bytes() > 0  # the captured losses, at least
     ctl.apply(dataclasses.replace(settings, step_graphs=False))
     gc.collect()
     assert graph_pool_bytes() == 0
