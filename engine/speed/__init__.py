@@ -254,10 +254,8 @@ class SpeedController:
         fp8, fp8_reason = fp8_base.resolve(settings.fp8_base, self.device, frozen)
         fp8, fp8_reason = fp8_base.scoped(fp8, fp8_reason, settings.fp8_scope, mode)
         compiled, _ = fused_kernels.resolve(settings.fused_kernels, self.hf_model, self.device)
-        requested_kernel = settings.four_bit_kernel
-        measured = once and not self._state.get("chunked_mlp", {}).get("on", False)
         kernel, kernel_reason = lean_recompute.four_bit_kernel_resolve(
-            requested_kernel, self.device, self.hf_model, measured=measured
+            settings.four_bit_kernel, self.device, self.hf_model, measured=once and not self._chunked
         )
         self.lean.fp8_in_forward = settings.fp8_scope != "recompute"
         self.lean.switch(skip, once, fp8, one_pass=compiled, one_kernel=kernel)
@@ -278,10 +276,19 @@ class SpeedController:
         on, reason = step_graphs.resolve(settings.step_graphs, self.model, self.device)
         if self._graphs_refused is not None and (on or settings.step_graphs):
             on, reason = False, f"off: {self._graphs_refused}"
-        elif on and settings.step_graphs is None and self._state.get("chunked_mlp", {}).get("on"):
+        elif on and self._graphs_memory_bound(settings):
             on, reason = False, step_graphs.MEMORY_BOUND
         self.graphs.switch(on, trial=settings.step_graphs is None)  # drops graphs captured under the previous ones
         self._state["step_graphs"] = {"on": on, "reason": reason}
+
+    @property
+    def _chunked(self) -> bool:
+        """The chunked MLP switch resolved on (automatic where the row needs it to fit in memory)."""
+        return bool(self._state.get("chunked_mlp", {}).get("on"))
+
+    def _graphs_memory_bound(self, settings: SpeedConfig) -> bool:
+        """Automatic step graphs meet a row that needs chunked MLPs to fit: no room for a graph's memory pool."""
+        return settings.step_graphs is None and self._chunked
 
     def _trainable(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -357,8 +364,8 @@ class SpeedController:
             self._apply_chunked_mlp(self.settings)
             self._apply_fused_kernels(self.settings)
             self.graphs.clear()
-            if self.graphs.on and self.settings.step_graphs is None and self._state["chunked_mlp"]["on"]:
-                self._apply_step_graphs(self.settings)  # the row now needs chunks to fit: no room for a graph
+            if self.graphs.on and self._graphs_memory_bound(self.settings):
+                self._apply_step_graphs(self.settings)  # the row now needs chunks to fit: graphs go
         inputs = stock_model_inputs(self.model, batch)
         if self.host_embedding.on:
             self.host_embedding.stage(batch.host_input_ids)
