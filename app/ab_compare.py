@@ -35,14 +35,15 @@ TITLES = {
     "dequant_once": "4-bit weights dequantized once per layer",
     "four_bit_kernel": "4-bit weights decoded in one kernel",
     "keep_attention": "Kept attention (only MLPs recompute)",
+    "resident_layers": "Layers kept resident in spare memory",
     "fp8_base": "Frozen weights multiplied in fp8",
     "step_graphs": "Micro-batches replayed from CUDA graphs",
     "moe_routing": "MoE routing on sorted tokens",
     ALL: "All speed switches together",
 }
 ON_OFF_SWITCHES = ("metadata_cache", "fused_loss", "lora_16bit", "fused_kernels", "chunked_mlp", "host_embedding",
-                   "lean_recompute", "dequant_once", "four_bit_kernel", "keep_attention", "fp8_base",
-                   "step_graphs")  # fmt: skip
+                   "lean_recompute", "dequant_once", "four_bit_kernel", "keep_attention", "resident_layers",
+                   "fp8_base", "step_graphs")  # fmt: skip
 """Switches that are simply on or off (the others choose between modes)."""
 SWITCHES = tuple(name for name in TITLES if name in {f.name for f in dataclasses.fields(SpeedConfig)})
 """The switches this engine has, in the order the speed page lists them."""

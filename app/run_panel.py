@@ -57,7 +57,7 @@ SHORT_NAMES = {"metadata_cache": "cache", "fused_loss": "fused loss", "fused_ker
                "lora_16bit": "lora 16-bit", "chunked_mlp": "chunked mlp",
                "host_embedding": "host embedding", "lean_recompute": "lean recompute",
                "dequant_once": "dequant once", "four_bit_kernel": "4-bit kernel", "keep_attention": "kept attention",
-               "fp8_base": "fp8 base", "step_graphs": "step graphs"}  # fmt: skip
+               "resident_layers": "resident layers", "fp8_base": "fp8 base", "step_graphs": "step graphs"}  # fmt: skip
 
 
 def speed_label(before: dict[str, dict[str, object]], after: dict[str, dict[str, object]]) -> str:

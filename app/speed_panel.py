@@ -44,6 +44,7 @@ SHORT_TITLES = {
     "dequant_once": "dequant once",
     "four_bit_kernel": "4-bit kernel",
     "keep_attention": "kept attention",
+    "resident_layers": "resident layers",
     "fp8_base": "fp8 base",
     "step_graphs": "step graphs",
     "moe_routing": "MoE routing",

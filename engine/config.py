@@ -258,6 +258,12 @@ class SpeedConfig:
         "it on your GPU)",
         flag="--keep-attention",
     )
+    resident_layers: bool | None = setting(
+        None,
+        "under checkpointing, let as many layers as spare GPU memory holds keep their activations and skip the "
+        "recompute (automatic: on for GPUs, sized by the memory planner; the same gradients, less time)",
+        flag="--resident-layers",
+    )
     fp8_base: bool | None = setting(
         None,
         "multiply by the frozen base weights in fp8 (e4m3, per-row scales) on GPUs with fp8 tensor cores (RTX 40/50, "

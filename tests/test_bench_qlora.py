@@ -31,13 +31,21 @@ def test_bench_knobs_are_set_and_cleared_with_their_variant() -> None:
     clears each."""
     applied: list[SpeedConfig] = []
     controller = SimpleNamespace(
-        kept_share_override=None, region_compiler=SimpleNamespace(whole_layers=False), apply=applied.append
+        kept_share_override=None,
+        resident_override=None,
+        region_compiler=SimpleNamespace(whole_layers=False),
+        apply=applied.append,
     )
     set_variant(controller, LAYER_REGIONS)
     assert controller.region_compiler.whole_layers and applied[-1] == AUTO
     set_variant(controller, "auto-kept_share=0.5")
     assert controller.kept_share_override == 0.5 and not controller.region_compiler.whole_layers
     assert applied[-1].keep_attention is True
+    set_variant(controller, "auto-resident=12")
+    assert controller.resident_override == 12 and controller.kept_share_override is None
+    assert applied[-1].resident_layers is True
+    set_variant(controller, "auto-resident_layers")
+    assert controller.resident_override is None and applied[-1].resident_layers is False
     set_variant(controller, "auto+fp8_base+step_graphs+fp8_recompute_only+read_late")
     assert applied[-1].fp8_scope == "recompute" and applied[-1].fp8_base and applied[-1].step_graphs
     set_variant(controller, "stock")

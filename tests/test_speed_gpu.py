@@ -628,3 +628,38 @@ def test_dropping_graphs_while_a_replay_is_queued_waits_for_it() -> None:
     done = run_drop_while_a_replay_is_queued("wait")
     assert done.returncode == 0, done.stderr[-2000:]
     assert float(done.stdout.split()[-1]) == pytest.approx(2.0 * (64 << 20), rel=1e-3)
+
+
+def test_automatic_resident_layers_size_from_gpu_memory_and_follow_the_recompute() -> None:
+    """On a GPU the automatic count comes from the planner and the memory this process can reach: all layers of a
+    tiny model, none under a cap that leaves no room. The gradients are the checkpointed path's within bf16 noise
+    (both against a float32 run), with no host sync."""
+    model = bf16_model("llama", num_hidden_layers=4).float()
+    checkpointed = SpeedConfig(metadata_cache=True, checkpointing="offloaded", resident_layers=False)
+    ctl = SpeedController(model, checkpointed, CUDA)
+    ctl.offloader.min_offload_bytes = 0
+    run_step(model, ctl)
+    reference = grads(model)
+    model.to(torch.bfloat16)
+    run_step(model, ctl)
+    plain = grads(model)
+    ctl.apply(dataclasses.replace(checkpointed, resident_layers=None))
+    state = ctl.state()["resident_layers"]
+    assert state["on"] and state["layers"] == 4, state
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run_step(model, ctl)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    resident = grads(model)
+    plain_error = max(relative_error(plain[k], reference[k]) for k in reference)
+    resident_error = max(relative_error(resident[k], reference[k]) for k in reference)
+    assert resident_error <= 1.5 * plain_error + 1e-3, (plain_error, resident_error)
+    total = torch.cuda.get_device_properties(CUDA).total_memory
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_allocated() + 2**20) / total)
+    try:
+        ctl.apply(dataclasses.replace(checkpointed, resident_layers=None))
+        assert ctl.resident_layers == 0 and "no spare GPU memory" in ctl.state()["resident_layers"]["reason"]
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)

@@ -232,6 +232,24 @@ def test_graphs_are_dropped_only_after_the_gpu_has_run_their_replays() -> None:
     assert held_while_waiting == [1]
 
 
+def test_dropping_graphs_lets_cublas_give_back_the_workspaces_it_took_from_their_pool(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """cuBLAS's workspace for a capture stream lives in the graphs' pool; it goes when they go, and only then."""
+    model = tiny_lora_model("llama")
+    controller = SpeedController(model, AUTO, torch.device("cpu"))
+    released: list[int] = []
+    monkeypatch.setattr(step_graphs, "release_cublas_workspaces", lambda device: released.append(
+        controller.graphs.captured))  # fmt: skip
+    controller.apply(dataclasses.replace(AUTO, fused_loss=False))
+    assert released == []  # no graphs: cuBLAS keeps its workspaces
+    graphed(controller, ReplayingCapture())
+    for seed in range(3):
+        controller.forward_backward(model, packed_batch((40, 30), seed=seed), 68)
+    controller.apply(AUTO)
+    assert released == [0]  # after the graphs are gone
+
+
 def test_the_loss_divisor_may_be_a_tensor() -> None:
     torch.manual_seed(0)
     hidden = torch.randn(1, 12, 8, requires_grad=True)

@@ -77,11 +77,11 @@ AUTO = SpeedConfig()
 STOCK = SpeedConfig(
     metadata_cache=False, checkpointing="standard", moe_routing="stock", fused_loss=False, chunked_mlp=False,
     host_embedding=False, lora_16bit=False, fused_kernels=False, lean_recompute=False, dequant_once=False,
-    keep_attention=False, four_bit_kernel=False,
+    keep_attention=False, four_bit_kernel=False, resident_layers=False,
 )  # fmt: skip
 ABLATED = (
     "fused_kernels", "lean_recompute", "dequant_once", "four_bit_kernel", "host_embedding", "fused_loss",
-    "metadata_cache", "step_graphs",
+    "metadata_cache", "step_graphs", "resident_layers",
 )  # fmt: skip
 """Switches whose worth ``auto-X`` measures (each turned off alone)."""
 WHOLE_ROW = "whole_row"
@@ -108,8 +108,16 @@ KEPT_SHARE = "auto-kept_share="
 GPU)."""
 
 
+RESIDENT = "auto-resident="
+"""``auto-resident=N``: automatic, with exactly N layers resident (not the count the planner fits)."""
+
+
 def kept_share_of(variant: str) -> float | None:
     return float(variant.removeprefix(KEPT_SHARE)) if variant.startswith(KEPT_SHARE) else None
+
+
+def resident_of(variant: str) -> int | None:
+    return int(variant.removeprefix(RESIDENT)) if variant.startswith(RESIDENT) else None
 
 
 def split_tails(variant: str) -> tuple[str, set[str]]:
@@ -151,6 +159,8 @@ def _switch_settings(variant: str) -> SpeedConfig:
         return AUTO
     if variant.startswith(KEPT_SHARE):
         return dataclasses.replace(AUTO, keep_attention=True)
+    if variant.startswith(RESIDENT):
+        return dataclasses.replace(AUTO, resident_layers=True)
     if variant.startswith("auto+"):
         switches = variant.removeprefix("auto+").split("+")
         unknown = [s for s in switches if s not in SWITCHED_ON]
@@ -170,6 +180,7 @@ def set_variant(controller: Any, variant: str) -> None:
     regions)."""
     base = split_tails(variant)[0]
     controller.kept_share_override = kept_share_of(base)
+    controller.resident_override = resident_of(base)
     controller.region_compiler.whole_layers = base == LAYER_REGIONS
     controller.apply(variant_settings(variant))
 
@@ -396,7 +407,9 @@ def markdown(report: dict[str, Any]) -> str:
         "per child; `auto+X+Y`: both; a `+foreach_adamw` tail: the foreach AdamW instead of the fused one; "
         "`+read_immediate` / `+read_late` tails: each step's loss and gradient norm read on the host before the "
         "update / one step late, as `tunedeck train` does);",
-        "`auto-kept_share=X` = automatic with kept attention switched on for a share X of the layers. Median of the",
+        "`auto-kept_share=X` = automatic with kept attention switched on for a share X of the layers;",
+        "`auto-resident=N` = automatic with exactly N layers resident (`auto` sizes that count to the memory).",
+        "Median of the",
         "timed steps after warm-up (compiles done, automatic step graphs' trial decided). Host ms: how long the host",
         "took to queue a step (close to ms/step: the host's Python and launch overhead, not the GPU, sets the",
         "pace). Reserved GiB: the",

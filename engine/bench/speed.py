@@ -32,7 +32,7 @@ from engine.config import SpeedConfig
 from engine.data.packing import PackedBatch, TokenizedExample, collate
 from engine.hardware.shapes import BUILTIN_CONFIGS
 from engine.run import guard
-from engine.run.step import GRAPHS_SHORT_OF_MEMORY
+from engine.run.step import GRAPHS_SHORT_OF_MEMORY, RESIDENT_SHORT_OF_MEMORY
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -274,14 +274,16 @@ def train_step(
 
 def forward_backward(model: Any, controller: Any, batch: PackedBatch, optimizer: torch.optim.Optimizer) -> torch.Tensor:
     """The micro-batch's forward and backward; where it runs out of memory beside step graphs, the graphs and
-    their memory pool go and it runs again eagerly, as the training loop recovers (``engine.run.step``)."""
+    their memory pool go and it runs again eagerly, and after that the resident layers checkpoint again, as the
+    training loop recovers (``engine.run.step``)."""
     try:
         return controller.forward_backward(model, batch, batch.trained_tokens)
     except Exception as err:
-        if not guard.is_out_of_memory(err) or not controller.graphs.captured:
+        if not guard.is_out_of_memory(err) or not (controller.graphs.captured or controller.resident_layers):
             raise
     # outside the except block: the traceback's frames, and the activations they hold, are gone
-    controller.graphs.give_up(GRAPHS_SHORT_OF_MEMORY)
+    if not controller.graphs.give_up(GRAPHS_SHORT_OF_MEMORY):
+        controller.give_up_resident_layers(RESIDENT_SHORT_OF_MEMORY)
     guard.release_memory(optimizer, controller.device)
     return controller.forward_backward(model, batch, batch.trained_tokens)
 

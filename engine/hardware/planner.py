@@ -128,6 +128,9 @@ class TrainSetup:
     keep_attention: bool = False
     """Layers keep what they save in host memory and only MLPs recompute (engine.speed.kept_attention): two layers'
     saved tensors are on the GPU in backward, the one running and the one arriving."""
+    resident_layers: int = 0
+    """Under checkpointing, this many layers keep their activations on the GPU and skip the recompute
+    (engine.speed.resident_layers)."""
 
     @property
     def activation_bytes(self) -> int:
@@ -237,6 +240,7 @@ def setup_from_speed_state(
         host_embedding=on("host_embedding"),
         dequant_once=on("dequant_once"),
         keep_attention=on("keep_attention"),
+        resident_layers=int(state.get("resident_layers", {}).get("layers", 0)),
         attention=cache.get("backend") if cache.get("on") else "sdpa",  # type: ignore[arg-type]
         chunk_tokens=chunk_tokens_for(shape.intermediate_size, shape.hidden_size) if on("chunked_mlp") else None,
         chunk_scope="mlp" if on("fused_kernels") else "all",
@@ -423,9 +427,10 @@ def estimate_memory(
     step_masks, layer_mask = _mask_bytes(shape, setup, backend)
     first_norm = (4 * h + 4) * t  # the first layer's norm input comes from the frozen embedding: nothing saved
     layer_input = act * h * t
+    resident = min(setup.resident_layers, shape.num_layers) if setup.checkpointing != "none" else 0
     kept_inputs = {
         "none": 0,
-        "standard": shape.num_layers * layer_input,
+        "standard": (shape.num_layers - resident) * layer_input,
         "offloaded": (
             min(shape.num_layers, OFFLOAD_RING) * layer_input
             if layer_input >= MIN_OFFLOAD_BYTES
@@ -440,7 +445,7 @@ def estimate_memory(
         activations += experts_rerun_bytes(shape, setup) * t
         recompute = 0
     else:
-        activations = kept_inputs
+        activations = kept_inputs + resident * (per_layer + layer_mask + copies)
         chunk = setup.chunk_tokens if _chunks(shape, setup) else t
         layer = per_layer
         if chunk < t:
@@ -452,7 +457,7 @@ def estimate_memory(
         working = layer + max(width_grads * chunk, _attention_backward_bytes(shape, setup, backend) * t)
         if setup.chunk_scope == "mlp":  # compiled layers: see attention_phase_bytes
             working = max(layer + width_grads * chunk, attention_phase_bytes(shape, setup, backend) * t)
-        recompute = kept_inputs + working + layer_mask + copies + hidden_grads * t
+        recompute = activations + working + layer_mask + copies + hidden_grads * t
         recompute += dequantized_layer_bytes(shape, setup) + dequantized_experts_bytes(shape, setup)
         recompute += experts_rerun_bytes(shape, setup) * t
         if setup.keep_attention and setup.checkpointing == "offloaded":

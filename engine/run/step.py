@@ -28,6 +28,7 @@ from engine.run.ranks import plain_number
 from engine.run.session import Session
 
 GRAPHS_SHORT_OF_MEMORY = "GPU memory ran short beside the step graphs' memory pool; micro-batches run eagerly"
+RESIDENT_SHORT_OF_MEMORY = "GPU memory ran short with layers resident; every layer checkpoints for the rest of the run"
 
 
 def _next_rows(session: Session) -> list[int]:
@@ -129,9 +130,9 @@ def _accumulate_or_lower(session: Session, rows: list[int]) -> Generator[Event, 
             if session.ranks.distributed:  # the other ranks are already waiting in this step's collectives
                 raise guard.out_of_memory_error(session.step + 1, session.tokens_per_batch) from err
         # outside the except block: the traceback (and the activations its frames hold) is gone by now
-        dropped = yield from _drop_graphs(session)
+        dropped = (yield from _drop_graphs(session)) or (yield from _drop_resident_layers(session))
         guard.release_memory(session.optimizer, session.device)
-        if dropped:  # the step graphs' memory pool was the difference: retry the same rows without it
+        if dropped:  # the step graphs' pool or the resident layers were the difference: retry the same rows
             continue
         yield from _lower_memory(session, [session.data.train_rows[r] for r in rows], session.data.train)
 
@@ -139,6 +140,14 @@ def _accumulate_or_lower(session: Session, rows: list[int]) -> Generator[Event, 
 def _drop_graphs(session: Session) -> Generator[Event, None, bool]:
     """The first remedy for running out of memory: free the step graphs' memory pool, if they hold one."""
     if not session.speed.graphs.give_up(GRAPHS_SHORT_OF_MEMORY):
+        return False
+    yield SpeedChanged(session.step, session.speed.state())
+    return True
+
+
+def _drop_resident_layers(session: Session) -> Generator[Event, None, bool]:
+    """The next remedy: layers that kept their activations in spare memory checkpoint again."""
+    if not session.speed.give_up_resident_layers(RESIDENT_SHORT_OF_MEMORY):
         return False
     yield SpeedChanged(session.step, session.speed.state())
     return True

@@ -37,6 +37,7 @@ from engine.speed import (
     metadata_cache,
     moe_routing,
     offloaded_checkpoint,
+    resident_layers,
     step_graphs,
 )
 from engine.speed.host_embedding import HostEmbedding
@@ -74,6 +75,13 @@ def usable_device_memory(device: torch.device) -> int:
     """The GPU memory this process may use in all: the card's, or the allocator cap's where one is set."""
     total = torch.cuda.get_device_properties(device).total_memory
     return int(min(1.0, _memory_fraction(device)) * total)
+
+
+def reachable_device_memory(device: torch.device) -> int:
+    """All the GPU memory this process could hold now: what it holds (its allocator's cache included) and what the
+    driver has free, within an allocator cap."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return min(usable_device_memory(device), free + torch.cuda.memory_reserved(device))
 
 
 def _memory_fraction(device: torch.device) -> float:
@@ -128,6 +136,10 @@ class SpeedController:
         self._graphs_refused: str | None = None
         self.kept_share_override: float | None = None
         """A fixed share of layers for kept attention (the bench's sweep); None: chosen from the GPU."""
+        self.residency = resident_layers.LayerResidency()
+        self.resident_override: int | None = None
+        """A fixed number of resident layers where the switch is on (tests, benches); None: what the planner fits."""
+        self._resident_refused: str | None = None
         metadata_cache.register_packed_attention()
         moe_routing.register_experts_implementations()
         self.apply(settings)
@@ -148,6 +160,7 @@ class SpeedController:
         self._apply_lora_16bit(settings)
         self._apply_lean_recompute(settings)
         self._apply_fused_kernels(settings)
+        self._apply_resident_layers(settings)
         self._apply_step_graphs(settings)
 
     def _apply_metadata_cache(self, settings: SpeedConfig) -> None:
@@ -266,6 +279,54 @@ class SpeedController:
         self._state["four_bit_kernel"] = {"on": kernel, "reason": kernel_reason}
         self._state["fp8_base"] = {"on": fp8, "reason": fp8_reason}
 
+    def _apply_resident_layers(self, settings: SpeedConfig) -> None:
+        total = len(fused_kernels.decoder_layers(self.hf_model))
+        requested = settings.resident_layers
+        blocker = self._resident_blocker()
+        wanted = requested is not False and (self._checkpointing or "none") != "none" and blocker is None
+        budget = reachable_device_memory(self.device) if wanted and self.resident_override is None else None
+        count = self._resident_count(total, budget) if wanted else 0
+        layers, reason = resident_layers.resolve(
+            requested, self._checkpointing or "none", layers=count, total=total, blocker=blocker, budget_bytes=budget
+        )
+        self.residency.share = layers / total if total else 0.0
+        self._state["resident_layers"] = {"on": layers > 0, "layers": layers, "reason": reason}
+
+    def _resident_blocker(self) -> str | None:
+        if self._resident_refused is not None:
+            return self._resident_refused
+        if self.offloader.keeps_saved:
+            return "kept attention is on"
+        if self._chunked:
+            return "the row needs its MLPs in chunks: no spare memory"
+        if self.resident_override is None and self.device.type != "cuda":
+            return "sized from a GPU's free memory"
+        return None
+
+    def _resident_count(self, total: int, budget: int | None) -> int:
+        if budget is None:  # a fixed count (tests, benches)
+            return min(self.resident_override or 0, total)
+        capability = torch.cuda.get_device_capability(self.device)
+        fit = resident_layers.planned_fit(
+            self.model, self.hf_model.config, self._state, max(self._longest_tokens, 1), budget, capability
+        )
+        return resident_layers.most_layers_that_fit(total, fit)
+
+    @property
+    def resident_layers(self) -> int:
+        """How many layers keep their activations and skip the recompute now."""
+        return int(self._state.get("resident_layers", {}).get("layers", 0))
+
+    def give_up_resident_layers(self, reason: str) -> bool:
+        """Out of memory with resident layers: every layer checkpoints again for the rest of the run. False when
+        none were resident (nothing to give up)."""
+        if not self.resident_layers:
+            return False
+        self._resident_refused = reason
+        self.graphs.clear()
+        self._apply_resident_layers(self.settings)
+        return True
+
     def refuse_step_graphs(self, reason: str) -> None:
         """This run cannot replay its micro-batches (several GPUs, float16 loss scaling): step graphs stay off with
         ``reason``, whatever they are switched to."""
@@ -314,6 +375,7 @@ class SpeedController:
                 self.hf_model._set_gradient_checkpointing(enable=False)
             else:
                 fn = self.offloader.checkpoint if mode == "offloaded" else offloaded_checkpoint.standard_checkpoint
+                fn = self.residency.wrap(fn)
                 self.hf_model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=self._through(fn))
             self._checkpointing = mode
         self._state["checkpointing"] = {"mode": mode, "reason": reason}
@@ -352,17 +414,20 @@ class SpeedController:
     def model_inputs(self, batch: PackedBatch) -> dict[str, Any]:
         """Model kwargs for one micro-batch (already on the device); the stock ones when every switch is off."""
         self.offloader.begin_batch()
+        self.residency.begin_batch()
         if self.settings.checkpointing == "auto" and batch.num_tokens > self._auto_checkpointing_tokens:
             self._auto_checkpointing_tokens = batch.num_tokens  # re-decide only when batches grow
             self._apply_checkpointing("auto", reason=None)
             self._apply_lean_recompute(self.settings)
             self._apply_fused_kernels(self.settings)  # whole-layer regions depend on checkpointing
+            self._apply_resident_layers(self.settings)
             self.graphs.clear()
         if batch.num_tokens > self._longest_tokens:
             self._longest_tokens = batch.num_tokens  # automatic chunking re-decides only when batches grow
             self._apply_keep_attention(self.settings)
             self._apply_chunked_mlp(self.settings)
             self._apply_fused_kernels(self.settings)
+            self._apply_resident_layers(self.settings)
             self.graphs.clear()
             if self.graphs.on and self._graphs_memory_bound(self.settings):
                 self._apply_step_graphs(self.settings)  # the row now needs chunks to fit: graphs go
