@@ -387,3 +387,18 @@ def test_qlora_bench_rows_are_predicted_within_10_percent_above(
             measured,
             predicted,
         )
+
+
+def test_resident_layer_rows_are_predicted_within_10_percent_above() -> None:
+    """Llama-3.1-8B QLoRA rows with 12, 19 and 20 layers resident under a 24 GiB cap (step graphs off, so the
+    allocator's peak is the whole step's; benchmarks/qlora_resident_h200.md): each resident layer adds its
+    compiled activations to the checkpointed peak, and the planner counts them at or above the measured."""
+    data = json.loads((BENCHMARKS / "qlora_resident_h200.json").read_text(encoding="utf-8"))
+    rows = [row for record in data["models"] for row in record["rows"] if row["ok"]]
+    rows = [row for row in rows if row["state"]["resident_layers"]["on"] and not row["state"]["step_graphs"]["on"]]
+    assert sorted(row["state"]["resident_layers"]["layers"] for row in rows) == [12, 19, 20]
+    for row in rows:
+        shape = load_shape(row["model"])
+        setup = setup_from_speed_state(row["state"], shape, row["tokens"], qlora=True, lora_rank=32)
+        predicted = estimate_memory(shape, setup).peak / GIB
+        assert row["peak_gib"] <= predicted <= 1.10 * row["peak_gib"], (row["variant"], row["peak_gib"], predicted)
