@@ -12,6 +12,7 @@ import pytest
 from engine.errors import ConfigError
 from engine.hardware.planner import (
     GIB,
+    MemoryPlan,
     TrainSetup,
     choose_memory_settings,
     chunk_split,
@@ -21,7 +22,9 @@ from engine.hardware.planner import (
     largest_tokens,
     layer_activation_bytes,
     lora_weight_copy_bytes,
+    most_resident_layers,
     setup_from_speed_state,
+    training_flops_per_token,
     usable_bytes,
 )
 from engine.hardware.shapes import BUILTIN_CONFIGS, ModelShape, load_shape
@@ -402,3 +405,44 @@ def test_resident_layer_rows_are_predicted_within_10_percent_above() -> None:
         setup = setup_from_speed_state(row["state"], shape, row["tokens"], qlora=True, lora_rank=32)
         predicted = estimate_memory(shape, setup).peak / GIB
         assert row["peak_gib"] <= predicted <= 1.10 * row["peak_gib"], (row["variant"], row["peak_gib"], predicted)
+
+
+def test_the_plan_spends_spare_memory_on_resident_layers() -> None:
+    """A 24 GiB card's plan for a 4,096-token 8B QLoRA row keeps some layers' activations and says so; the predicted
+    peak includes them and still fits with the margin; an 8 GiB card has none to spare."""
+    shape = load_shape("llama-3.1-8b")
+    base = TrainSetup(lora_rank=32, chunk_scope="mlp")
+
+    def plan(gib: int) -> MemoryPlan:
+        return choose_memory_settings(
+            shape, usable_bytes(gib * GIB), base=base, qlora=True, min_tokens=4096, preferred_tokens=4096,
+            max_tokens=4096,
+        )  # fmt: skip
+
+    roomy, tight = plan(24), plan(8)
+    assert roomy.checkpointing == "offloaded" and 15 < roomy.resident_layers < 32
+    assert roomy.reasons["resident_layers"].startswith(f"{roomy.resident_layers} of 32 layers keep their activations")
+    assert roomy.estimate.peak * 1.1 <= usable_bytes(24 * GIB)
+    checkpointed = estimate_memory(shape, replace(base, qlora=True, tokens=4096, checkpointing="offloaded"))
+    assert roomy.estimate.peak > checkpointed.peak + 8 * GIB  # the resident layers' activations are in the peak
+    assert tight.resident_layers == 0 and "resident_layers" not in tight.reasons
+
+
+def test_no_layer_is_resident_without_checkpointing_or_where_the_mlps_run_in_chunks() -> None:
+    shape = load_shape("llama-3.1-8b")
+    setup = TrainSetup(tokens=4096, qlora=True, lora_rank=32, checkpointing="offloaded")
+    assert most_resident_layers(shape, setup, 24 * GIB) > 0
+    assert most_resident_layers(shape, setup, 10**15) == 32
+    assert most_resident_layers(shape, replace(setup, checkpointing="none"), 24 * GIB) == 0
+    chunked = replace(setup, tokens=32768, chunk_tokens=1024)
+    assert most_resident_layers(shape, chunked, 10**15) == 0
+
+
+def test_resident_layers_take_their_recompute_out_of_the_speed_estimate() -> None:
+    shape = load_shape("llama-3.1-8b")
+    setup = TrainSetup(tokens=4096, qlora=True, checkpointing="offloaded")
+    recomputed = training_flops_per_token(shape, setup)
+    half = training_flops_per_token(shape, replace(setup, resident_layers=16))
+    everything = training_flops_per_token(shape, replace(setup, resident_layers=32))
+    assert everything == training_flops_per_token(shape, replace(setup, checkpointing="none"))
+    assert everything < half < recomputed and half == pytest.approx((everything + recomputed) / 2)

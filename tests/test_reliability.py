@@ -172,6 +172,42 @@ def test_a_document_that_fits_only_in_chunks_trains_after_switching_them_on(
     assert_same_curve(curve(tmp_path / "oom" / "run"), curve(tmp_path / "ref" / "run"), rel=1e-4)
 
 
+def test_running_short_with_resident_layers_checkpoints_every_layer_and_retries_the_same_rows(
+    tiny_model_dir: Path, chat_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Resident layers are the next remedy after step graphs: the step runs again with every layer checkpointed and
+    the same micro-batches (no smaller budget), so the losses are those of a checkpointed run."""
+    from engine.speed import SpeedController
+
+    packed = {"tokens_per_batch": 48}
+    checkpointed = make_config(tiny_model_dir, chat_file, tmp_path / "ref", packed)
+    checkpointed = dataclasses.replace(checkpointed, speed=dataclasses.replace(checkpointed.speed,
+                                                                             checkpointing="offloaded"))  # fmt: skip
+    assert not failures(list(run(checkpointed)))
+    monkeypatch.setattr(SpeedController, "_resident_count", lambda self, total, budget: 1)  # as if a GPU had room
+    monkeypatch.setattr(SpeedController, "_resident_blocker", lambda self: self._resident_refused)
+    monkeypatch.setattr("engine.speed.reachable_device_memory", lambda device: 2**30)
+    calls: list[int] = []
+
+    def fault(session, batch, num_items, real):
+        if session.model.training and session.speed.resident_layers:
+            calls.append(session.step + 1)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 96.00 MiB")
+        return real(session, batch, num_items)
+
+    wrap_forward(monkeypatch, fault)
+    config = dataclasses.replace(
+        checkpointed, output=dataclasses.replace(checkpointed.output, dir=str(tmp_path / "oom"))
+    )
+    events = list(run(config))
+    assert not failures(events), failures(events)
+    assert calls == [1] and not [e for e in events if isinstance(e, OomRecovered)]  # no budget was lowered
+    states = [e.state["resident_layers"] for e in events if isinstance(e, SpeedChanged)]
+    assert states and not states[-1]["on"] and "ran short" in states[-1]["reason"]
+    assert [e.step for e in events if isinstance(e, StepMetrics)] == [1, 2, 3, 4, 5, 6]
+    assert_same_curve(curve(tmp_path / "oom" / "run"), curve(tmp_path / "ref" / "run"), rel=1e-5)
+
+
 def test_other_errors_in_a_step_are_not_mistaken_for_out_of_memory(
     tiny_model_dir: Path, chat_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -15,7 +15,7 @@ from engine.hardware.planner import TrainSetup, estimate_memory, setup_from_spee
 from engine.hardware.shapes import load_shape
 from engine.speed import SpeedController, resident_layers
 from engine.speed.offloaded_checkpoint import keeps_layer
-from engine.speed.resident_layers import LayerResidency, most_layers_that_fit
+from engine.speed.resident_layers import LayerResidency
 
 CPU = torch.device("cpu")
 CHECKPOINTED = SpeedConfig(metadata_cache=True, checkpointing="offloaded", resident_layers=False)
@@ -154,13 +154,6 @@ def test_layer_residency_spreads_the_share_and_restarts_each_batch() -> None:
     assert residency._index == 4
 
 
-def test_most_layers_that_fit_is_the_largest_fitting_count() -> None:
-    assert most_layers_that_fit(32, lambda n: n <= 13) == 13
-    assert most_layers_that_fit(32, lambda n: True) == 32
-    assert most_layers_that_fit(32, lambda n: n == 0) == 0
-    assert most_layers_that_fit(0, lambda n: True) == 0
-
-
 def test_resolve_reasons() -> None:
     assert resident_layers.resolve(None, "offloaded", layers=13, total=32) == (
         13,
@@ -191,19 +184,13 @@ def test_the_planner_counts_each_resident_layer_once() -> None:
     assert estimate_memory(shape, dataclasses.replace(standard, resident_layers=32)).peak >= none
 
 
-def test_the_planned_fit_sizes_the_count_by_the_budget() -> None:
+def test_the_planned_count_grows_with_the_budget() -> None:
     """On a GPU the count is the most layers whose planned peak fits the memory this process can reach."""
     model = four_layer_model()
     _, _, controller = run(model, CHECKPOINTED)
     state = controller.state()
-    state["checkpointing"] = {"mode": "offloaded"}
-    fit_small = resident_layers.planned_fit(model, controller.hf_model.config, state, 4096, 0, (9, 0))
-    assert most_layers_that_fit(4, fit_small) == 0
-    fit_large = resident_layers.planned_fit(model, controller.hf_model.config, state, 4096, 2**40, (9, 0))
-    assert most_layers_that_fit(4, fit_large) == 4
     budgets = [2**20 * m for m in range(1, 400, 4)]
-    counts = [
-        most_layers_that_fit(4, resident_layers.planned_fit(model, controller.hf_model.config, state, 4096, b, (9, 0)))
-        for b in budgets
-    ]
+    config = controller.hf_model.config
+    counts = [resident_layers.planned_layers(model, config, state, 4096, b, (9, 0)) for b in budgets]
     assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 4 and len(set(counts)) == 5, counts
+    assert resident_layers.planned_layers(model, config, state, 4096, 2**40, (9, 0)) == 4

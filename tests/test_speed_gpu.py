@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,6 +39,17 @@ def run_step(model: torch.nn.Module, ctl: SpeedController, lengths: tuple[int, .
     out = model(**ctl.model_inputs(batch), labels=batch.labels, num_items_in_batch=host.trained_tokens)
     out.loss.backward()
     return out.logits.detach().float()
+
+
+@contextlib.contextmanager
+def no_host_sync() -> Iterator[None]:
+    """Raise on any host sync in the block (CUDA's sync debug mode), after the work queued before it has run."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -116,12 +129,8 @@ def test_kept_attention_gradients_follow_whole_layer_recompute_on_gpu(share: flo
     ctl.apply(dataclasses.replace(whole, keep_attention=True))
     assert ctl.state()["keep_attention"]["on"]
     for _ in range(2):
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with no_host_sync():
             run_step(model, ctl)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
     assert ctl.offloader.saved_host_bytes() > 0
     got = grads(model)
     # bf16 noise, not equality: the whole-layer path's output comes from its no-grad forward, whose attention kernel
@@ -141,13 +150,9 @@ def test_training_step_with_everything_on_makes_no_sync() -> None:
     batch, n = host.to(CUDA), host.trained_tokens
     for _ in range(2):  # warm-up allocates host buffers and streams; the second step is checked
         inputs = ctl.model_inputs(batch)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with no_host_sync():
             out = model(**inputs, labels=batch.labels, num_items_in_batch=n)
             out.loss.backward()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         model.zero_grad(set_to_none=True)
 
 
@@ -384,12 +389,8 @@ def test_fp8_base_products_on_tensor_cores_follow_bf16_with_no_sync(checkpointin
     ctl.apply(dataclasses.replace(base, fp8_base=True))
     assert ctl.state()["fp8_base"]["on"], ctl.state()["fp8_base"]
     run_step(model, ctl)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         logits = run_step(model, ctl)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     got = grads(model)
     errors = relative_error(logits, ref_logits), max(relative_error(got[k], ref[k]) for k in ref)
     assert 1e-3 < errors[0] < 0.15 and errors[1] < 0.3, errors  # measured on the H200: 0.072 and 0.157
@@ -513,12 +514,8 @@ def test_step_graphs_train_as_eager_steps_with_no_sync(kind: str, checkpointing:
     row = packed_batch(GRAPHED_STEPS[-1][0], seed=99).to(CUDA)
     ctl.forward_backward(ctl.model, row, row.trained_tokens)  # its bucket is captured: this replays
     replays = ctl.graphs.replays
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         ctl.forward_backward(ctl.model, row, row.trained_tokens)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert ctl.graphs.replays == replays + 1
 
 
@@ -646,12 +643,8 @@ def test_automatic_resident_layers_size_from_gpu_memory_and_follow_the_recompute
     ctl.apply(dataclasses.replace(checkpointed, resident_layers=None))
     state = ctl.state()["resident_layers"]
     assert state["on"] and state["layers"] == 4, state
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         run_step(model, ctl)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     resident = grads(model)
     plain_error = max(relative_error(plain[k], reference[k]) for k in reference)
     resident_error = max(relative_error(resident[k], reference[k]) for k in reference)

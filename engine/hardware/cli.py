@@ -71,6 +71,8 @@ def _profile_lines(profile: Any) -> list[str]:
             f"Memory: {verdict}; predicted peak {plan.estimate.gib():.1f} GiB (+{SAFETY_MARGIN:.0%} margin), "
             f"{plan.budget_bytes / GIB:.1f} GiB usable"
         )
+        if "resident_layers" in plan.reasons:
+            lines.append(f"Resident layers: {plan.reasons['resident_layers']}")
         if "longest" in plan.reasons:
             lines.append(f"Longest row that trains: {plan.reasons['longest']}")
     if profile.tokens_per_second:

@@ -24,7 +24,7 @@ every activation, is fp32 (what the 8B QLoRA rows of ``benchmarks/planner_accura
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -550,6 +550,13 @@ def largest_tokens(
         estimate = estimate_memory(shape, setup.with_tokens(units * step), compute_capability)
         return fits(estimate, budget_bytes, margin)
 
+    units = _largest_passing(low, high, ok)
+    return None if units is None else units * step
+
+
+def _largest_passing(low: int, high: int, ok: Callable[[int], bool]) -> int | None:
+    """The largest n in [low, high] with ``ok(n)``, for ``ok`` true up to some n and false after (None: not even
+    ``low``): a binary search."""
     if not ok(low):
         return None
     while low < high:
@@ -558,13 +565,35 @@ def largest_tokens(
             low = mid
         else:
             high = mid - 1
-    return low * step
+    return low
+
+
+def most_resident_layers(
+    shape: ModelShape,
+    setup: TrainSetup,
+    budget_bytes: int,
+    compute_capability: tuple[int, int] | None = (9, 0),
+    margin: float = SAFETY_MARGIN,
+) -> int:
+    """The most layers that keep their activations and skip the recompute (engine.speed.resident_layers) on top of
+    ``setup``'s checkpointed step within ``budget_bytes``: 0 without checkpointing, where the row's MLPs run in
+    chunks (memory is short there, and the engine keeps every layer checkpointed) or with no memory to spare."""
+    if setup.checkpointing == "none" or _chunks(shape, setup):
+        return 0
+
+    def ok(count: int) -> bool:
+        estimate = estimate_memory(shape, replace(setup, resident_layers=count), compute_capability)
+        return fits(estimate, budget_bytes, margin)
+
+    return _largest_passing(1, shape.num_layers, ok) or 0
 
 
 def training_flops_per_token(shape: ModelShape, setup: TrainSetup, mean_document_tokens: int = 1024) -> float:
     """Matmul FLOPs per trained token: forward 2N, backward 2N (input gradients only: the base is frozen),
-    one more forward when checkpointing recomputes; causal attention over the average document length."""
-    passes = 3 if setup.checkpointing != "none" else 2
+    one more forward when checkpointing recomputes (in the layers that are not resident); causal attention over the
+    average document length."""
+    recomputed = 1 - min(setup.resident_layers, shape.num_layers) / max(shape.num_layers, 1)
+    passes = 2 + recomputed if setup.checkpointing != "none" else 2
     dense = 2 * shape.active_params_per_token() * passes
     context = min(setup.tokens, mean_document_tokens) / 2
     attention = 4 * shape.num_layers * shape.q_dim * context * (passes + 0.5)
@@ -587,6 +616,9 @@ class MemoryPlan:
     longest_tokens: int | None = None
     """The longest row that trains on this budget with the plan's LoRA or QLoRA and the checkpointing that saves
     the most memory (up to LONGEST_ROW_TOKENS, in steps of 256)."""
+    resident_layers: int = 0
+    """Layers that keep their activations in the memory the checkpointed batch leaves (engine.speed.resident_layers);
+    the estimate includes them."""
 
     @property
     def fits(self) -> bool:
@@ -676,6 +708,8 @@ def choose_memory_settings(
         if chosen is not None:
             mode, tokens = chosen
             setup = replace(base, qlora=quantized, checkpointing=mode, tokens=tokens)
+            resident = most_resident_layers(shape, setup, budget_bytes, compute_capability, margin)
+            setup = replace(setup, resident_layers=resident)
             estimate = estimate_memory(shape, setup, compute_capability)
             reasons = _plan_reasons(shape, setup, estimate, budget_bytes, found, qlora is None, options)
             longest = longest_row(
@@ -684,7 +718,8 @@ def choose_memory_settings(
             )  # fmt: skip
             if longest is not None:
                 reasons["longest"] = _longest_reason(shape, setup, longest, can_offload)
-            return MemoryPlan(budget_bytes, quantized, mode, tokens, estimate, reasons, longest_tokens=longest)
+            plan = MemoryPlan(budget_bytes, quantized, mode, tokens, estimate, reasons, longest_tokens=longest)
+            return replace(plan, resident_layers=resident)
     return _no_fit_plan(
         shape, base, budget_bytes, options[-1], checkpointing, can_offload, compute_capability, margin, min_tokens
     )
@@ -753,4 +788,10 @@ def _plan_reasons(
     )
     if setup.checkpointing != "none" and _chunks(shape, setup):
         tokens += f", with the MLPs in chunks of {setup.chunk_tokens:,} tokens"
-    return {"qlora": qlora, "checkpointing": ckpt, "tokens_per_batch": tokens}
+    reasons = {"qlora": qlora, "checkpointing": ckpt, "tokens_per_batch": tokens}
+    if setup.resident_layers:
+        reasons["resident_layers"] = (
+            f"{setup.resident_layers} of {shape.num_layers} layers keep their activations in the memory left and "
+            "skip the recompute"
+        )
+    return reasons

@@ -33,8 +33,10 @@ from engine.hardware.shapes import ModelShape
 
 MFU_LORA = 0.24
 """Share of peak tensor throughput a LoRA step reaches (measured on the H200: Llama-3.2-1B, 37k tokens/s)."""
-MFU_QLORA = 0.08
-"""QLoRA's share (measured on the H200: Llama-3.1-8B, ~1.9k tokens/s, fp32 activations after kbit preparation)."""
+MFU_QLORA = 0.45
+"""QLoRA's share (measured on the H200, Llama-3.1-8B at 4,096 tokens with every switch automatic: 0.52 under an 8 GiB
+cap, 11,134 tokens/s, and 0.47 under 24 GiB with resident layers, 12,624 tokens/s; benchmarks/qlora_8gib_h200.md,
+qlora_resident_h200.md). Consumer cards reach a smaller share of their rated throughput; not measured."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ class Profile:
             "usable_gib": round(plan.budget_bytes / GIB, 2) if plan else None,
             "fits": plan.fits if plan else None,
             "longest_row_tokens": plan.longest_tokens if plan else None,
+            "resident_layers": plan.resident_layers if plan else None,
             "notes": list(self.notes),
         }
 
@@ -313,7 +316,9 @@ def tokens_per_second(target: DeviceTarget, shape: ModelShape, plan: MemoryPlan)
     """A rough training throughput: the card's tensor throughput at the utilisation measured on the H200."""
     if target.tflops is None or plan.tokens is None:
         return None
-    setup = dataclasses.replace(TrainSetup(), tokens=plan.tokens, checkpointing=plan.checkpointing)
+    setup = dataclasses.replace(
+        TrainSetup(), tokens=plan.tokens, checkpointing=plan.checkpointing, resident_layers=plan.resident_layers
+    )
     mfu = MFU_QLORA if plan.qlora else MFU_LORA
     return mfu * target.tflops * 1e12 / training_flops_per_token(shape, setup)
 

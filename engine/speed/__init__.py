@@ -3,6 +3,7 @@
 Each optimization lives in its own module with a pure core, a fallback and a docstring that says why:
 :mod:`engine.speed.metadata_cache` (packed-sequence metadata built once per batch, zero syncs),
 :mod:`engine.speed.offloaded_checkpoint` (checkpointed layer inputs in host memory, look-ahead prefetch),
+:mod:`engine.speed.resident_layers` (the layers spare GPU memory holds skip the recompute),
 :mod:`engine.speed.moe_routing` (experts on sorted token slices), :mod:`engine.speed.fused_loss` (the loss
 and its gradient from the hidden states in chunks, never the full logits), :mod:`engine.speed.lora_16bit` (LoRA
 adapters computed in the model's 16-bit dtype) and :mod:`engine.speed.fused_kernels` (each layer's small per-token
@@ -300,17 +301,18 @@ class SpeedController:
         if self._chunked:
             return "the row needs its MLPs in chunks: no spare memory"
         if self.resident_override is None and self.device.type != "cuda":
-            return "sized from a GPU's free memory"
+            return "the count is sized from a GPU's free memory"
         return None
 
     def _resident_count(self, total: int, budget: int | None) -> int:
         if budget is None:  # a fixed count (tests, benches)
             return min(self.resident_override or 0, total)
         capability = torch.cuda.get_device_capability(self.device)
-        fit = resident_layers.planned_fit(
-            self.model, self.hf_model.config, self._state, max(self._longest_tokens, 1), budget, capability
+        tokens = max(self._longest_tokens, 1)
+        count = resident_layers.planned_layers(
+            self.model, self.hf_model.config, self._state, tokens, budget, capability
         )
-        return resident_layers.most_layers_that_fit(total, fit)
+        return min(count, total)
 
     @property
     def resident_layers(self) -> int:

@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 
-from engine.hardware.planner import estimate_memory, fits, setup_from_speed_state
+from engine.hardware.planner import most_resident_layers, setup_from_speed_state
 from engine.hardware.shapes import ModelShape
 from engine.speed.offloaded_checkpoint import keeps_layer
 
-__all__ = ["LayerResidency", "most_layers_that_fit", "planned_fit", "resolve"]
+__all__ = ["LayerResidency", "planned_layers", "resolve"]
 
 CheckpointFunction = Callable[..., Any]
 
@@ -66,24 +66,20 @@ class LayerResidency:
         return run
 
 
-def planned_fit(
+def planned_layers(
     model: torch.nn.Module,
     config: Any,
     state: Mapping[str, Mapping[str, Any]],
     tokens: int,
     budget_bytes: int,
     compute_capability: tuple[int, int] | None,
-) -> Callable[[int], bool]:
-    """``fits(count)``: whether the planner's peak for a ``tokens``-token step with the speed switches in ``state``
-    and ``count`` resident layers fits ``budget_bytes`` with its safety margin. ``model``: the trained (peft)
-    model, for its LoRA rank and whether its base is 4-bit; ``config``: its transformers config."""
+) -> int:
+    """How many layers the planner fits beside a ``tokens``-token step with the speed switches in ``state`` within
+    ``budget_bytes`` (:func:`engine.hardware.planner.most_resident_layers`). ``model``: the trained (peft) model,
+    for its LoRA rank and whether its base is 4-bit; ``config``: its transformers config."""
     shape = ModelShape.from_config_dict(config.to_dict(), getattr(config, "model_type", "model"))
     setup = setup_from_speed_state(state, shape, tokens, qlora=_is_4bit(model), lora_rank=_lora_rank(model))
-
-    def fits_with(count: int) -> bool:
-        return fits(estimate_memory(shape, replace(setup, resident_layers=count), compute_capability), budget_bytes)
-
-    return fits_with
+    return most_resident_layers(shape, replace(setup, resident_layers=0), budget_bytes, compute_capability)
 
 
 def _is_4bit(model: torch.nn.Module) -> bool:
@@ -97,20 +93,6 @@ def _lora_rank(model: torch.nn.Module) -> int:
     return max(ranks, default=16) or 16
 
 
-def most_layers_that_fit(total: int, fits: Callable[[int], bool]) -> int:
-    """The largest count in [0, total] for which ``fits(count)`` holds (memory grows with the count); 0 if none."""
-    low, high = 0, total
-    if total <= 0 or not fits(1):
-        return 0
-    while low < high:
-        mid = (low + high + 1) // 2
-        if fits(mid):
-            low = mid
-        else:
-            high = mid - 1
-    return low
-
-
 def resolve(
     requested: bool | None,
     checkpointing: str,
@@ -120,7 +102,7 @@ def resolve(
     blocker: str | None = None,
     budget_bytes: int | None = None,
 ) -> tuple[int, str]:
-    """(resident layers, reason). ``layers``: how many fit (:func:`most_layers_that_fit`, or a fixed count);
+    """(resident layers, reason). ``layers``: how many fit (:func:`planned_layers`, or a fixed count);
     ``blocker``: why none can be chosen here (no GPU memory figures, kept attention on), if so; ``budget_bytes``:
     the memory they were sized for, for the reason."""
     if requested is False:
