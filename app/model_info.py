@@ -50,6 +50,13 @@ def longest_row_html(info: ModelInfo) -> str:
     return f"<p>Longest row that trains here: {reason}</p>" if reason else ""
 
 
+def resident_layers_html(info: ModelInfo) -> str:
+    """A paragraph on the layers that skip the recompute in this GPU's spare memory, or "" when there are none."""
+    plan = getattr(info.profile, "memory_plan", None)
+    reason = plan.reasons.get("resident_layers") if plan is not None else None
+    return f"<p>Faster in the memory left: {reason}.</p>" if reason else ""
+
+
 def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0", "false", "False")
 

@@ -412,6 +412,22 @@ def test_the_verdict_names_the_gpu_or_the_computer() -> None:
     assert verdict_target(info(None)) == "this computer (CPU)"
 
 
+def test_the_model_page_names_the_layers_that_skip_the_recompute_on_this_gpu() -> None:
+    from app.model_info import ModelInfo, resident_layers_html
+    from engine.hardware import gpus
+    from engine.hardware.profile import DeviceTarget, build_profile
+    from engine.hardware.shapes import load_shape
+
+    card = DeviceTarget.from_spec(gpus.find_gpu("NVIDIA GeForce RTX 4090"))  # type: ignore[arg-type]
+    shape = load_shape("llama-3.1-8b")
+    roomy = build_profile(card, shape, overrides={"qlora": True, "tokens_per_batch": 4096})
+    html = resident_layers_html(ModelInfo("m", "llama", 1, False, "fits", "", profile=roomy))
+    assert html.startswith("<p>Faster in the memory left: ") and "of 32 layers keep their activations" in html
+    full = build_profile(card, shape, overrides={"qlora": True, "checkpointing": "none"})
+    assert resident_layers_html(ModelInfo("m", "llama", 1, False, "fits", "", profile=full)) == ""
+    assert resident_layers_html(ModelInfo("m", "llama", 1, False, "fits", "", profile=None)) == ""
+
+
 def test_a_switch_the_engine_cannot_apply_is_reported_not_measured() -> None:
     compare = ABCompare(SpeedConfig(), "checkpointing", rounds=2, block_steps=2)
     restore = compare.abandon("offloaded requested but the GPU shares memory with the CPU; plain recompute instead")

@@ -46,6 +46,20 @@ def test_plan_names_the_longest_row_and_how(capsys: pytest.CaptureFixture[str]) 
     )
 
 
+def test_plan_names_the_layers_that_skip_the_recompute(capsys: pytest.CaptureFixture[str]) -> None:
+    """A 24 GB card planning 4,096-token rows of an 8B model in 4-bit has memory left for resident layers; the line
+    says how many, the JSON gives the count, and the speed estimate counts their saved recompute."""
+    argv = ["--model", "llama-3.1-8b", "--gpu", "RTX 4090", "--qlora", "--tokens-per-batch", "4096"]
+    assert plan_main(argv) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("Resident layers"))
+    assert line.endswith("of 32 layers keep their activations in the memory left and skip the recompute")
+    assert plan_main([*argv, "--json"]) == 0
+    profile = json.loads(capsys.readouterr().out)["profile"]
+    assert profile["resident_layers"] == int(line.split()[2]) > 0
+    assert plan_main(["--model", "llama-3.1-8b", "--gpu", "RTX 4090", "--qlora", "--checkpointing", "none"]) == 0
+    assert "Resident layers" not in capsys.readouterr().out  # nothing recomputes, nothing to skip
+
+
 def test_plan_says_when_it_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
     assert plan_main(["--model", "qwen3-30b-a3b", "--gpu", "RTX 3060 Laptop"]) == 0
     assert "does not fit" in capsys.readouterr().out

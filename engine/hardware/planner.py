@@ -708,7 +708,8 @@ def choose_memory_settings(
         if chosen is not None:
             mode, tokens = chosen
             setup = replace(base, qlora=quantized, checkpointing=mode, tokens=tokens)
-            resident = most_resident_layers(shape, setup, budget_bytes, compute_capability, margin)
+            on_gpu = compute_capability is not None  # the engine sizes resident layers from a GPU's memory only
+            resident = most_resident_layers(shape, setup, budget_bytes, compute_capability, margin) if on_gpu else 0
             setup = replace(setup, resident_layers=resident)
             estimate = estimate_memory(shape, setup, compute_capability)
             reasons = _plan_reasons(shape, setup, estimate, budget_bytes, found, qlora is None, options)
