@@ -57,7 +57,8 @@ def test_resident_layers_give_the_checkpointed_gradients(model_type: str, reside
     state = controller.state()["resident_layers"]
     assert state["on"] and state["layers"] == resident and f"{resident} of 4 layers" in state["reason"]
     assert torch.equal(loss, loss_ref)
-    assert max_relative_error(grads_res, grads_ref) <= 1e-6  # the same float32 operations, run once
+    assert grads_res.keys() == grads_ref.keys() and grads_ref
+    assert all(torch.equal(grads_res[k], grads_ref[k]) for k in grads_ref)  # the same operations, run once
 
 
 def test_resident_layers_run_once_and_the_others_recompute() -> None:
