@@ -302,6 +302,8 @@ class SpeedController:
             return "the row needs its MLPs in chunks: no spare memory"
         if self.resident_override is None and self.device.type != "cuda":
             return "the count is sized from a GPU's free memory"
+        if self.resident_override is None and not self._longest_tokens:
+            return "sized when the first batch arrives"
         return None
 
     def _resident_count(self, total: int, budget: int | None) -> int:
