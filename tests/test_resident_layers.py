@@ -110,7 +110,7 @@ def test_switching_off_and_without_checkpointing() -> None:
     state = controller.state()["resident_layers"]
     assert controller.resident_layers == 0 and state["reason"].startswith("switched off")
     controller.apply(dataclasses.replace(RESIDENT, checkpointing="none"))
-    assert "without checkpointing" in controller.state()["resident_layers"]["reason"]
+    assert controller.state()["resident_layers"]["reason"].startswith("only under checkpointing")
 
 
 def test_automatic_on_the_cpu_keeps_every_layer_checkpointed() -> None:

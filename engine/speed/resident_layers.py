@@ -106,7 +106,7 @@ def resolve(
     if requested is False:
         return 0, "switched off: checkpointing recomputes every layer"
     if checkpointing == "none":
-        return 0, "off without checkpointing (every layer keeps its activations anyway)"
+        return 0, "only under checkpointing (checkpointing is none: every layer keeps its activations anyway)"
     how = "switched on" if requested else "automatic"
     if blocker is not None:
         return 0, f"{how}: off; {blocker}"
