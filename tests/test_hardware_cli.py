@@ -52,7 +52,7 @@ def test_plan_names_the_layers_that_skip_the_recompute(capsys: pytest.CaptureFix
     argv = ["--model", "llama-3.1-8b", "--gpu", "RTX 4090", "--qlora", "--tokens-per-batch", "4096"]
     assert plan_main(argv) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("Resident layers"))
-    assert line.endswith("of 32 layers keep their activations in the memory left and skip the recompute")
+    assert "of 32 layers keep their activations in the memory left and skip the recompute (up to ~" in line
     assert plan_main([*argv, "--json"]) == 0
     profile = json.loads(capsys.readouterr().out)["profile"]
     assert profile["resident_layers"] == int(line.split()[2]) > 0

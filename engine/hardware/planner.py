@@ -617,8 +617,8 @@ class MemoryPlan:
     """The longest row that trains on this budget with the plan's LoRA or QLoRA and the checkpointing that saves
     the most memory (up to LONGEST_ROW_TOKENS, in steps of 256)."""
     resident_layers: int = 0
-    """Layers that keep their activations in the memory the checkpointed batch leaves (engine.speed.resident_layers);
-    the estimate includes them."""
+    """Layers that can keep their activations in the memory the checkpointed batch leaves
+    (engine.speed.resident_layers); the estimate is the batch's need without them, they only use what is left."""
 
     @property
     def fits(self) -> bool:
@@ -708,10 +708,10 @@ def choose_memory_settings(
         if chosen is not None:
             mode, tokens = chosen
             setup = replace(base, qlora=quantized, checkpointing=mode, tokens=tokens)
+            estimate = estimate_memory(shape, setup, compute_capability)  # what the batch needs, the plan's peak
             on_gpu = compute_capability is not None  # the engine sizes resident layers from a GPU's memory only
             resident = most_resident_layers(shape, setup, budget_bytes, compute_capability, margin) if on_gpu else 0
             setup = replace(setup, resident_layers=resident)
-            estimate = estimate_memory(shape, setup, compute_capability)
             reasons = _plan_reasons(shape, setup, estimate, budget_bytes, found, qlora is None, options)
             longest = longest_row(
                 shape, setup, budget_bytes, can_offload=can_offload, compute_capability=compute_capability,
@@ -793,6 +793,6 @@ def _plan_reasons(
     if setup.resident_layers:
         reasons["resident_layers"] = (
             f"{setup.resident_layers} of {shape.num_layers} layers keep their activations in the memory left and "
-            "skip the recompute"
+            f"skip the recompute (up to ~{estimate_memory(shape, setup).gib():.1f} GiB in all)"
         )
     return reasons
