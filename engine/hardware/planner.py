@@ -713,6 +713,10 @@ def choose_memory_settings(
             resident = most_resident_layers(shape, setup, budget_bytes, compute_capability, margin) if on_gpu else 0
             setup = replace(setup, resident_layers=resident)
             reasons = _plan_reasons(shape, setup, estimate, budget_bytes, found, qlora is None, options)
+            if resident:
+                reasons["resident_layers"] = _resident_reason(
+                    shape, setup, estimate_memory(shape, setup, compute_capability)
+                )
             longest = longest_row(
                 shape, setup, budget_bytes, can_offload=can_offload, compute_capability=compute_capability,
                 margin=margin,
@@ -789,10 +793,11 @@ def _plan_reasons(
     )
     if setup.checkpointing != "none" and _chunks(shape, setup):
         tokens += f", with the MLPs in chunks of {setup.chunk_tokens:,} tokens"
-    reasons = {"qlora": qlora, "checkpointing": ckpt, "tokens_per_batch": tokens}
-    if setup.resident_layers:
-        reasons["resident_layers"] = (
-            f"{setup.resident_layers} of {shape.num_layers} layers keep their activations in the memory left and "
-            f"skip the recompute (up to ~{estimate_memory(shape, setup).gib():.1f} GiB in all)"
-        )
-    return reasons
+    return {"qlora": qlora, "checkpointing": ckpt, "tokens_per_batch": tokens}
+
+
+def _resident_reason(shape: ModelShape, setup: TrainSetup, with_them: MemoryEstimate) -> str:
+    return (
+        f"{setup.resident_layers} of {shape.num_layers} layers keep their activations in the memory left and skip "
+        f"the recompute (up to ~{with_them.gib():.1f} GiB in all)"
+    )
