@@ -250,6 +250,21 @@ def test_dropping_graphs_lets_cublas_give_back_the_workspaces_it_took_from_their
     assert released == [0]  # after the graphs are gone
 
 
+def test_a_failed_capture_waits_for_the_gpu_before_its_memory_and_cublas_workspaces_go(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The failed capture's pool is unmapped after it: the GPU must have run what was queued first."""
+    model = tiny_lora_model("llama")
+    controller = SpeedController(model, AUTO, torch.device("cpu"))
+    order: list[str] = []
+    monkeypatch.setattr(step_graphs, "release_cublas_workspaces", lambda device: order.append("release"))
+    graphed(controller, FailingCapture())
+    controller.graphs.wait = lambda device: order.append("wait")
+    for seed in range(3):
+        controller.forward_backward(model, packed_batch((40, 30), seed=seed), 68)
+    assert controller.graphs.failure is not None and order == ["wait", "release"]
+
+
 def test_the_loss_divisor_may_be_a_tensor() -> None:
     torch.manual_seed(0)
     hidden = torch.randn(1, 12, 8, requires_grad=True)

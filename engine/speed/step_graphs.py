@@ -494,6 +494,7 @@ class StepGraphs:
             self.clear()
             self.reset()
             gc.collect()  # frames of the failed capture that refer to each other, and the pool tensors they hold
+            self.wait(self.device)  # the pool's memory is unmapped next: nothing queued may still use it
             release_cublas_workspaces(self.device)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # their pool's blocks go back now: the eager run after this needs them
