@@ -184,9 +184,8 @@ def test_running_short_with_resident_layers_checkpoints_every_layer_and_retries_
     checkpointed = dataclasses.replace(checkpointed, speed=dataclasses.replace(checkpointed.speed,
                                                                              checkpointing="offloaded"))  # fmt: skip
     assert not failures(list(run(checkpointed)))
-    monkeypatch.setattr(SpeedController, "_resident_count", lambda self, total, budget: 1)  # as if a GPU had room
+    monkeypatch.setattr(SpeedController, "_resident_count", lambda self, total: (1, 2**30))  # as if a GPU had room
     monkeypatch.setattr(SpeedController, "_resident_blocker", lambda self: self._resident_refused)
-    monkeypatch.setattr("engine.speed.reachable_device_memory", lambda device: 2**30)
     calls: list[int] = []
 
     def fault(session, batch, num_items, real):

@@ -209,8 +209,7 @@ def test_a_switch_change_drops_the_graphs() -> None:
     model = tiny_lora_model("llama")
     controller = SpeedController(model, AUTO, torch.device("cpu"))
     graphed(controller, ReplayingCapture())
-    for seed in range(3):
-        controller.forward_backward(model, packed_batch((40, 30), seed=seed), 68)
+    micro_batches(controller, model, 3)
     assert controller.graphs.captured == 1
     controller.apply(dataclasses.replace(AUTO, fused_loss=False))
     assert controller.graphs.captured == 0 and not controller.graphs.on  # automatic is off on the CPU
@@ -226,8 +225,7 @@ def test_graphs_are_dropped_only_after_the_gpu_has_run_their_replays() -> None:
     controller.apply(dataclasses.replace(AUTO, fused_loss=False))
     assert held_while_waiting == []  # nothing captured, nothing to wait for: no needless sync
     graphed(controller, ReplayingCapture())
-    for seed in range(3):
-        controller.forward_backward(model, packed_batch((40, 30), seed=seed), 68)
+    micro_batches(controller, model, 3)
     controller.apply(AUTO)
     assert held_while_waiting == [1]
 
@@ -244,8 +242,7 @@ def test_dropping_graphs_lets_cublas_give_back_the_workspaces_it_took_from_their
     controller.apply(dataclasses.replace(AUTO, fused_loss=False))
     assert released == []  # no graphs: cuBLAS keeps its workspaces
     graphed(controller, ReplayingCapture())
-    for seed in range(3):
-        controller.forward_backward(model, packed_batch((40, 30), seed=seed), 68)
+    micro_batches(controller, model, 3)
     controller.apply(AUTO)
     assert released == [0]  # after the graphs are gone
 
@@ -260,8 +257,7 @@ def test_a_failed_capture_waits_for_the_gpu_before_its_memory_and_cublas_workspa
     monkeypatch.setattr(step_graphs, "release_cublas_workspaces", lambda device: order.append("release"))
     graphed(controller, FailingCapture())
     controller.graphs.wait = lambda device: order.append("wait")
-    for seed in range(3):
-        controller.forward_backward(model, packed_batch((40, 30), seed=seed), 68)
+    micro_batches(controller, model, 3)
     assert controller.graphs.failure is not None and order == ["wait", "release"]
 
 

@@ -32,7 +32,6 @@ from engine.config import SpeedConfig
 from engine.data.packing import PackedBatch, TokenizedExample, collate
 from engine.hardware.shapes import BUILTIN_CONFIGS
 from engine.run import guard
-from engine.run.step import GRAPHS_SHORT_OF_MEMORY, RESIDENT_SHORT_OF_MEMORY
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -279,11 +278,10 @@ def forward_backward(model: Any, controller: Any, batch: PackedBatch, optimizer:
     try:
         return controller.forward_backward(model, batch, batch.trained_tokens)
     except Exception as err:
-        if not guard.is_out_of_memory(err) or not (controller.graphs.captured or controller.resident_layers):
+        if not guard.is_out_of_memory(err) or not controller.holds_spare_memory:
             raise
     # outside the except block: the traceback's frames, and the activations they hold, are gone
-    if not controller.graphs.give_up(GRAPHS_SHORT_OF_MEMORY):
-        controller.give_up_resident_layers(RESIDENT_SHORT_OF_MEMORY)
+    controller.give_up_memory()
     guard.release_memory(optimizer, controller.device)
     return controller.forward_backward(model, batch, batch.trained_tokens)
 

@@ -26,9 +26,7 @@ from engine.run import guard, readout
 from engine.run.folder import CHECKPOINT_DIR, EVAL_FILE, append_jsonl
 from engine.run.ranks import plain_number
 from engine.run.session import Session
-
-GRAPHS_SHORT_OF_MEMORY = "GPU memory ran short beside the step graphs' memory pool; micro-batches run eagerly"
-RESIDENT_SHORT_OF_MEMORY = "GPU memory ran short with layers resident; every layer checkpoints for the rest of the run"
+from engine.speed import GRAPHS_SHORT_OF_MEMORY
 
 
 def _next_rows(session: Session) -> list[int]:
@@ -130,24 +128,18 @@ def _accumulate_or_lower(session: Session, rows: list[int]) -> Generator[Event, 
             if session.ranks.distributed:  # the other ranks are already waiting in this step's collectives
                 raise guard.out_of_memory_error(session.step + 1, session.tokens_per_batch) from err
         # outside the except block: the traceback (and the activations its frames hold) is gone by now
-        dropped = (yield from _drop_graphs(session)) or (yield from _drop_resident_layers(session))
+        # the first remedies: what the speed switches hold beyond the step's own need, one per shortage
+        dropped = yield from _given_up(session, session.speed.give_up_memory())
         guard.release_memory(session.optimizer, session.device)
         if dropped:  # the step graphs' pool or the resident layers were the difference: retry the same rows
             continue
         yield from _lower_memory(session, [session.data.train_rows[r] for r in rows], session.data.train)
 
 
-def _drop_graphs(session: Session) -> Generator[Event, None, bool]:
-    """The first remedy for running out of memory: free the step graphs' memory pool, if they hold one."""
-    if not session.speed.graphs.give_up(GRAPHS_SHORT_OF_MEMORY):
-        return False
-    yield SpeedChanged(session.step, session.speed.state())
-    return True
-
-
-def _drop_resident_layers(session: Session) -> Generator[Event, None, bool]:
-    """The next remedy: layers that kept their activations in spare memory checkpoint again."""
-    if not session.speed.give_up_resident_layers(RESIDENT_SHORT_OF_MEMORY):
+def _given_up(session: Session, released: bool) -> Generator[Event, None, bool]:
+    """After a remedy that frees what the speed switches held (step graphs' pool, resident layers): say so, and
+    whether it freed anything."""
+    if not released:
         return False
     yield SpeedChanged(session.step, session.speed.state())
     return True
@@ -373,7 +365,8 @@ def evaluate(session: Session) -> Iterator[Event]:
         except Exception as err:
             if not guard.is_out_of_memory(err):
                 raise
-        dropped = yield from _drop_graphs(session)
+        # evaluation keeps no activations: only the step graphs' pool is worth freeing here
+        dropped = yield from _given_up(session, session.speed.graphs.give_up(GRAPHS_SHORT_OF_MEMORY))
         guard.release_memory(session.optimizer, session.device)
         if not dropped:
             yield from _lower_memory(session, session.data.eval_rows, session.data.eval)

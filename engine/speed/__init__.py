@@ -45,8 +45,16 @@ from engine.speed.host_embedding import HostEmbedding
 from engine.speed.lora_16bit import Lora16Bit
 from engine.speed.offloaded_checkpoint import ActivationOffloader
 
-__all__ = ["SpeedController", "free_device_memory", "transformers_model"]
+__all__ = [
+    "GRAPHS_SHORT_OF_MEMORY",
+    "RESIDENT_SHORT_OF_MEMORY",
+    "SpeedController",
+    "free_device_memory",
+    "transformers_model",
+]
 
+GRAPHS_SHORT_OF_MEMORY = "GPU memory ran short beside the step graphs' memory pool; micro-batches run eagerly"
+RESIDENT_SHORT_OF_MEMORY = "GPU memory ran short with layers resident; every layer checkpoints for the rest of the run"
 ACTIVATION_BYTES_PER_TOKEN_AND_HIDDEN = 34
 """Bytes kept per token × hidden per layer without checkpointing in 16-bit (Korthikanti et al., flash attention)."""
 
@@ -285,8 +293,7 @@ class SpeedController:
         requested = settings.resident_layers
         blocker = self._resident_blocker()
         wanted = requested is not False and (self._checkpointing or "none") != "none" and blocker is None
-        budget = reachable_device_memory(self.device) if wanted and self.resident_override is None else None
-        count = self._resident_count(total, budget) if wanted else 0
+        count, budget = self._resident_count(total) if wanted else (0, None)
         layers, reason = resident_layers.resolve(
             requested, self._checkpointing or "none", layers=count, total=total, blocker=blocker, budget_bytes=budget
         )
@@ -306,20 +313,30 @@ class SpeedController:
             return "sized when the first batch arrives"
         return None
 
-    def _resident_count(self, total: int, budget: int | None) -> int:
-        if budget is None:  # a fixed count (tests, benches)
-            return min(self.resident_override or 0, total)
+    def _resident_count(self, total: int) -> tuple[int, int | None]:
+        """(layers, the memory they were sized for: None for a fixed count)."""
+        if self.resident_override is not None:
+            return min(self.resident_override, total), None
+        budget = reachable_device_memory(self.device)
         capability = torch.cuda.get_device_capability(self.device)
-        tokens = max(self._longest_tokens, 1)
-        count = resident_layers.planned_layers(
-            self.model, self.hf_model.config, self._state, tokens, budget, capability
-        )
-        return min(count, total)
+        tokens, config = self._longest_tokens, self.hf_model.config
+        count = resident_layers.planned_layers(self.model, config, self._state, tokens, budget, capability)
+        return min(count, total), budget
 
     @property
     def resident_layers(self) -> int:
         """How many layers keep their activations and skip the recompute now."""
         return int(self._state.get("resident_layers", {}).get("layers", 0))
+
+    @property
+    def holds_spare_memory(self) -> bool:
+        """Step graphs' pool or resident layers hold memory a micro-batch that ran short can run again without."""
+        return bool(self.graphs.captured or self.resident_layers)
+
+    def give_up_memory(self) -> bool:
+        """After a micro-batch ran short: the step graphs' pool goes first, the resident layers next, one per call,
+        each for the rest of the run; False when neither holds any (the caller lowers something else)."""
+        return self.graphs.give_up(GRAPHS_SHORT_OF_MEMORY) or self.give_up_resident_layers(RESIDENT_SHORT_OF_MEMORY)
 
     def give_up_resident_layers(self, reason: str) -> bool:
         """Out of memory with resident layers: every layer checkpoints again for the rest of the run. False when
@@ -415,26 +432,31 @@ class SpeedController:
 
     # --- per batch ------------------------------------------------------------------------------------------
 
+    def _rows_grew(self, tokens: int) -> None:
+        """Automatic choices that depend on the longest row so far, decided again only when rows grow."""
+        checkpointing = self.settings.checkpointing == "auto" and tokens > self._auto_checkpointing_tokens
+        longer = tokens > self._longest_tokens
+        if checkpointing:
+            self._auto_checkpointing_tokens = tokens
+            self._apply_checkpointing("auto", reason=None)
+            self._apply_lean_recompute(self.settings)
+        if longer:
+            self._longest_tokens = tokens
+            self._apply_keep_attention(self.settings)
+            self._apply_chunked_mlp(self.settings)
+        if not (checkpointing or longer):
+            return
+        self._apply_fused_kernels(self.settings)  # whole-layer regions depend on checkpointing and chunks
+        self._apply_resident_layers(self.settings)
+        self.graphs.clear()
+        if longer and self.graphs.on and self._graphs_memory_bound(self.settings):
+            self._apply_step_graphs(self.settings)  # the row now needs chunks to fit: graphs go
+
     def model_inputs(self, batch: PackedBatch) -> dict[str, Any]:
         """Model kwargs for one micro-batch (already on the device); the stock ones when every switch is off."""
         self.offloader.begin_batch()
         self.residency.begin_batch()
-        if self.settings.checkpointing == "auto" and batch.num_tokens > self._auto_checkpointing_tokens:
-            self._auto_checkpointing_tokens = batch.num_tokens  # re-decide only when batches grow
-            self._apply_checkpointing("auto", reason=None)
-            self._apply_lean_recompute(self.settings)
-            self._apply_fused_kernels(self.settings)  # whole-layer regions depend on checkpointing
-            self._apply_resident_layers(self.settings)
-            self.graphs.clear()
-        if batch.num_tokens > self._longest_tokens:
-            self._longest_tokens = batch.num_tokens  # automatic chunking re-decides only when batches grow
-            self._apply_keep_attention(self.settings)
-            self._apply_chunked_mlp(self.settings)
-            self._apply_fused_kernels(self.settings)
-            self._apply_resident_layers(self.settings)
-            self.graphs.clear()
-            if self.graphs.on and self._graphs_memory_bound(self.settings):
-                self._apply_step_graphs(self.settings)  # the row now needs chunks to fit: graphs go
+        self._rows_grew(batch.num_tokens)
         inputs = stock_model_inputs(self.model, batch)
         if self.host_embedding.on:
             self.host_embedding.stage(batch.host_input_ids)
