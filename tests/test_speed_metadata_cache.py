@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -94,6 +95,24 @@ def test_flex_forward_matches_sdpa_on_cpu() -> None:
     ref, _ = metadata_cache.packed_attention_forward(module, q, k, v, None, 0.25, packed_metadata=meta_sdpa)
     out, _ = metadata_cache.packed_attention_forward(module, q, k, v, None, 0.25, packed_metadata=meta_flex)
     assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_flex_attention_is_compiled_once_for_eager_cuda_callers_and_left_to_a_compiled_layer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    compiled: list[Any] = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compiled.append(fn) or ("compiled", fn))
+    monkeypatch.setattr(metadata_cache, "_COMPILED_FLEX", {})
+    on_cuda = SimpleNamespace(is_cuda=True)
+    assert metadata_cache._flex_attention_for(on_cuda) == ("compiled", flex_attention)
+    assert metadata_cache._flex_attention_for(on_cuda) == ("compiled", flex_attention)
+    assert compiled == [flex_attention]
+    assert metadata_cache._flex_attention_for(torch.zeros(1)) is flex_attention
+    # Inside a compiled layer the layer's own compile lowers it: no cached wrapper for Dynamo to warn about.
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert metadata_cache._flex_attention_for(on_cuda) is flex_attention
 
 
 def test_backend_choice_on_cpu_and_requests() -> None:

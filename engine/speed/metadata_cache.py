@@ -16,7 +16,6 @@ packed path, which is the baseline.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import inspect
 from collections.abc import Callable
@@ -312,20 +311,27 @@ def flash_attn_attention(
     )
 
 
-@functools.cache
-def _compiled_flex_attention() -> Callable[..., Any]:
+_COMPILED_FLEX: dict[str, Callable[..., Any]] = {}
+"""flex_attention compiled once, for eager callers on CUDA. A plain dict for the same reason as ``_VARLEN_PARAMS``."""
+
+
+def _flex_attention_for(q: torch.Tensor) -> Callable[..., Any]:
+    """flex_attention as ``q``'s caller should run it: compiled on CUDA (eager flex is a dense reference
+    implementation), as it is inside a compiled layer (whose compile lowers it to its kernel), else eager."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    if not q.is_cuda or torch.compiler.is_compiling():
+        return flex_attention
+    if "fn" not in _COMPILED_FLEX:
+        _COMPILED_FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX["fn"]
 
 
 def flex_attention_call(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PackedAttentionMetadata, scale: float, window: int | None
 ) -> torch.Tensor:
     """q/k/v (1, H, T, D) -> (1, H, T, D). Compiled on CUDA (eager flex is a dense reference implementation)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    fn: Any = _compiled_flex_attention() if q.is_cuda else flex_attention
+    fn: Any = _flex_attention_for(q)
     groups = q.shape[1] // k.shape[1]
     return fn(q, k, v, block_mask=meta.block_mask(window), scale=scale, enable_gqa=groups > 1)
 
