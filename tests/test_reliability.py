@@ -207,6 +207,27 @@ def test_running_short_with_resident_layers_checkpoints_every_layer_and_retries_
     assert_same_curve(curve(tmp_path / "oom" / "run"), curve(tmp_path / "ref" / "run"), rel=1e-5)
 
 
+def test_choices_made_at_the_first_batch_are_announced_after_its_step(
+    tiny_model_dir: Path, chat_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Switches that wait for the first batch (resident layers here; automatic checkpointing on a GPU) change the
+    state after the run's first announcement: the run says so after that step, not only when step graphs decide."""
+    from engine.speed import SpeedController
+
+    def blocker(self: SpeedController) -> str | None:  # a GPU's: sized when the first batch arrives
+        return self._resident_refused or (None if self._longest_tokens else "sized when the first batch arrives")
+
+    monkeypatch.setattr(SpeedController, "_resident_count", lambda self, total: (1, 2**30))  # as if a GPU had room
+    monkeypatch.setattr(SpeedController, "_resident_blocker", blocker)
+    config = make_config(tiny_model_dir, chat_file, tmp_path, {"tokens_per_batch": 48})
+    config = dataclasses.replace(config, speed=dataclasses.replace(config.speed, checkpointing="offloaded"))
+    events = list(run(config))
+    assert not failures(events), failures(events)
+    changes = [(e.step, e.state["resident_layers"]) for e in events if isinstance(e, SpeedChanged)]
+    assert [step for step, _ in changes] == [0, 1], changes
+    assert not changes[0][1]["on"] and changes[1][1]["on"] and changes[1][1]["layers"] == 1
+
+
 def test_other_errors_in_a_step_are_not_mistaken_for_out_of_memory(
     tiny_model_dir: Path, chat_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -115,9 +115,9 @@ def _train(session: Session, control: RunControl) -> Iterator[Event]:
             session.speed.apply(requested)
             yield SpeedChanged(session.step, session.speed.state())
         session.ranks.inject_fault(session.step + 1)
-        news = session.speed.graphs.news
+        before = session.speed.state()
         yield from _reported(session, (yield from train_step(session)))
-        if session.speed.graphs.news != news:  # step graphs kept or dropped after their trial, or a capture failed
+        if session.speed.state() != before:  # decided at the first batch or for longer rows, or step graphs' trial
             yield SpeedChanged(session.step, session.speed.state())
         if session.in_flight is not None and _due(session, session.step + 1):
             yield from _reported(session, (yield from read_in_flight(session)))  # evaluate and save its weights
