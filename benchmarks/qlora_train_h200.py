@@ -1,0 +1,278 @@
+"""QLoRA as a user runs it: ``tunedeck train --qlora`` on 8B-shaped models under 8-24 GiB allocator caps.
+
+The QLoRA bench (``tunedeck bench --qlora``) times the engine's training step on a model it builds in memory.
+This record runs the product itself: a random-init model folder in the Llama-3.1-8B or Qwen3-8B shape (bf16
+safetensors shards and the demo model's tokenizer, since the GPU machine has no hub), a text dataset of long rows,
+and ``tunedeck train --qlora --lora-rank 32`` with every switch automatic, in a process whose allocator is capped
+to emulate a smaller card (``torch.cuda.set_per_process_memory_fraction``; the CUDA context is not counted).
+It reads the run's JSON events: tokens/s and peak allocated memory of every step, the switch states the run
+chose, its final loss, and any warning printed on the run's error stream.
+
+    python benchmarks/qlora_train_h200.py --shapes llama-3.1-8b,qwen3-8b --caps 8,12,16,24 \\
+        --out benchmarks/qlora_train_h200.json
+
+Writes the JSON, a Markdown table beside it, and each run's stdout/stderr under ``--logs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+GIB = 2**30
+ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+WORDS = ("alpha", "river", "stone", "light", "seven", "under", "green", "table", "music", "north", "cloud", "paper")
+TIMED_AFTER = 10
+"""Steps left out of the median: compiles, the step-graph trial and the first replays."""
+CAPPED = (
+    "import sys, torch; "
+    "torch.cuda.set_per_process_memory_fraction(float(sys.argv[1]) * 2**30 / "
+    "torch.cuda.get_device_properties(0).total_memory); "
+    "from engine.cli.commands import main; sys.exit(main(sys.argv[2:]))"
+)
+"""``tunedeck train`` in a process whose allocator is capped to ``argv[1]`` GiB."""
+
+
+def shape_config(shape: str, tiny: bool = False) -> Any:
+    """The shape's transformers config, with the demo tokenizer's special tokens; ``tiny``: 2 narrow layers."""
+    sys.path.insert(0, str(ROOT))
+    from engine.bench.qlora import model_config
+
+    config = model_config(shape)
+    config.eos_token_id, config.bos_token_id, config.pad_token_id = 2, None, 3
+    config.dtype = "bfloat16"
+    if tiny:
+        config.num_hidden_layers, config.hidden_size, config.intermediate_size, config.vocab_size = 2, 256, 512, 1024
+        config.num_attention_heads, config.num_key_value_heads, config.head_dim = 4, 2, 64
+        if getattr(config, "layer_types", None):
+            config.layer_types = config.layer_types[:2]
+    return config
+
+
+def build_model_folder(shape: str, folder: Path, tiny: bool = False, shard_bytes: int = 4 * GIB) -> None:
+    """A loadable model folder: the shape's config, random bf16 weights (norms 1, the rest N(0, 0.02)) in
+    safetensors shards with their index, and the demo model's tokenizer."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    config = shape_config(shape, tiny)
+    with torch.device("meta"):
+        shapes = {name: tensor.shape for name, tensor in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    folder.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(folder)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    generator = torch.Generator(device=device).manual_seed(0)
+    shard: dict[str, Any] = {}
+    weight_map: dict[str, str] = {}
+
+    def flush() -> None:
+        name = f"model-{len(set(weight_map.values())):05d}.safetensors"
+        save_file(shard, folder / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+        shard.clear()
+
+    for name, size in shapes.items():
+        if len(size) == 1:
+            shard[name] = torch.ones(size, dtype=torch.bfloat16)
+        else:
+            shard[name] = (torch.randn(size, device=device, dtype=torch.bfloat16, generator=generator) * 0.02).cpu()
+        if sum(t.numel() * 2 for t in shard.values()) > shard_bytes:
+            flush()
+    if shard:
+        flush()
+    index = {"metadata": {}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    for file in TOKENIZER_FILES:
+        shutil.copy(ROOT / "resources" / "demo" / "model" / file, folder / file)
+
+
+def write_rows(path: Path, rows: int, words: int, seed: int = 0) -> None:
+    """``rows`` text rows of ``words`` random words each (about 3.8 demo-tokenizer tokens a word)."""
+    rng = random.Random(seed)
+    with path.open("w") as out:
+        for _ in range(rows):
+            text = " ".join(rng.choice(WORDS) + rng.choice("abcdefgh") for _ in range(words))
+            out.write(json.dumps({"text": text}) + "\n")
+
+
+def train_args(folder: Path, data: Path, tokens: int, steps: int, output: Path) -> list[str]:
+    """``tunedeck train`` as a user would run QLoRA r32 on long rows, every speed switch automatic."""
+    return [
+        "train", "--model", str(folder), "--qlora", "--lora-rank", "32", "--data", str(data),
+        "--data-format", "text", "--train-on-all-tokens", "--max-seq-len", str(tokens),
+        "--tokens-per-batch", str(tokens), "--eval-fraction", "0", "--max-steps", str(steps),
+        "--json", "--output", str(output),
+    ]  # fmt: skip
+
+
+def events_of(stdout: str) -> list[dict[str, Any]]:
+    """The run's JSON events (``--json`` prints one per line), other lines skipped."""
+    events = []
+    for line in stdout.splitlines():
+        if line.startswith("{"):
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return events
+
+
+def summary(events: list[dict[str, Any]], stderr: str) -> dict[str, Any]:
+    """One run's figures: median tokens/s after the first :data:`TIMED_AFTER` steps, peak allocated GiB, losses,
+    the switches the run settled on, and the warnings on its error stream."""
+    steps = [e for e in events if e.get("kind") == "StepMetrics"]
+    states = [e["state"] for e in events if e.get("kind") == "SpeedChanged"]
+    finished = next((e for e in events if e.get("kind") in ("RunFinished", "RunFailed")), {})
+    timed = [s["tokens_per_s"] for s in steps[TIMED_AFTER:]] or [s["tokens_per_s"] for s in steps]
+    state = states[-1] if states else {}
+    tokens_per_s = statistics.median(timed) if timed else None
+    return {
+        "steps": len(steps),
+        "tokens_per_s": round(tokens_per_s) if tokens_per_s else None,
+        "ms_per_step": round(steps[-1]["tokens"] / tokens_per_s * 1e3) if tokens_per_s else None,
+        "peak_gib": round(max(s["memory_bytes"] for s in steps) / GIB, 2) if steps else None,
+        "first_loss": steps[0]["loss"] if steps else None,
+        "final_loss": steps[-1]["loss"] if steps else None,
+        "outcome": finished.get("kind", "no end event"),
+        "switches_on": sorted(k for k, v in state.items() if isinstance(v, dict) and _is_on(v)),
+        "checkpointing": state.get("checkpointing", {}).get("mode"),
+        "resident_layers": state.get("resident_layers", {}).get("layers"),
+        "step_graphs": state.get("step_graphs", {}).get("reason"),
+        "warnings": sorted({line.strip() for line in stderr.splitlines() if "warn" in line.lower()}),
+    }
+
+
+def _is_on(value: dict[str, Any]) -> bool:
+    return bool(value.get("on")) or value.get("mode") not in (None, "stock", "none")
+
+
+def run(shape: str, folder: Path, data: Path, tokens: int, cap: float | None, steps: int, logs: Path) -> dict:
+    """One capped ``tunedeck train`` run (no cap: ``cap`` None), its output kept under ``logs``."""
+    stem = f"{shape}_{tokens}_{cap or 'uncapped'}gib"
+    args = train_args(folder, data, tokens, steps, logs / "runs" / stem)
+    command = [sys.executable, "-c", CAPPED, str(cap), *args] if cap else [sys.executable, "-m", "engine.cli", *args]
+    started = time.perf_counter()
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
+    (logs / f"{stem}.log").write_text(done.stdout)
+    (logs / f"{stem}.err").write_text(done.stderr)
+    record = {"shape": shape, "tokens": tokens, "cap_gib": cap, "wall_s": round(time.perf_counter() - started)}
+    return {**record, "returncode": done.returncode, **summary(events_of(done.stdout), done.stderr)}
+
+
+def from_logs(logs: Path) -> list[dict[str, Any]]:
+    """Records rebuilt from the ``{shape}_{tokens}_{cap}gib.log/.err`` pairs a run left under ``logs``."""
+    records = []
+    for log in sorted(logs.glob("*gib.log")):
+        shape, tokens, cap = log.stem.removesuffix("gib").rsplit("_", 2)
+        err = log.with_suffix(".err")
+        stderr = err.read_text() if err.exists() else ""
+        record = {"shape": shape, "tokens": int(tokens), "cap_gib": None if cap == "uncapped" else float(cap)}
+        records.append({**record, **summary(events_of(log.read_text()), stderr)})
+    return sorted(records, key=lambda r: (r["shape"], r["tokens"], r["cap_gib"] or 0.0))
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [
+        "# QLoRA as a user runs it: `tunedeck train --qlora` on 8B shapes under allocator caps",
+        "",
+        f"GPU: {report.get('gpu', '?')}, {report.get('date', '?')}, {report.get('versions', '')}",
+        "",
+        "Random-init model folders (bf16 safetensors, the demo tokenizer), one text row per micro-batch filling it,",
+        "`tunedeck train --qlora --lora-rank 32 --data-format text --train-on-all-tokens --eval-fraction 0` with",
+        f"every speed switch automatic. Tokens/s: median of the steps after the first {TIMED_AFTER}. Peak: the",
+        "largest per-step peak of allocated memory the run reports (step graphs' pool memory between replays is not",
+        "counted there). Warnings: lines with 'warn' on the run's error stream.",
+        "",
+        "| model | tokens | cap GiB | tokens/s | ms/step | peak GiB | resident layers | step graphs "
+        "| loss first -> last | warnings |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|---:|",
+    ]
+    for r in report["runs"]:
+        graphs = "on" if "step_graphs" in r["switches_on"] else "off"
+        graphs = "no verdict" if "trying" in (r["step_graphs"] or "") else graphs
+        loss = f"{r['first_loss']:.2f} -> {r['final_loss']:.3f}" if r["final_loss"] is not None else r["outcome"]
+        lines.append(
+            f"| {r['shape']} | {r['tokens']:,} | {r['cap_gib'] or '-'} | {r['tokens_per_s'] or '-':,} | "
+            f"{r['ms_per_step'] or '-'} | {r['peak_gib']} | {r['resident_layers']} | {graphs} | {loss} | "
+            f"{len(r['warnings'])} |"
+        )
+    notes = report.get("notes", [])
+    return "\n".join([*lines, "", *notes, ""]) if notes else "\n".join([*lines, ""])
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="llama-3.1-8b,qwen3-8b", help="comma-separated QLoRA bench shapes")
+    parser.add_argument("--caps", default="8,12,16,24", help="allocator caps in GiB (0: none)")
+    parser.add_argument("--tokens", type=int, default=4096, help="row length")
+    parser.add_argument("--steps", type=int, default=40, help="steps per run")
+    parser.add_argument("--rows", type=int, default=64, help="rows in the dataset")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/tunedeck-train-bench"), help="model folders, data")
+    parser.add_argument("--logs", type=Path, help="each run's stdout/stderr (default: WORK/logs)")
+    parser.add_argument("--from-logs", type=Path, help="rebuild the report from a run's logs, running nothing")
+    parser.add_argument("--note", action="append", default=[], help="a line for the report's notes")
+    parser.add_argument("--tiny", action="store_true", help="two narrow layers of each shape (a dry run)")
+    parser.add_argument("--gpu", help="the GPU's name for a report rebuilt from logs (default: this machine's)")
+    parser.add_argument("--date", help="the runs' date for a report rebuilt from logs (default: today)")
+    parser.add_argument("--versions", help="the libraries' versions for a report rebuilt from logs")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/qlora_train.json"), help="JSON (+ .md)")
+    return parser.parse_args(argv)
+
+
+def environment() -> dict[str, str]:
+    import torch
+    import transformers
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+    return {
+        "gpu": gpu,
+        "date": time.strftime("%Y-%m-%d"),
+        "versions": f"torch {torch.__version__}, transformers {transformers.__version__}",
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.from_logs:
+        runs = from_logs(args.from_logs)
+    else:
+        logs = args.logs or args.work / "logs"
+        for folder in (args.work, logs):
+            folder.mkdir(parents=True, exist_ok=True)
+        data = args.work / f"rows_{args.tokens}.jsonl"
+        write_rows(data, args.rows, words=args.tokens // 3 + 1)
+        runs = []
+        for shape in args.shapes.split(","):
+            folder = args.work / shape
+            if not (folder / "config.json").exists():
+                build_model_folder(shape, folder, tiny=args.tiny)
+            for cap in (float(c) for c in args.caps.split(",")):
+                runs.append(run(shape, folder, data, args.tokens, cap or None, args.steps, logs))
+                print(json.dumps(runs[-1]), flush=True)
+    given = {"gpu": args.gpu, "date": args.date, "versions": args.versions}
+    report = {
+        **environment(),
+        **{k: v for k, v in given.items() if v},
+        "settings": {k: str(v) for k, v in vars(args).items()},
+        "runs": runs,
+    }
+    report["notes"] = args.note
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""benchmarks/qlora_train_h200.py: `tunedeck train --qlora` on a generated model folder, read back from its events."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "qlora_train_h200.py"
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("qlora_train_h200", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def events(rates: list[float], resident: int) -> str:
+    first = {"kind": "SpeedChanged", "step": 0, "state": {"checkpointing": {"mode": "none", "reason": "x"}}}
+    later = {
+        "kind": "SpeedChanged",
+        "step": 5,
+        "state": {
+            "checkpointing": {"mode": "offloaded", "reason": "y"},
+            "resident_layers": {"on": resident > 0, "layers": resident, "reason": "z"},
+            "step_graphs": {"on": True, "reason": "automatic: on"},
+            "fp8_base": {"on": False, "reason": "off"},
+        },
+    }
+    steps = [
+        {"kind": "StepMetrics", "step": i + 1, "loss": 10.0 - i, "tokens": 4096, "tokens_per_s": rate,
+         "memory_bytes": (7 + i % 2) * 2**30}
+        for i, rate in enumerate(rates)
+    ]  # fmt: skip
+    lines = [
+        "loading...",
+        json.dumps(first),
+        *map(json.dumps, steps[:5]),
+        json.dumps(later),
+        *map(json.dumps, steps[5:]),
+    ]
+    return "\n".join([*lines, json.dumps({"kind": "RunFinished", "step": len(rates)}), "{not json"])
+
+
+def test_summary_times_the_steps_after_warm_up_and_reads_the_settled_switches(bench: ModuleType) -> None:
+    rates = [100.0] * 10 + [4096 / 0.4, 4096 / 0.5, 4096 / 0.3]
+    got = bench.summary(bench.events_of(events(rates, resident=6)), "x\nUserWarning: Dynamo says\nwarnings.warn(\n")
+    assert got["steps"] == 13 and got["tokens_per_s"] == round(4096 / 0.4) and got["ms_per_step"] == 400
+    assert got["peak_gib"] == 8.0 and (got["first_loss"], got["final_loss"]) == (10.0, -2.0)
+    assert got["resident_layers"] == 6 and got["checkpointing"] == "offloaded" and got["outcome"] == "RunFinished"
+    assert got["switches_on"] == ["checkpointing", "resident_layers", "step_graphs"]
+    assert got["warnings"] == ["UserWarning: Dynamo says", "warnings.warn("]
+
+
+def test_report_rebuilt_from_logs_sorts_runs_and_tables_them(bench: ModuleType, tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for cap, resident in ((8.0, 0), (24.0, 25), (12.0, 6)):
+        (logs / f"llama-3.1-8b_4096_{cap}gib.log").write_text(events([4096 / 0.35] * 12, resident))
+    out = tmp_path / "report.json"
+    assert bench.main(["--from-logs", str(logs), "--gpu", "H200", "--date", "2026-12-02", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["cap_gib"] for r in report["runs"]] == [8.0, 12.0, 24.0] and report["gpu"] == "H200"
+    table = out.with_suffix(".md").read_text()
+    assert "| llama-3.1-8b | 4,096 | 24.0 | 11,703 | 350 | 8.0 | 25 | on | 10.00 -> -1.000 | 0 |" in table
+    trying = events([4096 / 0.35] * 12, 0).replace('"automatic: on"', '"automatic: trying; ..."')
+    (logs / "llama-3.1-8b_16384_8.0gib.log").write_text(trying)
+    assert bench.main(["--from-logs", str(logs), "--out", str(out)]) == 0
+    assert "| 16,384 | 8.0 | 11,703 | 350 | 8.0 | 0 | no verdict |" in out.with_suffix(".md").read_text()
+
+
+def test_a_generated_folder_trains_through_the_command_line(bench: ModuleType, tmp_path: Path) -> None:
+    """The whole path on the CPU: two narrow layers of the Llama shape, no cap, three steps."""
+    out = tmp_path / "train.json"
+    argv = ["--tiny", "--shapes", "llama-3.1-8b", "--caps", "0", "--tokens", "128", "--steps", "3", "--rows", "4"]
+    paths = ["--work", str(tmp_path / "work"), "--logs", str(tmp_path / "logs"), "--out", str(out)]
+    assert bench.main([*argv, *paths]) == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["returncode"] == 0 and run["outcome"] == "RunFinished" and run["steps"] == 3, run
+    assert run["tokens_per_s"] > 0 and run["cap_gib"] is None and run["checkpointing"] == "none"
+    assert (tmp_path / "work" / "llama-3.1-8b" / "model.safetensors.index.json").exists()
+    assert (tmp_path / "logs" / "llama-3.1-8b_128_uncappedgib.log").read_text().count('"StepMetrics"') == 3
