@@ -259,6 +259,17 @@ def state_peak_bytes(
     return estimate_memory(shape, setup_from_speed_state(state, shape, tokens, **fixed), compute_capability).peak
 
 
+AUTO_TABLE_SHARE = 0.08
+"""The engine's automatic host embedding (engine.speed.host_embedding) moves the input embedding table to host
+memory when it would take more than this share of the GPU memory a process may use."""
+
+
+def host_embedding_automatic(shape: ModelShape, dtype_bytes: int, usable: int) -> bool:
+    """Whether the engine's automatic host embedding moves this model's table off a card with ``usable`` bytes."""
+    table = shape.vocab_size * shape.hidden_size * dtype_bytes
+    return not shape.tied_embeddings and table > AUTO_TABLE_SHARE * usable
+
+
 def host_embedding_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     """What the input embedding table takes on the GPU: nothing to move when the output head shares it."""
     if shape.tied_embeddings:

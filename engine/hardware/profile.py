@@ -26,6 +26,7 @@ from engine.hardware.planner import (
     TrainSetup,
     choose_memory_settings,
     chunk_tokens_for,
+    host_embedding_automatic,
     training_flops_per_token,
     usable_bytes,
 )
@@ -276,6 +277,13 @@ def _memory_plan(
         else None,
         chunk_min_tokens=0 if chunked else CHUNK_MIN_ROW_TOKENS,
         chunk_scope="mlp",
+        # switches the engine turns on by itself on a GPU, planned as it runs: the input embedding table in host
+        # memory where it would crowd the card, and 4-bit weights dequantized once per recompute (counted where it
+        # acts: QLoRA under offloaded checkpointing)
+        host_embedding=target.is_gpu
+        and overrides.get("host_embedding") is not False
+        and host_embedding_automatic(shape, dtype_bytes, budget),
+        dequant_once=target.is_gpu and overrides.get("dequant_once") is not False,
     )
     fixed_tokens = overrides.get("tokens_per_batch")
     checkpointing = overrides.get("checkpointing")

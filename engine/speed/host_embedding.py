@@ -22,10 +22,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["AUTO_TABLE_SHARE", "HostEmbedding", "unsupported_reason"]
+from engine.hardware.planner import AUTO_TABLE_SHARE
 
-AUTO_TABLE_SHARE = 0.08
-"""Automatic mode moves the table to host memory when it would take more than this share of the GPU's memory."""
+__all__ = ["AUTO_TABLE_SHARE", "HostEmbedding", "unsupported_reason"]
 
 
 def unsupported_reason(hf_model: Any) -> str | None:
