@@ -129,7 +129,8 @@ def events_of(stdout: str) -> list[dict[str, Any]]:
 
 def summary(events: list[dict[str, Any]], stderr: str) -> dict[str, Any]:
     """One run's figures: median tokens/s after the first :data:`TIMED_AFTER` steps, peak allocated GiB, losses,
-    the switches the run settled on, and the warnings on its error stream."""
+    the switches the run settled on (and its last reported switch state whole), and the warnings on its error
+    stream."""
     steps = [e for e in events if e.get("kind") == "StepMetrics"]
     states = [e["state"] for e in events if e.get("kind") == "SpeedChanged"]
     finished = next((e for e in events if e.get("kind") in ("RunFinished", "RunFailed")), {})
@@ -149,6 +150,7 @@ def summary(events: list[dict[str, Any]], stderr: str) -> dict[str, Any]:
         "resident_layers": state.get("resident_layers", {}).get("layers"),
         "step_graphs": state.get("step_graphs", {}).get("reason"),
         "warnings": sorted({line.strip() for line in stderr.splitlines() if "warn" in line.lower()}),
+        "state": state,
     }
 
 
