@@ -228,6 +228,28 @@ def test_choices_made_at_the_first_batch_are_announced_after_its_step(
     assert not changes[0][1]["on"] and changes[1][1]["on"] and changes[1][1]["layers"] == 1
 
 
+def test_the_first_steps_one_off_work_is_announced_only_where_there_is_some() -> None:
+    from engine.run.session import warm_up_note
+
+    compiled = {"fused_kernels": {"on": True}, "step_graphs": {"on": False, "reason": "switched off"}}
+    assert warm_up_note(compiled) == (
+        "the first steps compile this model's fused GPU kernels (50-90 s for an 8B model on an H200); "
+        "the steps after them run at full speed"
+    )
+    both = {**compiled, "step_graphs": {"on": True, "reason": "automatic: trying; a replayed micro-batch is ..."}}
+    assert "kernels (50-90 s for an 8B model on an H200) and time step graphs against eager steps;" in str(
+        warm_up_note(both)
+    )
+    kept = {"fused_kernels": {"on": False}, "step_graphs": {"on": True, "reason": "switched on: each micro-batch"}}
+    assert warm_up_note(kept) is None and warm_up_note({}) is None
+
+
+def test_a_cpu_run_has_no_warm_up_to_announce(tiny_model_dir: Path, chat_file: Path, tmp_path: Path) -> None:
+    events = list(run(make_config(tiny_model_dir, chat_file, tmp_path)))
+    assert not failures(events)
+    assert not [e for e in events if isinstance(e, Notice) and e.message.startswith("the first steps")]
+
+
 def test_other_errors_in_a_step_are_not_mistaken_for_out_of_memory(
     tiny_model_dir: Path, chat_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

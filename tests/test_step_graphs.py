@@ -488,9 +488,9 @@ def test_a_run_reports_the_trials_verdict_and_trains_every_step(
     tiny_model_dir: Path, chat_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, replay_ms: float,
     on: bool,
 ) -> None:  # fmt: skip
-    """Automatic step graphs (the CPU stand-in for capture, timed as given): the run says what the trial found
-    as soon as it finds it, and trains the eager run's curve either way."""
-    from engine.events import SpeedChanged, StepMetrics
+    """Automatic step graphs (the CPU stand-in for capture, timed as given): the run says the first steps time
+    them, what the trial found as soon as it finds it, and trains the eager run's curve either way."""
+    from engine.events import Notice, SpeedChanged, StepMetrics
     from engine.train import run
 
     list(run(run_config(tiny_model_dir, chat_file, tmp_path / "eager", step_graphs=False)))
@@ -518,6 +518,8 @@ def test_a_run_reports_the_trials_verdict_and_trains_every_step(
     ]
     state = verdicts[0].state["step_graphs"]
     assert state["on"] is on and state["reason"].startswith(f"automatic: {'on' if on else 'off'}; a replayed")
+    notes = [e.message for e in events if isinstance(e, Notice) and e.message.startswith("the first steps")]
+    assert notes == ["the first steps time step graphs against eager steps; the steps after them run at full speed"]
     assert [e.step for e in events if isinstance(e, StepMetrics)] == [1, 2, 3, 4, 5, 6]
     assert losses_of(tmp_path / "auto" / "run") == pytest.approx(losses_of(tmp_path / "eager" / "run"), rel=1e-4)
 

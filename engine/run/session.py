@@ -142,8 +142,27 @@ def start(
         trainable_params=trainable,
         total_params=total,
     )
-    yield SpeedChanged(session.step, session.speed.state())
+    state = session.speed.state()
+    yield SpeedChanged(session.step, state)
+    note = warm_up_note(state)
+    if note is not None:
+        yield Notice(note)
     return session
+
+
+def warm_up_note(state: dict[str, Any]) -> str | None:
+    """What the first steps spend on one-off work, for switches that do some (None: nothing to wait for)."""
+    compiles = bool(state.get("fused_kernels", {}).get("on"))
+    graphs = state.get("step_graphs", {})
+    on_trial = bool(graphs.get("on")) and "trying" in str(graphs.get("reason", ""))
+    if not (compiles or on_trial):
+        return None
+    work = []
+    if compiles:
+        work.append("compile this model's fused GPU kernels (50-90 s for an 8B model on an H200)")
+    if on_trial:
+        work.append("time step graphs against eager steps")
+    return f"the first steps {' and '.join(work)}; the steps after them run at full speed"
 
 
 def _fit_to_ranks(
