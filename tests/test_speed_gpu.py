@@ -563,7 +563,7 @@ def test_a_micro_batch_whose_capture_runs_short_runs_eagerly_with_the_captures_m
     after_eager = torch.cuda.memory_reserved()
     loss = graphs.run(tree, body)  # the capture runs short; the same micro-batch runs eagerly
     assert calls == [False, True, False] and float(loss) == float(64 << 20)
-    assert graphs.failure is not None and "OutOfMemoryError" in graphs.failure and graphs.news == 1
+    assert graphs.failure is not None and "OutOfMemoryError" in graphs.failure
     torch.cuda.synchronize()
     assert torch.cuda.memory_reserved() - max(before, after_eager) < 64 << 20, (before, torch.cuda.memory_reserved())
 

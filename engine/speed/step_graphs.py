@@ -28,10 +28,10 @@ them), and the run reports what it measured either way. A fast GPU on a model wh
 kernels is host-bound, and replays much faster (H200, Llama-3.1-8B in 4-bit, 4,096 tokens under an 8 GiB cap:
 353-370 ms against 407-466 ms eagerly, benchmarks/qlora_automatic_graphs_h200.md and qlora_rerun_h200.md); a card
 that spends longer in its kernels gains nothing from them, and where the padded replay measures slower it keeps its
-memory and unpadded rows instead. Those H200 figures timed each
-micro-batch only to its own end. The Qwen3-8B row then measured 373 against 381 ms and kept graphs off, although its
-host took 442 ms of a 448 ms eager step (qlora_rerun_h200.md); counting the time to the next micro-batch takes in
-the host work between them, which a replay lets overlap the GPU's.
+memory and unpadded rows instead. Those H200 figures timed each micro-batch only to its own end. The Qwen3-8B row
+then measured 373 against 381 ms and kept graphs off, although its host took 442 ms of a 448 ms eager step
+(qlora_rerun_h200.md); counting the time to the next micro-batch takes in the host work between them, which a
+replay lets overlap the GPU's.
 
 Where it runs: CUDA, one process (no DDP/FSDP hooks), no float16 loss scaling, no dropout (a recompute inside a
 graph cannot replay random masks). A step that waits for the GPU (MoE routing that reads expert counts on the
@@ -371,8 +371,6 @@ class StepGraphs:
     timer: Callable[[], Any] = GpuInterval
     wait: Callable[[torch.device], None] = wait_for_replays
     """Waits for replays still running on the GPU before their graphs and memory go (:func:`wait_for_replays`)."""
-    news: int = 0
-    """Counts the changes a run should report (a trial's verdict, a failed capture): a caller compares it."""
     longest: int = 0
     eager_runs: int = EAGER_RUNS
     max_graphs: int = MAX_GRAPHS
@@ -476,7 +474,6 @@ class StepGraphs:
             return
         keep, reason = verdict
         self.trial = None
-        self.news += 1
         if keep:
             self.verdict = reason
         else:
@@ -496,7 +493,6 @@ class StepGraphs:
             failure = f"off: this step cannot run as a CUDA graph ({type(err).__name__}: {_first_line(err)})"
         if failure is not None:  # the exception is gone, and with its frames the tensors the capture allocated
             self.failure = failure
-            self.news += 1
             self.clear()
             self.reset()
             gc.collect()  # frames of the failed capture that refer to each other, and the pool tensors they hold
