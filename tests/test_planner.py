@@ -21,6 +21,7 @@ from engine.hardware.planner import (
     estimate_memory,
     largest_tokens,
     layer_activation_bytes,
+    longest_row,
     lora_weight_copy_bytes,
     most_resident_layers,
     setup_from_speed_state,
@@ -447,6 +448,10 @@ def test_the_plan_spends_spare_memory_on_resident_layers() -> None:
                        resident_layers=roomy.resident_layers + 1)).peak * 1.1  # fmt: skip
     assert f"~{with_resident.gib():.1f} GiB in all" in roomy.reasons["resident_layers"]
     assert tight.resident_layers == 0 and "resident_layers" not in tight.reasons
+    # resident layers spend only what the batch leaves: the longest row the card trains keeps none
+    longest = longest_row(shape, replace(base, qlora=True), usable_bytes(24 * GIB), can_offload=True,
+                          compute_capability=(9, 0))  # fmt: skip
+    assert roomy.longest_tokens == longest and longest > 8 * 4096
 
 
 def test_no_layer_is_resident_without_checkpointing_or_where_the_mlps_run_in_chunks() -> None:

@@ -728,9 +728,9 @@ def choose_memory_settings(
                 reasons["resident_layers"] = _resident_reason(
                     shape, setup, estimate_memory(shape, setup, compute_capability)
                 )
-            longest = longest_row(
-                shape, setup, budget_bytes, can_offload=can_offload, compute_capability=compute_capability,
-                margin=margin,
+            longest = longest_row(  # resident layers only spend what a row leaves: a longer row keeps none
+                shape, replace(setup, resident_layers=0), budget_bytes, can_offload=can_offload,
+                compute_capability=compute_capability, margin=margin,
             )  # fmt: skip
             if longest is not None:
                 reasons["longest"] = _longest_reason(shape, setup, longest, can_offload)
