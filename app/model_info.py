@@ -57,6 +57,12 @@ def resident_layers_html(info: ModelInfo) -> str:
     return f"<p>Faster in the memory left: {reason}.</p>" if reason else ""
 
 
+def plan_notes_html(info: ModelInfo) -> str:
+    """The plan's notes for this model on this GPU (fp8 tensor cores, faster shorter rows), one paragraph each."""
+    notes = getattr(info.profile, "notes", ()) or ()
+    return "".join(f"<p>Note: {note}.</p>" for note in notes)
+
+
 def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0", "false", "False")
 

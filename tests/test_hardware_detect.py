@@ -153,7 +153,10 @@ def test_a_plan_says_when_shorter_rows_would_train_markedly_faster() -> None:
 
     (note,) = notes("RTX 4090")
     assert note.startswith("rows of 4,096 tokens would train about 1.3x faster here (offloaded checkpointing, 2")
-    assert note.endswith("--tokens-per-batch 4096 --grad-accum 4 keeps 16,384 tokens per optimizer step")
+    assert note.endswith(
+        "with gradient accumulation 4 (--tokens-per-batch 4096 --grad-accum 4) each optimizer step still sees 16,384 "
+        "tokens"
+    )
     assert notes("RTX 4090", tokens_per_batch=16384) == [] and notes("H200") == [] and notes("RTX 4060") == []
 
 

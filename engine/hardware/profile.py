@@ -271,8 +271,9 @@ def faster_rows_note(
     resident = f", {shorter.resident_layers} layers resident" if shorter.resident_layers else ""
     return (
         f"rows of {shorter.tokens:,} tokens would train about {rate / speed:.1f}x faster here ({shorter.checkpointing} "
-        f"checkpointing{resident}); --tokens-per-batch {shorter.tokens} --grad-accum {plan.tokens // shorter.tokens} "
-        f"keeps {plan.tokens:,} tokens per optimizer step"
+        f"checkpointing{resident}); with gradient accumulation {plan.tokens // shorter.tokens} (--tokens-per-batch "
+        f"{shorter.tokens} --grad-accum {plan.tokens // shorter.tokens}) each optimizer step still sees "
+        f"{plan.tokens:,} tokens"
     )
 
 
