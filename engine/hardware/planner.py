@@ -264,10 +264,14 @@ AUTO_TABLE_SHARE = 0.08
 memory when it would take more than this share of the GPU memory a process may use."""
 
 
+def table_crowds_card(table_bytes: int, usable: int) -> bool:
+    """Whether an input embedding table of ``table_bytes`` is more than :data:`AUTO_TABLE_SHARE` of ``usable``."""
+    return table_bytes > AUTO_TABLE_SHARE * usable
+
+
 def host_embedding_automatic(shape: ModelShape, dtype_bytes: int, usable: int) -> bool:
     """Whether the engine's automatic host embedding moves this model's table off a card with ``usable`` bytes."""
-    table = shape.vocab_size * shape.hidden_size * dtype_bytes
-    return not shape.tied_embeddings and table > AUTO_TABLE_SHARE * usable
+    return not shape.tied_embeddings and table_crowds_card(shape.vocab_size * shape.hidden_size * dtype_bytes, usable)
 
 
 def host_embedding_bytes(shape: ModelShape, setup: TrainSetup) -> int:

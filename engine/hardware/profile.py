@@ -228,11 +228,14 @@ def build_profile(
     if not plan.fits:
         notes.append(plan.reasons.get("fit", "does not fit"))
     speed = tokens_per_second(target, shape, plan) if plan.fits else None
-    shorter = None if "tokens_per_batch" in overrides else faster_rows_note(
-        target, shape, plan, lambda tokens: _memory_plan(target, shape, choices, overrides, lora_rank, tokens, tokens),
-        min_tokens,
-    )  # fmt: skip
-    notes.extend([shorter] if shorter else [])
+    if speed is not None and "tokens_per_batch" not in overrides:
+
+        def rows_of(tokens: int) -> MemoryPlan:
+            return _memory_plan(target, shape, choices, overrides, lora_rank, tokens, tokens)
+
+        shorter = faster_rows_note(target, shape, plan, speed, rows_of, min_tokens)
+        if shorter:
+            notes.append(shorter)
     return Profile("cuda" if target.is_gpu else "cpu", target.gpu_class, target.name, **choices,
                    tokens_per_second=speed, memory_plan=plan, notes=tuple(notes))  # fmt: skip
 
@@ -248,14 +251,14 @@ def faster_rows_note(
     target: DeviceTarget,
     shape: ModelShape,
     plan: MemoryPlan,
+    speed: float,
     plan_for: Callable[[int], MemoryPlan],
     min_tokens: int,
 ) -> str | None:
     """The largest batch that fits is the plan's choice; where shorter rows would train markedly faster (they leave
     memory for resident layers and need no MLP chunks), say how to get them with the same tokens per optimizer step.
-    ``plan_for(tokens)``: the plan with rows of exactly ``tokens`` tokens."""
-    speed = tokens_per_second(target, shape, plan) if plan.fits else None
-    if speed is None or plan.tokens is None:
+    ``speed``: the plan's estimated tokens/s; ``plan_for(tokens)``: the plan with rows of exactly ``tokens`` tokens."""
+    if plan.tokens is None:
         return None
     best: tuple[float, MemoryPlan] | None = None
     tokens = plan.tokens // 2

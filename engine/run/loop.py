@@ -117,8 +117,9 @@ def _train(session: Session, control: RunControl) -> Iterator[Event]:
         session.ranks.inject_fault(session.step + 1)
         before = session.speed.state()
         yield from _reported(session, (yield from train_step(session)))
-        if session.speed.state() != before:  # decided at the first batch or for longer rows, or step graphs' trial
-            yield SpeedChanged(session.step, session.speed.state())
+        after = session.speed.state()
+        if after != before:  # decided at the first batch or for longer rows, or step graphs' trial
+            yield SpeedChanged(session.step, after)
         if session.in_flight is not None and _due(session, session.step + 1):
             yield from _reported(session, (yield from read_in_flight(session)))  # evaluate and save its weights
     yield from _reported(session, (yield from read_in_flight(session)))

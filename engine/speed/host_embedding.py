@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from engine.hardware.planner import AUTO_TABLE_SHARE
+from engine.hardware.planner import AUTO_TABLE_SHARE, table_crowds_card
 
 __all__ = ["AUTO_TABLE_SHARE", "HostEmbedding", "unsupported_reason"]
 
@@ -77,7 +77,7 @@ class HostEmbedding:
         if requested:
             return True, "switched on; the input embedding table is looked up in host memory"
         table = self.table_bytes()
-        if usable_bytes is None or table <= AUTO_TABLE_SHARE * usable_bytes:
+        if usable_bytes is None or not table_crowds_card(table, usable_bytes):
             return False, "automatic: off, the input embedding table is a small share of GPU memory"
         share = table / usable_bytes
         size = f"{table / 2**30:.1f} GiB, {share:.0%} of GPU memory"
