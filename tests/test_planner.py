@@ -393,10 +393,15 @@ def test_qlora_bench_rows_are_predicted_within_10_percent_above(
         )
 
 
-def test_resident_layer_rows_are_predicted_within_10_percent_above() -> None:
+BELOW = 0.99
+"""The resident-layer rows' predictions may fall 1% below the measured peak (one of eleven does, by 0.01 GiB)."""
+
+
+def test_resident_layer_rows_are_predicted_within_10_percent() -> None:
     """Llama-3.1-8B QLoRA rows with 12, 19 and 20 layers resident under a 24 GiB cap (step graphs off, so the
     allocator's peak is the whole step's; benchmarks/qlora_resident_h200.md): each resident layer adds its
-    compiled activations to the checkpointed peak, and the planner counts them at or above the measured."""
+    compiled activations to the checkpointed peak, but those above the top recomputing layer are freed before it
+    recomputes (-0.1%, +3.9% and +0.9%)."""
     data = json.loads((BENCHMARKS / "qlora_resident_h200.json").read_text(encoding="utf-8"))
     rows = [row for record in data["models"] for row in record["rows"] if row["ok"]]
     rows = [row for row in rows if row["state"]["resident_layers"]["on"] and not row["state"]["step_graphs"]["on"]]
@@ -405,14 +410,14 @@ def test_resident_layer_rows_are_predicted_within_10_percent_above() -> None:
         shape = load_shape(row["model"])
         setup = setup_from_speed_state(row["state"], shape, row["tokens"], qlora=True, lora_rank=32)
         predicted = estimate_memory(shape, setup).peak / GIB
-        assert row["peak_gib"] <= predicted <= 1.10 * row["peak_gib"], (row["variant"], row["peak_gib"], predicted)
+        assert BELOW * row["peak_gib"] <= predicted <= 1.10 * row["peak_gib"], (row["variant"], predicted)
 
 
-def test_tunedeck_train_rows_without_step_graphs_are_predicted_at_or_above_their_peak() -> None:
+def test_tunedeck_train_rows_without_step_graphs_are_predicted_within_10_percent() -> None:
     """`tunedeck train --qlora` itself on the H200 (benchmarks/qlora_train_h200.md), the rows whose allocator peak is
-    the whole step's (step graphs off): Llama-3.1-8B at 4,096 tokens with 6 resident layers under 12 GiB, within 10%
-    above (+5.7%); at 16,384 tokens with 4 resident layers under 24 GiB, above but by more (+12.8%): the plan counts
-    every resident layer alive while the top layer recomputes, where backward has already freed the top one."""
+    the whole step's (step graphs off): Llama-3.1-8B at 4,096 tokens with 6 resident layers under 12 GiB (+0.3%),
+    and at 16,384 tokens with 4 under 24 GiB (+1.0%; +12.8% when the plan still counted the top resident layer alive
+    while the layer below it recomputes, where backward has already freed it)."""
     data = json.loads((BENCHMARKS / "qlora_train_h200.json").read_text(encoding="utf-8"))
     rows = [row for row in data["runs"] if not row["state"]["step_graphs"]["on"]]
     assert sorted((row["tokens"], row["resident_layers"]) for row in rows) == [(4096, 6), (16384, 4)]
@@ -420,8 +425,7 @@ def test_tunedeck_train_rows_without_step_graphs_are_predicted_at_or_above_their
         shape = load_shape(row["shape"])
         setup = setup_from_speed_state(row["state"], shape, row["tokens"], qlora=True, lora_rank=32)
         predicted = estimate_memory(shape, setup).peak / GIB
-        above = 1.10 if row["tokens"] == 4096 else 1.15
-        assert row["peak_gib"] <= predicted <= above * row["peak_gib"], (row["tokens"], row["peak_gib"], predicted)
+        assert BELOW * row["peak_gib"] <= predicted <= 1.10 * row["peak_gib"], (row["tokens"], predicted)
 
 
 def test_the_plan_spends_spare_memory_on_resident_layers() -> None:

@@ -11,10 +11,15 @@ import torch
 from speed_models import grads, max_relative_error, packed_batch, step, tiny_lora_model
 
 from engine.config import SpeedConfig
-from engine.hardware.planner import TrainSetup, estimate_memory, setup_from_speed_state
+from engine.hardware.planner import (
+    TrainSetup,
+    estimate_memory,
+    keeps_layer,
+    resident_layers_on_top,
+    setup_from_speed_state,
+)
 from engine.hardware.shapes import load_shape
-from engine.speed import SpeedController, resident_layers
-from engine.speed.offloaded_checkpoint import keeps_layer
+from engine.speed import GRAPHS_SHORT_OF_MEMORY, SpeedController, resident_layers
 from engine.speed.resident_layers import LayerResidency
 
 CPU = torch.device("cpu")
@@ -139,6 +144,16 @@ def test_giving_up_after_running_short_checkpoints_every_layer_again() -> None:
     assert controller.resident_layers == 0
 
 
+def test_running_short_gives_up_the_resident_layers_before_the_step_graphs() -> None:
+    """A resident layer saves about 1% of a step, the step graphs 15-25%: the first shortage costs the layers."""
+    model = four_layer_model()
+    _, _, controller = run(model, RESIDENT, resident=2)
+    graphs_given_up: list[str] = []
+    controller.graphs.give_up = lambda reason: graphs_given_up.append(reason) or True  # type: ignore[method-assign]
+    assert controller.give_up_memory() and controller.resident_layers == 0 and not graphs_given_up
+    assert controller.give_up_memory() and graphs_given_up == [GRAPHS_SHORT_OF_MEMORY]
+
+
 def test_layer_residency_spreads_the_share_and_restarts_each_batch() -> None:
     residency = LayerResidency(share=0.5)
     ran: list[str] = []
@@ -169,16 +184,18 @@ def test_resolve_reasons() -> None:
 
 
 def test_the_planner_counts_each_resident_layer_once() -> None:
-    """Each resident layer adds its whole activations to the checkpointed peak; all of them resident cost at least
+    """Each resident layer below the top one adds its whole activations to the checkpointed peak; the top one (always
+    resident) costs less, since backward frees it before any layer recomputes; all of them resident cost at least
     what no checkpointing does, and the count comes from the recorded switch state."""
     shape = load_shape("llama-3.1-8b")
     setup = TrainSetup(tokens=4096, qlora=True, lora_rank=32, checkpointing="offloaded")
     none = estimate_memory(shape, dataclasses.replace(setup, checkpointing="none")).peak
-    peaks = [estimate_memory(shape, dataclasses.replace(setup, resident_layers=n)).peak for n in (0, 1, 2, 32)]
-    per_layer = peaks[2] - peaks[1]
-    assert peaks[0] < peaks[1] < peaks[2] < peaks[3] and peaks[1] - peaks[0] == per_layer
-    assert 0.5 * 2**30 < per_layer < 1.0 * 2**30  # ~0.6 GiB of activations per 8B layer at 4,096 tokens
-    assert peaks[3] >= none
+    peaks = [estimate_memory(shape, dataclasses.replace(setup, resident_layers=n)).peak for n in (0, 1, 2, 3, 32)]
+    per_layer = peaks[3] - peaks[2]
+    assert peaks[0] < peaks[1] < peaks[2] < peaks[3] < peaks[4] and peaks[2] - peaks[1] == per_layer
+    assert 0.5 * 2**30 < per_layer < 1.0 * 2**30  # ~0.7 GiB of activations per 8B layer at 4,096 tokens
+    assert peaks[1] - peaks[0] < 0.6 * per_layer
+    assert peaks[4] >= none
     state = {"checkpointing": {"mode": "offloaded"}, "resident_layers": {"on": True, "layers": 2}}
     assert setup_from_speed_state(state, shape, 4096).resident_layers == 2
     standard = dataclasses.replace(setup, checkpointing="standard")
@@ -195,3 +212,9 @@ def test_the_planned_count_grows_with_the_budget() -> None:
     counts = [resident_layers.planned_layers(model, config, state, 4096, b, (9, 0)) for b in budgets]
     assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 4 and len(set(counts)) == 5, counts
     assert resident_layers.planned_layers(model, config, state, 4096, 2**40, (9, 0)) == 4
+
+
+def test_the_resident_layers_above_the_top_recomputing_layer_are_counted_from_the_spread() -> None:
+    """The top layer is always resident; past half the layers, the ones below it are too."""
+    on_top = [resident_layers_on_top(n, 32) for n in (0, 1, 4, 16, 17, 20, 25, 31, 32, 40)]
+    assert on_top == [0, 1, 1, 1, 2, 2, 4, 31, 32, 32]

@@ -35,6 +35,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from engine.hardware.detect import running_under_wsl
+from engine.hardware.planner import keeps_layer
 
 MODES = ("none", "standard", "offloaded")
 MIN_OFFLOAD_BYTES = 8 << 20
@@ -466,12 +467,6 @@ class ActivationOffloader:
             self._prefetch_group(slot)
         elif self.is_cuda:
             self._prefetch(slot)
-
-
-def keeps_layer(index: int, share: float) -> bool:
-    """Whether layer ``index`` (from the bottom) is one of the ``share`` of layers that keep what they save: spread
-    evenly, so their copies alternate with layers that only send their input."""
-    return int((index + 1) * share + 1e-9) > int(index * share + 1e-9)
 
 
 def fixed_storages(model: torch.nn.Module) -> set[int]:

@@ -10,8 +10,9 @@ everything it saves on the GPU, as without checkpointing; the others checkpoint 
 
 How many: the most layers whose activations, on top of the checkpointed step's own peak, the memory planner
 (:func:`engine.hardware.planner.estimate_memory`) predicts to fit the memory this process can use with its safety
-margin. The planner predicts the peak at or above the measured one (within 10% in the H200 benchmarks), so the
-choice errs on the side of fewer layers. It is made again whenever the rows grow or a switch changes, and a run
+margin. The planner predicts the peak from 1% below to 10% above the measured one in the H200 benchmarks, and the
+margin covers the rest. It counts the top layer (always resident) as freed before the layer below it recomputes,
+which is where a checkpointed step peaks, so that layer is nearly free. It is made again whenever the rows grow or a switch changes, and a run
 that still runs short gives the resident layers up before it lowers anything else (:mod:`engine.run.step`).
 
 Measured on the H200 (Llama-3.1-8B in 4-bit, one 4,096-token row, 24 GiB cap): 19 of 32 layers resident took the
