@@ -17,6 +17,8 @@ Writes the JSON, a Markdown table beside it, and each run's stdout/stderr under 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.metadata
 import json
 import random
 import shutil
@@ -231,16 +233,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+LIBRARIES = ("torch", "transformers", "peft", "bitsandbytes")
+
+
 def environment() -> dict[str, str]:
     import torch
-    import transformers
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
-    return {
-        "gpu": gpu,
-        "date": time.strftime("%Y-%m-%d"),
-        "versions": f"torch {torch.__version__}, transformers {transformers.__version__}",
-    }
+    return {"gpu": gpu, "date": time.strftime("%Y-%m-%d"), "versions": library_versions()}
+
+
+def library_versions() -> str:
+    """The training libraries' versions, those installed (bitsandbytes is absent on a CPU-only machine)."""
+    found = []
+    for name in LIBRARIES:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            found.append(f"{name} {importlib.metadata.version(name)}")
+    return ", ".join(found)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -86,3 +86,11 @@ def test_a_generated_folder_trains_through_the_command_line(bench: ModuleType, t
     assert run["tokens_per_s"] > 0 and run["cap_gib"] is None and run["checkpointing"] == "none"
     assert (tmp_path / "work" / "llama-3.1-8b" / "model.safetensors.index.json").exists()
     assert (tmp_path / "logs" / "llama-3.1-8b_128_uncappedgib.log").read_text().count('"StepMetrics"') == 3
+
+
+def test_the_report_names_the_training_libraries_installed(bench: ModuleType) -> None:
+    import importlib.metadata
+
+    versions = bench.library_versions()
+    assert versions.startswith(f"torch {importlib.metadata.version('torch')}, transformers ")
+    assert f"peft {importlib.metadata.version('peft')}" in versions
