@@ -87,7 +87,8 @@ is the eager path's best case, since anything else the host does (the app's wind
 program) only slows it. On the H200 (Llama-3.1-8B in 4-bit, 4,096 tokens, 8 GiB cap) one trial measured 359 ms
 replayed against 363 ms eagerly and, at 97%, turned the graphs off; that run's eager steps then took 360-630 ms
 (median 463 ms) against a steady 365-385 ms with graphs kept in an otherwise identical run
-(benchmarks/qlora_train_h200.md)."""
+(benchmarks/qlora_train_h200.md). Two runs of that row with this rule kept them (356 against 568 ms and 358 against
+425 ms; benchmarks/qlora_train_top_layer_h200.md)."""
 MEMORY_BOUND = (
     "automatic: off; the row needs its MLPs chunked to fit in memory, and graphs would keep one step's activations "
     "reserved beside it"
