@@ -438,7 +438,7 @@ def test_the_model_page_shows_the_plans_notes() -> None:
     profile = build_profile(card, load_shape("llama-3.1-8b"), overrides={"qlora": True}, lora_rank=32)
     html = plan_notes_html(ModelInfo("m", "llama", 1, False, "fits", "", profile=profile))
     assert html.count("<p>Note: ") == len(profile.notes) == 2
-    assert "fp8 tensor cores" in html and "<p>Note: rows of 4,096 tokens would train about 1.3x faster" in html
+    assert "fp8 tensor cores" in html and "<p>Note: rows of 4,096 tokens would train about 1.4x faster" in html
     assert plan_notes_html(ModelInfo("m", "llama", 1, False, "fits", "", profile=None)) == ""
 
 

@@ -152,7 +152,7 @@ def test_a_plan_says_when_shorter_rows_would_train_markedly_faster() -> None:
         return [note for note in profile.notes if note.startswith("rows of")]
 
     (note,) = notes("RTX 4090")
-    assert note.startswith("rows of 4,096 tokens would train about 1.3x faster here (offloaded checkpointing, 2")
+    assert note.startswith("rows of 4,096 tokens would train about 1.4x faster here (offloaded checkpointing, 2")
     assert note.endswith(
         "with gradient accumulation 4 (--tokens-per-batch 4096 --grad-accum 4) each optimizer step still sees 16,384 "
         "tokens"

@@ -440,8 +440,16 @@ def test_tunedeck_train_rows_with_the_top_layer_freed_are_predicted_within_10_pe
         setup = setup_from_speed_state(row["state"], shape, row["tokens"], qlora=True, lora_rank=32)
         predicted = estimate_memory(shape, setup).peak / GIB
         assert BELOW * row["peak_gib"] <= predicted <= 1.10 * row["peak_gib"], (row["shape"], row["cap_gib"], predicted)
-        budget = int(row["cap_gib"] * GIB)
-        assert most_resident_layers(shape, replace(setup, resident_layers=0), budget) == row["resident_layers"]
+        checkpointed = replace(setup, resident_layers=0)
+        planned = most_resident_layers(shape, checkpointed, int(row["cap_gib"] * GIB))
+        if (row["shape"], row["cap_gib"]) != ("qwen3-8b", 8.0):
+            assert planned == row["resident_layers"]
+            continue
+        # its checkpointed peak is within the cap but not the margin; the top layer, which leaves the peak where
+        # it is, became resident after this run
+        assert row["resident_layers"] == 0 and planned == 1
+        with_top = estimate_memory(shape, replace(setup, resident_layers=1)).peak
+        assert with_top == estimate_memory(shape, checkpointed).peak
 
 
 def test_the_plan_spends_spare_memory_on_resident_layers() -> None:

@@ -632,13 +632,16 @@ def most_resident_layers(
 ) -> int:
     """The most layers that keep their activations and skip the recompute (engine.speed.resident_layers) on top of
     ``setup``'s checkpointed step within ``budget_bytes``: 0 without checkpointing, where the row's MLPs run in
-    chunks (memory is short there, and the engine keeps every layer checkpointed) or with no memory to spare."""
+    chunks (memory is short there, and the engine keeps every layer checkpointed) or with no memory to spare.
+    Layers that leave the checkpointed step's peak where it was are kept even where that peak is already within the
+    margin: the top layer, whose tensors backward has freed before the layer below it recomputes."""
     if setup.checkpointing == "none" or _chunks(shape, setup):
         return 0
+    checkpointed = estimate_memory(shape, replace(setup, resident_layers=0), compute_capability).peak
 
     def ok(count: int) -> bool:
         estimate = estimate_memory(shape, replace(setup, resident_layers=count), compute_capability)
-        return fits(estimate, budget_bytes, margin)
+        return fits(estimate, budget_bytes, margin) or estimate.peak <= checkpointed
 
     return _largest_passing(1, shape.num_layers, ok) or 0
 

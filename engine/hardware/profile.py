@@ -244,7 +244,8 @@ FASTER_ROWS_GAIN = 1.15
 """Shorter rows are suggested when the speed estimate puts them at least this much faster than the plan's."""
 SHORTEST_SUGGESTED_ROW = 4096
 """No shorter row is suggested: the speed estimate counts FLOPs, not the per-step costs that grow as rows shrink
-(H200, Llama-3.1-8B QLoRA under 24 GiB: 4,096-token rows 1.47x faster than 16,384, benchmarks/qlora_train_h200.md)."""
+(H200, Llama-3.1-8B QLoRA under 24 GiB: 4,096-token rows 1.51x faster than 16,384,
+benchmarks/qlora_train_top_layer_h200.md)."""
 
 
 def faster_rows_note(

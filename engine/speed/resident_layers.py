@@ -5,15 +5,17 @@ Why: checkpointing is all or nothing in transformers. Once one step's activation
 only its input and runs its forward again in backward (the q/k/v/o, gate and up products, attention and the
 per-token kernels a second time). On a card with room to spare, say 24 GiB where the checkpointed step peaks near
 8 GiB, the rest of the memory sits idle while the recompute runs. This switch spends it: a share of the layers (spread
-evenly over the depth, :func:`engine.speed.offloaded_checkpoint.keeps_layer`) runs with gradients and keeps
+evenly over the depth, :func:`engine.hardware.planner.keeps_layer`) runs with gradients and keeps
 everything it saves on the GPU, as without checkpointing; the others checkpoint as before.
 
 How many: the most layers whose activations, on top of the checkpointed step's own peak, the memory planner
 (:func:`engine.hardware.planner.estimate_memory`) predicts to fit the memory this process can use with its safety
-margin. The planner predicts the peak from 1% below to 10% above the measured one in the H200 benchmarks, and the
-margin covers the rest. It counts the top layer (always resident) as freed before the layer below it recomputes,
-which is where a checkpointed step peaks, so that layer is nearly free. It is made again whenever the rows grow or a switch changes, and a run
-that still runs short gives the resident layers up before it lowers anything else (:mod:`engine.run.step`).
+margin, and at least those that leave that peak where it is. The planner predicts the peak from 1% below to 6%
+above the measured one in the H200 benchmarks, and the margin covers the rest. It counts the top layer (always
+resident) as freed before the layer below it recomputes, which is where a checkpointed step peaks, so that layer
+is free: under an 8 GiB cap it skips its recompute at the same 7.22 GiB peak (364-368 ms a step against 373 ms,
+benchmarks/qlora_train_top_layer_h200.md). The count is made again whenever the rows grow or a switch changes,
+and a run that still runs short gives the resident layers up before anything else (:mod:`engine.run.step`).
 
 Measured on the H200 (Llama-3.1-8B in 4-bit, one 4,096-token row, 24 GiB cap): 19 of 32 layers resident took the
 step from 374 to 324 ms, at 17.2 GiB (benchmarks/qlora_resident_h200.md).
