@@ -25,7 +25,6 @@ the host clock).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -36,6 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engine.bench import write_report
 from engine.hardware.shapes import load_shape
 
 VARIANTS = ("separate", "folded_a", "grouped")
@@ -275,11 +275,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     report = measure(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
-    text = markdown(report)
-    args.out.with_suffix(".md").write_text(text, encoding="utf-8")
-    print(text)
+    write_report(report, args.out, markdown(report))
     return 0
 
 

@@ -1,9 +1,12 @@
-"""Builders for tests: tiny tokenizers, models and dataset files, made in milliseconds."""
+"""Builders for tests: tiny tokenizers, models and dataset files, made in milliseconds; benchmark scripts as modules."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 from pathlib import Path
+from types import ModuleType
 
 CORPUS = [
     "hello there, how are you today?",
@@ -57,3 +60,14 @@ def build_model(folder: Path, vocab_size: int, model_type: str = "llama", **over
 def write_jsonl(path: Path, rows: list[object]) -> Path:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     return path
+
+
+def benchmark_script(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` imported as a module (registered by name, so its dataclasses resolve)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "qlora_projection_groups.py"
+from helpers import benchmark_script
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("qlora_projection_groups", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up by name
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("qlora_projection_groups")
 
 
 @pytest.mark.parametrize("variant", ["folded_a", "grouped"])

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from engine.bench import write_report
 from engine.hardware.shapes import BUILTIN_CONFIGS
 
 GIB = 1 << 30
@@ -545,12 +546,7 @@ def main(argv: list[str] | None = None) -> int:
         report["searches"] = [grid_over_lengths(lengths, args.caps[0], args.variants[0], args)]
     else:
         report["searches"] = run_searches(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1, default=str) + "\n", encoding="utf-8")
-    if "searches" in report:
-        table = markdown(report)
-        args.out.with_suffix(".md").write_text(table, encoding="utf-8")
-        print(table)
+    write_report(report, args.out, markdown(report) if "searches" in report else None)
     return 0
 
 

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from engine.bench import write_report
 from engine.bench.speed import (
     LateReadout,
     bench_adamw,
@@ -522,11 +523,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def write(report: dict[str, Any], out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1, default=str) + "\n", encoding="utf-8")
-    table = markdown(report)
-    out.with_suffix(".md").write_text(table, encoding="utf-8")
-    print(table)
+    write_report(report, out, markdown(report))
 
 
 def main(argv: list[str] | None = None) -> int:
