@@ -9,12 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from app_fixtures import no_dangling_qthreads  # noqa: F401
 from test_chat import train_tiny_run
 
 import engine.export
 from engine.run.registry import Registry
 
+pytest_plugins = ["app_fixtures"]  # the dangling-QThread guard
 TIMEOUT_MS = 120_000
 
 
