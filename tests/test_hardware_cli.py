@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine.hardware.cli import detect_main, plan_main
+from engine.hardware.cli import detect_main, generic_gpu_name, plan_main
 
 
 def test_detect_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -36,6 +36,19 @@ def test_plan_json_with_vram_and_overrides(capsys: pytest.CaptureFixture[str]) -
     assert profile["choices"]["qlora"]["value"] is True and profile["choices"]["checkpointing"]["value"] == "standard"
     assert profile["predicted_peak_gib"] <= profile["usable_gib"]
     assert profile["longest_row_tokens"] > 16384  # offloaded, with the MLPs in chunks
+
+
+def test_a_card_given_by_its_memory_is_named_so_and_claims_no_fp8(capsys: pytest.CaptureFixture[str]) -> None:
+    """--vram plans an RTX 40-class card by its memory; its architecture, and so fp8 tensor cores, is not known."""
+    assert plan_main(["--model", "llama-3.1-8b", "--vram", "8", "--qlora"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Llama-3.1-8B on an 8 GiB GPU") and "fp8" not in out
+    assert [generic_gpu_name(gib) for gib in (8, 11, 12, 18, 24, 80, 6.5)] == [
+        "an 8 GiB GPU", "an 11 GiB GPU", "a 12 GiB GPU", "an 18 GiB GPU", "a 24 GiB GPU", "an 80 GiB GPU",
+        "a 6.5 GiB GPU",
+    ]  # fmt: skip
+    assert plan_main(["--model", "llama-3.1-8b", "--gpu", "RTX 4060", "--qlora"]) == 0
+    assert "RTX 4060 has fp8 tensor cores" in capsys.readouterr().out
 
 
 def test_plan_names_the_longest_row_and_how(capsys: pytest.CaptureFixture[str]) -> None:

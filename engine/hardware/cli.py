@@ -194,6 +194,13 @@ def _parallel_plan(args: argparse.Namespace, shape: Any, device: Any, profile: A
     )
 
 
+def generic_gpu_name(vram_gib: float) -> str:
+    """The card ``--vram`` describes, by its memory: "an 8 GiB GPU", "a 12 GiB GPU"."""
+    size = f"{vram_gib:g}"
+    article = "an" if size.startswith("8") or size.split(".")[0] in ("11", "18") else "a"
+    return f"{article} {size} GiB GPU"
+
+
 def _plan_target(args: argparse.Namespace, gpus: Any, target_cls: Any) -> Any:
     if args.gpu:
         spec = gpus.find_gpu(args.gpu)
@@ -201,8 +208,9 @@ def _plan_target(args: argparse.Namespace, gpus: Any, target_cls: Any) -> Any:
             raise TuneDeckError(f"unknown GPU '{args.gpu}'", hint="see `tunedeck plan --list-gpus`, or give --vram GIB")
         return target_cls.from_spec(spec)
     if args.vram:
-        generic = gpus.GpuSpec(f"a {args.vram:g} GiB GPU", (8, 9), args.vram, 0, gpus.RTX_CONSUMER)
-        return target_cls(generic.name, generic.gpu_class, generic.compute_capability, int(args.vram * GIB))
+        generic = gpus.GpuSpec(generic_gpu_name(args.vram), (8, 9), args.vram, 0, gpus.RTX_CONSUMER)
+        memory = int(args.vram * GIB)
+        return target_cls(generic.name, generic.gpu_class, generic.compute_capability, memory, assumed=True)
     from engine.hardware.detect import detect_hardware
 
     return target_cls.from_hardware(detect_hardware())

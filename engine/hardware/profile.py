@@ -98,6 +98,9 @@ class DeviceTarget:
     other_used_bytes: int = 0
     tflops: float | None = None
     wsl: bool = False
+    assumed: bool = False
+    """A card known by its memory alone (``tunedeck plan --vram``), planned as an RTX 40-series card: what only its
+    architecture would tell (fp8 tensor cores) is not claimed."""
 
     @classmethod
     def from_hardware(cls, hardware: HardwareInfo) -> DeviceTarget:
@@ -284,7 +287,7 @@ def faster_rows_note(
 def fp8_note(target: DeviceTarget) -> str | None:
     """A GPU with fp8 tensor cores (sm89+: RTX 40/50 series, Hopper, Blackwell, GB10) can run the frozen-weight
     products in fp8 (engine.speed.fp8_base): worth saying, as the switch is off unless switched on."""
-    if not target.is_gpu or target.compute_capability is None or target.compute_capability < (8, 9):
+    if not target.is_gpu or target.assumed or target.compute_capability is None or target.compute_capability < (8, 9):
         return None
     return (
         f"{target.label} has fp8 tensor cores: --fp8-base runs the frozen base weights' products in fp8, faster "
