@@ -138,7 +138,7 @@ def plan_main(argv: list[str] | None = None) -> int:
     )
     target = parser.add_mutually_exclusive_group()
     target.add_argument("--gpu", help="a GPU by name, e.g. '4060 laptop', 'RTX 3090', 'H100' (default: this machine's)")
-    target.add_argument("--vram", type=float, help="plan for a card with this many GiB")
+    target.add_argument("--vram", type=float, help="plan for a card with this many GiB (as an RTX 40-series card)")
     parser.add_argument("--list-gpus", action="store_true", help="list the GPUs the table knows and exit")
     parser.add_argument("--gpus", type=int, default=1, help="plan for this many such GPUs: DDP or FSDP2, and why")
     parser.add_argument("--parallel", choices=("auto", "ddp", "fsdp"), default="auto", help="force DDP or FSDP2")
