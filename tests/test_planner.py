@@ -24,6 +24,7 @@ from engine.hardware.planner import (
     longest_row,
     lora_weight_copy_bytes,
     most_resident_layers,
+    resident_backward_bytes,
     setup_from_speed_state,
     training_flops_per_token,
     usable_bytes,
@@ -500,3 +501,16 @@ def test_resident_layers_take_their_recompute_out_of_the_speed_estimate() -> Non
     everything = training_flops_per_token(shape, replace(setup, resident_layers=32))
     assert everything == training_flops_per_token(shape, replace(setup, checkpointing="none"))
     assert everything < half < recomputed and half == pytest.approx((everything + recomputed) / 2)
+
+
+def test_the_top_resident_layers_backward_counts_what_it_decodes() -> None:
+    """A dense 4-bit layer decodes up to its own 16-bit weights for the input gradients; an MoE layer its experts."""
+    dense, moe = load_shape("llama-3.1-8b"), load_shape("qwen3-30b-a3b")
+    setup = TrainSetup(tokens=4096, qlora=True, lora_rank=32, checkpointing="offloaded", chunk_scope="mlp")
+    per_token = 1000
+    layer_16bit = 2 * 4096 * (2 * 4096 + 2 * 1024 + 3 * 14336)
+    recomputed_activation = 2 * 14336 * 4096
+    assert resident_backward_bytes(dense, setup, per_token) == per_token * 4096 + recomputed_activation + layer_16bit
+    experts = dequantized_experts_bytes(moe, setup)
+    assert experts > 0 and resident_backward_bytes(moe, setup, per_token) == per_token * 4096 + experts
+    assert resident_backward_bytes(dense, replace(setup, qlora=False), per_token) == per_token * 4096 + 2 * 14336 * 4096

@@ -534,11 +534,14 @@ def estimate_memory(
 def resident_backward_bytes(shape: ModelShape, setup: TrainSetup, gradients_per_token: int) -> int:
     """What the top resident layer's backward holds beyond the tensors it kept: its gradients, the MLP activation a
     compiled layer recomputes there, and its 4-bit weights decoded to 16 bits for their input gradients (up to one
-    layer's). Measured on the H200 (Llama-3.1-8B QLoRA, 4,096 tokens, 6-12 resident layers with the top one
-    recomputing: 0.94-1.02 GiB above the kept tensors; this gives 0.94)."""
+    layer's; an MoE layer's experts as :func:`dequantized_experts_bytes`). Measured on the H200 (Llama-3.1-8B QLoRA,
+    4,096 tokens, 6-12 resident layers with the top one recomputing: 0.94-1.02 GiB above the kept tensors; this
+    gives 0.94). MoE layers with resident layers have not been measured."""
     t = setup.tokens
+    if shape.is_moe:
+        return gradients_per_token * t + dequantized_experts_bytes(shape, setup)
     recomputed = setup.activation_bytes * shape.intermediate_size * t if setup.chunk_scope == "mlp" else 0
-    decoded = _sixteen_bit_layer_bytes(shape, setup.activation_bytes) if setup.qlora and not shape.is_moe else 0
+    decoded = _sixteen_bit_layer_bytes(shape, setup.activation_bytes) if setup.qlora else 0
     return gradients_per_token * t + recomputed + decoded
 
 
