@@ -170,7 +170,8 @@ def _graph_ms(fn: Callable[[], object], reps: int) -> float:
 
 def time_variant(fn: Callable[[torch.Tensor], list[torch.Tensor]], x: torch.Tensor, group: Group, reps: int) -> dict:
     leaf = x.detach().requires_grad_()
-    grads_out = [torch.ones_like(out) for out in fn(x.detach())]
+    with torch.no_grad():
+        grads_out = [torch.ones_like(out) for out in fn(x)]
     params = [*group.lora_a, *group.lora_b, leaf]
 
     def forward() -> None:

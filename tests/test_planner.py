@@ -360,6 +360,13 @@ def test_the_plan_names_the_longest_row_that_trains() -> None:
     assert "chunks" not in whole.reasons["longest"]
 
 
+def qlora_row_plan(model: str, row: dict) -> tuple[ModelShape, TrainSetup, float]:
+    """A measured r32 QLoRA row's shape, the setup its recorded switches plan for, and the predicted peak in GiB."""
+    shape = load_shape(model)
+    setup = setup_from_speed_state(row["state"], shape, row["tokens"], qlora=True, lora_rank=32)
+    return shape, setup, estimate_memory(shape, setup).peak / GIB
+
+
 @pytest.mark.parametrize(
     ("report", "least_rows", "dequant_once"),
     [
@@ -381,9 +388,7 @@ def test_qlora_bench_rows_are_predicted_within_10_percent_above(
     rows = [row for row in rows if not row["state"].get("step_graphs", {}).get("on")]
     assert len(rows) >= least_rows and {row["state"]["dequant_once"]["on"] for row in rows} == dequant_once
     for row in rows:
-        shape = load_shape(row["model"])
-        setup = setup_from_speed_state(row["state"], shape, row["tokens"], qlora=True, lora_rank=32)
-        predicted = estimate_memory(shape, setup).peak / GIB
+        _, _, predicted = qlora_row_plan(row["model"], row)
         measured = row["peak_gib"]
         assert measured <= predicted <= 1.10 * measured, (
             row["model"],
@@ -408,9 +413,7 @@ def test_resident_layer_rows_are_predicted_within_10_percent() -> None:
     rows = [row for row in rows if row["state"]["resident_layers"]["on"] and not row["state"]["step_graphs"]["on"]]
     assert sorted(row["state"]["resident_layers"]["layers"] for row in rows) == [12, 19, 20]
     for row in rows:
-        shape = load_shape(row["model"])
-        setup = setup_from_speed_state(row["state"], shape, row["tokens"], qlora=True, lora_rank=32)
-        predicted = estimate_memory(shape, setup).peak / GIB
+        _, _, predicted = qlora_row_plan(row["model"], row)
         assert BELOW * row["peak_gib"] <= predicted <= 1.10 * row["peak_gib"], (row["variant"], predicted)
 
 
@@ -423,9 +426,7 @@ def test_tunedeck_train_rows_without_step_graphs_are_predicted_within_10_percent
     rows = [row for row in data["runs"] if not row["state"]["step_graphs"]["on"]]
     assert sorted((row["tokens"], row["resident_layers"]) for row in rows) == [(4096, 6), (16384, 4)]
     for row in rows:
-        shape = load_shape(row["shape"])
-        setup = setup_from_speed_state(row["state"], shape, row["tokens"], qlora=True, lora_rank=32)
-        predicted = estimate_memory(shape, setup).peak / GIB
+        _, _, predicted = qlora_row_plan(row["shape"], row)
         assert BELOW * row["peak_gib"] <= predicted <= 1.10 * row["peak_gib"], (row["tokens"], predicted)
 
 
@@ -437,9 +438,7 @@ def test_tunedeck_train_rows_with_the_top_layer_freed_are_predicted_within_10_pe
     counts = sorted((row["shape"], row["cap_gib"], row["tokens"], row["resident_layers"]) for row in data["runs"])
     assert ("llama-3.1-8b", 8.0, 4096, 1) in counts and ("llama-3.1-8b", 24.0, 16384, 5) in counts
     for row in data["runs"]:
-        shape = load_shape(row["shape"])
-        setup = setup_from_speed_state(row["state"], shape, row["tokens"], qlora=True, lora_rank=32)
-        predicted = estimate_memory(shape, setup).peak / GIB
+        shape, setup, predicted = qlora_row_plan(row["shape"], row)
         assert BELOW * row["peak_gib"] <= predicted <= 1.10 * row["peak_gib"], (row["shape"], row["cap_gib"], predicted)
         checkpointed = replace(setup, resident_layers=0)
         planned = most_resident_layers(shape, checkpointed, int(row["cap_gib"] * GIB))
