@@ -19,12 +19,14 @@ from engine.config import SpeedConfig
 ALL = "all"
 """The pseudo-switch of "all on vs all off"."""
 SPEED_SWITCHES = (
-    "metadata_cache", "fused_loss", "lora_16bit", "fused_kernels", "lean_recompute", "dequant_once", "four_bit_kernel",
+    "metadata_cache", "cudnn_attention", "fused_loss", "lora_16bit", "fused_kernels", "lean_recompute", "dequant_once",
+    "four_bit_kernel",
 )  # fmt: skip
 """What "all on vs all off" flips (with MoE routing): the switches that trade nothing for speed. The memory savers
 (checkpointing, chunked MLP, host embedding) cost time by design and stay as the run has them."""
 TITLES = {
     "metadata_cache": "Packed-sequence metadata caching",
+    "cudnn_attention": "cuDNN attention for one-document rows",
     "fused_loss": "Fused loss (no full logits)",
     "lora_16bit": "LoRA adapters in 16-bit",
     "fused_kernels": "Fused per-token kernels",
@@ -41,9 +43,9 @@ TITLES = {
     "moe_routing": "MoE routing on sorted tokens",
     ALL: "All speed switches together",
 }
-ON_OFF_SWITCHES = ("metadata_cache", "fused_loss", "lora_16bit", "fused_kernels", "chunked_mlp", "host_embedding",
-                   "lean_recompute", "dequant_once", "four_bit_kernel", "keep_attention", "resident_layers",
-                   "fp8_base", "step_graphs")  # fmt: skip
+ON_OFF_SWITCHES = ("metadata_cache", "cudnn_attention", "fused_loss", "lora_16bit", "fused_kernels", "chunked_mlp",
+                   "host_embedding", "lean_recompute", "dequant_once", "four_bit_kernel", "keep_attention",
+                   "resident_layers", "fp8_base", "step_graphs")  # fmt: skip
 """Switches that are simply on or off (the others choose between modes)."""
 SWITCHES = tuple(name for name in TITLES if name in {f.name for f in dataclasses.fields(SpeedConfig)})
 """The switches this engine has, in the order the speed page lists them."""

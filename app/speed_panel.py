@@ -34,6 +34,7 @@ PLANNED_AT_START = "Decided when the run starts, from the model and this GPU"
 SHORT_TITLES = {
     ALL: "all on vs all off",
     "metadata_cache": "metadata cache",
+    "cudnn_attention": "cuDNN attention",
     "fused_loss": "fused loss",
     "lora_16bit": "LoRA in 16-bit",
     "fused_kernels": "fused kernels",

@@ -160,29 +160,42 @@ def _is_on(value: dict[str, Any]) -> bool:
     return bool(value.get("on")) or value.get("mode") not in (None, "stock", "none")
 
 
-def run(shape: str, folder: Path, data: Path, tokens: int, cap: float | None, steps: int, logs: Path) -> dict:
-    """One capped ``tunedeck train`` run (no cap: ``cap`` None), its output kept under ``logs``."""
-    stem = f"{shape}_{tokens}_{cap or 'uncapped'}gib"
+def run(
+    shape: str, folder: Path, data: Path, tokens: int, cap: float | None, steps: int, logs: Path, off: str | None = None
+) -> dict:
+    """One capped ``tunedeck train`` run (no cap: ``cap`` None), its output kept under ``logs``; ``off``: a speed
+    switch turned off for the run (its variant is then ``auto-{off}``, else ``auto``)."""
+    variant = f"auto-{off}" if off else "auto"
+    stem = f"{shape}_{tokens}_{cap or 'uncapped'}gib" + (f"_{variant}" if off else "")
     args = train_args(folder, data, tokens, steps, logs / "runs" / stem)
+    if off:
+        args.append("--no-" + off.replace("_", "-"))
     command = [sys.executable, "-c", CAPPED, str(cap), *args] if cap else [sys.executable, "-m", "engine.cli", *args]
     started = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
     (logs / f"{stem}.log").write_text(done.stdout)
     (logs / f"{stem}.err").write_text(done.stderr)
-    record = {"shape": shape, "tokens": tokens, "cap_gib": cap, "wall_s": round(time.perf_counter() - started)}
+    record = {
+        "shape": shape, "tokens": tokens, "cap_gib": cap, "variant": variant,
+        "wall_s": round(time.perf_counter() - started),
+    }  # fmt: skip
     return {**record, "returncode": done.returncode, **summary(events_of(done.stdout), done.stderr)}
 
 
 def from_logs(logs: Path) -> list[dict[str, Any]]:
     """Records rebuilt from the ``{shape}_{tokens}_{cap}gib.log/.err`` pairs a run left under ``logs``."""
     records = []
-    for log in sorted(logs.glob("*gib.log")):
-        shape, tokens, cap = log.stem.removesuffix("gib").rsplit("_", 2)
+    for log in sorted(logs.glob("*gib*.log")):
+        stem, _, variant = log.stem.partition("gib_")
+        shape, tokens, cap = stem.removesuffix("gib").rsplit("_", 2)
         err = log.with_suffix(".err")
         stderr = err.read_text() if err.exists() else ""
-        record = {"shape": shape, "tokens": int(tokens), "cap_gib": None if cap == "uncapped" else float(cap)}
+        record = {
+            "shape": shape, "tokens": int(tokens), "cap_gib": None if cap == "uncapped" else float(cap),
+            "variant": variant or "auto",
+        }  # fmt: skip
         records.append({**record, **summary(events_of(log.read_text()), stderr)})
-    return sorted(records, key=lambda r: (r["shape"], r["tokens"], r["cap_gib"] or 0.0))
+    return sorted(records, key=lambda r: (r["shape"], r["tokens"], r["cap_gib"] or 0.0, r["variant"] != "auto"))
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -197,18 +210,21 @@ def markdown(report: dict[str, Any]) -> str:
         "largest per-step peak of allocated memory the run reports (step graphs' pool memory between replays is not",
         "counted there). Warnings: lines with 'warn' on the run's error stream.",
         "",
-        "| model | tokens | cap GiB | tokens/s | ms/step | peak GiB | resident layers | step graphs "
+        "| model | tokens | cap GiB | variant | tokens/s | x auto | ms/step | peak GiB | resident layers | step graphs "
         "| loss first -> last | warnings |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---|---:|",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---|---|---:|",
     ]
+    auto = {_row_key(r): r["tokens_per_s"] for r in report["runs"] if r.get("variant", "auto") == "auto"}
     for r in report["runs"]:
         graphs = "on" if "step_graphs" in r["switches_on"] else "off"
         graphs = "no verdict" if "trying" in (r["step_graphs"] or "") else graphs
         loss = f"{r['first_loss']:.2f} -> {r['final_loss']:.3f}" if r["final_loss"] is not None else r["outcome"]
+        base = auto.get(_row_key(r))
+        ratio = f"{r['tokens_per_s'] / base:.2f}" if base and r["tokens_per_s"] else "-"
         lines.append(
-            f"| {r['shape']} | {r['tokens']:,} | {r['cap_gib'] or '-'} | {r['tokens_per_s'] or '-':,} | "
-            f"{r['ms_per_step'] or '-'} | {r['peak_gib']} | {r['resident_layers']} | {graphs} | {loss} | "
-            f"{len(r['warnings'])} |"
+            f"| {r['shape']} | {r['tokens']:,} | {r['cap_gib'] or '-'} | {r.get('variant', 'auto')} | "
+            f"{r['tokens_per_s'] or '-':,} | {ratio} | {r['ms_per_step'] or '-'} | {r['peak_gib']} | "
+            f"{r['resident_layers']} | {graphs} | {loss} | {len(r['warnings'])} |"
         )
     notes = report.get("notes", [])
     return "\n".join([*lines, "", *notes, ""]) if notes else "\n".join([*lines, ""])
@@ -225,6 +241,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--logs", type=Path, help="each run's stdout/stderr (default: WORK/logs)")
     parser.add_argument("--from-logs", type=Path, help="rebuild the report from a run's logs, running nothing")
     parser.add_argument("--note", action="append", default=[], help="a line for the report's notes")
+    parser.add_argument(
+        "--off",
+        action="append",
+        default=[],
+        metavar="SWITCH",
+        help="also run each row with this speed switch off (e.g. cudnn_attention), right after the automatic run",
+    )
     parser.add_argument("--tiny", action="store_true", help="two narrow layers of each shape (a dry run)")
     parser.add_argument("--gpu", help="the GPU's name for a report rebuilt from logs (default: this machine's)")
     parser.add_argument("--date", help="the runs' date for a report rebuilt from logs (default: today)")
@@ -252,6 +275,10 @@ def library_versions() -> str:
     return ", ".join(found)
 
 
+def _row_key(record: dict[str, Any]) -> tuple[str, int, float | None]:
+    return record["shape"], record["tokens"], record["cap_gib"]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.from_logs:
@@ -268,8 +295,9 @@ def main(argv: list[str] | None = None) -> int:
             if not (folder / "config.json").exists():
                 build_model_folder(shape, folder, tiny=args.tiny)
             for cap in (float(c) for c in args.caps.split(",")):
-                runs.append(run(shape, folder, data, args.tokens, cap or None, args.steps, logs))
-                print(json.dumps(runs[-1]), flush=True)
+                for off in (None, *args.off):
+                    runs.append(run(shape, folder, data, args.tokens, cap or None, args.steps, logs, off))
+                    print(json.dumps(runs[-1]), flush=True)
     given = {"gpu": args.gpu, "date": args.date, "versions": args.versions}
     report = {
         **environment(),

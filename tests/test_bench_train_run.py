@@ -62,11 +62,17 @@ def test_report_rebuilt_from_logs_sorts_runs_and_tables_them(bench: ModuleType, 
     report = json.loads(out.read_text())
     assert [r["cap_gib"] for r in report["runs"]] == [8.0, 12.0, 24.0] and report["gpu"] == "H200"
     table = out.with_suffix(".md").read_text()
-    assert "| llama-3.1-8b | 4,096 | 24.0 | 11,703 | 350 | 8.0 | 25 | on | 10.00 -> -1.000 | 0 |" in table
+    assert "| llama-3.1-8b | 4,096 | 24.0 | auto | 11,703 | 1.00 | 350 | 8.0 | 25 | on | 10.00 -> -1.000 | 0 |" in table
     trying = events([4096 / 0.35] * 12, 0).replace('"automatic: on"', '"automatic: trying; ..."')
     (logs / "llama-3.1-8b_16384_8.0gib.log").write_text(trying)
+    (logs / "llama-3.1-8b_4096_8.0gib_auto-cudnn_attention.log").write_text(events([4096 / 0.42] * 12, 0))
     assert bench.main(["--from-logs", str(logs), "--out", str(out)]) == 0
-    assert "| 16,384 | 8.0 | 11,703 | 350 | 8.0 | 0 | no verdict |" in out.with_suffix(".md").read_text()
+    table = out.with_suffix(".md").read_text()
+    assert "| 16,384 | 8.0 | auto | 11,703 | 1.00 | 350 | 8.0 | 0 | no verdict |" in table
+    # A switched-off run follows its automatic one, timed against it.
+    rows = [line for line in table.splitlines() if "| 4,096 | 8.0 |" in line]
+    got = [row.split(" | ")[3:6] for row in rows]
+    assert got == [["auto", "11,703", "1.00"], ["auto-cudnn_attention", "9,752", "0.83"]]
 
 
 def test_a_generated_folder_trains_through_the_command_line(bench: ModuleType, tmp_path: Path) -> None:
@@ -74,10 +80,12 @@ def test_a_generated_folder_trains_through_the_command_line(bench: ModuleType, t
     out = tmp_path / "train.json"
     argv = ["--tiny", "--shapes", "llama-3.1-8b", "--caps", "0", "--tokens", "128", "--steps", "3", "--rows", "4"]
     paths = ["--work", str(tmp_path / "work"), "--logs", str(tmp_path / "logs"), "--out", str(out)]
-    assert bench.main([*argv, *paths]) == 0
-    (run,) = json.loads(out.read_text())["runs"]
+    assert bench.main([*argv, *paths, "--off", "metadata_cache"]) == 0
+    run, off = json.loads(out.read_text())["runs"]
     assert run["returncode"] == 0 and run["outcome"] == "RunFinished" and run["steps"] == 3, run
     assert run["tokens_per_s"] > 0 and run["cap_gib"] is None and run["checkpointing"] == "none"
+    assert (run["variant"], off["variant"], off["outcome"]) == ("auto", "auto-metadata_cache", "RunFinished")
+    assert "metadata_cache" in run["switches_on"] and "metadata_cache" not in off["switches_on"]
     assert (tmp_path / "work" / "llama-3.1-8b" / "model.safetensors.index.json").exists()
     assert (tmp_path / "logs" / "llama-3.1-8b_128_uncappedgib.log").read_text().count('"StepMetrics"') == 3
 

@@ -72,6 +72,8 @@ def test_profile_per_card(name, cc, vram, sms, integrated, cls, dtype, attention
         assert choice.reason and "\n" not in choice.reason
     fp8 = [note for note in profile.notes if "--fp8-base" in note]
     assert bool(fp8) is (cc >= (8, 9))  # fp8 tensor cores: RTX 40/50, Hopper, Blackwell, GB10; not RTX 30 or older
+    # cuDNN's whole-row attention: automatic on Hopper only, where it was measured
+    assert ("cuDNN" in profile.attention_backend.reason) is (cc[0] == 9)
 
 
 @pytest.mark.parametrize(

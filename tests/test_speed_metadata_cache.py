@@ -234,3 +234,84 @@ def test_a_single_document_row_takes_the_plain_causal_path(monkeypatch: pytest.M
     ctl.apply(auto)
     step(model, ctl.model_inputs(two), two)
     assert causal and not any(causal)
+
+
+BF16 = torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("requested", "capability", "on", "words"),
+    [
+        (None, (9, 0), True, "automatic: a one-document row runs through cuDNN"),  # H100, H200
+        (None, (8, 9), False, "automatic: off on sm_8x"),  # RTX 40-series: not measured
+        (None, (12, 0), False, "automatic: off on sm_12x"),  # RTX 50-series
+        (None, (12, 1), False, "automatic: off on sm_12x"),  # GB10 (DGX Spark)
+        (True, (8, 6), True, "switched on"),
+        (False, (9, 0), False, "switched off"),
+    ],
+)
+def test_cudnn_attention_is_automatic_on_hopper_and_on_request_elsewhere(
+    requested: bool | None, capability: tuple[int, int], on: bool, words: str
+) -> None:
+    problem = metadata_cache.cudnn_problem("cuda", BF16, capability, 128, has_cudnn=True)
+    got, why = metadata_cache.resolve_cudnn(requested, problem, capability)
+    assert (got, why.startswith(words)) == (on, True), why
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype", "capability", "head_dim", "has_cudnn", "words"),
+    [
+        ("cpu", torch.float32, None, 128, True, "needs a CUDA GPU"),
+        ("cuda", torch.float32, (9, 0), 128, True, "the model is float32"),
+        ("cuda", BF16, (9, 0), 128, False, "no cuDNN"),
+        ("cuda", BF16, (7, 5), 128, True, "sm80 or newer"),
+        ("cuda", BF16, (9, 0), 256, True, "heads of 256"),
+        ("cuda", BF16, (9, 0), 100, True, "heads of 100"),
+        ("cuda", torch.float16, (9, 0), 64, True, None),
+    ],
+)
+def test_cudnn_attention_names_what_it_cannot_serve(
+    device: str, dtype: torch.dtype, capability: tuple[int, int] | None, head_dim: int, has_cudnn: bool, words: str
+) -> None:
+    problem = metadata_cache.cudnn_problem(device, dtype, capability, head_dim, has_cudnn)
+    assert problem is None if words is None else words in problem, problem
+    # Even a request cannot turn it on where it cannot run.
+    assert metadata_cache.resolve_cudnn(True, problem, capability)[0] is (problem is None)
+
+
+def test_cudnn_attention_serves_only_whole_rows_without_dropout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel call goes to cuDNN for a one-document row only: a packed row keeps its document mask, and a row
+    under attention dropout or with heads cuDNN does not take keeps SDPA."""
+    calls: list[tuple[int, ...]] = []
+
+    def cudnn(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+        calls.append(tuple(query.shape))
+        groups = query.shape[1] // key.shape[1]
+        import torch.nn.functional as F
+
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=groups > 1)
+
+    monkeypatch.setattr(metadata_cache, "cudnn_causal_attention", cudnn)
+    q = torch.randn(1, 4, 48, 16)
+    k, v = torch.randn(1, 2, 48, 16), torch.randn(1, 2, 48, 16)
+
+    def attend(lengths: tuple[int, ...], cudnn_on: bool = True, dropout: float = 0.0, value: torch.Tensor = v) -> None:
+        meta = metadata_cache.build_metadata(packed_batch(lengths), torch.device("cpu"), "sdpa", True, cudnn_on)
+        module = SimpleNamespace(is_causal=True, training=dropout > 0)
+        metadata_cache.packed_attention_forward(module, q, k, value, None, dropout=dropout, packed_metadata=meta)
+
+    attend((48,))
+    assert calls == [(1, 4, 48, 16)]
+    attend((20, 28))  # two documents: the packed path
+    attend((48,), cudnn_on=False)
+    attend((48,), dropout=0.1)
+    attend((48,), value=torch.randn(1, 2, 48, 8))  # value heads narrower than query heads
+    assert len(calls) == 1
+
+
+def test_cudnn_attention_reports_why_it_is_off_on_the_cpu() -> None:
+    model = tiny_lora_model("llama")
+    ctl = SpeedController(model, SpeedConfig(metadata_cache=True, checkpointing="none"), torch.device("cpu"))
+    assert ctl.state()["cudnn_attention"] == {"on": False, "reason": "cuDNN attention needs a CUDA GPU"}
+    ctl.apply(SpeedConfig(metadata_cache=False, checkpointing="none", cudnn_attention=False))
+    assert ctl.state()["cudnn_attention"]["reason"].startswith("switched off")

@@ -161,7 +161,10 @@ def choose_attention(target: DeviceTarget, dtype: str) -> Choice:
     if cc is None:
         return Choice("sdpa", "CPU: PyTorch SDPA with the packed mask (the GPU kernels need CUDA)")
     if cc >= (8, 0) and dtype in ("bfloat16", "float16") and _torch_at_least(2, 10):
-        return Choice("varlen", f"varlen: torch's FlashAttention-2 kernel for packed rows runs on sm_{_sm(target)}")
+        why = f"varlen: torch's FlashAttention-2 kernel for packed rows runs on sm_{_sm(target)}"
+        if cc[0] in gpus.CUDNN_ATTENTION_MAJORS:
+            why += "; a row holding one document runs through cuDNN's faster fused kernel"
+        return Choice("varlen", why)
     if cc >= (8, 0) and importlib.util.find_spec("flash_attn") is not None:
         return Choice("flash_attn", "flash_attn: the flash-attn package is installed and this torch lacks varlen_attn")
     if cc < (8, 0):

@@ -131,6 +131,7 @@ class SpeedController:
         self._state: dict[str, dict[str, Any]] = {}
         self._checkpointing: str | None = None
         self._metadata_backend: str | None = None
+        self._cudnn = False
         self._fused_loss = False
         self._fused_kernels = False
         self.region_compiler = fused_kernels.RegionCompiler()
@@ -160,6 +161,7 @@ class SpeedController:
         self.settings = dataclasses.replace(settings)
         self.graphs.clear()  # first: their memory pool goes back before any switch needs memory
         self._apply_metadata_cache(settings)
+        self._apply_cudnn_attention(settings)
         self._apply_moe_routing(settings)
         self._apply_fused_loss(settings)
         self._apply_checkpointing(settings.checkpointing, reason=None)
@@ -184,6 +186,19 @@ class SpeedController:
         self._metadata_backend = choice.name if on else None
         self.hf_model.set_attn_implementation(metadata_cache.ATTENTION_NAME if on else self.stock_attention)
         self._state["metadata_cache"] = {"on": on, "backend": self._metadata_backend, "reason": reason}
+
+    def _apply_cudnn_attention(self, settings: SpeedConfig) -> None:
+        capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
+        config = self.hf_model.config.get_text_config()
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        problem = metadata_cache.cudnn_problem(
+            self.device.type, self.dtype, capability, head_dim, torch.backends.cudnn.is_available()
+        )
+        if self._metadata_backend is None:
+            problem = "needs the metadata cache (one-document rows are found there)"
+        on, reason = metadata_cache.resolve_cudnn(settings.cudnn_attention, problem, capability)
+        self._cudnn = on
+        self._state["cudnn_attention"] = {"on": on, "reason": reason}
 
     def _apply_moe_routing(self, settings: SpeedConfig) -> None:
         mode, reason = moe_routing.resolve_mode(settings.moe_routing, self.hf_model, self.device, self.dtype)
@@ -464,8 +479,10 @@ class SpeedController:
             self.host_embedding.stage(batch.host_input_ids)
         if self._metadata_backend is None:
             return inputs
-        whole_row = self.settings.attention_backend == "auto"
-        meta = metadata_cache.build_metadata(batch, self.device, self._metadata_backend, whole_row=whole_row)
+        whole_row = self.settings.attention_backend == "auto" or self.settings.cudnn_attention is True
+        meta = metadata_cache.build_metadata(
+            batch, self.device, self._metadata_backend, whole_row=whole_row, cudnn=self._cudnn
+        )
         if self._fused_kernels or self.graphs.active:  # masks built here are graph inputs, not host work inside
             fused_kernels.prepare_metadata(meta, self.hf_model)
         return metadata_cache.packed_inputs(inputs, meta)

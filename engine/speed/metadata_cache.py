@@ -12,6 +12,12 @@ Backends, best first: torch's ``varlen_attn`` (torch >= 2.10, sm80+, bf16/fp16),
 flex_attention with one BlockMask per batch built from ``cu_seqlens`` (no dense T×T mask), and SDPA with a
 block-diagonal mask built once per batch (CPU, older GPUs). With the cache off the model runs transformers' own
 packed path, which is the baseline.
+
+A row that holds one document needs no document mask, so it runs plain causal attention over the whole row: on
+Hopper through cuDNN's fused kernel (the ``cudnn_attention`` switch), which took 1.08 against 1.96 ms forward +
+backward per layer for the varlen kernel (H200, 4,096 tokens, 32 query and 8 K/V heads of 128), elsewhere through
+the kernel SDPA picks. cuDNN's packed (ragged) mode is not used: torch 2.11's call into it returned wrong results
+on the H200.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.data.packing import PackedBatch
+from engine.hardware.gpus import CUDNN_ATTENTION_MAJORS
 
 ATTENTION_NAME = "tunedeck_packed"
 """Name under which the packed attention function is registered with transformers' AttentionInterface."""
@@ -109,10 +116,10 @@ class PackedAttentionMetadata:
     host_cu_seqlens: torch.Tensor
     num_tokens: int
     whole_row_causal: bool = False
-    """One document fills the row, so plain causal attention over the whole row is exact and SDPA may pick its
-    fastest kernel. Alone, cuDNN's kernel took 1.13 against 2.05 ms forward + backward per layer for
-    FlashAttention-2's varlen kernel (H200, 4,096 tokens, 32 query and 8 K/V heads of 128); in a whole 8B QLoRA
-    step the two paths measured within run-to-run noise (427 and 434 ms, benchmarks/qlora_h200.md)."""
+    """One document fills the row, so plain causal attention over the whole row is exact and a dense causal kernel
+    may run instead of the varlen one."""
+    cudnn: bool = False
+    """A whole row runs through cuDNN's fused kernel (:func:`cudnn_causal_attention`); else SDPA picks."""
     _masks: dict[int | None, Any] = field(default_factory=dict)
 
     def dense_mask(self, window: int | None) -> torch.Tensor:
@@ -138,12 +145,13 @@ def upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def build_metadata(
-    batch: PackedBatch, device: torch.device, backend: str, whole_row: bool = False
+    batch: PackedBatch, device: torch.device, backend: str, whole_row: bool = False, cudnn: bool = False
 ) -> PackedAttentionMetadata:
     """Upload one batch's metadata (``batch`` may already be on the device; cu_seqlens stays host-side).
 
-    ``whole_row``: a row holding a single document takes SDPA's causal path instead of ``backend`` (the automatic
-    backend choice allows it; an explicitly requested backend is kept)."""
+    ``whole_row``: a row holding a single document takes a dense causal kernel instead of ``backend`` (the
+    automatic backend choice allows it; an explicitly requested backend is kept): cuDNN's where ``cudnn``, else
+    the one SDPA picks."""
     if batch.input_ids.shape[0] != 1:
         raise ValueError("packed attention expects one packed row per micro-batch")
     host_cu = batch.cu_seqlens.to("cpu", torch.int32)
@@ -155,6 +163,7 @@ def build_metadata(
         host_cu_seqlens=host_cu,
         num_tokens=batch.num_tokens,
         whole_row_causal=whole_row and host_cu.numel() == 2,
+        cudnn=cudnn,
     )
 
 
@@ -293,6 +302,56 @@ def varlen_attention(
     return out[0] if isinstance(out, tuple) else out  # a tuple only when auxiliary outputs are asked for
 
 
+CUDNN_MAX_HEAD_DIM = 128
+"""The widest attention head the cuDNN path is used for (its fused kernel's forward and backward both run there)."""
+
+
+def cudnn_takes(query: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether cuDNN's fused kernel serves these heads: equal query and value widths of at most 128, a multiple of 8."""
+    width = query.shape[-1]
+    return width == value.shape[-1] and width <= CUDNN_MAX_HEAD_DIM and width % 8 == 0
+
+
+def cudnn_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """(B, H, T, D) queries, (B, H_kv, T, D) keys and values -> (B, H, T, D): causal attention over the whole row in
+    cuDNN's fused kernel, which serves each K/V head to its group of query heads itself. Called as the op SDPA's
+    cuDNN backend runs, so the choice does not depend on SDPA's backend order (which puts FlashAttention-2 first)."""
+    cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention
+    return cudnn(query, key, value, None, True, 0.0, True, False, scale=scale)[0]
+
+
+def cudnn_problem(
+    device_type: str, dtype: torch.dtype, capability: tuple[int, int] | None, head_dim: int, has_cudnn: bool
+) -> str | None:
+    """Why cuDNN's fused attention cannot serve this model here (None when it can)."""
+    if device_type != "cuda":
+        return "cuDNN attention needs a CUDA GPU"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"cuDNN attention runs in bf16/fp16, the model is {str(dtype).removeprefix('torch.')}"
+    if not has_cudnn:
+        return "this torch build has no cuDNN"
+    if capability is None or capability < (8, 0):
+        return "cuDNN attention needs sm80 or newer"
+    if head_dim > CUDNN_MAX_HEAD_DIM or head_dim % 8:
+        return f"attention heads of {head_dim} (the cuDNN path takes up to {CUDNN_MAX_HEAD_DIM}, a multiple of 8)"
+    return None
+
+
+def resolve_cudnn(requested: bool | None, problem: str | None, capability: tuple[int, int] | None) -> tuple[bool, str]:
+    """(on, why) for the cuDNN attention switch: it serves rows holding one document; packed rows keep varlen."""
+    if requested is False:
+        return False, "switched off: a one-document row takes the kernel SDPA picks (FlashAttention-2 on NVIDIA GPUs)"
+    if problem is not None:
+        return False, problem
+    if requested:
+        return True, "switched on: a one-document row runs through cuDNN's fused causal kernel"
+    major = capability[0] if capability else 0
+    if major in CUDNN_ATTENTION_MAJORS:
+        how = "a one-document row runs through cuDNN's fused causal kernel (1.8x FlashAttention-2's on Hopper)"
+        return True, f"automatic: {how}"
+    return False, f"automatic: off on sm_{major}x, where it is not measured; switch it on to try it on this GPU"
+
+
 def flash_attn_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -384,10 +443,13 @@ def packed_attention_forward(
     if query.shape[0] != 1:
         raise ValueError("packed attention expects one packed row per micro-batch")
     if meta.whole_row_causal and sliding_window is None:
-        groups = query.shape[1] // key.shape[1]
-        out = F.scaled_dot_product_attention(
-            query, key, value, dropout_p=dropout, is_causal=True, scale=scale, enable_gqa=groups > 1
-        )
+        if meta.cudnn and dropout == 0 and cudnn_takes(query, value):
+            out = cudnn_causal_attention(query, key, value, scale)
+        else:
+            groups = query.shape[1] // key.shape[1]
+            out = F.scaled_dot_product_attention(
+                query, key, value, dropout_p=dropout, is_causal=True, scale=scale, enable_gqa=groups > 1
+            )
         return out.transpose(1, 2).contiguous(), None
     backend = meta.backend
     if dropout > 0 and backend in ("varlen", "flex"):
