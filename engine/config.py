@@ -204,9 +204,10 @@ class SpeedConfig:
     )
     cudnn_attention: bool | None = setting(
         None,
-        "run a row that holds one document through cuDNN's fused causal attention kernel, packed rows through the "
-        "varlen kernel as before (automatic: on for Hopper GPUs, where it measured about 1.8x FlashAttention-2's "
-        "kernel; turn it on to try it on another GPU)",
+        "run a row that holds one document through cuDNN's fused causal attention kernel; off, such a row runs "
+        "through the packed rows' kernel (FlashAttention-2's varlen kernel on NVIDIA GPUs), which packed rows always "
+        "use (automatic: on for Hopper GPUs, where it measured 1.6x FlashAttention-2's kernel; elsewhere the causal "
+        "kernel SDPA picks; turn it on to try it on another GPU)",
         flag="--cudnn-attention",
     )
     fused_loss: bool | None = setting(

@@ -315,3 +315,38 @@ def test_cudnn_attention_reports_why_it_is_off_on_the_cpu() -> None:
     assert ctl.state()["cudnn_attention"] == {"on": False, "reason": "cuDNN attention needs a CUDA GPU"}
     ctl.apply(SpeedConfig(metadata_cache=False, checkpointing="none", cudnn_attention=False))
     assert ctl.state()["cudnn_attention"]["reason"].startswith("switched off")
+
+
+def test_cudnn_attention_off_runs_a_one_document_row_through_the_packed_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Switched off, a one-document row takes the packed rows' kernel, so on and off compare the two kernels;
+    automatic where cuDNN is not used, it keeps the whole-row causal path; switched on, it is asked for even with an
+    explicitly requested packed backend. The results agree."""
+    import torch.nn.functional as F
+
+    causal: list[bool] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        causal.append(bool(kwargs.get("is_causal")))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    model = tiny_lora_model("llama")
+    one = packed_batch((40,))
+    auto = SpeedConfig(metadata_cache=True, checkpointing="none")
+    ctl = SpeedController(model, auto, torch.device("cpu"))
+    results = {}
+    for name, settings in {
+        "auto": auto,
+        "off": dataclasses.replace(auto, cudnn_attention=False),
+        "on, sdpa asked for": dataclasses.replace(auto, cudnn_attention=True, attention_backend="sdpa"),
+    }.items():
+        ctl.apply(settings)
+        meta = ctl.model_inputs(one)[metadata_cache.METADATA_KWARG]
+        causal.clear()
+        _, logits = step(model, ctl.model_inputs(one), one)
+        results[name] = (meta.whole_row_causal, all(causal), logits)
+    assert [results[n][:2] for n in results] == [(True, True), (False, False), (True, True)]
+    assert all(torch.allclose(results[n][2], results["auto"][2], atol=1e-5) for n in results)

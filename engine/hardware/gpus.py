@@ -23,9 +23,10 @@ CPU = "cpu"
 
 CUDNN_ATTENTION_MAJORS = (9,)
 """Compute-capability majors where a row holding one document runs through cuDNN's fused attention kernel by
-default: Hopper, measured on the H200 (one 4,096-token row, 32 query and 8 K/V heads of 128: 1.08 against 1.96 ms
-forward + backward per layer for FlashAttention-2's varlen kernel; 16,384 tokens: 14.3 against 24.2 ms). Other
-cards are not measured and keep FlashAttention-2 unless switched on (``--cudnn-attention``)."""
+default: Hopper, measured on the H200 (one 4,096-token row, 32 query and 8 K/V heads of 128: 1.23 against 2.03 ms
+forward + backward per layer for FlashAttention-2's varlen kernel; 16,384 tokens: 14.8 against 24.3 ms;
+benchmarks/attention_kernels_h200.md). Other cards are not measured: there such a row takes the causal kernel SDPA
+picks unless the switch is on (``--cudnn-attention``)."""
 
 CLASS_LABELS = {
     RTX_CONSUMER: "RTX consumer",

@@ -159,6 +159,7 @@ class SpeedController:
     def apply(self, settings: SpeedConfig) -> None:
         """Apply new settings; safe between any two steps (nothing is reloaded)."""
         self.settings = dataclasses.replace(settings)
+        self.dtype = _model_dtype(self.hf_model)  # the kernels' choices follow a model cast between steps
         self.graphs.clear()  # first: their memory pool goes back before any switch needs memory
         self._apply_metadata_cache(settings)
         self._apply_cudnn_attention(settings)
@@ -479,7 +480,8 @@ class SpeedController:
             self.host_embedding.stage(batch.host_input_ids)
         if self._metadata_backend is None:
             return inputs
-        whole_row = self.settings.attention_backend == "auto" or self.settings.cudnn_attention is True
+        cudnn = self.settings.cudnn_attention
+        whole_row = cudnn is True or (cudnn is None and self.settings.attention_backend == "auto")
         meta = metadata_cache.build_metadata(
             batch, self.device, self._metadata_backend, whole_row=whole_row, cudnn=self._cudnn
         )

@@ -14,10 +14,11 @@ block-diagonal mask built once per batch (CPU, older GPUs). With the cache off t
 packed path, which is the baseline.
 
 A row that holds one document needs no document mask, so it runs plain causal attention over the whole row: on
-Hopper through cuDNN's fused kernel (the ``cudnn_attention`` switch), which took 1.08 against 1.96 ms forward +
-backward per layer for the varlen kernel (H200, 4,096 tokens, 32 query and 8 K/V heads of 128), elsewhere through
-the kernel SDPA picks. cuDNN's packed (ragged) mode is not used: torch 2.11's call into it returned wrong results
-on the H200.
+Hopper through cuDNN's fused kernel (the ``cudnn_attention`` switch), which took 1.23 against 2.03 ms forward +
+backward per layer for the varlen kernel (H200, 4,096 tokens, 32 query and 8 K/V heads of 128;
+benchmarks/attention_kernels_h200.md), elsewhere through the causal kernel SDPA picks. Switched off, such a row
+runs through the packed rows' kernel, so the switch compares the two kernels. cuDNN's packed (ragged) mode is not
+used: torch 2.11's call into it returned non-finite outputs on the H200.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ class PackedAttentionMetadata:
     """One document fills the row, so plain causal attention over the whole row is exact and a dense causal kernel
     may run instead of the varlen one."""
     cudnn: bool = False
-    """A whole row runs through cuDNN's fused kernel (:func:`cudnn_causal_attention`); else SDPA picks."""
+    """A whole row runs through cuDNN's fused kernel (:func:`cudnn_causal_attention`); else the one SDPA picks."""
     _masks: dict[int | None, Any] = field(default_factory=dict)
 
     def dense_mask(self, window: int | None) -> torch.Tensor:
@@ -315,7 +316,8 @@ def cudnn_takes(query: torch.Tensor, value: torch.Tensor) -> bool:
 def cudnn_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
     """(B, H, T, D) queries, (B, H_kv, T, D) keys and values -> (B, H, T, D): causal attention over the whole row in
     cuDNN's fused kernel, which serves each K/V head to its group of query heads itself. Called as the op SDPA's
-    cuDNN backend runs, so the choice does not depend on SDPA's backend order (which puts FlashAttention-2 first)."""
+    cuDNN backend runs, so the kernel does not depend on SDPA's own choice, which differs between torch versions
+    and cards (torch 2.11 picks this kernel on the H200 by itself)."""
     cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention
     return cudnn(query, key, value, None, True, 0.0, True, False, scale=scale)[0]
 
@@ -338,18 +340,25 @@ def cudnn_problem(
 
 
 def resolve_cudnn(requested: bool | None, problem: str | None, capability: tuple[int, int] | None) -> tuple[bool, str]:
-    """(on, why) for the cuDNN attention switch: it serves rows holding one document; packed rows keep varlen."""
+    """(on, why) for the cuDNN attention switch: it serves rows holding one document; packed rows keep varlen.
+
+    Off, a one-document row runs through the packed rows' kernel (FlashAttention-2's varlen kernel on NVIDIA GPUs),
+    so on and off compare the two kernels; automatic and off where it is not measured, such a row takes the causal
+    kernel SDPA picks, as it did before the switch existed."""
     if requested is False:
-        return False, "switched off: a one-document row takes the kernel SDPA picks (FlashAttention-2 on NVIDIA GPUs)"
+        return False, "switched off: a one-document row runs through the packed rows' kernel"
     if problem is not None:
         return False, problem
     if requested:
         return True, "switched on: a one-document row runs through cuDNN's fused causal kernel"
     major = capability[0] if capability else 0
     if major in CUDNN_ATTENTION_MAJORS:
-        how = "a one-document row runs through cuDNN's fused causal kernel (1.8x FlashAttention-2's on Hopper)"
+        how = "a one-document row runs through cuDNN's fused causal kernel (1.6x FlashAttention-2's on the H200)"
         return True, f"automatic: {how}"
-    return False, f"automatic: off on sm_{major}x, where it is not measured; switch it on to try it on this GPU"
+    return False, (
+        f"automatic: off on sm_{major}x, where it is not measured (a one-document row takes the causal kernel SDPA "
+        "picks); switch it on to try cuDNN's on this GPU"
+    )
 
 
 def flash_attn_attention(
