@@ -452,6 +452,20 @@ def test_tunedeck_train_rows_with_the_top_layer_freed_are_predicted_within_10_pe
         assert with_top == estimate_memory(shape, checkpointed).peak
 
 
+@pytest.mark.parametrize("report", ["qlora_train_qwen3_8gib_h200.json", "qlora_train_cudnn_h200.json"])
+def test_later_tunedeck_train_rows_are_predicted_within_10_percent_with_the_count_the_plan_picks(report: str) -> None:
+    """Later `tunedeck train --qlora` runs on the H200: Qwen3-8B under 8 GiB with its top layer resident (7.32 GiB,
+    the peak it had with none), and Llama-3.1-8B under 8 and 24 GiB with one-document rows on cuDNN's attention
+    kernel (benchmarks/qlora_train_qwen3_8gib_h200.md, qlora_train_cudnn_h200.md)."""
+    data = json.loads((BENCHMARKS / report).read_text(encoding="utf-8"))
+    assert data["runs"]
+    for row in data["runs"]:
+        shape, setup, predicted = qlora_row_plan(row["shape"], row)
+        assert BELOW * row["peak_gib"] <= predicted <= 1.10 * row["peak_gib"], (row["shape"], row["cap_gib"], predicted)
+        checkpointed = replace(setup, resident_layers=0)
+        assert most_resident_layers(shape, checkpointed, int(row["cap_gib"] * GIB)) == row["resident_layers"]
+
+
 def test_the_plan_spends_spare_memory_on_resident_layers() -> None:
     """A 24 GiB card's plan for a 4,096-token 8B QLoRA row keeps as many layers' activations as fit with the margin
     and says so; the plan's peak stays what the batch needs; an 8 GiB card has none to spare."""
