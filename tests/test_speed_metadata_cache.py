@@ -315,6 +315,11 @@ def test_cudnn_attention_reports_why_it_is_off_on_the_cpu() -> None:
     assert ctl.state()["cudnn_attention"] == {"on": False, "reason": "cuDNN attention needs a CUDA GPU"}
     ctl.apply(SpeedConfig(metadata_cache=False, checkpointing="none", cudnn_attention=False))
     assert ctl.state()["cudnn_attention"]["reason"].startswith("switched off")
+    ctl.apply(SpeedConfig(metadata_cache=True, checkpointing="none", attention_backend="flex"))
+    assert ctl.state()["cudnn_attention"] == {
+        "on": False,
+        "reason": "automatic: off, every row takes the flex kernel asked for",
+    }
 
 
 def test_cudnn_attention_off_runs_a_one_document_row_through_the_packed_kernel(

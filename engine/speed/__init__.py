@@ -197,7 +197,10 @@ class SpeedController:
         )
         if self._metadata_backend is None:
             problem = "needs the metadata cache (one-document rows are found there)"
-        on, reason = metadata_cache.resolve_cudnn(settings.cudnn_attention, problem, capability)
+        if settings.cudnn_attention is None and settings.attention_backend != "auto":
+            on, reason = False, f"automatic: off, every row takes the {settings.attention_backend} kernel asked for"
+        else:
+            on, reason = metadata_cache.resolve_cudnn(settings.cudnn_attention, problem, capability)
         self._cudnn = on
         self._state["cudnn_attention"] = {"on": on, "reason": reason}
 
