@@ -23,8 +23,6 @@ repetitions, forward alone (as the offloaded forward pass runs it) and forward p
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.bench import write_report
+from engine.bench import median_ms, report_main
 from engine.speed import metadata_cache
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, metadata_cache.PackedAttentionMetadata], torch.Tensor]
@@ -94,25 +92,6 @@ def relative_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
     return max(errors) if all(e == e for e in errors) else float("nan")
 
 
-def timed_ms(fn: Callable[[], object], reps: int, cuda: bool) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            began = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - began) * 1000)
-    return statistics.median(times)
-
-
 def measure_row(
     name: str, tokens: int, docs: int, heads: tuple[int, int], head_dim: int, device: torch.device, reps: int
 ) -> dict[str, Any]:
@@ -136,8 +115,8 @@ def measure_row(
         low_grad = grad.to(dtype)
         cuda = device.type == "cuda"
         with torch.no_grad():
-            row["forward_ms"] = timed_ms(lambda: kernel(*low, meta), reps, cuda)
-        row["forward_backward_ms"] = timed_ms(lambda: kernel(*low, meta).backward(low_grad), reps, cuda)
+            row["forward_ms"] = median_ms(lambda: kernel(*low, meta), reps, 2, cuda)
+        row["forward_backward_ms"] = median_ms(lambda: kernel(*low, meta).backward(low_grad), reps, 2, cuda)
     except RuntimeError as err:
         row["failed"] = str(err).splitlines()[0][:200]
     return row
@@ -225,11 +204,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    report = measure(args)
-    write_report(report, args.out, markdown(report))
-    return 0
+main = report_main(parse_args, measure, markdown)
 
 
 if __name__ == "__main__":

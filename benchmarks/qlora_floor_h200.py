@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from engine.bench import median_ms
 
 TOKENS = 4096
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, LAYERS = 4096, 32, 8, 128, 14336, 128256, 32
@@ -36,33 +37,18 @@ PROJECTIONS = {  # name: (in, out)
 }
 
 
-def gpu_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> float:
-    """Median GPU time of ``fn`` in ms, from CUDA events around each call."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def product_ms(rows: int, inner: int, outer: int) -> dict[str, float]:
     """Forward ``x @ w.T`` and input gradient ``dy @ w`` for a frozen (outer, inner) weight."""
     x = torch.randn(rows, inner, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(outer, inner, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(rows, outer, device="cuda", dtype=torch.bfloat16)
-    return {"forward": gpu_ms(lambda: F.linear(x, w)), "input_grad": gpu_ms(lambda: dy @ w)}
+    return {"forward": median_ms(lambda: F.linear(x, w)), "input_grad": median_ms(lambda: dy @ w)}
 
 
 def peak_tflops(size: int = 8192) -> float:
     a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
-    return 2 * size**3 / gpu_ms(lambda: a @ b) / 1e9
+    return 2 * size**3 / median_ms(lambda: a @ b) / 1e9
 
 
 def attention_ms() -> dict[str, dict[str, float | str]]:
@@ -100,8 +86,8 @@ def attention_ms() -> dict[str, dict[str, float | str]]:
     out: dict[str, dict[str, float | str]] = {}
     for name, fn in kernels.items():
         try:
-            forward = gpu_ms(lambda fn=fn: fn().detach())
-            both = gpu_ms(lambda fn=fn: fn().backward(grad))
+            forward = median_ms(lambda fn=fn: fn().detach())
+            both = median_ms(lambda fn=fn: fn().backward(grad))
             out[name] = {"forward": forward, "forward_backward": both, "backward": both - forward}
         except RuntimeError as err:
             out[name] = {"error": str(err).splitlines()[0][:160]}

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.bench import write_report
+from engine.bench import report_main
 from engine.hardware.shapes import load_shape
 
 VARIANTS = ("separate", "folded_a", "grouped")
@@ -273,11 +273,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    report = measure(args)
-    write_report(report, args.out, markdown(report))
-    return 0
+main = report_main(parse_args, measure, markdown)
 
 
 if __name__ == "__main__":

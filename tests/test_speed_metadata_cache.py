@@ -204,19 +204,25 @@ def test_grouped_kernel_call_compiles_once_for_every_packed_row(monkeypatch: pyt
     assert counter.frame_count == 1
 
 
-def test_a_single_document_row_takes_the_plain_causal_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One document filling the row: causal attention over the whole row, same result as the document mask; an
-    explicitly requested backend and rows of several documents keep the packed path."""
+@pytest.fixture
+def causal(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each SDPA call from here on runs plain causal attention (True) or takes a mask (False)."""
     import torch.nn.functional as F
 
-    causal: list[bool] = []
+    calls: list[bool] = []
     sdpa = F.scaled_dot_product_attention
 
     def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
-        causal.append(bool(kwargs.get("is_causal")))
+        calls.append(bool(kwargs.get("is_causal")))
         return sdpa(*args, **kwargs)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    return calls
+
+
+def test_a_single_document_row_takes_the_plain_causal_path(causal: list[bool]) -> None:
+    """One document filling the row: causal attention over the whole row, same result as the document mask; an
+    explicitly requested backend and rows of several documents keep the packed path."""
     model = tiny_lora_model("qwen3")
     one, two = packed_batch((48,)), packed_batch((20, 28))
     auto = SpeedConfig(metadata_cache=True, checkpointing="none")
@@ -322,22 +328,10 @@ def test_cudnn_attention_reports_why_it_is_off_on_the_cpu() -> None:
     }
 
 
-def test_cudnn_attention_off_runs_a_one_document_row_through_the_packed_kernel(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_cudnn_attention_off_runs_a_one_document_row_through_the_packed_kernel(causal: list[bool]) -> None:
     """Switched off, a one-document row takes the packed rows' kernel, so on and off compare the two kernels;
     automatic where cuDNN is not used, it keeps the whole-row causal path; switched on, it is asked for even with an
     explicitly requested packed backend. The results agree."""
-    import torch.nn.functional as F
-
-    causal: list[bool] = []
-    sdpa = F.scaled_dot_product_attention
-
-    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
-        causal.append(bool(kwargs.get("is_causal")))
-        return sdpa(*args, **kwargs)
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     model = tiny_lora_model("llama")
     one = packed_batch((40,))
     auto = SpeedConfig(metadata_cache=True, checkpointing="none")

@@ -11,10 +11,36 @@
 from __future__ import annotations
 
 import json
+import statistics
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["write_report"]
+__all__ = ["median_ms", "report_main", "write_report"]
+
+
+def median_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 3, cuda: bool = True) -> float:
+    """Median time of one call of ``fn`` in ms, after ``warmup`` calls: GPU time from CUDA events around each call,
+    or the host clock (``cuda`` False)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            began = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - began) * 1000)
+    return statistics.median(times)
 
 
 def write_report(report: dict[str, Any], out: Path, table: str | None) -> None:
@@ -24,3 +50,19 @@ def write_report(report: dict[str, Any], out: Path, table: str | None) -> None:
     if table is not None:
         out.with_suffix(".md").write_text(table, encoding="utf-8")
         print(table)
+
+
+def report_main(
+    parse_args: Callable[[list[str] | None], Any],
+    measure: Callable[[Any], dict[str, Any]],
+    table: Callable[[dict[str, Any]], str],
+) -> Callable[[list[str] | None], int]:
+    """A benchmark script's ``main``: parse its arguments, measure, write the report to ``--out`` with its table."""
+
+    def main(argv: list[str] | None = None) -> int:
+        args = parse_args(argv)
+        report = measure(args)
+        write_report(report, args.out, table(report))
+        return 0
+
+    return main
