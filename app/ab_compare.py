@@ -29,6 +29,7 @@ TITLES = {
     "cudnn_attention": "cuDNN attention for one-document rows",
     "fused_loss": "Fused loss (no full logits)",
     "lora_16bit": "LoRA adapters in 16-bit",
+    "lora_groups": "One LoRA A product per projection group",
     "fused_kernels": "Fused per-token kernels",
     "checkpointing": "Offloaded activation checkpointing",
     "chunked_mlp": "MLP in sequence chunks (long context)",
@@ -43,9 +44,9 @@ TITLES = {
     "moe_routing": "MoE routing on sorted tokens",
     ALL: "All speed switches together",
 }
-ON_OFF_SWITCHES = ("metadata_cache", "cudnn_attention", "fused_loss", "lora_16bit", "fused_kernels", "chunked_mlp",
-                   "host_embedding", "lean_recompute", "dequant_once", "four_bit_kernel", "keep_attention",
-                   "resident_layers", "fp8_base", "step_graphs")  # fmt: skip
+ON_OFF_SWITCHES = ("metadata_cache", "cudnn_attention", "fused_loss", "lora_16bit", "lora_groups",
+                   "fused_kernels", "chunked_mlp", "host_embedding", "lean_recompute", "dequant_once",
+                   "four_bit_kernel", "keep_attention", "resident_layers", "fp8_base", "step_graphs")  # fmt: skip
 """Switches that are simply on or off (the others choose between modes)."""
 SWITCHES = tuple(name for name in TITLES if name in {f.name for f in dataclasses.fields(SpeedConfig)})
 """The switches this engine has, in the order the speed page lists them."""

@@ -37,6 +37,7 @@ SHORT_TITLES = {
     "cudnn_attention": "cuDNN attention",
     "fused_loss": "fused loss",
     "lora_16bit": "LoRA in 16-bit",
+    "lora_groups": "LoRA A groups",
     "fused_kernels": "fused kernels",
     "checkpointing": "offloaded ckpt",
     "chunked_mlp": "chunked MLP",

@@ -404,6 +404,15 @@ def test_cudnn_attention_trains_one_document_rows_within_bf16_noise_on_gpu(monke
     assert ctl.state()["cudnn_attention"]["on"] and calls
 
 
+def test_lora_groups_train_within_bf16_noise_on_gpu() -> None:
+    """One A product per q/k/v and gate/up group, compiled regions and all: no noisier than the stock path."""
+    model = bf16_model("llama")
+    stock = SpeedConfig(metadata_cache=False, checkpointing="none")
+    fast = SpeedConfig(metadata_cache=True, checkpointing="none", lora_groups=True)
+    ctl = within_bf16_noise(model, stock, fast)
+    assert ctl.state()["lora_groups"]["on"], ctl.state()["lora_groups"]
+
+
 @pytest.mark.parametrize("window", [None, 96])
 def test_grouped_flash_attention_matches_repeated_kv_on_gpu(window: int | None) -> None:
     """The kernel fed grouped K/V equals the same kernel fed K/V repeated to every query head, gradients too."""

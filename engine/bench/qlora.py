@@ -90,7 +90,7 @@ WHOLE_ROW = "whole_row"
 path (engine.speed.metadata_cache.PackedAttentionMetadata.whole_row_causal)."""
 
 
-SWITCHED_ON = ("fp8_base", "keep_attention", "step_graphs")
+SWITCHED_ON = ("fp8_base", "keep_attention", "step_graphs", "lora_groups")
 """Switches off unless switched on, whose worth ``auto+X`` measures (X switched on over the automatic choices)."""
 LAYER_REGIONS = "auto+layer_regions"
 """Automatic, with the fused kernels compiled per decoder layer instead of per child

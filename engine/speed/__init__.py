@@ -6,7 +6,8 @@ Each optimization lives in its own module with a pure core, a fallback and a doc
 :mod:`engine.speed.resident_layers` (the layers spare GPU memory holds skip the recompute),
 :mod:`engine.speed.moe_routing` (experts on sorted token slices), :mod:`engine.speed.fused_loss` (the loss
 and its gradient from the hidden states in chunks, never the full logits), :mod:`engine.speed.lora_16bit` (LoRA
-adapters computed in the model's 16-bit dtype) and :mod:`engine.speed.fused_kernels` (each layer's small per-token
+adapters computed in the model's 16-bit dtype; :mod:`engine.speed.lora_groups` shares one A product per group of
+projections reading the same input) and :mod:`engine.speed.fused_kernels` (each layer's small per-token
 operations fused by a regional torch.compile). They plug into transformers through
 its registries (attention functions, experts implementations, the gradient-checkpointing function), so switching is
 a change of registered name or checkpoint function: no model reload, no reassigned library method. The fused
@@ -35,6 +36,7 @@ from engine.speed import (
     kept_attention,
     lean_recompute,
     lora_16bit,
+    lora_groups,
     metadata_cache,
     moe_routing,
     offloaded_checkpoint,
@@ -42,7 +44,8 @@ from engine.speed import (
     step_graphs,
 )
 from engine.speed.host_embedding import HostEmbedding
-from engine.speed.lora_16bit import Lora16Bit
+from engine.speed.lora_16bit import Lora16Bit, adapted_layers
+from engine.speed.lora_groups import LoraGroups
 from engine.speed.offloaded_checkpoint import ActivationOffloader
 
 __all__ = [
@@ -140,6 +143,7 @@ class SpeedController:
         self._longest_tokens = 0
         self.host_embedding = HostEmbedding(self.hf_model, self.device)
         self.lora_16bit = Lora16Bit(model)
+        self.lora_groups = LoraGroups()
         self.lean = lean_recompute.LeanRecompute(self.hf_model, self.offloader.recompute)
         self._rotary_hook: Any = None
         self.graphs = step_graphs.StepGraphs(self.device, self._trainable, reset=self.offloader.forget_events)
@@ -170,6 +174,7 @@ class SpeedController:
         self._apply_chunked_mlp(settings)
         self._apply_host_embedding(settings)
         self._apply_lora_16bit(settings)
+        self._apply_lora_groups(settings)
         self._apply_lean_recompute(settings)
         self._apply_fused_kernels(settings)
         self._apply_resident_layers(settings)
@@ -284,6 +289,17 @@ class SpeedController:
         on, reason = lora_16bit.resolve(settings.lora_16bit, self.model, self.dtype)
         self.lora_16bit.switch(on)
         self._state["lora_16bit"] = {"on": on, "reason": reason}
+
+    def _apply_lora_groups(self, settings: SpeedConfig) -> None:
+        on, reason = lora_groups.resolve(settings.lora_groups, self.lora_16bit.on)
+        count = self.lora_groups.install(self.model, adapted_layers(self.model)) if on else 0
+        if on and not count:
+            on, reason = False, "no group of adapted projections reading the same input (q/k/v, gate/up)"
+        if not on:
+            self.lora_groups.remove()
+        elif count:
+            reason += f"; {count} groups"
+        self._state["lora_groups"] = {"on": on, "reason": reason}
 
     def _apply_lean_recompute(self, settings: SpeedConfig) -> None:
         mode = self._checkpointing or "none"

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engine.speed.lora_groups import group_hidden
+
 __all__ = ["Lora16Bit", "adapted_layers", "resolve", "unsupported_reason"]
 
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
@@ -67,9 +69,13 @@ def resolve(requested: bool | None, model: torch.nn.Module, dtype: torch.dtype) 
 
 def lora_update(x: torch.Tensor, lora_a: torch.nn.Linear, lora_b: torch.nn.Linear, scale: float) -> torch.Tensor:
     """``B(A(x)) * scale`` in ``x``'s dtype, from float32 (or any dtype) adapter weights."""
-    hidden = F.linear(x, lora_a.weight.to(x.dtype))
-    bias = None if lora_b.bias is None else lora_b.bias.to(x.dtype)
-    return F.linear(hidden, lora_b.weight.to(x.dtype), bias) * scale
+    return lora_b_update(F.linear(x, lora_a.weight.to(x.dtype)), lora_b, scale)
+
+
+def lora_b_update(hidden: torch.Tensor, lora_b: torch.nn.Linear, scale: float) -> torch.Tensor:
+    """``B(hidden) * scale`` in ``hidden``'s dtype."""
+    bias = None if lora_b.bias is None else lora_b.bias.to(hidden.dtype)
+    return F.linear(hidden, lora_b.weight.to(hidden.dtype), bias) * scale
 
 
 def _delta(module: Any, adapter: str, like: torch.Tensor) -> torch.Tensor:
@@ -102,10 +108,13 @@ def _variant_class() -> type:
 
         @staticmethod
         def forward(module: Any, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **kwargs: Any) -> Any:
-            dropout = module.lora_dropout[active_adapter]
-            update = lora_update(
-                dropout(x), module.lora_A[active_adapter], module.lora_B[active_adapter], module.scaling[active_adapter]
-            )
+            lora_a, lora_b = module.lora_A[active_adapter], module.lora_B[active_adapter]
+            scale = module.scaling[active_adapter]
+            hidden = group_hidden(module, x)  # this adapter's A product, shared with its group's (lora_groups)
+            if hidden is None:
+                update = lora_update(module.lora_dropout[active_adapter](x), lora_a, lora_b, scale)
+            else:
+                update = lora_b_update(hidden, lora_b, scale)
             return result + update.to(result.dtype)
 
     return Variant
