@@ -117,6 +117,15 @@ def train_args(folder: Path, data: Path, tokens: int, steps: int, output: Path) 
     ]  # fmt: skip
 
 
+def switch_flags(variant: str) -> list[str]:
+    """The ``tunedeck train`` flags of a variant: none for ``auto``, ``--no-x-y`` for ``auto-x_y``, ``--x-y`` for
+    ``auto+x_y``."""
+    if variant == "auto":
+        return []
+    sign, switch = variant[len("auto")], variant[len("auto") + 1 :].replace("_", "-")
+    return [f"--no-{switch}" if sign == "-" else f"--{switch}"]
+
+
 def events_of(stdout: str) -> list[dict[str, Any]]:
     """The run's JSON events (``--json`` prints one per line), other lines skipped."""
     events = []
@@ -161,15 +170,12 @@ def _is_on(value: dict[str, Any]) -> bool:
 
 
 def run(
-    shape: str, folder: Path, data: Path, tokens: int, cap: float | None, steps: int, logs: Path, off: str | None = None
+    shape: str, folder: Path, data: Path, tokens: int, cap: float | None, steps: int, logs: Path, variant: str = "auto"
 ) -> dict:
-    """One capped ``tunedeck train`` run (no cap: ``cap`` None), its output kept under ``logs``; ``off``: a speed
-    switch turned off for the run (its variant is then ``auto-{off}``, else ``auto``)."""
-    variant = f"auto-{off}" if off else "auto"
-    stem = f"{shape}_{tokens}_{cap or 'uncapped'}gib" + (f"_{variant}" if off else "")
-    args = train_args(folder, data, tokens, steps, logs / "runs" / stem)
-    if off:
-        args.append("--no-" + off.replace("_", "-"))
+    """One capped ``tunedeck train`` run (no cap: ``cap`` None), its output kept under ``logs``. ``variant``:
+    ``auto``, every switch automatic; ``auto-X``, speed switch X off; ``auto+X``, X switched on."""
+    stem = f"{shape}_{tokens}_{cap or 'uncapped'}gib" + ("" if variant == "auto" else f"_{variant}")
+    args = train_args(folder, data, tokens, steps, logs / "runs" / stem) + switch_flags(variant)
     command = [sys.executable, "-c", CAPPED, str(cap), *args] if cap else [sys.executable, "-m", "engine.cli", *args]
     started = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
@@ -248,6 +254,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="SWITCH",
         help="also run each row with this speed switch off (e.g. cudnn_attention), right after the automatic run",
     )
+    parser.add_argument(
+        "--on",
+        action="append",
+        default=[],
+        metavar="SWITCH",
+        help="also run each row with this speed switch on (e.g. lora_groups), right after the automatic run",
+    )
     parser.add_argument("--tiny", action="store_true", help="two narrow layers of each shape (a dry run)")
     parser.add_argument("--gpu", help="the GPU's name for a report rebuilt from logs (default: this machine's)")
     parser.add_argument("--date", help="the runs' date for a report rebuilt from logs (default: today)")
@@ -295,8 +308,9 @@ def main(argv: list[str] | None = None) -> int:
             if not (folder / "config.json").exists():
                 build_model_folder(shape, folder, tiny=args.tiny)
             for cap in (float(c) for c in args.caps.split(",")):
-                for off in (None, *args.off):
-                    runs.append(run(shape, folder, data, args.tokens, cap or None, args.steps, logs, off))
+                variants = ["auto", *(f"auto-{s}" for s in args.off), *(f"auto+{s}" for s in args.on)]
+                for variant in variants:
+                    runs.append(run(shape, folder, data, args.tokens, cap or None, args.steps, logs, variant))
                     print(json.dumps(runs[-1]), flush=True)
     given = {"gpu": args.gpu, "date": args.date, "versions": args.versions}
     report = {

@@ -75,6 +75,12 @@ def test_report_rebuilt_from_logs_sorts_runs_and_tables_them(bench: ModuleType, 
     assert got == [["auto", "11,703", "1.00"], ["auto-cudnn_attention", "9,752", "0.83"]]
 
 
+def test_variants_become_switch_flags(bench: ModuleType) -> None:
+    assert bench.switch_flags("auto") == []
+    assert bench.switch_flags("auto-cudnn_attention") == ["--no-cudnn-attention"]
+    assert bench.switch_flags("auto+lora_groups") == ["--lora-groups"]
+
+
 def test_a_generated_folder_trains_through_the_command_line(bench: ModuleType, tmp_path: Path) -> None:
     """The whole path on the CPU: two narrow layers of the Llama shape, no cap, three steps."""
     out = tmp_path / "train.json"
