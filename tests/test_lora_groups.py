@@ -103,6 +103,9 @@ def test_the_controller_groups_a_16bit_model_and_ungroups_it_when_switched_off()
     assert not any(hasattr(module, lora_groups.GROUP_ATTR) for module in model.modules())
     ctl.apply(dataclasses.replace(settings, lora_16bit=False, lora_groups=True))
     assert ctl.state()["lora_groups"] == {"on": False, "reason": "needs the 16-bit LoRA path (--lora-16bit)"}
+    dropped = mixed_precision_lora_model("llama", dropout=0.1)  # no group can skip its members' dropout
+    state = SpeedController(dropped, dataclasses.replace(settings, lora_groups=True), CPU).state()["lora_groups"]
+    assert state == {"on": False, "reason": "no group of adapted projections reading the same input (q/k/v, gate/up)"}
 
 
 def test_compiled_regions_share_the_product_without_graph_breaks() -> None:

@@ -293,12 +293,12 @@ class SpeedController:
     def _apply_lora_groups(self, settings: SpeedConfig) -> None:
         on, reason = lora_groups.resolve(settings.lora_groups, self.lora_16bit.on)
         count = self.lora_groups.install(self.model, adapted_layers(self.model)) if on else 0
-        if on and not count:
-            on, reason = False, "no group of adapted projections reading the same input (q/k/v, gate/up)"
-        if not on:
-            self.lora_groups.remove()
-        elif count:
+        if count:
             reason += f"; {count} groups"
+        else:
+            self.lora_groups.remove()
+            if on:
+                on, reason = False, "no group of adapted projections reading the same input (q/k/v, gate/up)"
         self._state["lora_groups"] = {"on": on, "reason": reason}
 
     def _apply_lean_recompute(self, settings: SpeedConfig) -> None:
