@@ -189,6 +189,11 @@ class ModelShape:
         return PRETTY_NAMES.get(self.name, self.name)
 
     @classmethod
+    def from_config(cls, config: Any) -> ModelShape:
+        """The shape of a loaded model, from its transformers config."""
+        return cls.from_config_dict(config.to_dict(), getattr(config, "model_type", "model"))
+
+    @classmethod
     def from_config_dict(cls, raw: Mapping[str, Any], name: str) -> ModelShape:
         """Read a Hugging Face ``config.json`` dict (multimodal configs: their ``text_config``)."""
         text = raw.get("text_config") if isinstance(raw.get("text_config"), Mapping) else raw

@@ -28,6 +28,7 @@ import torch
 from engine.config import SpeedConfig
 from engine.data.model_inputs import stock_model_inputs
 from engine.data.packing import PackedBatch
+from engine.hardware.shapes import ModelShape
 from engine.speed import (
     chunked_mlp,
     fp8_base,
@@ -135,6 +136,7 @@ class SpeedController:
         self._checkpointing: str | None = None
         self._metadata_backend: str | None = None
         self._cudnn = False
+        self._whole_row = False
         self._fused_loss = False
         self._fused_kernels = False
         self.region_compiler = fused_kernels.RegionCompiler()
@@ -195,18 +197,17 @@ class SpeedController:
 
     def _apply_cudnn_attention(self, settings: SpeedConfig) -> None:
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
-        config = self.hf_model.config.get_text_config()
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        problem = metadata_cache.cudnn_problem(
-            self.device.type, self.dtype, capability, head_dim, torch.backends.cudnn.is_available()
-        )
         if self._metadata_backend is None:
-            problem = "needs the metadata cache (one-document rows are found there)"
-        if settings.cudnn_attention is None and settings.attention_backend != "auto":
-            on, reason = False, f"automatic: off, every row takes the {settings.attention_backend} kernel asked for"
+            problem: str | None = "needs the metadata cache (one-document rows are found there)"
         else:
-            on, reason = metadata_cache.resolve_cudnn(settings.cudnn_attention, problem, capability)
+            head_dim = ModelShape.from_config(self.hf_model.config).head_dim
+            has_cudnn = torch.backends.cudnn.is_available()
+            problem = metadata_cache.cudnn_problem(self.device.type, self.dtype, capability, head_dim, has_cudnn)
+        requested, backend = settings.cudnn_attention, settings.attention_backend
+        on, reason = metadata_cache.resolve_cudnn(requested, problem, capability, backend)
         self._cudnn = on
+        # a one-document row skips the document mask: for cuDNN, or automatically for the kernel SDPA picks
+        self._whole_row = requested is True or (requested is None and backend == "auto")
         self._state["cudnn_attention"] = {"on": on, "reason": reason}
 
     def _apply_moe_routing(self, settings: SpeedConfig) -> None:
@@ -499,10 +500,8 @@ class SpeedController:
             self.host_embedding.stage(batch.host_input_ids)
         if self._metadata_backend is None:
             return inputs
-        cudnn = self.settings.cudnn_attention
-        whole_row = cudnn is True or (cudnn is None and self.settings.attention_backend == "auto")
         meta = metadata_cache.build_metadata(
-            batch, self.device, self._metadata_backend, whole_row=whole_row, cudnn=self._cudnn
+            batch, self.device, self._metadata_backend, whole_row=self._whole_row, cudnn=self._cudnn
         )
         if self._fused_kernels or self.graphs.active:  # masks built here are graph inputs, not host work inside
             fused_kernels.prepare_metadata(meta, self.hf_model)

@@ -51,13 +51,9 @@ DEFAULT_LINK_BYTES_PER_S = 16 * PCIE_LANE_BYTES_PER_S[4] * LINK_EFFICIENCY
 """Assumed when NVML cannot tell: PCIe 4.0 x16, the common desktop slot."""
 
 
-def _shape(config: Any) -> ModelShape:
-    return ModelShape.from_config_dict(config.to_dict(), getattr(config, "model_type", "model"))
-
-
 def layer_forward_flops(config: Any, tokens: int) -> float:
     """Forward FLOPs of one dense decoder layer on one row of ``tokens`` tokens (projections and causal attention)."""
-    shape = _shape(config)
+    shape = ModelShape.from_config(config)
     hidden = shape.hidden_size
     projections = hidden * (2 * shape.q_dim + 2 * shape.kv_dim) + 3 * hidden * shape.intermediate_size
     return 2.0 * projections * tokens + 2.0 * tokens * tokens * shape.q_dim
@@ -104,7 +100,7 @@ def device_flops_per_s(device: torch.device) -> float | None:
 def layer_saved_bytes(config: Any, tokens: int, dtype_bytes: int = 2) -> int:
     """Estimated bytes one decoder layer saves for backward on ``tokens`` tokens (its attention block and its
     MLP's input): :func:`engine.hardware.planner.kept_layer_bytes`."""
-    shape = _shape(config)
+    shape = ModelShape.from_config(config)
     return kept_layer_bytes(shape.hidden_size, shape.kv_dim, tokens, dtype_bytes)
 
 

@@ -307,10 +307,15 @@ CUDNN_MAX_HEAD_DIM = 128
 """The widest attention head the cuDNN path is used for (its fused kernel's forward and backward both run there)."""
 
 
+def cudnn_width_ok(width: int) -> bool:
+    """Heads cuDNN's fused kernel is used for: at most 128 wide, a multiple of 8."""
+    return width <= CUDNN_MAX_HEAD_DIM and width % 8 == 0
+
+
 def cudnn_takes(query: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether cuDNN's fused kernel serves these heads: equal query and value widths of at most 128, a multiple of 8."""
+    """Whether cuDNN's fused kernel serves these heads: equal query and value widths it is used for."""
     width = query.shape[-1]
-    return width == value.shape[-1] and width <= CUDNN_MAX_HEAD_DIM and width % 8 == 0
+    return width == value.shape[-1] and cudnn_width_ok(width)
 
 
 def cudnn_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
@@ -334,19 +339,24 @@ def cudnn_problem(
         return "this torch build has no cuDNN"
     if capability is None or capability < (8, 0):
         return "cuDNN attention needs sm80 or newer"
-    if head_dim > CUDNN_MAX_HEAD_DIM or head_dim % 8:
+    if not cudnn_width_ok(head_dim):
         return f"attention heads of {head_dim} (the cuDNN path takes up to {CUDNN_MAX_HEAD_DIM}, a multiple of 8)"
     return None
 
 
-def resolve_cudnn(requested: bool | None, problem: str | None, capability: tuple[int, int] | None) -> tuple[bool, str]:
+def resolve_cudnn(
+    requested: bool | None, problem: str | None, capability: tuple[int, int] | None, backend: str = "auto"
+) -> tuple[bool, str]:
     """(on, why) for the cuDNN attention switch: it serves rows holding one document; packed rows keep varlen.
 
     Off, a one-document row runs through the packed rows' kernel (FlashAttention-2's varlen kernel on NVIDIA GPUs),
     so on and off compare the two kernels; automatic and off where it is not measured, such a row takes the causal
-    kernel SDPA picks, as it did before the switch existed."""
+    kernel SDPA picks, as it did before the switch existed. Automatic leaves an attention ``backend`` asked for by
+    name to every row."""
     if requested is False:
         return False, "switched off: a one-document row runs through the packed rows' kernel"
+    if requested is None and backend != "auto":
+        return False, f"automatic: off, every row takes the {backend} kernel asked for"
     if problem is not None:
         return False, problem
     if requested:

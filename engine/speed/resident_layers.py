@@ -78,7 +78,7 @@ def planned_layers(
     """How many layers the planner fits beside a ``tokens``-token step with the speed switches in ``state`` within
     ``budget_bytes`` (:func:`engine.hardware.planner.most_resident_layers`). ``model``: the trained (peft) model,
     for its LoRA rank and whether its base is 4-bit; ``config``: its transformers config."""
-    shape = ModelShape.from_config_dict(config.to_dict(), getattr(config, "model_type", "model"))
+    shape = ModelShape.from_config(config)
     setup = setup_from_speed_state(state, shape, tokens, qlora=_is_4bit(model), lora_rank=_lora_rank(model))
     return most_resident_layers(shape, replace(setup, resident_layers=0), budget_bytes, compute_capability)
 
