@@ -259,7 +259,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="SWITCH",
-        help="also run each row with this speed switch on (e.g. lora_groups), right after the automatic run",
+        help="also run each row with this speed switch on (e.g. keep_attention), right after the automatic run",
     )
     parser.add_argument("--tiny", action="store_true", help="two narrow layers of each shape (a dry run)")
     parser.add_argument("--gpu", help="the GPU's name for a report rebuilt from logs (default: this machine's)")

@@ -237,8 +237,8 @@ class SpeedConfig:
     lora_groups: bool | None = setting(
         None,
         "on the 16-bit LoRA path, compute one LoRA A product for each group of adapted projections that read the same "
-        "input (q/k/v, gate/up) instead of one per projection; the same sums in another order (automatic: off, "
-        "measured alone only: about 2 percent of an 8B QLoRA step on the H200)",
+        "input (q/k/v, gate/up) instead of one per projection; the same sums in another order (automatic: on "
+        "with the 16-bit LoRA path)",
         flag="--lora-groups",
     )
     fused_kernels: bool | None = setting(

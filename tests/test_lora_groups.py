@@ -78,7 +78,8 @@ def test_groups_need_every_member_adapted_without_dropout() -> None:
 @pytest.mark.parametrize(
     ("requested", "sixteen_bit", "on", "words"),
     [
-        (None, True, False, "automatic: off, measured alone only"),
+        (None, True, True, "automatic: one A product per group"),
+        (None, False, False, "needs the 16-bit LoRA path"),
         (True, True, True, "switched on"),
         (True, False, False, "needs the 16-bit LoRA path"),
         (False, True, False, "switched off"),
@@ -99,6 +100,8 @@ def test_the_controller_groups_a_16bit_model_and_ungroups_it_when_switched_off()
     ctl.apply(dataclasses.replace(settings, lora_groups=True, fused_loss=False))
     assert ctl.lora_groups.groups == first  # the same groups: compiled regions keep their graphs
     ctl.apply(settings)
+    assert ctl.state()["lora_groups"]["on"] and ctl.lora_groups.groups == first  # automatic: on, the same groups
+    ctl.apply(dataclasses.replace(settings, lora_groups=False))
     assert ctl.state()["lora_groups"]["on"] is False
     assert not any(hasattr(module, lora_groups.GROUP_ATTR) for module in model.modules())
     ctl.apply(dataclasses.replace(settings, lora_16bit=False, lora_groups=True))

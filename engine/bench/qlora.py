@@ -78,11 +78,11 @@ AUTO = SpeedConfig()
 STOCK = SpeedConfig(
     metadata_cache=False, checkpointing="standard", moe_routing="stock", fused_loss=False, chunked_mlp=False,
     host_embedding=False, lora_16bit=False, fused_kernels=False, lean_recompute=False, dequant_once=False,
-    keep_attention=False, four_bit_kernel=False, resident_layers=False, cudnn_attention=False,
+    keep_attention=False, four_bit_kernel=False, resident_layers=False, cudnn_attention=False, lora_groups=False,
 )  # fmt: skip
 ABLATED = (
     "fused_kernels", "lean_recompute", "dequant_once", "four_bit_kernel", "host_embedding", "fused_loss",
-    "metadata_cache", "step_graphs", "resident_layers", "cudnn_attention",
+    "metadata_cache", "step_graphs", "resident_layers", "cudnn_attention", "lora_groups",
 )  # fmt: skip
 """Switches whose worth ``auto-X`` measures (each turned off alone)."""
 WHOLE_ROW = "whole_row"
@@ -90,7 +90,7 @@ WHOLE_ROW = "whole_row"
 path (engine.speed.metadata_cache.PackedAttentionMetadata.whole_row_causal)."""
 
 
-SWITCHED_ON = ("fp8_base", "keep_attention", "step_graphs", "lora_groups")
+SWITCHED_ON = ("fp8_base", "keep_attention", "step_graphs")
 """Switches off unless switched on, whose worth ``auto+X`` measures (X switched on over the automatic choices)."""
 LAYER_REGIONS = "auto+layer_regions"
 """Automatic, with the fused kernels compiled per decoder layer instead of per child

@@ -6,8 +6,9 @@ With LoRA on each, every projection runs its own rank-r product ``x · Aᵀ``: a
 gradient ``dh · A``, summed into the input's gradient one by one. Stacking the group's A weights makes one product
 of 3r (or 2r) columns instead, and one input-gradient product. Measured alone (H200, Llama-3.1-8B shapes, 4,096
 tokens, r32, CUDA-graph replays; benchmarks/qlora_projection_groups_h200.md): about 8 ms of a step's forward pass,
-recompute and backward over 32 layers, 2% of the 8 GiB QLoRA row. Not yet measured inside a whole step, so the
-switch is off unless switched on.
+recompute and backward over 32 layers. Inside whole QLoRA steps on the H200 it saved less, 1.5-5 ms of 365-372 ms
+(Llama-3.1-8B under 8 GiB) and 3 ms of 595 ms (Qwen3-30B-A3B under 24 GiB), at the same peak and loss
+(benchmarks/qlora_train_lora_groups_h200.md); never slower, so it is on wherever the 16-bit adapter path runs.
 
 How: the projections stay separate peft modules, each called by the model on its own and in order (q, k, v; gate,
 up), so the group shares its product through a small state object. The first member computes the stacked product
@@ -126,14 +127,10 @@ class LoraGroups:
 
 
 def resolve(requested: bool | None, lora_16bit: bool) -> tuple[bool, str]:
-    """(on, why): off unless switched on, and only on the 16-bit adapter path."""
+    """(on, why): on wherever the 16-bit adapter path runs, unless switched off."""
     if requested is False:
         return False, "switched off: one A product per adapter"
     if not lora_16bit:
         return False, "needs the 16-bit LoRA path (--lora-16bit)"
-    if requested:
-        return True, "switched on: one A product per group of adapters that read the same input (q/k/v, gate/up)"
-    return False, (
-        "automatic: off, measured alone only (about 2% of an 8B QLoRA step on the H200); switch it on to measure it "
-        "on this GPU"
-    )
+    how = "one A product per group of adapters that read the same input (q/k/v, gate/up)"
+    return True, f"switched on: {how}" if requested else f"automatic: {how}"
