@@ -36,7 +36,8 @@ def test_chunked_matches_whole_row(model_type: str, checkpointing: str) -> None:
     ref_loss, ref_logits, ref_grads = run_once(model_type, None, "none")
     loss, logits, got_grads = run_once(model_type, 8, checkpointing)
     assert float((loss - ref_loss).abs()) <= 1e-6 * float(ref_loss.abs())
-    assert float((logits - ref_logits).abs().max()) <= 1e-6 * float(ref_logits.abs().max())
+    # chunks of 8 rows run other GEMM kernels than the whole row: float32 rounding, which varies with the CPU's BLAS
+    assert float((logits - ref_logits).abs().max()) <= 1e-5 * float(ref_logits.abs().max())
     assert any("mlp.down_proj.lora_A" in name for name in got_grads)
     assert max_relative_error(got_grads, ref_grads) <= 1e-5  # chunk gradients summed: float32 order only
 

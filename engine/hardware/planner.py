@@ -337,9 +337,9 @@ float32 weight)."""
 
 def _mlp_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     """Per token and layer: what the MLP keeps for backward. 4-bit experts (engine.model.quantized_experts) keep only
-    their input and the routing and run forward again in backward (:func:`experts_rerun_bytes`); 16-bit experts keep
-    each chosen expert's activations (measured on the H200, Qwen3-30B-A3B QLoRA at 4,096 tokens: 0.23-0.27 GiB a
-    layer; counting the routed activations gave 0.49)."""
+    their input and the routing and run forward again in backward (:func:`experts_rerun_bytes`): measured on the
+    H200, a Qwen3-30B-A3B QLoRA layer keeps 0.23-0.27 GiB at 4,096 tokens, where counting the routed activations
+    gave 0.49. 16-bit experts keep each chosen expert's activations."""
     act = setup.activation_bytes
     if not shape.is_moe:
         return 3 * act * shape.intermediate_size  # gate output, up output, activation output
