@@ -52,18 +52,21 @@ class LoraGroup:
         """``x · A_indexᵀ`` for member ``index``: the first member computes the group's stacked product and keeps it
         for the others called with the same ``x``; a member called with another input computes its own; the last
         member clears what was kept."""
-        weights = [member.lora_A[self.adapter].weight for member in self.members]
         if index == 0:
+            weights = [self._weight(member) for member in self.members]
             stacked = torch.cat([w.to(x.dtype) for w in weights])
             self.hidden = F.linear(x, stacked).split([w.shape[0] for w in weights], dim=-1)
             self.input = x
         if self.input is x and self.hidden is not None:
             hidden = self.hidden[index]
         else:
-            hidden = F.linear(x, weights[index].to(x.dtype))
+            hidden = F.linear(x, self._weight(self.members[index]).to(x.dtype))
         if index == len(self.members) - 1:
             self.clear()
         return hidden
+
+    def _weight(self, member: Any) -> torch.Tensor:
+        return member.lora_A[self.adapter].weight
 
     def clear(self) -> None:
         self.input, self.hidden = None, None
@@ -101,10 +104,6 @@ class LoraGroups:
 
     def __init__(self) -> None:
         self.groups: list[LoraGroup] = []
-
-    @property
-    def on(self) -> bool:
-        return bool(self.groups)
 
     def install(self, model: torch.nn.Module, adapted: Iterator[tuple[Any, str]]) -> int:
         """Group the adapters once (the groups stay while on, so compiled regions keep their graphs); the number of
