@@ -21,6 +21,7 @@ import contextlib
 import importlib.metadata
 import json
 import random
+import re
 import shutil
 import statistics
 import subprocess
@@ -118,12 +119,13 @@ def train_args(folder: Path, data: Path, tokens: int, steps: int, output: Path) 
 
 
 def switch_flags(variant: str) -> list[str]:
-    """The ``tunedeck train`` flags of a variant: none for ``auto``, ``--no-x-y`` for ``auto-x_y``, ``--x-y`` for
-    ``auto+x_y``."""
-    if variant == "auto":
-        return []
-    sign, switch = variant[len("auto")], variant[len("auto") + 1 :].replace("_", "-")
-    return [f"--no-{switch}" if sign == "-" else f"--{switch}"]
+    """The ``tunedeck train`` flags of a variant: none for ``auto``; each ``-x_y`` tail gives ``--no-x-y``, each
+    ``+x_y`` tail ``--x-y`` and each ``+x_y=value`` tail ``--x-y value`` (``auto+fp8_base+fp8_scope=recompute``)."""
+    flags: list[str] = []
+    for sign, switch in re.findall(r"([+-])([^+-]+)", variant[len("auto") :]):
+        name, _, value = switch.replace("_", "-").partition("=")
+        flags += [f"--no-{name}"] if sign == "-" else [f"--{name}", *([value] if value else [])]
+    return flags
 
 
 def events_of(stdout: str) -> list[dict[str, Any]]:

@@ -48,12 +48,14 @@ def test_bench_knobs_are_set_and_cleared_with_their_variant() -> None:
     assert controller.resident_override is None and applied[-1].resident_layers is False
     set_variant(controller, "auto+fp8_base+step_graphs+fp8_recompute_only+read_late")
     assert applied[-1].fp8_scope == "recompute" and applied[-1].fp8_base and applied[-1].step_graphs
+    set_variant(controller, "auto-fp8_base")  # the 16-bit products where fp8 would be automatic
+    assert applied[-1].fp8_base is False
     set_variant(controller, "stock")
     assert controller.kept_share_override is None and applied[-1].fused_kernels is False
-    assert applied[-1].fp8_scope == "all"
+    assert applied[-1].fp8_scope == "all" and applied[-1].fp8_base is False
 
 
-@pytest.mark.parametrize("variant", ["auto+fused_kernels", "auto+nonsense", "auto-fp8_base"])
+@pytest.mark.parametrize("variant", ["auto+fused_kernels", "auto+nonsense", "auto-keep_attention"])
 def test_a_variant_that_switches_nothing_is_refused(variant: str) -> None:
     with pytest.raises(ValueError, match="unknown variant"):
         variant_settings(variant)

@@ -79,6 +79,9 @@ def test_variants_become_switch_flags(bench: ModuleType) -> None:
     assert bench.switch_flags("auto") == []
     assert bench.switch_flags("auto-cudnn_attention") == ["--no-cudnn-attention"]
     assert bench.switch_flags("auto+lora_groups") == ["--lora-groups"]
+    assert bench.switch_flags("auto+fp8_base+fp8_scope=recompute-lora_groups") == [
+        "--fp8-base", "--fp8-scope", "recompute", "--no-lora-groups"
+    ]  # fmt: skip
 
 
 def test_a_generated_folder_trains_through_the_command_line(bench: ModuleType, tmp_path: Path) -> None:

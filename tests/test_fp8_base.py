@@ -30,7 +30,9 @@ from engine.speed.lean_recompute import FrozenProjection
 
 CPU = torch.device("cpu")
 UNAVAILABLE = fp8_base.unavailable_reason
-PLAIN = SpeedConfig(metadata_cache=True, checkpointing="none", lean_recompute=False, dequant_once=False)
+PLAIN = SpeedConfig(
+    metadata_cache=True, checkpointing="none", lean_recompute=False, dequant_once=False, fp8_base=False
+)  # the 16-bit references: fp8 is automatic for a 4-bit base under offloaded checkpointing
 OFFLOADED = dataclasses.replace(PLAIN, checkpointing="offloaded")
 FP8_ERROR = 0.25
 """Bound on each parameter gradient's relative error (norm of the difference over the norm) in a tiny model with
@@ -170,6 +172,46 @@ def test_fp8_in_the_recompute_only_keeps_the_16bit_loss(tiny_dir: Path, monkeypa
     assert scaled_mm[0] - products_in_recompute > products_in_recompute  # fp8 everywhere adds the forward's
 
 
+def test_automatic_fp8_runs_a_qlora_recompute_with_the_16bit_loss(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Left automatic, a 4-bit base under offloaded checkpointing takes fp8 in the recompute and the input gradients
+    only, even where the fp8 scope says ``all`` (it applies when the switch is on): the loss is the 16-bit path's
+    bit for bit and the gradients carry fp8 rounding, the same products as the switch on in that scope."""
+    model = tiny_qlora_model(tiny_dir)
+    lean = dataclasses.replace(OFFLOADED, lean_recompute=True, dequant_once=True)
+    loss_ref, grads_ref, _ = run(model, lean)
+    scaled_mm = _count_scaled_mm(monkeypatch)
+    loss, grads_auto, controller = run(model, dataclasses.replace(lean, fp8_base=None, fp8_scope="all"))
+    state = controller.state()["fp8_base"]
+    assert state["on"] and state["reason"].startswith("automatic:") and "loss stay 16-bit" in state["reason"]
+    assert torch.equal(loss, loss_ref) and 0 < worst_gradient_error(grads_auto, grads_ref) < FP8_ERROR
+    automatic = scaled_mm[0]
+    _, grads_on, _ = run(model, dataclasses.replace(lean, fp8_base=True, fp8_scope="recompute"))
+    assert scaled_mm[0] == 2 * automatic > 0
+    assert all(torch.equal(grads_on[name], grads_auto[name]) for name in grads_auto)
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "standard"])
+def test_automatic_fp8_leaves_a_qlora_run_without_offloaded_recompute_in_16_bits(
+    tiny_dir: Path, checkpointing: str
+) -> None:
+    model = tiny_qlora_model(tiny_dir)
+    settings = dataclasses.replace(PLAIN, checkpointing=checkpointing)
+    loss_ref, grads_ref, _ = run(model, settings)
+    loss, grads_auto, controller = run(model, dataclasses.replace(settings, fp8_base=None))
+    state = controller.state()["fp8_base"]
+    assert not state["on"] and "offloaded checkpointing" in state["reason"]
+    assert torch.equal(loss, loss_ref) and all(torch.equal(grads_auto[k], grads_ref[k]) for k in grads_ref)
+
+
+def test_automatic_fp8_leaves_a_16bit_base_in_16_bits() -> None:
+    model = mixed_precision_lora_model("llama")
+    _, _, controller = run(model, dataclasses.replace(OFFLOADED, fp8_base=None))
+    state = controller.state()["fp8_base"]
+    assert not state["on"] and "4-bit (QLoRA) base" in state["reason"]
+
+
 def test_fp8_in_the_recompute_only_needs_offloaded_checkpointing() -> None:
     model = mixed_precision_lora_model("llama")
     loss_ref, grads_ref, _ = run(model, PLAIN)
@@ -234,6 +276,41 @@ def test_compiled_regions_take_the_fp8_products_without_graph_breaks(tiny_dir: P
     assert max_relative_error(grads(model), grads_eager) <= 1e-2
     controller.apply(settings)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize(
+    ("capability", "checkpointing", "four_bit", "experts", "on"),
+    [
+        ((8, 9), "offloaded", True, False, True),  # RTX 40 series
+        ((9, 0), "offloaded", True, False, True),  # Hopper
+        ((10, 0), "offloaded", True, False, True),  # Blackwell data centre
+        ((12, 0), "offloaded", True, False, True),  # RTX 50 series
+        ((12, 1), "offloaded", True, False, True),  # GB10 (DGX Spark)
+        ((8, 6), "offloaded", True, False, False),  # RTX 30 series: no fp8 tensor cores
+        ((9, 0), "standard", True, False, False),  # torch's checkpoint: no recompute of ours to scope
+        ((9, 0), "none", True, False, False),
+        ((9, 0), "offloaded", False, False, False),  # a 16-bit base: not measured within bf16 noise
+        ((9, 0), "offloaded", True, True, False),  # a MoE model: its speed with fp8 not measured
+    ],
+)
+def test_automatic_resolution_by_gpu_and_run(
+    monkeypatch: pytest.MonkeyPatch,
+    capability: tuple[int, int],
+    checkpointing: str,
+    four_bit: bool,
+    experts: bool,
+    on: bool,
+) -> None:
+    """Automatic fp8 is for QLoRA's offloaded recompute on GPUs with fp8 tensor cores, always in that scope."""
+    monkeypatch.setattr(fp8_base, "unavailable_reason", UNAVAILABLE)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _device=None: capability)
+    monkeypatch.setattr(fp8_base, "_probe", lambda _device: None)
+    monkeypatch.setattr(fp8_base, "_PROBED", {})
+    got, reason = fp8_base.resolve(None, torch.device("cuda"), 14, checkpointing, four_bit, experts)
+    assert got is on and ("e4m3" in reason) is on
+    assert reason.startswith("automatic:") or f"sm{capability[0]}{capability[1]}" in reason
+    assert fp8_base.automatic_scope(None, "all") == "recompute"
+    assert fp8_base.automatic_scope(True, "all") == "all"
 
 
 @pytest.mark.parametrize(

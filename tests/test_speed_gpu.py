@@ -281,8 +281,12 @@ def test_4bit_weights_reach_16_bits_in_one_kernel_with_bitsandbytes_bits_on_gpu(
     "settings",
     [
         SpeedConfig(metadata_cache=True, checkpointing="none", fused_kernels=False),
-        SpeedConfig(metadata_cache=True, checkpointing="offloaded", fused_kernels=False, dequant_once=False),
-        SpeedConfig(metadata_cache=True, checkpointing="offloaded", fused_kernels=True, dequant_once=True),
+        SpeedConfig(
+            metadata_cache=True, checkpointing="offloaded", fused_kernels=False, dequant_once=False, fp8_base=False
+        ),
+        SpeedConfig(
+            metadata_cache=True, checkpointing="offloaded", fused_kernels=True, dequant_once=True, fp8_base=False
+        ),
     ],
     ids=["plain", "offloaded", "offloaded-compiled-dequant-once"],
 )
@@ -500,7 +504,8 @@ def test_fp8_only_in_the_recompute_keeps_the_16bit_forward_on_gpu() -> None:
     """With fp8 kept out of the forward pass, an offloaded step's logits (and so its loss) are the bf16 path's to
     the bit; only the recompute and the input gradients carry fp8 rounding, less of it than fp8 everywhere."""
     model = bf16_model("llama")
-    base = SpeedConfig(metadata_cache=True, checkpointing="offloaded")
+    # every layer recomputes: resident layers (automatic) would keep a tiny model's activations and skip it
+    base = SpeedConfig(metadata_cache=True, checkpointing="offloaded", resident_layers=False)
     ctl = SpeedController(model, base, CUDA)
     ctl.offloader.min_offload_bytes = ctl.offloader.min_saved_bytes = 0
     ref_logits = run_step(model, ctl)
@@ -518,6 +523,41 @@ def test_fp8_only_in_the_recompute_keeps_the_16bit_forward_on_gpu() -> None:
     assert errors["recompute"][0] == 0.0, errors
     assert 1e-4 < errors["recompute"][1] < errors["all"][1], errors
     print(f"\nlogits, gradients vs bf16 by fp8 scope: {errors}")
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs fp8 tensor cores"
+)
+def test_automatic_fp8_keeps_a_qlora_step_16bit_forward_on_gpu() -> None:
+    """Left automatic, a 4-bit model under offloaded checkpointing on an fp8 GPU multiplies in fp8 only in the
+    recompute and the input gradients: its logits are the 16-bit path's to the bit, its gradients within fp8
+    rounding of them, with no host sync."""
+    from speed_models import tiny_config
+
+    from engine.bench.long_context import build_quantized_model, with_lora
+
+    torch.manual_seed(0)
+    config = tiny_config("llama", hidden_size=512, head_dim=64, intermediate_size=1024)
+    model = with_lora(build_quantized_model(config, CUDA), "tunedeck")
+    model.train()
+    for name, param in model.named_parameters():  # LoRA B starts at zero: make every adapter's gradient count
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.02)
+    sixteen = SpeedConfig(metadata_cache=True, checkpointing="offloaded", fp8_base=False)
+    ctl = SpeedController(model, sixteen, CUDA)
+    ctl.offloader.min_offload_bytes = ctl.offloader.min_saved_bytes = 0
+    ref_logits, ref = run_step(model, ctl), grads(model)
+    model.zero_grad(set_to_none=True)
+    ctl.apply(dataclasses.replace(sixteen, fp8_base=None))
+    state = ctl.state()["fp8_base"]
+    assert state["on"] and state["reason"].startswith("automatic:") and "loss stay 16-bit" in state["reason"], state
+    run_step(model, ctl)  # the first fp8 step casts each weight once
+    model.zero_grad(set_to_none=True)
+    with no_host_sync():
+        logits = run_step(model, ctl)
+    got = grads(model)
+    worst = max(relative_error(got[k], ref[k]) for k in ref)
+    assert torch.equal(logits, ref_logits) and 1e-4 < worst < 0.25, worst
 
 
 GRAPHED_STEPS = [[(700, 500, 300)], [(1450,), (800, 600, 100)], [(1500,)], [(600, 600, 300), (1480,)],

@@ -79,10 +79,11 @@ STOCK = SpeedConfig(
     metadata_cache=False, checkpointing="standard", moe_routing="stock", fused_loss=False, chunked_mlp=False,
     host_embedding=False, lora_16bit=False, fused_kernels=False, lean_recompute=False, dequant_once=False,
     keep_attention=False, four_bit_kernel=False, resident_layers=False, cudnn_attention=False, lora_groups=False,
+    fp8_base=False,
 )  # fmt: skip
 ABLATED = (
     "fused_kernels", "lean_recompute", "dequant_once", "four_bit_kernel", "host_embedding", "fused_loss",
-    "metadata_cache", "step_graphs", "resident_layers", "cudnn_attention", "lora_groups",
+    "metadata_cache", "step_graphs", "resident_layers", "cudnn_attention", "lora_groups", "fp8_base",
 )  # fmt: skip
 """Switches whose worth ``auto-X`` measures (each turned off alone)."""
 WHOLE_ROW = "whole_row"

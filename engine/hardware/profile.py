@@ -289,12 +289,13 @@ def faster_rows_note(
 
 def fp8_note(target: DeviceTarget) -> str | None:
     """A GPU with fp8 tensor cores (sm89+: RTX 40/50 series, Hopper, Blackwell, GB10) can run the frozen-weight
-    products in fp8 (engine.speed.fp8_base): worth saying, as the switch is off unless switched on."""
+    products in fp8 (engine.speed.fp8_base): worth saying, as it is automatic only for QLoRA's recompute."""
     if not target.is_gpu or target.assumed or target.compute_capability is None or target.compute_capability < (8, 9):
         return None
     return (
         f"{target.label} has fp8 tensor cores: --fp8-base runs the frozen base weights' products in fp8, faster "
-        "where the GPU sets the pace, at fp8 rounding (off unless switched on)"
+        "where the GPU sets the pace, at fp8 rounding (automatic in a QLoRA run's recompute and input gradients, "
+        "the forward pass kept 16-bit; everywhere when switched on)"
     )
 
 

@@ -308,14 +308,17 @@ class SpeedController:
         extra = lean_recompute.layer_dequant_bytes(self.hf_model)
         free = free_device_memory(self.device) if self.device.type == "cuda" else None
         once, once_reason = lean_recompute.dequant_once_resolve(settings.dequant_once, mode, extra, free)
-        frozen = sum(1 for _ in lean_recompute.frozen_projections(self.hf_model, every=True))
-        fp8, fp8_reason = fp8_base.resolve(settings.fp8_base, self.device, frozen)
-        fp8, fp8_reason = fp8_base.scoped(fp8, fp8_reason, settings.fp8_scope, mode)
+        projections = list(lean_recompute.frozen_projections(self.hf_model, every=True))
+        frozen, four_bit = len(projections), any(lean_recompute.is_4bit(base) for _, _, base, _ in projections)
+        experts = moe_routing.has_routable_experts(self.hf_model)
+        fp8, fp8_reason = fp8_base.resolve(settings.fp8_base, self.device, frozen, mode, four_bit, experts)
+        scope = fp8_base.automatic_scope(settings.fp8_base, settings.fp8_scope)
+        fp8, fp8_reason = fp8_base.scoped(fp8, fp8_reason, scope, mode)
         compiled, _ = fused_kernels.resolve(settings.fused_kernels, self.hf_model, self.device)
         kernel, kernel_reason = lean_recompute.four_bit_kernel_resolve(
             settings.four_bit_kernel, self.device, self.hf_model, measured=once and not self._chunked
         )
-        self.lean.fp8_in_forward = settings.fp8_scope != "recompute"
+        self.lean.fp8_in_forward = scope != "recompute"
         self.lean.switch(skip, once, fp8, one_pass=compiled, one_kernel=kernel)
         if fp8:
             fp8_reason += fp8_coverage(*self.lean.fp8_projections())

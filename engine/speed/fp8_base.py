@@ -17,15 +17,22 @@ copy dequantize-once keeps otherwise).
 
 Cost: e4m3 keeps 3 mantissa bits, so each product carries about 4% relative error against bf16's 0.2% (random
 4,096-wide rows). A 4-bit base already carries NF4's larger rounding in the weights themselves, and the trained
-adapters stay in 16/32 bits, but the losses no longer follow the bf16 path within bf16 noise: that is why the
-switch is off unless switched on. Products whose widths are not multiples of 16 keep the 16-bit path, and so do
-MoE routers and 3-D experts, which are not linear projections: experts are still chosen from 16-bit logits.
+adapters stay in 16/32 bits, but with fp8 in the forward pass the losses no longer follow the bf16 path within
+bf16 noise. Products whose widths are not multiples of 16 keep the 16-bit path, and so do MoE routers and 3-D
+experts, which are not linear projections: experts are still chosen from 16-bit logits.
 
-Scope (``--fp8-scope``): ``all`` as above, or ``recompute``: the forward pass stays in 16 bits, so the loss is the
-16-bit path's, and only offloaded checkpointing's recompute and the input gradients multiply in fp8. The gradients
-then come from activations rebuilt with fp8 products. Measured on the H200 (Llama-3.1-8B QLoRA, 4,096 tokens, 8 GiB):
-20-step losses within 2.4e-4 of the automatic path against 2.9e-3 with fp8 everywhere (bf16's own noise there is
-1.5-1.9e-4); 339 ms a step with step graphs against 303 ms for fp8 everywhere and about 395 ms for bf16.
+Scope (``--fp8-scope``, when the switch is on): ``all`` as above, or ``recompute``: the forward pass stays in 16
+bits, so the loss is the 16-bit path's, and only offloaded checkpointing's recompute and the input gradients
+multiply in fp8. The gradients then come from activations rebuilt with fp8 products and carry fp8 rounding, which
+is small beside a micro-batch's own sampling noise.
+
+Automatic: on, in the ``recompute`` scope, for a dense model with a 4-bit (QLoRA) base under offloaded checkpointing
+on a GPU with fp8 tensor cores; off elsewhere (fp8 everywhere, 16-bit bases and runs without a recompute were not
+measured within bf16 noise, nor MoE models' speed with it). Measured on the H200 (Llama-3.1-8B QLoRA, r32, one
+4,096-token row, 8 GiB cap): in one bench process, 20-step losses within 2.36e-4 of the float32-LoRA path, against
+2.39e-4 for the 16-bit path and 2.9e-3 with fp8 everywhere; through ``tunedeck train``, automatic, 311 ms a step
+(13,169 tokens/s) at a 6.97 GiB peak, against 361 ms (11,341 tokens/s) at 7.22 GiB in 16 bits, the loss after 40
+steps 1.701 against 1.699 (``benchmarks/qlora_train_fp8_h200.md``).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from engine.speed.four_bit_weights import e4m3_from_4bit
 
 __all__ = [
     "E4M3_MAX",
+    "automatic_scope",
     "fp8_matmul",
     "frozen_weight_e4m3",
     "quantize_rows",
@@ -218,8 +226,17 @@ def scoped(on: bool, reason: str, scope: str, checkpointing: str) -> tuple[bool,
     return True, reason + "; the forward pass and its loss stay 16-bit (fp8 scope: recompute and input gradients)"
 
 
-def resolve(requested: bool | None, device: torch.device, frozen: int) -> tuple[bool, str]:
-    """(on, reason): never automatic, since the products' rounding grows from bf16's to e4m3's."""
+def resolve(
+    requested: bool | None,
+    device: torch.device,
+    frozen: int,
+    checkpointing: str = "none",
+    four_bit: bool = False,
+    experts: bool = False,
+) -> tuple[bool, str]:
+    """(on, reason). Automatic only where it was measured within bf16 noise: a dense model with a 4-bit (QLoRA) base
+    under offloaded checkpointing, where the automatic scope keeps the forward pass in 16 bits
+    (:func:`automatic_scope`); not for MoE models (``experts``), whose speed with it was not measured."""
     if requested is False:
         return False, "switched off: frozen weights multiply in the model's 16-bit dtype"
     if frozen == 0:
@@ -227,9 +244,22 @@ def resolve(requested: bool | None, device: torch.device, frozen: int) -> tuple[
     problem = unavailable_reason(device)
     if problem is not None:
         return False, problem
-    if requested is None:
+    if requested:
+        return True, "switched on: frozen weights multiply in e4m3 with per-row scales on fp8 tensor cores"
+    if not four_bit or experts or checkpointing != "offloaded":
         return False, (
-            "automatic: off; fp8 products are faster on this GPU's fp8 tensor cores but round to 3 mantissa bits "
-            "(about 4% error per product against 0.2% in bf16): switch on to trade that for speed"
+            "automatic: off; on only for a dense model with a 4-bit (QLoRA) base under offloaded checkpointing, where "
+            "fp8 products in the recompute and the input gradients measured within bf16 noise (switch on to use fp8 "
+            "here)"
         )
-    return True, "switched on: frozen weights multiply in e4m3 with per-row scales on fp8 tensor cores"
+    return True, (
+        "automatic: frozen 4-bit weights multiply in e4m3 with per-row scales on fp8 tensor cores in the recompute "
+        "and the input gradients (H200, Llama-3.1-8B under 8 GiB: 311 against 361 ms a step, 20-step losses as "
+        "close to float32 LoRA as bf16's)"
+    )
+
+
+def automatic_scope(requested: bool | None, scope: str) -> str:
+    """The fp8 scope a run uses: the one asked for when fp8 is switched on, ``recompute`` when it is automatic (the
+    forward pass and its loss stay 16-bit)."""
+    return scope if requested else "recompute"
