@@ -278,6 +278,14 @@ def test_compiled_regions_take_the_fp8_products_without_graph_breaks(tiny_dir: P
     torch._dynamo.reset()
 
 
+def fake_gpu(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int] | None) -> None:
+    """A CUDA device of this compute capability, whose torch multiplies fp8 with per-row scales."""
+    monkeypatch.setattr(fp8_base, "unavailable_reason", UNAVAILABLE)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _device=None: capability)
+    monkeypatch.setattr(fp8_base, "_probe", lambda _device: None)
+    monkeypatch.setattr(fp8_base, "_PROBED", {})
+
+
 @pytest.mark.parametrize(
     ("capability", "checkpointing", "four_bit", "experts", "on"),
     [
@@ -302,10 +310,7 @@ def test_automatic_resolution_by_gpu_and_run(
     on: bool,
 ) -> None:
     """Automatic fp8 is for QLoRA's offloaded recompute on GPUs with fp8 tensor cores, always in that scope."""
-    monkeypatch.setattr(fp8_base, "unavailable_reason", UNAVAILABLE)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _device=None: capability)
-    monkeypatch.setattr(fp8_base, "_probe", lambda _device: None)
-    monkeypatch.setattr(fp8_base, "_PROBED", {})
+    fake_gpu(monkeypatch, capability)
     got, reason = fp8_base.resolve(None, torch.device("cuda"), 14, checkpointing, four_bit, experts)
     assert got is on and ("e4m3" in reason) is on
     assert reason.startswith("automatic:") or f"sm{capability[0]}{capability[1]}" in reason
@@ -336,10 +341,7 @@ def test_resolution_by_gpu(
     words: str,
 ) -> None:
     """RTX 30 (sm86) and older have no fp8 tensor cores; RTX 40 (sm89), Hopper, Blackwell and GB10 do."""
-    monkeypatch.setattr(fp8_base, "unavailable_reason", UNAVAILABLE)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _device=None: capability)
-    monkeypatch.setattr(fp8_base, "_probe", lambda _device: None)
-    monkeypatch.setattr(fp8_base, "_PROBED", {})
+    fake_gpu(monkeypatch, capability)
     got, reason = fp8_base.resolve(requested, torch.device(device), frozen=14)
     assert got is on and words in reason
 
@@ -379,3 +381,22 @@ def test_moe_routers_and_experts_keep_their_precision() -> None:
     wrapped = {name for name, module in model.named_modules() if isinstance(module, FrozenProjection)}
     assert wrapped and all(".self_attn." in name for name in wrapped)
     assert controller.state()["fp8_base"]["on"]
+
+
+def test_automatic_fp8_with_chunked_mlps_keeps_the_16bit_loss(tiny_dir: Path) -> None:
+    """Rows too long for a small card run their MLPs in chunks: automatic fp8 there still leaves the forward pass,
+    and so the loss, in 16 bits, with fp8 rounding only in the gradients."""
+    model = tiny_qlora_model(tiny_dir)
+    batch = packed_batch((40, 30, 20))
+    chunked = dataclasses.replace(OFFLOADED, lean_recompute=True, dequant_once=True, chunked_mlp=True)
+    controller = SpeedController(model, dataclasses.replace(chunked, fp8_base=False), CPU)
+    results = {}
+    for fp8 in (False, None):
+        controller.apply(dataclasses.replace(chunked, fp8_base=fp8))
+        controller.chunked.install(16)  # chunks of 16 of the batch's 90 tokens
+        state = controller.state()
+        assert state["chunked_mlp"]["on"] and state["fp8_base"]["on"] is (fp8 is None), state["fp8_base"]
+        loss, _ = step(model, controller.model_inputs(batch), batch)
+        results[fp8] = loss, grads(model)
+    (loss_ref, grads_ref), (loss, grads_auto) = results[False], results[None]
+    assert torch.equal(loss, loss_ref) and 0 < worst_gradient_error(grads_auto, grads_ref) < FP8_ERROR

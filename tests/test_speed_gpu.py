@@ -277,6 +277,22 @@ def test_4bit_weights_reach_16_bits_in_one_kernel_with_bitsandbytes_bits_on_gpu(
     assert differ == 0, f"{differ} of {got.numel()} weights differ"
 
 
+def tiny_4bit_model() -> torch.nn.Module:
+    """A two-layer Llama in NF4 on the GPU with LoRA whose B factors are nonzero (every adapter gets a gradient)."""
+    from speed_models import tiny_config
+
+    from engine.bench.long_context import build_quantized_model, with_lora
+
+    torch.manual_seed(0)
+    config = tiny_config("llama", hidden_size=512, head_dim=64, intermediate_size=1024)
+    model = with_lora(build_quantized_model(config, CUDA), "tunedeck")
+    model.train()
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.02)
+    return model
+
+
 @pytest.mark.parametrize(
     "settings",
     [
@@ -294,17 +310,7 @@ def test_the_4bit_kernel_trains_with_bitsandbytes_products_and_gradients_on_gpu(
     """A 4-bit model's logits are the same bits, and its LoRA gradients the same within summation order, whether
     bitsandbytes or the one-pass kernel decodes its weights: in plain training, in offloaded checkpointing's
     forward, recompute and backward, and in compiled regions with dequantize-once keeping the decoded weights."""
-    from speed_models import tiny_config
-
-    from engine.bench.long_context import build_quantized_model, with_lora
-
-    torch.manual_seed(0)
-    config = tiny_config("llama", hidden_size=512, head_dim=64, intermediate_size=1024)
-    model = with_lora(build_quantized_model(config, CUDA), "tunedeck")
-    model.train()
-    for name, param in model.named_parameters():  # LoRA B starts at zero: make every adapter's gradient count
-        if "lora_B" in name:
-            torch.nn.init.normal_(param, std=0.02)
+    model = tiny_4bit_model()
     ctl = SpeedController(model, dataclasses.replace(settings, four_bit_kernel=False), CUDA)
     ctl.offloader.min_offload_bytes = ctl.offloader.min_saved_bytes = 0
     results = {}
@@ -532,17 +538,7 @@ def test_automatic_fp8_keeps_a_qlora_step_16bit_forward_on_gpu() -> None:
     """Left automatic, a 4-bit model under offloaded checkpointing on an fp8 GPU multiplies in fp8 only in the
     recompute and the input gradients: its logits are the 16-bit path's to the bit, its gradients within fp8
     rounding of them, with no host sync."""
-    from speed_models import tiny_config
-
-    from engine.bench.long_context import build_quantized_model, with_lora
-
-    torch.manual_seed(0)
-    config = tiny_config("llama", hidden_size=512, head_dim=64, intermediate_size=1024)
-    model = with_lora(build_quantized_model(config, CUDA), "tunedeck")
-    model.train()
-    for name, param in model.named_parameters():  # LoRA B starts at zero: make every adapter's gradient count
-        if "lora_B" in name:
-            torch.nn.init.normal_(param, std=0.02)
+    model = tiny_4bit_model()
     sixteen = SpeedConfig(metadata_cache=True, checkpointing="offloaded", fp8_base=False)
     ctl = SpeedController(model, sixteen, CUDA)
     ctl.offloader.min_offload_bytes = ctl.offloader.min_saved_bytes = 0
