@@ -283,8 +283,8 @@ class SpeedConfig:
         None,
         "multiply by the frozen base weights in fp8 (e4m3, per-row scales) on GPUs with fp8 tensor cores (RTX 40/50, "
         "Hopper, Blackwell, GB10): faster, with about 4 percent rounding error per product against 0.2 percent in bf16 "
-        "(automatic: on for a 4-bit base under offloaded checkpointing, in the recompute scope, where losses measured "
-        "within bf16 noise; off elsewhere)",
+        "(automatic: on for a dense model's 4-bit base under offloaded checkpointing, in the recompute scope, where "
+        "losses measured within bf16 noise; off elsewhere)",
         flag="--fp8-base",
     )
     fp8_scope: Literal["all", "recompute"] = setting(

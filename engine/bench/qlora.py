@@ -14,9 +14,10 @@ Variants, timed one after another in the same process on the same rows:
   checkpointing, sdpa, the model's own loss);
 * ``auto``: TuneDeck with every switch automatic, as ``tunedeck train --qlora`` runs;
 * ``auto-X``: automatic with switch X off, which tells what each switch is worth;
-* ``auto+X``: automatic with switch X on, for the switches that are off unless switched on (fp8 base matmuls,
-  kept attention, step graphs; ``auto+X+Y`` switches on both); ``auto+layer_regions``: automatic with the fused
-  kernels compiled per decoder layer instead of per child (fewer compiled calls, each with its host-side cost);
+* ``auto+X``: automatic with switch X on, for the switches that are off unless switched on or on only in some
+  settings (fp8 base matmuls everywhere, kept attention, step graphs; ``auto+X+Y`` switches on both);
+  ``auto+layer_regions``: automatic with the fused kernels compiled per decoder layer instead of per child (fewer
+  compiled calls, each with its host-side cost);
   a ``+foreach_adamw`` tail on any TuneDeck variant updates with the foreach AdamW instead of the fused one;
   a ``+fp8_recompute_only`` tail on an fp8-base variant runs it with ``--fp8-scope recompute`` (the forward pass
   in 16 bits, fp8 products only in the offloaded recompute and the input gradients).
