@@ -155,9 +155,13 @@ def test_qlora_fp8_with_lean_recompute_and_dequantize_once(tiny_dir: Path) -> No
     assert all(torch.equal(grads_back[name], grads_ref[name]) for name in grads_ref)
 
 
-def test_fp8_in_the_recompute_only_keeps_the_16bit_loss(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fp8_in_the_recompute_keeps_the_16bit_loss_switched_on_or_automatic(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``fp8_scope="recompute"``: the loss is the 16-bit path's bit for bit, the gradients carry fp8 rounding from
-    the recompute and the input gradients (fewer products than fp8 everywhere)."""
+    the recompute and the input gradients (fewer products than fp8 everywhere). Left automatic, a 4-bit base under
+    offloaded checkpointing runs the same products, even where the scope says ``all`` (it applies when the switch
+    is on)."""
     model = tiny_qlora_model(tiny_dir)
     lean = dataclasses.replace(OFFLOADED, lean_recompute=True, dequant_once=True)
     loss_ref, grads_ref, _ = run(model, lean)
@@ -168,28 +172,13 @@ def test_fp8_in_the_recompute_only_keeps_the_16bit_loss(tiny_dir: Path, monkeypa
     assert scaled_mm[0] > 0 and torch.equal(loss, loss_ref)
     assert 0 < worst_gradient_error(grads_fp8, grads_ref) < FP8_ERROR
     products_in_recompute = scaled_mm[0]
-    run(model, dataclasses.replace(lean, fp8_base=True))
-    assert scaled_mm[0] - products_in_recompute > products_in_recompute  # fp8 everywhere adds the forward's
-
-
-def test_automatic_fp8_runs_a_qlora_recompute_with_the_16bit_loss(
-    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Left automatic, a 4-bit base under offloaded checkpointing takes fp8 in the recompute and the input gradients
-    only, even where the fp8 scope says ``all`` (it applies when the switch is on): the loss is the 16-bit path's
-    bit for bit and the gradients carry fp8 rounding, the same products as the switch on in that scope."""
-    model = tiny_qlora_model(tiny_dir)
-    lean = dataclasses.replace(OFFLOADED, lean_recompute=True, dequant_once=True)
-    loss_ref, grads_ref, _ = run(model, lean)
-    scaled_mm = _count_scaled_mm(monkeypatch)
     loss, grads_auto, controller = run(model, dataclasses.replace(lean, fp8_base=None, fp8_scope="all"))
     state = controller.state()["fp8_base"]
     assert state["on"] and state["reason"].startswith("automatic:") and "loss stay 16-bit" in state["reason"]
-    assert torch.equal(loss, loss_ref) and 0 < worst_gradient_error(grads_auto, grads_ref) < FP8_ERROR
-    automatic = scaled_mm[0]
-    _, grads_on, _ = run(model, dataclasses.replace(lean, fp8_base=True, fp8_scope="recompute"))
-    assert scaled_mm[0] == 2 * automatic > 0
-    assert all(torch.equal(grads_on[name], grads_auto[name]) for name in grads_auto)
+    assert scaled_mm[0] == 2 * products_in_recompute and torch.equal(loss, loss_ref)
+    assert all(torch.equal(grads_auto[name], grads_fp8[name]) for name in grads_fp8)
+    run(model, dataclasses.replace(lean, fp8_base=True))
+    assert scaled_mm[0] - 2 * products_in_recompute > products_in_recompute  # fp8 everywhere adds the forward's
 
 
 @pytest.mark.parametrize("checkpointing", ["none", "standard"])
