@@ -539,7 +539,8 @@ def test_automatic_fp8_keeps_a_qlora_step_16bit_forward_on_gpu() -> None:
     recompute and the input gradients: its logits are the 16-bit path's to the bit, its gradients within fp8
     rounding of them, with no host sync."""
     model = tiny_4bit_model()
-    sixteen = SpeedConfig(metadata_cache=True, checkpointing="offloaded", fp8_base=False)
+    # every layer recomputes (resident layers, automatic, could keep a tiny model's activations on a roomy GPU)
+    sixteen = SpeedConfig(metadata_cache=True, checkpointing="offloaded", resident_layers=False, fp8_base=False)
     ctl = SpeedController(model, sixteen, CUDA)
     ctl.offloader.min_offload_bytes = ctl.offloader.min_saved_bytes = 0
     ref_logits, ref = run_step(model, ctl), grads(model)
