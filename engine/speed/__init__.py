@@ -308,10 +308,9 @@ class SpeedController:
         extra = lean_recompute.layer_dequant_bytes(self.hf_model)
         free = free_device_memory(self.device) if self.device.type == "cuda" else None
         once, once_reason = lean_recompute.dequant_once_resolve(settings.dequant_once, mode, extra, free)
-        projections = list(lean_recompute.frozen_projections(self.hf_model, every=True))
-        frozen, four_bit = len(projections), any(lean_recompute.is_4bit(base) for _, _, base, _ in projections)
+        frozen = sum(1 for _ in lean_recompute.frozen_projections(self.hf_model, every=True))
         experts = moe_routing.has_routable_experts(self.hf_model)
-        fp8, fp8_reason = fp8_base.resolve(settings.fp8_base, self.device, frozen, mode, four_bit, experts)
+        fp8, fp8_reason = fp8_base.resolve(settings.fp8_base, self.device, frozen, mode, extra > 0, experts)
         scope = fp8_base.automatic_scope(settings.fp8_base, settings.fp8_scope)
         fp8, fp8_reason = fp8_base.scoped(fp8, fp8_reason, scope, mode)
         compiled, _ = fused_kernels.resolve(settings.fused_kernels, self.hf_model, self.device)
