@@ -171,6 +171,26 @@ def test_four_bit_kernel_resolution(
     assert got is on and reason in why, why
 
 
+def test_the_4bit_kernel_is_chosen_after_the_first_long_row_chunks_its_mlps(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Automatic checkpointing turns on with the first long row, and so do chunked MLPs: the 4-bit kernel, automatic
+    only with whole-row MLPs, is decided after the chunks, not from the state before them."""
+    from engine.hardware.planner import CHUNK_MIN_ROW_TOKENS
+    from engine.speed import lean_recompute
+
+    monkeypatch.setattr(
+        lean_recompute, "four_bit_kernel_resolve", lambda requested, device, model, measured=True: (measured, "spy")
+    )  # fmt: skip
+    controller = SpeedController(tiny_qlora_model(tiny_dir), SpeedConfig(metadata_cache=True), CPU)
+    monkeypatch.setattr(controller, "_resolve_checkpointing", lambda requested: ("offloaded", "a GPU short of memory"))
+    assert not controller.state()["chunked_mlp"]["on"]
+    controller.model_inputs(packed_batch((CHUNK_MIN_ROW_TOKENS + 8,)))
+    state = controller.state()
+    assert state["checkpointing"]["mode"] == "offloaded" and state["chunked_mlp"]["on"], state["chunked_mlp"]
+    assert not state["four_bit_kernel"]["on"] and controller.lean.one_kernel_projections() == 0
+
+
 def test_four_bit_kernel_needs_4bit_weights_and_is_off_on_the_cpu(tiny_dir: Path) -> None:
     assert four_bit_kernel_resolve(None, torch.device("cuda"), mixed_precision_lora_model("llama")) == (
         False, "no 4-bit projections"

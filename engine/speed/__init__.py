@@ -479,13 +479,13 @@ class SpeedController:
         if checkpointing:
             self._auto_checkpointing_tokens = tokens
             self._apply_checkpointing("auto", reason=None)
-            self._apply_lean_recompute(self.settings)
         if longer:
             self._longest_tokens = tokens
-            self._apply_keep_attention(self.settings)
-            self._apply_chunked_mlp(self.settings)
         if not (checkpointing or longer):
             return
+        self._apply_keep_attention(self.settings)  # each of these depends on checkpointing and the longest row
+        self._apply_chunked_mlp(self.settings)
+        self._apply_lean_recompute(self.settings)  # the 4-bit kernel's choice depends on checkpointing and chunks
         self._apply_fused_kernels(self.settings)  # whole-layer regions depend on checkpointing and chunks
         self._apply_resident_layers(self.settings)
         self.graphs.clear()
