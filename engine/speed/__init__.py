@@ -483,9 +483,11 @@ class SpeedController:
             self._longest_tokens = tokens
         if not (checkpointing or longer):
             return
+        chunked = self._chunked
         self._apply_keep_attention(self.settings)  # each of these depends on checkpointing and the longest row
         self._apply_chunked_mlp(self.settings)
-        self._apply_lean_recompute(self.settings)  # the 4-bit kernel's choice depends on checkpointing and chunks
+        if checkpointing or self._chunked != chunked:
+            self._apply_lean_recompute(self.settings)  # the 4-bit kernel's choice depends on checkpointing and chunks
         self._apply_fused_kernels(self.settings)  # whole-layer regions depend on checkpointing and chunks
         self._apply_resident_layers(self.settings)
         self.graphs.clear()
