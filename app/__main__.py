@@ -26,6 +26,10 @@ def has_display(args: Sequence[str] = ()) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # first, before anything can start CUDA (the window's hardware detection does, early)
+    from engine.hardware.allocator import set_at_process_start
+
+    set_at_process_start()
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["--gui"]:  # the installed launcher's spelling of "open the window"
         args = args[1:]

@@ -4,17 +4,12 @@ The engine is an iterator of events; :class:`TrainingWorker` iterates it in a QT
 a Qt signal, so widgets only ever see plain event objects on the GUI thread. Pause, resume, stop and new speed
 settings go through the run's :class:`~engine.run.control.RunControl`, which the engine reads between two steps.
 
-On a two-core machine torch's intra-op pool would take both cores and the window would stutter; the worker
-leaves one core to the GUI (``torch.set_num_threads(cpu_count - 1)``, at least 1). Only the CPU pool is capped:
-on a GPU the work runs on the card and the cap costs nothing.
+The run itself is :func:`engine.train.run_beside_window`, Qt-free, so a benchmark can take the window's path
+without a window.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +19,10 @@ from PySide6.QtCore import QObject, QThread, Signal
 
 from engine.config import RunConfig, SpeedConfig
 from engine.errors import TuneDeckError
+from engine.run.background import training_threads
 from engine.run.control import RunControl
+
+__all__ = ["BackgroundTask", "ErrorInfo", "TaskRunner", "TrainingWorker", "describe_error", "training_threads"]
 
 
 @dataclass(frozen=True)
@@ -56,28 +54,6 @@ def describe_error(err: BaseException) -> ErrorInfo:
     return ErrorInfo(f"{type(err).__name__}: {text}" if text else type(err).__name__, None)
 
 
-def training_threads(cpu_count: int | None = None) -> int:
-    """CPU threads for torch during a run: all cores but one, which stays with the window."""
-    return max(1, (cpu_count or os.cpu_count() or 1) - 1)
-
-
-def lower_thread_priority(niceness: int = 10) -> None:
-    """Let the window's thread win the CPU over the training thread when cores are busy (Linux: per thread)."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
-
-
-def open_run_history() -> Any:
-    """The user's run registry, or None when it cannot be opened: a run never depends on it."""
-    from engine.run.registry import Registry, RegistryError
-
-    try:
-        return Registry()
-    except (RegistryError, OSError):
-        return None
-
-
 class TrainingWorker(QThread):
     """Runs ``engine.train.run`` in its own thread and emits every event."""
 
@@ -91,17 +67,9 @@ class TrainingWorker(QThread):
 
     def run(self) -> None:
         try:
-            import torch
+            from engine.train import run_beside_window
 
-            torch.set_num_threads(training_threads())
-            lower_thread_priority()
-            from engine.quiet import quiet_libraries
-            from engine.run.recorder import recorded
-            from engine.train import run
-
-            quiet_libraries()
-            events = run(self.config, control=self.control, resume=self.resume_dir)
-            for event in recorded(events, open_run_history()):  # so the Runs page lists it
+            for event in run_beside_window(self.config, self.control, self.resume_dir):
                 self.run_event.emit(event)
         except Exception as err:  # the engine reports its own failures; this catches import-time ones
             from engine.events import RunFailed

@@ -20,19 +20,19 @@ engine.distributed says what a step means with W ranks.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 from engine.config import RunConfig
 from engine.distributed.launch import resolve_gpus, run_ranks
 from engine.events import Event
+from engine.hardware.allocator import apply_at_run_start
 from engine.redact import known_tokens, redact_event
 from engine.run.control import RunControl
 from engine.run.folder import load_run_config, new_run_dir
 from engine.run.loop import failure, on_one_gpu, resumed_config, train_in_process
 
-__all__ = ["run"]
+__all__ = ["run", "run_beside_window"]
 
 
 def run(config: RunConfig, *, control: RunControl | None = None, resume: str | Path | None = None) -> Iterator[Event]:
@@ -43,9 +43,9 @@ def run(config: RunConfig, *, control: RunControl | None = None, resume: str | P
 
 
 def _run(config: RunConfig, control: RunControl | None, resume: str | Path | None) -> Iterator[Event]:
-    # Packed rows change length every step; without expandable segments the caching allocator fragments and
-    # planned batches ran out of memory with up to 4.9 GiB reserved but unused (H200). Must precede CUDA init.
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    # Packed rows change length every step: without expandable segments the allocator fragments (engine.hardware
+    # .allocator). Through the settings API where CUDA is already up, so the window's run gets them too.
+    apply_at_run_start()
     control = control or RunControl()
     run_dir: Path | None = None
     try:
@@ -63,3 +63,19 @@ def _run(config: RunConfig, control: RunControl | None, resume: str | Path | Non
         yield failure(err, None, run_dir, write_log=True)
         return
     yield from train_in_process(config, run_dir, resume is not None, control)
+
+
+def run_beside_window(config: RunConfig, control: RunControl, resume: str | Path | None = None) -> Iterator[Event]:
+    """:func:`run` as the window's training thread runs it (app.worker): the CPU shared with the GUI thread
+    (engine.run.background), libraries' chatter quieted, and every event recorded in the run history so the Runs
+    page lists the run. Qt-free, so a benchmark takes the window's path in the same order without a window."""
+    import torch
+
+    from engine.quiet import quiet_libraries
+    from engine.run.background import lower_thread_priority, open_run_history, training_threads
+    from engine.run.recorder import recorded
+
+    torch.set_num_threads(training_threads())
+    lower_thread_priority()
+    quiet_libraries()
+    yield from recorded(run(config, control=control, resume=resume), open_run_history())

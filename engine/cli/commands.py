@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from engine.cli.train import EPILOG
+from engine.hardware.allocator import set_at_process_start
 
 VERSION = "0.1.0"
 
@@ -62,6 +63,7 @@ def run_command(name: str, argv: list[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    set_at_process_start()  # before any command can start CUDA
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in COMMANDS:
         return run_command(args[0], args[1:])

@@ -20,9 +20,11 @@ from engine.distributed.control import CONTROL_FILE, RankControl
 from engine.distributed.group import choose_mode, init_ranks
 from engine.distributed.launch import EVENT_MARK, LAUNCH_ENV
 from engine.events import RunFailed
+from engine.hardware.allocator import set_at_process_start
 
 
 def main() -> int:
+    set_at_process_start()  # a rank's CUDA starts in init_ranks below
     import torch.distributed as dist
 
     from engine.quiet import quiet_libraries
