@@ -1,7 +1,13 @@
-"""Shared fixtures: tiny models and tokenizers built from configs in milliseconds, never downloaded."""
+"""Shared fixtures: tiny models and tokenizers built from configs in milliseconds, never downloaded.
+
+The Qt set-up (a display-less screen, throwaway window settings, pytest-qt's application) applies only where PySide6
+imports: the GPU machine has no Qt, and there the modules that need it are not collected (``collect_ignore``), so
+``pytest -m gpu`` runs everything else.
+"""
 
 from __future__ import annotations
 
+import ast
 import gc
 import json
 import os
@@ -23,19 +29,50 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from PySide6.QtCore import QSettings  # noqa: E402  (after QT_QPA_PLATFORM)
+try:
+    from PySide6.QtCore import QSettings  # (after QT_QPA_PLATFORM)
+except ImportError:  # no Qt here (the GPU machine): only the tests that need no Qt are collected
+    HAS_QT = False
+else:
+    HAS_QT = True
 
-# The window's remembered size and page go to a throwaway folder, never the user's settings.
-QSettings.setPath(QSettings.Format.IniFormat, QSettings.Scope.UserScope, tempfile.mkdtemp(prefix="tunedeck-qt-"))
+_QT_MODULES = {"PySide6", "pytestqt", "app"}
+"""Top-level imports that need Qt: PySide6, pytest-qt and the desktop app."""
+_TESTS = Path(__file__).parent
 
 
-@pytest.fixture(scope="session")
-def qapp(qapp: Any) -> Any:
-    """pytest-qt's application, collecting garbage on its GUI thread only, as the app does (app.gui_gc)."""
-    from app.gui_gc import collect_on_gui_thread
+def _needs_qt(name: str, seen: set[str] | None = None) -> bool:
+    """Whether tests/``name``.py imports Qt at module level (or loads it as a plugin, ``pytest_plugins``), itself or
+    through another module of tests/."""
+    seen = set() if seen is None else seen
+    path = _TESTS / f"{name}.py"
+    if name in seen or not path.is_file():
+        return False
+    seen.add(name)
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Import):
+            imported = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            imported = [node.module]
+        elif isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytest_plugins" for t in node.targets):
+            constants = [c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant)]
+            imported = [value for value in constants if isinstance(value, str)]
+        else:
+            continue
+        for module in imported:
+            top = module.split(".")[0]
+            if top in _QT_MODULES or _needs_qt(top, seen):
+                return True
+    return False
 
-    collect_on_gui_thread(qapp)
-    return qapp
+
+collect_ignore: list[str] = []
+"""Without Qt, the test modules that import it are left out of collection (they would fail to import)."""
+if not HAS_QT:
+    collect_ignore = [path.name for path in sorted(_TESTS.glob("test_*.py")) if _needs_qt(path.stem)]
+else:
+    # The window's remembered size and page go to a throwaway folder, never the user's settings.
+    QSettings.setPath(QSettings.Format.IniFormat, QSettings.Scope.UserScope, tempfile.mkdtemp(prefix="tunedeck-qt-"))
 
 
 @pytest.fixture(autouse=True)
@@ -49,11 +86,21 @@ def collect_garbage_between_tests() -> Iterator[None]:
         gc.collect(1)
 
 
-@pytest.fixture(autouse=True)
-def throwaway_window_settings(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Each test starts with no remembered window state (size, page), as on a first start."""
-    folder = tmp_path_factory.mktemp("qt-settings")
-    QSettings.setPath(QSettings.Format.IniFormat, QSettings.Scope.UserScope, str(folder))
+if HAS_QT:
+
+    @pytest.fixture(scope="session")
+    def qapp(qapp: Any) -> Any:
+        """pytest-qt's application, collecting garbage on its GUI thread only, as the app does (app.gui_gc)."""
+        from app.gui_gc import collect_on_gui_thread
+
+        collect_on_gui_thread(qapp)
+        return qapp
+
+    @pytest.fixture(autouse=True)
+    def throwaway_window_settings(tmp_path_factory: pytest.TempPathFactory) -> None:
+        """Each test starts with no remembered window state (size, page), as on a first start."""
+        folder = tmp_path_factory.mktemp("qt-settings")
+        QSettings.setPath(QSettings.Format.IniFormat, QSettings.Scope.UserScope, str(folder))
 
 
 @pytest.fixture(scope="session")

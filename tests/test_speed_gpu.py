@@ -105,12 +105,16 @@ def test_sliding_window_varlen_matches_mask() -> None:
 
 def test_offloaded_gradients_equal_standard_on_gpu() -> None:
     model = bf16_model("llama")
-    ctl = SpeedController(model, SpeedConfig(metadata_cache=True, checkpointing="standard"), CUDA)
+    # every layer checkpoints: resident layers (automatic) would keep a tiny model's activations on the GPU and
+    # neither path would recompute or send anything to the host; kept attention stays off (whole layers recompute)
+    standard = SpeedConfig(metadata_cache=True, checkpointing="standard", keep_attention=False, resident_layers=False)
+    ctl = SpeedController(model, standard, CUDA)
     ctl.offloader.min_offload_bytes = 0
     torch.manual_seed(0)
     run_step(model, ctl)
+    assert ctl.resident_layers == 0, ctl.state()["resident_layers"]
     ref = grads(model)
-    ctl.apply(SpeedConfig(metadata_cache=True, checkpointing="offloaded"))
+    ctl.apply(dataclasses.replace(standard, checkpointing="offloaded"))
     for _ in range(2):  # the second step reuses the pinned host buffers
         run_step(model, ctl)
     assert ctl.offloader.pinned_bytes > 0
@@ -123,7 +127,8 @@ def test_kept_attention_gradients_follow_whole_layer_recompute_on_gpu(share: flo
     """Saved tensors go to pinned host memory on a side stream and come back a layer ahead: the gradients of
     recomputing whole layers, on the second step too (reused host buffers), with no host sync."""
     model = bf16_model("llama")
-    whole = SpeedConfig(metadata_cache=True, checkpointing="offloaded", keep_attention=False)
+    # whole layers recompute in the reference (resident layers, automatic, would keep a tiny model's activations)
+    whole = SpeedConfig(metadata_cache=True, checkpointing="offloaded", keep_attention=False, resident_layers=False)
     ctl = SpeedController(model, whole, CUDA)
     ctl.offloader.min_offload_bytes = ctl.offloader.min_saved_bytes = 0
     run_step(model, ctl)
@@ -147,6 +152,7 @@ def test_training_step_with_everything_on_makes_no_sync() -> None:
         model, SpeedConfig(metadata_cache=True, checkpointing="offloaded", moe_routing="sync-free"), CUDA
     )
     ctl.offloader.min_offload_bytes = 0
+    ctl.resident_override = 1  # one layer resident, one offloaded (all of a tiny model would fit in spare memory)
     state = ctl.state()
     assert state["metadata_cache"]["backend"] == "varlen" and state["moe_routing"]["mode"] == "sync-free"
     host = packed_batch(LENGTHS)
@@ -157,6 +163,7 @@ def test_training_step_with_everything_on_makes_no_sync() -> None:
             out = model(**inputs, labels=batch.labels, num_items_in_batch=n)
             out.loss.backward()
         model.zero_grad(set_to_none=True)
+    assert ctl.resident_layers == 1 and ctl.offloader.pinned_bytes > 0, ctl.state()["resident_layers"]
 
 
 @pytest.mark.parametrize(("mode", "dtype"), [("sync-free", torch.bfloat16), ("bincount", torch.float16)])
@@ -298,10 +305,20 @@ def tiny_4bit_model() -> torch.nn.Module:
     [
         SpeedConfig(metadata_cache=True, checkpointing="none", fused_kernels=False),
         SpeedConfig(
-            metadata_cache=True, checkpointing="offloaded", fused_kernels=False, dequant_once=False, fp8_base=False
+            metadata_cache=True,
+            checkpointing="offloaded",
+            fused_kernels=False,
+            dequant_once=False,
+            fp8_base=False,
+            resident_layers=False,
         ),
         SpeedConfig(
-            metadata_cache=True, checkpointing="offloaded", fused_kernels=True, dequant_once=True, fp8_base=False
+            metadata_cache=True,
+            checkpointing="offloaded",
+            fused_kernels=True,
+            dequant_once=True,
+            fp8_base=False,
+            resident_layers=False,
         ),
     ],
     ids=["plain", "offloaded", "offloaded-compiled-dequant-once"],
@@ -309,7 +326,8 @@ def tiny_4bit_model() -> torch.nn.Module:
 def test_the_4bit_kernel_trains_with_bitsandbytes_products_and_gradients_on_gpu(settings: SpeedConfig) -> None:
     """A 4-bit model's logits are the same bits, and its LoRA gradients the same within summation order, whether
     bitsandbytes or the one-pass kernel decodes its weights: in plain training, in offloaded checkpointing's
-    forward, recompute and backward, and in compiled regions with dequantize-once keeping the decoded weights."""
+    forward, recompute and backward, and in compiled regions with dequantize-once keeping the decoded weights.
+    Under offloaded checkpointing every layer recomputes (resident layers off: a tiny model's would all fit)."""
     model = tiny_4bit_model()
     ctl = SpeedController(model, dataclasses.replace(settings, four_bit_kernel=False), CUDA)
     ctl.offloader.min_offload_bytes = ctl.offloader.min_saved_bytes = 0
@@ -453,7 +471,8 @@ def test_fp8_base_products_on_tensor_cores_follow_bf16_with_no_sync(checkpointin
     """fp8 products with the frozen weights (per-row scales, cuBLAS fp8 kernels) stay within fp8 rounding of the
     bf16 path, in plain training and in offloaded checkpointing's recompute, without a host sync."""
     model = bf16_model("llama")
-    base = SpeedConfig(metadata_cache=True, checkpointing=checkpointing)
+    # every layer recomputes under offloaded checkpointing (resident layers, automatic, would keep a tiny model's)
+    base = SpeedConfig(metadata_cache=True, checkpointing=checkpointing, resident_layers=False)
     ctl = SpeedController(model, base, CUDA)
     ctl.offloader.min_offload_bytes = ctl.offloader.min_saved_bytes = 0
     ref_logits = run_step(model, ctl)
@@ -482,7 +501,10 @@ def test_fp8_weights_from_4bit_codes_in_one_pass_train_as_the_two_pass_weights_o
     config = tiny_config("llama", hidden_size=512, head_dim=64, intermediate_size=1024)
     model = with_lora(build_quantized_model(config, CUDA), "tunedeck")
     model.train()
-    settings = SpeedConfig(metadata_cache=True, checkpointing="offloaded", fp8_base=True, fused_kernels=True)
+    # every layer recomputes (resident layers, automatic, would keep a tiny model's activations on a roomy GPU)
+    settings = SpeedConfig(
+        metadata_cache=True, checkpointing="offloaded", fp8_base=True, fused_kernels=True, resident_layers=False
+    )
     ctl = SpeedController(model, settings, CUDA)
     ctl.offloader.min_offload_bytes = ctl.offloader.min_saved_bytes = 0
     _, one_pass, _ = ctl.lean.fp8_projections()
@@ -602,7 +624,8 @@ def test_step_graphs_train_as_eager_steps_with_no_sync(kind: str, checkpointing:
     """Micro-steps replayed from CUDA graphs (fused kernels, the fused loss, offloaded copies, the input embedding
     looked up on the host, 4-bit dequantize-once and lean recompute) train as eager ones do, and a replayed
     micro-step makes no host sync."""
-    settings = SpeedConfig(checkpointing=checkpointing, host_embedding=True)
+    # every layer recomputes and offloads (resident layers, automatic, would keep a tiny model's activations)
+    settings = SpeedConfig(checkpointing=checkpointing, host_embedding=True, resident_layers=False)
     eager = graphed_training(kind, dataclasses.replace(settings, step_graphs=False))
     losses, updates, ctl = graphed_training(kind, dataclasses.replace(settings, step_graphs=True))
     assert ctl.state()["step_graphs"]["on"], ctl.state()["step_graphs"]
@@ -630,7 +653,9 @@ def test_dropped_step_graphs_leave_nothing_allocated_in_their_pools(chunked: boo
     """Whatever the captures allocated goes with the graphs: nothing of a run (offloader, 4-bit decodes, chunked
     MLPs, the host embedding's rows) keeps a tensor from their pools. The 8B row of 16,384 tokens under 8 GiB once
     found 1.92 GiB still allocated in graph pools after its graphs were dropped."""
-    settings = SpeedConfig(checkpointing="offloaded", host_embedding=True, chunked_mlp=chunked, step_graphs=True)
+    settings = SpeedConfig(
+        checkpointing="offloaded", host_embedding=True, chunked_mlp=chunked, step_graphs=True, resident_layers=False
+    )
     _, _, ctl = graphed_training("nf4", settings)
     assert ctl.graphs.captured > 0 and graph_pool_bytes() > 0  # the captured losses, at least
     ctl.apply(dataclasses.replace(settings, step_graphs=False))
