@@ -19,7 +19,7 @@ from speed_models import VOCAB, grads, max_relative_error, packed_batch, tiny_lo
 
 from engine.config import SpeedConfig
 from engine.data.packing import IGNORE_INDEX
-from engine.speed import SpeedController, step_graphs
+from engine.speed import SpeedController, step_graphs, warm_up
 from engine.speed.fused_loss import linear_cross_entropy
 from engine.speed.offloaded_checkpoint import ActivationOffloader
 from engine.speed.step_graphs import Bucket, StepGraphs, bucket_of, flatten, pad_to
@@ -495,6 +495,7 @@ def test_a_run_reports_the_trials_verdict_and_trains_every_step(
 
     list(run(run_config(tiny_model_dir, chat_file, tmp_path / "eager", step_graphs=False)))
     monkeypatch.setattr(step_graphs, "resolve", lambda requested, model, device: (True, "automatic: trying"))
+    monkeypatch.setattr(warm_up, "pays_back", lambda estimate, micro_batches: True)  # the trial is under test here
     monkeypatch.setattr(step_graphs.CudaGraphCapture, "__call__", lambda self, f: ReplayingCapture()(f))
     made: list[FakeInterval] = []
 

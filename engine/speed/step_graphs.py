@@ -267,6 +267,10 @@ class Trial:
             self.replay = interval
         return out
 
+    def times_ms(self) -> tuple[float, float]:
+        """(eager, replayed) GPU milliseconds, once :meth:`verdict` has one."""
+        return self.eager.ms(), self.replay.ms()
+
     def verdict(self) -> tuple[bool, str] | None:
         """(keep, reason) once both runs are timed to the next micro-batch and done on the GPU; None before."""
         if self.eager is None or self.replay is None or self.running is not None or not self.replay.done():
@@ -371,6 +375,8 @@ class StepGraphs:
     verdict: str | None = None
     """Why automatic step graphs stayed on, once their trial has timed them (:class:`Trial`)."""
     trial: Trial | None = None
+    trial_result: tuple[bool, float, float] | None = None
+    """The last trial's (keep, eager ms, replayed ms), kept for later runs (:mod:`engine.speed.reuse`)."""
     timer: Callable[[], Any] = GpuInterval
     wait: Callable[[torch.device], None] = wait_for_replays
     """Waits for replays still running on the GPU before their graphs and memory go (:func:`wait_for_replays`)."""
@@ -476,6 +482,8 @@ class StepGraphs:
         if verdict is None:
             return
         keep, reason = verdict
+        assert self.trial is not None  # a verdict comes from a trial
+        self.trial_result = (keep, *self.trial.times_ms())
         self.trial = None
         if keep:
             self.verdict = reason
