@@ -35,6 +35,7 @@ LANE_FIELDS = ("t", "used", "total", "gpu_t", "util", "temp")
 MARK_HOVER_PX = 8
 """How close (in pixels) the pointer must be to a change's line for the readout to name it."""
 MARK_COLOR = "#d62728"
+PEAK_COLOR = "#d62728"
 
 
 def nearest_mark(marks: Sequence[tuple[int, str]], step: float, steps_per_px: float) -> tuple[int, str] | None:
@@ -89,7 +90,8 @@ def configure_plots() -> None:
 
 
 class RunCharts(QWidget):
-    """Loss (train and eval) per step; memory against the total over time; GPU load and temperature; tokens/s."""
+    """Loss (train and eval) per step; memory against the total over time, with the largest step peak dashed; GPU
+    load and temperature; tokens/s."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -106,6 +108,16 @@ class RunCharts(QWidget):
             antialias=False, pen=None, symbol="t", symbolBrush="#d62728", name="throttled"
         )
         self.speed_curve = self.speed.plot(antialias=False, pen=pg.mkPen("#17becf", width=2), name="tokens/s")
+        self.step_peak = 0
+        """The largest step peak so far (StepMetrics.memory_bytes: reserved GPU memory, or RSS on a CPU run)."""
+        self.peak_name = "largest step peak (reserved)"
+        self.peak_line = pg.InfiniteLine(
+            angle=0,
+            pen=pg.mkPen(PEAK_COLOR, style=pg.QtCore.Qt.PenStyle.DashLine),
+            label="",
+            labelOpts={"position": 0.15},
+        )
+        self.memory.addItem(self.peak_line)
         self.mark_readout: QLabel | None = None
         """The readout naming the change under the pointer; made the first time it is needed."""
         self.speed.scene().sigMouseMoved.connect(self._pointer_moved)
@@ -148,6 +160,8 @@ class RunCharts(QWidget):
         self._mark_lines: list[Any] = []
         self._drawn_marks: tuple[tuple[int, str], ...] = ()
         self.marks = []
+        self.step_peak = 0
+        self.peak_line.hide()
         if getattr(self, "mark_readout", None) is not None:
             self._hide_readout()
         self._dirty = set(CHARTS)
@@ -155,6 +169,13 @@ class RunCharts(QWidget):
     def add_step(self, step: int, loss: float, tokens_per_s: float) -> None:
         self._append("loss", step=step, loss=loss)
         self._append("speed", speed_step=step, speed=tokens_per_s)
+
+    def add_step_peak(self, memory_bytes: int) -> None:
+        """A step's true peak: the memory chart marks the largest so far with a dashed line. It counts the reserved
+        memory (step graphs' pool included), which the card's used memory already holds, so the line sits below it."""
+        if memory_bytes > self.step_peak:
+            self.step_peak = memory_bytes
+            self._dirty.add("memory")
 
     def add_eval(self, step: int, loss: float) -> None:
         self._append("loss", eval_step=step, eval_loss=loss)
@@ -230,7 +251,10 @@ class RunCharts(QWidget):
     def set_device(self, device: str) -> None:
         """Name what the memory chart shows, and say why the GPU chart stays empty on a CPU run."""
         on_gpu = device.startswith("cuda")
-        self.memory.setTitle("GPU memory used vs the card's total (GiB)" if on_gpu else "Process memory vs RAM (GiB)")
+        self.memory.setTitle(
+            "GPU memory in use on the card (driver) vs its total (GiB)" if on_gpu else "Process memory vs RAM (GiB)"
+        )
+        self.peak_name = "largest step peak (reserved)" if on_gpu else "largest step peak (resident)"
         self.gpu.setTitle("GPU utilisation % and temperature °C" if on_gpu else "GPU: none (this run is on the CPU)")
         self.gpu.plotItem.legend.setVisible(on_gpu)
 
@@ -264,6 +288,10 @@ class RunCharts(QWidget):
     def _draw_memory(self) -> None:
         for lane in self.lanes.values():
             lane.draw_memory()
+        if self.step_peak:
+            self.peak_line.setValue(self.step_peak / GIB)
+            self.peak_line.label.setFormat(f"{self.peak_name}: {self.step_peak / GIB:.2f} GiB")
+            self.peak_line.show()
 
     def _draw_gpu(self) -> None:
         for lane in self.lanes.values():

@@ -46,6 +46,15 @@ ETA_WINDOW = 20
 """Steps averaged for the remaining-time estimate (recent ones: speed switches change the pace)."""
 
 
+def peak_memory_text(device: str, peak: int, driver: int | None) -> str:
+    """The run's memory peak in plain words: reserved GPU memory (step graphs' pool and the allocator's cache
+    included) and the driver's figure where it gave one; on a CPU run, the process's resident memory."""
+    if not device.startswith("cuda"):
+        return f"Peak process memory (resident): {peak / 2**30:.2f} GiB."
+    seen = f" ({driver / 2**30:.2f} GiB as the driver sees it)" if driver else ""
+    return f"Peak GPU memory (reserved): {peak / 2**30:.2f} GiB{seen}."
+
+
 def format_eta(seconds: float) -> str:
     seconds = round(seconds)
     hours, rest = divmod(seconds, 3600)
@@ -112,6 +121,10 @@ class RunPanel(QWidget):
         self.warnings.setMaximumHeight(72)
         self.step_times: deque[float] = deque(maxlen=ETA_WINDOW)
         self.speed_state: dict[str, dict[str, object]] = {}
+        self.device = ""
+        self.peak_memory = 0
+        """The largest step peak of this run (StepMetrics.memory_bytes)."""
+        self.driver_memory: int | None = None
         self._layout()
         controller.run_event.connect(self.on_event)
         controller.telemetry.connect(self.on_telemetry)
@@ -168,6 +181,7 @@ class RunPanel(QWidget):
         self.charts.clear()
         self.step_times.clear()
         self.speed_state = {}
+        self.peak_memory, self.driver_memory = 0, None
         self.progress.setValue(0)
 
     def resume_run(self, folder: str) -> None:
@@ -198,6 +212,7 @@ class RunPanel(QWidget):
         elif isinstance(event, EvalMetrics):
             self.charts.add_eval(event.step, event.loss)
         elif isinstance(event, RunStarted):
+            self.device = event.device
             self.charts.set_device(event.device)
             if event.start_step > 0:
                 self.charts.load_history(Path(event.run_dir), event.start_step)
@@ -220,7 +235,10 @@ class RunPanel(QWidget):
         elif isinstance(event, RunFinished):
             what = "Stopped" if event.cancelled else "Finished"
             loss = f", last loss {event.final_loss:.3f}" if event.final_loss is not None else ""
-            self.status.setText(f"{what} at step {event.step}{loss}. Adapter: {event.adapter_dir}")
+            memory = (
+                f" {peak_memory_text(self.device, self.peak_memory, self.driver_memory)}" if self.peak_memory else ""
+            )
+            self.status.setText(f"{what} at step {event.step}{loss}.{memory} Adapter: {event.adapter_dir}")
             self.ended_run = event.run_dir if Path(event.adapter_dir, "adapter_config.json").exists() else None
             self.export_button.setEnabled(self.ended_run is not None and not self.controller.active)
             self.eta.setText("")
@@ -230,6 +248,10 @@ class RunPanel(QWidget):
 
     def _on_step(self, event: StepMetrics) -> None:
         self.charts.add_step(event.step, event.loss, event.tokens_per_s)
+        self.charts.add_step_peak(event.memory_bytes)
+        self.peak_memory = max(self.peak_memory, event.memory_bytes)
+        if event.driver_memory_bytes is not None:
+            self.driver_memory = max(self.driver_memory or 0, event.driver_memory_bytes)
         self.step_times.append(event.step_time_s)
         self.progress.setValue(event.step)
         self.progress.setFormat(f"step %v of %m · loss {event.loss:.3f}")

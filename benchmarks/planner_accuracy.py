@@ -3,7 +3,10 @@
 Builds each shape from its config (random init, saved to a temp folder and loaded through the engine's own
 loader, so QLoRA goes through bitsandbytes exactly as a user's run does), adds LoRA r16 on all linear layers,
 and runs real AdamW steps through the engine's speed controller on one packed row of documents of 128-2,048
-tokens. Peak = ``torch.cuda.max_memory_allocated`` over the steps; the CUDA context is not included.
+tokens. Peak = the true peak over the steps (the allocator's peak reserved memory, step graphs' pool and cached
+blocks included: engine.hardware.vram), with the allocated peak beside it; the CUDA context is not included.
+Rows measured before the true peak (the committed planner_accuracy.json) hold ``torch.cuda.max_memory_allocated``
+under ``peak_bytes`` and no ``true_peak_bytes``.
 Then, for each cap, the planner picks LoRA/QLoRA, checkpointing and tokens per batch for a card of that size and
 the same steps run under ``torch.cuda.set_per_process_memory_fraction``.
 
@@ -64,12 +67,14 @@ def build_model(name: str, qlora: bool, folder: Path) -> Any:
 
 
 def train_steps(model: Any, controller: Any, optimizer: Any, batch: Any, steps: int) -> dict[str, Any]:
-    """Run ``steps`` optimizer steps; peak memory over all of them, time of the last."""
+    """Run ``steps`` optimizer steps; the true and allocated peaks over all of them, time of the last."""
     import torch
+
+    from engine.hardware.vram import reset_step_peak
 
     gc.collect()
     torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    reset_step_peak(torch.device("cuda", torch.cuda.current_device()))
     on_device = batch.to("cuda")
     times = []
     try:
@@ -86,14 +91,27 @@ def train_steps(model: Any, controller: Any, optimizer: Any, batch: Any, steps: 
             times.append(time.perf_counter() - start)
     except torch.OutOfMemoryError as err:
         optimizer.zero_grad(set_to_none=True)
-        return {"oom": True, "error": str(err).splitlines()[0], "peak_bytes": torch.cuda.max_memory_allocated()}
+        return {"oom": True, "error": str(err).splitlines()[0], **peak_record()}
     return {
         "oom": False,
-        "peak_bytes": torch.cuda.max_memory_allocated(),
-        "reserved_bytes": torch.cuda.max_memory_reserved(),
+        **peak_record(),
         "step_s": times[-1],
         "tokens_per_s": batch.num_tokens / times[-1],
     }
+
+
+def peak_record() -> dict[str, Any]:
+    """The peaks since the last reset: ``peak_bytes`` and ``true_peak_bytes`` the true peak (reserved),
+    ``allocated_peak_bytes`` live tensors only (what ``peak_bytes`` held in rows before the true peak)."""
+    import torch
+
+    from engine.hardware.vram import read_step_peak
+
+    peak = read_step_peak(torch.device("cuda", torch.cuda.current_device()))
+    return {
+        "peak_bytes": peak.true_peak, "true_peak_bytes": peak.true_peak, "allocated_peak_bytes": peak.allocated,
+        "reserved_bytes": peak.reserved, "driver_bytes": peak.driver,
+    }  # fmt: skip
 
 
 def setup_for(qlora: bool, mode: str, tokens: int, cache: bool) -> TrainSetup:
@@ -212,6 +230,14 @@ def error_pct(row: dict) -> float | None:
     return 100.0 * (row["predicted_bytes"] - row["peak_bytes"]) / row["peak_bytes"]
 
 
+def measured_words(rows: list[dict]) -> str:
+    """What the measured column holds: the true peak where the rows have one, else (rows measured before it) the
+    allocated peak."""
+    if any("true_peak_bytes" in row for row in rows):
+        return "the true peak, the allocator's peak reserved memory"
+    return "`torch.cuda.max_memory_allocated`"
+
+
 def markdown(data: dict) -> str:
     meta, rows = data["meta"], data["rows"]
     lines = [
@@ -221,7 +247,7 @@ def markdown(data: dict) -> str:
         + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
         "",
         "One packed row (documents of 128-2,048 tokens), random-init weights, LoRA r16 on all linear layers, AdamW,",
-        "two steps through the engine's loader and speed controller; measured = `torch.cuda.max_memory_allocated`",
+        "two steps through the engine's loader and speed controller; measured = " + measured_words(rows),
         "(CUDA context not included). QLoRA loads NF4 with double quantization through peft's",
         "`prepare_model_for_kbit_training` (fp32 embeddings, norms, head and activations), as the engine did then;",
         "these rows are predicted with `kbit_upcast=True`. The engine's own preparation (16-bit embeddings, norms,",

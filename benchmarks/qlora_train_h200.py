@@ -5,7 +5,8 @@ This record runs the product itself: a random-init model folder in the Llama-3.1
 safetensors shards and the demo model's tokenizer, since the GPU machine has no hub), a text dataset of long rows,
 and ``tunedeck train --qlora --lora-rank 32`` with every switch automatic, in a process whose allocator is capped
 to emulate a smaller card (``torch.cuda.set_per_process_memory_fraction``; the CUDA context is not counted).
-It reads the run's JSON events: tokens/s and peak allocated memory of every step, the switch states the run
+It reads the run's JSON events: tokens/s and the memory peak of every step (the true peak, reserved memory with
+step graphs' pool, since StepMetrics carried it; the allocated peak in logs from before), the switch states the run
 chose, its final loss, and any warning printed on the run's error stream.
 
     python benchmarks/qlora_train_h200.py --shapes llama-3.1-8b,qwen3-8b --caps 8,12,16,24 \\
@@ -141,9 +142,12 @@ def events_of(stdout: str) -> list[dict[str, Any]]:
 
 
 def summary(events: list[dict[str, Any]], stderr: str) -> dict[str, Any]:
-    """One run's figures: median tokens/s after the first :data:`TIMED_AFTER` steps, peak allocated GiB, losses,
-    the switches the run settled on (and its last reported switch state whole), and the warnings on its error
-    stream."""
+    """One run's figures: median tokens/s after the first :data:`TIMED_AFTER` steps, peak GiB, losses, the switches
+    the run settled on (and its last reported switch state whole), and the warnings on its error stream.
+
+    Peak: the largest step's ``memory_bytes``. Events that carry ``driver_memory_bytes`` report the true peak there
+    (reserved memory, step graphs' pool included), and the run gets ``true_peak_gib`` and ``driver_peak_gib`` too;
+    in older logs it is the allocated peak, under ``peak_gib`` alone."""
     steps = [e for e in events if e.get("kind") == "StepMetrics"]
     states = [e["state"] for e in events if e.get("kind") == "SpeedChanged"]
     finished = next((e for e in events if e.get("kind") in ("RunFinished", "RunFailed")), {})
@@ -155,6 +159,7 @@ def summary(events: list[dict[str, Any]], stderr: str) -> dict[str, Any]:
         "tokens_per_s": round(tokens_per_s) if tokens_per_s else None,
         "ms_per_step": round(steps[-1]["tokens"] / tokens_per_s * 1e3) if tokens_per_s else None,
         "peak_gib": round(max(s["memory_bytes"] for s in steps) / GIB, 2) if steps else None,
+        **true_peaks(steps),
         "first_loss": steps[0]["loss"] if steps else None,
         "final_loss": steps[-1]["loss"] if steps else None,
         "outcome": finished.get("kind", "no end event"),
@@ -164,6 +169,17 @@ def summary(events: list[dict[str, Any]], stderr: str) -> dict[str, Any]:
         "step_graphs": state.get("step_graphs", {}).get("reason"),
         "warnings": sorted({line.strip() for line in stderr.splitlines() if "warn" in line.lower()}),
         "state": state,
+    }
+
+
+def true_peaks(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """``true_peak_gib`` and ``driver_peak_gib`` where the steps' events report the true peak; none in older logs."""
+    if not steps or "driver_memory_bytes" not in steps[0]:
+        return {}
+    driver = [s["driver_memory_bytes"] for s in steps if s.get("driver_memory_bytes")]
+    return {
+        "true_peak_gib": round(max(s["memory_bytes"] for s in steps) / GIB, 2),
+        "driver_peak_gib": round(max(driver) / GIB, 2) if driver else None,
     }
 
 
@@ -215,8 +231,8 @@ def markdown(report: dict[str, Any]) -> str:
         "Random-init model folders (bf16 safetensors, the demo tokenizer), one text row per micro-batch filling it,",
         "`tunedeck train --qlora --lora-rank 32 --data-format text --train-on-all-tokens --eval-fraction 0` with",
         f"every speed switch automatic. Tokens/s: median of the steps after the first {TIMED_AFTER}. Peak: the",
-        "largest per-step peak of allocated memory the run reports (step graphs' pool memory between replays is not",
-        "counted there). Warnings: lines with 'warn' on the run's error stream.",
+        *_peak_words(report["runs"]),
+        "Warnings: lines with 'warn' on the run's error stream.",
         "",
         "| model | tokens | cap GiB | variant | tokens/s | x auto | ms/step | peak GiB | resident layers | step graphs "
         "| loss first -> last | warnings |",
@@ -236,6 +252,15 @@ def markdown(report: dict[str, Any]) -> str:
         )
     notes = report.get("notes", [])
     return "\n".join([*lines, "", *notes, ""]) if notes else "\n".join([*lines, ""])
+
+
+def _peak_words(runs: list[dict[str, Any]]) -> list[str]:
+    if any("true_peak_gib" in r for r in runs):
+        return ["largest per-step true peak the run reports: reserved memory, step graphs' pool included."]
+    return [
+        "largest per-step peak of allocated memory the run reports (step graphs' pool memory between replays is not",
+        "counted there).",
+    ]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

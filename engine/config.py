@@ -304,6 +304,13 @@ class SpeedConfig:
         flag="--step-graphs",
     )
 
+    @classmethod
+    def stock(cls, **changes: Any) -> SpeedConfig:
+        """Stock transformers and peft: every switch off, step graphs included, none left automatic; then
+        ``changes`` (e.g. ``checkpointing="standard"``, peft's documented recompute for QLoRA)."""
+        off: dict[str, Any] = {f.name: False for f in dataclasses.fields(cls) if f.default is None}
+        return cls(**{**off, "checkpointing": "none", "moe_routing": "stock", **changes})
+
 
 @dataclass
 class OutputConfig:

@@ -55,9 +55,13 @@ class StepMetrics(Event):
     step_time_s: float
     tokens_per_s: float
     memory_bytes: int
-    """Peak accelerator memory of the step (bytes); on CPU, the process's resident memory."""
+    """The step's true peak of GPU memory (bytes): the allocator's peak reserved memory, which counts step graphs'
+    pool and cached blocks, not only live tensors (engine.hardware.vram); on CPU, the process's resident memory."""
     rank_memory_bytes: list[int] | None = None
     """With several GPUs: each rank's ``memory_bytes`` (``memory_bytes`` is then their maximum)."""
+    driver_memory_bytes: int | None = None
+    """This process's GPU memory as the driver (NVML) reports it when the step is read, CUDA context included;
+    None where NVML cannot tell (no driver, not permitted, a CPU run)."""
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,6 +24,16 @@ def test_variants_turn_one_switch_off_or_on() -> None:
     assert on.fp8_base is True and on.fused_kernels is None  # everything else stays automatic
     assert variant_settings("auto+keep_attention").keep_attention is True
     assert variant_settings("stock").fused_kernels is False
+
+
+def test_the_stock_row_is_stock_with_step_graphs_off() -> None:
+    """peft's documented QLoRA: standard checkpointing, every TuneDeck switch off, step graphs included."""
+    stock = variant_settings("stock")
+    assert stock == SpeedConfig.stock(checkpointing="standard")
+    assert stock.step_graphs is False and stock.checkpointing == "standard" and stock.moe_routing == "stock"
+    switches = [f.name for f in dataclasses.fields(SpeedConfig) if f.default is None]
+    assert {name: getattr(stock, name) for name in switches} == dict.fromkeys(switches, False)
+    assert "step_graphs" in switches and "resident_layers" in switches
 
 
 def test_bench_knobs_are_set_and_cleared_with_their_variant() -> None:
@@ -96,10 +107,15 @@ def test_step_graph_rows_show_their_reserved_pool_and_their_losses_against_auto(
     agreement = loss_agreement(record, "auto+step_graphs", "auto")
     assert agreement is not None and agreement < 1e-3  # replayed steps train as eager ones, within bf16 noise
     text = markdown(report)
-    assert f"| {graphed['peak_gib']:.2f} | {graphed['reserved_gib']:.2f} | {graphed['planned_peak_gib']:.2f} |" in text
+    # measured before the true peak: its reserved peak is the true one, its peak_gib the allocated one
+    true_then_allocated = f"| {graphed['reserved_gib']:.2f} | {graphed['peak_gib']:.2f} |"
+    assert f"{true_then_allocated} {graphed['planned_peak_gib']:.2f} |" in text
+    assert "| peak GiB (reserved) | allocated GiB | planned GiB |" in text
     assert f"| llama-3.1-8b | auto+step_graphs | 20 | - | {agreement:.2e} |" in text
     old = json.loads(REPORT.read_text(encoding="utf-8"))["models"][0]["rows"][0]
-    assert f"| {old['peak_gib']:.2f} | - |" in markdown(json.loads(REPORT.read_text(encoding="utf-8")))
+    assert f"| - | {old['peak_gib']:.2f} |" in markdown(json.loads(REPORT.read_text(encoding="utf-8")))
+    graphed.update(peak_gib=7.71, true_peak_gib=7.71, allocated_peak_gib=6.05, reserved_gib=7.71)  # a new row
+    assert f"| 7.71 | 6.05 | {graphed['planned_peak_gib']:.2f} |" in markdown(report)
 
 
 def test_variants_may_switch_several_switches_on() -> None:

@@ -33,6 +33,15 @@ def test_the_table_shows_the_planned_peak_where_a_row_has_one() -> None:
     assert plan["llama-3.2-1b", "all_on+offloaded_ckpt"] < plan["llama-3.2-1b", "all_on"]
     offloaded["planned_peak_gib"] = plan["llama-3.2-1b", "all_on+offloaded_ckpt"]
     text = markdown(report)
-    assert "| peak VRAM GiB | planned GiB |" in text
-    assert f"| {offloaded['peak_vram_gib']:.2f} | {offloaded['planned_peak_gib']:.2f} |" in text
-    assert f"| {chunked['peak_vram_gib']:.2f} | - |" in text  # measured before the column existed
+    assert "| peak GiB (reserved) | allocated GiB | planned GiB |" in text
+    # rows measured before the true peak: no reserved peak, their peak_vram_gib is the allocated one
+    assert f"| - | {offloaded['peak_vram_gib']:.2f} | {offloaded['planned_peak_gib']:.2f} |" in text
+    assert f"| - | {chunked['peak_vram_gib']:.2f} | - |" in text  # measured before the planned column existed
+
+
+def test_the_table_shows_the_true_peak_beside_the_allocated_one() -> None:
+    """A step-graph row: its pool is reserved, not allocated, between replays; the peak column is the reserved."""
+    report = json.loads(REPORT.read_text(encoding="utf-8"))
+    row = next(r for r in report["dense"] if r.get("variant") == "all_on" and "ms_per_step" in r)
+    row.update(peak_vram_gib=78.9, true_peak_gib=78.9, allocated_peak_gib=2.6, reserved_gib=78.9)
+    assert f"| {row['tokens_per_s']:,.0f} | 78.90 | 2.60 |" in markdown(report)

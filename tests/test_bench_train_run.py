@@ -52,6 +52,21 @@ def test_summary_times_the_steps_after_warm_up_and_reads_the_settled_switches(be
     assert got["warnings"] == ["UserWarning: Dynamo says", "warnings.warn("]
 
 
+def test_runs_that_report_the_true_peak_record_it_and_the_driver_s_figure(bench: ModuleType) -> None:
+    """Events with ``driver_memory_bytes`` carry the true peak in ``memory_bytes`` (reserved memory, step graphs'
+    pool included); older logs (the test above) hold the allocated peak and get no ``true_peak_gib``."""
+    lines = bench.events_of(events([4096 / 0.4] * 6, resident=0))
+    steps = [e for e in lines if e.get("kind") == "StepMetrics"]
+    for i, step in enumerate(steps):
+        step["driver_memory_bytes"] = (9 + i % 2) * 2**30 if i else None
+    got = bench.summary(lines, "")
+    assert (got["peak_gib"], got["true_peak_gib"], got["driver_peak_gib"]) == (8.0, 8.0, 10.0)
+    old = bench.summary(bench.events_of(events([4096 / 0.4] * 6, resident=0)), "")
+    assert old["peak_gib"] == 8.0 and "true_peak_gib" not in old
+    table = bench.markdown({"runs": [{**got, "shape": "llama-3.1-8b", "tokens": 4096, "cap_gib": 8.0}]})
+    assert "largest per-step true peak the run reports: reserved memory" in table
+
+
 def test_report_rebuilt_from_logs_sorts_runs_and_tables_them(bench: ModuleType, tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     logs.mkdir()

@@ -107,6 +107,33 @@ def test_table_lists_every_search() -> None:
     assert "| tunedeck | 8 | 16,384 | 18,432 | 2,048 | 14,000 | 7.50 | 7.81 | 2.5 | 16,384✓, 18,432✗ |" in table
 
 
+def test_a_probe_s_peak_is_its_true_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A phase's peak is the reserved one (step graphs' pool and cached blocks included), the allocated beside it;
+    probes from before the true peak are read by their reserved peak, the same measure."""
+    from engine.bench.long_context import _mem
+
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 7 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 5 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 4 * 2**30)
+    phase = _mem(torch.device("cuda", 0))
+    assert phase == {"allocated_gib": 4.0, "peak_gib": 7.0, "true_peak_gib": 7.0, "allocated_peak_gib": 5.0,
+                     "reserved_gib": 7.0}  # fmt: skip
+    older = {"allocated_gib": 4.0, "peak_gib": 5.0, "reserved_gib": 7.5}
+    probe = {"steps": [{"forward": phase, "backward": older, "optimizer": {"peak_gib": 6.0}}]}
+    assert peak_gib(probe) == 7.5
+    assert peak_gib({"ok": False, "peak_gib": 6.5}) == 6.5 and peak_gib({"ok": False}) == 0.0
+
+
+def test_the_stock_variant_has_every_switch_off() -> None:
+    import dataclasses
+
+    from engine.config import SpeedConfig
+
+    stock = speed_settings("stock")
+    assert stock == SpeedConfig.stock(checkpointing="standard") and stock.step_graphs is False
+    assert not any(getattr(stock, f.name) for f in dataclasses.fields(SpeedConfig) if f.default is None)
+
+
 def test_a_probe_s_planned_peak_is_the_planners_for_its_switches() -> None:
     """The committed 8 GiB probe at 16,384 tokens: its switches give the plan the planner's tests hold to the
     measurement (within 10% above; here with grouped K/V, which the engine now passes)."""

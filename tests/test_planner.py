@@ -35,6 +35,18 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 ACCURACY_JSON = BENCHMARKS / "planner_accuracy.json"
 
 
+def measured_peak(record: dict, allocated_key: str = "peak_gib") -> float:
+    """A record's measured peak for the planner check: its true peak (``true_peak_gib``, or ``true_peak_bytes`` in
+    planner_accuracy.json: the allocator's peak reserved memory, step graphs' pool included; engine.hardware.vram)
+    where it has one. Every record committed before the true peak was recorded (all of benchmarks/ up to
+    2026-12-02: planner_accuracy, speed_h200, qlora_*, qlora_train_*, long_context_*) predates it and holds only the
+    allocated peak under ``allocated_key``. Many of those also hold the reserved peak (``reserved_gib``), the same
+    measure as the true peak, but their check stays on the allocated one: those reserved peaks run up to 10% above
+    the plan (the allocator's cached blocks and step graphs' pool, which the plan leaves to its 10% margin)."""
+    true_key = "true_peak_bytes" if allocated_key.endswith("_bytes") else "true_peak_gib"
+    return float(record[true_key] if true_key in record else record[allocated_key])
+
+
 class _FlashLike:
     """Saves what FlashAttention-style kernels save for backward: q, k, v, out and the log-sum-exp."""
 
@@ -136,7 +148,8 @@ def test_committed_accuracy_table_is_within_15_percent() -> None:
         # the table measured stock cross-entropy and peft's float32 LoRA path
         setup = TrainSetup(**{"fused_loss": False, "lora_16bit": False, **row["setup"]})  # type: ignore[arg-type]
         predicted = estimate_memory(load_shape(row["shape"]), setup, cc).peak  # type: ignore[arg-type]
-        error = (predicted - row["peak_bytes"]) / row["peak_bytes"]
+        measured = measured_peak(row, "peak_bytes")
+        error = (predicted - measured) / measured
         assert abs(error) <= 0.15, (row["shape"], row["checkpointing"], row["tokens"], f"{error:+.1%}")
         checked += 1
     assert checked >= 18
@@ -256,7 +269,7 @@ def setup_from_state(state: dict, shape: ModelShape, tokens: int, **fixed: objec
 
 
 def phase_peak(probe: dict) -> float:
-    return max(phase["peak_gib"] for step in probe["steps"] for phase in step.values() if isinstance(phase, dict))
+    return max(measured_peak(phase) for step in probe["steps"] for phase in step.values() if isinstance(phase, dict))
 
 
 @pytest.mark.parametrize(
@@ -314,7 +327,7 @@ def test_offloaded_speed_rows_are_predicted_within_10_percent_above() -> None:
     for row in rows:
         shape = load_shape(row["model"])
         predicted = estimate_memory(shape, setup_from_state(row["state"], shape, row["tokens"])).peak / GIB
-        measured = row["peak_vram_gib"]
+        measured = measured_peak(row, "peak_vram_gib")
         assert measured <= predicted <= 1.10 * measured, (row["model"], row["variant"], measured, predicted)
 
 
@@ -395,7 +408,7 @@ def test_qlora_bench_rows_are_predicted_within_10_percent_above(
     assert len(rows) >= least_rows and {row["state"]["dequant_once"]["on"] for row in rows} == dequant_once
     for row in rows:
         _, _, predicted = qlora_row_plan(row["model"], row)
-        measured = row["peak_gib"]
+        measured = measured_peak(row)
         assert measured <= predicted <= 1.10 * measured, (
             row["model"],
             row["variant"],
@@ -420,7 +433,7 @@ def test_resident_layer_rows_are_predicted_within_10_percent() -> None:
     assert sorted(row["state"]["resident_layers"]["layers"] for row in rows) == [12, 19, 20]
     for row in rows:
         _, _, predicted = qlora_row_plan(row["model"], row)
-        assert BELOW * row["peak_gib"] <= predicted <= 1.10 * row["peak_gib"], (row["variant"], predicted)
+        assert BELOW * measured_peak(row) <= predicted <= 1.10 * measured_peak(row), (row["variant"], predicted)
 
 
 def test_tunedeck_train_rows_without_step_graphs_are_predicted_within_10_percent() -> None:
@@ -433,7 +446,7 @@ def test_tunedeck_train_rows_without_step_graphs_are_predicted_within_10_percent
     assert sorted((row["tokens"], row["resident_layers"]) for row in rows) == [(4096, 6), (16384, 4)]
     for row in rows:
         _, _, predicted = qlora_row_plan(row["shape"], row)
-        assert BELOW * row["peak_gib"] <= predicted <= 1.10 * row["peak_gib"], (row["tokens"], predicted)
+        assert BELOW * measured_peak(row) <= predicted <= 1.10 * measured_peak(row), (row["tokens"], predicted)
 
 
 def test_tunedeck_train_rows_with_the_top_layer_freed_are_predicted_within_10_percent() -> None:
@@ -445,7 +458,8 @@ def test_tunedeck_train_rows_with_the_top_layer_freed_are_predicted_within_10_pe
     assert ("llama-3.1-8b", 8.0, 4096, 1) in counts and ("llama-3.1-8b", 24.0, 16384, 5) in counts
     for row in data["runs"]:
         shape, setup, predicted = qlora_row_plan(row["shape"], row)
-        assert BELOW * row["peak_gib"] <= predicted <= 1.10 * row["peak_gib"], (row["shape"], row["cap_gib"], predicted)
+        measured = measured_peak(row)
+        assert BELOW * measured <= predicted <= 1.10 * measured, (row["shape"], row["cap_gib"], predicted)
         checkpointed = replace(setup, resident_layers=0)
         planned = most_resident_layers(shape, checkpointed, int(row["cap_gib"] * GIB))
         if (row["shape"], row["cap_gib"]) != ("qwen3-8b", 8.0):
@@ -467,7 +481,8 @@ def test_later_tunedeck_train_rows_are_predicted_within_10_percent_with_the_coun
     assert data["runs"]
     for row in data["runs"]:
         shape, setup, predicted = qlora_row_plan(row["shape"], row)
-        assert BELOW * row["peak_gib"] <= predicted <= 1.10 * row["peak_gib"], (row["shape"], row["cap_gib"], predicted)
+        measured = measured_peak(row)
+        assert BELOW * measured <= predicted <= 1.10 * measured, (row["shape"], row["cap_gib"], predicted)
         checkpointed = replace(setup, resident_layers=0)
         assert most_resident_layers(shape, checkpointed, int(row["cap_gib"] * GIB)) == row["resident_layers"]
 
@@ -484,7 +499,7 @@ def test_4bit_moe_rows_are_predicted_within_10_percent() -> None:
     eager = [row for row in rows if not row["state"]["step_graphs"]["on"]]
     assert len(eager) == 1 and eager[0]["state"]["checkpointing"]["mode"] == "none"
     _, _, predicted = qlora_row_plan("qwen3-30b-a3b", eager[0])
-    assert eager[0]["peak_gib"] <= predicted <= 1.10 * eager[0]["peak_gib"], predicted
+    assert measured_peak(eager[0]) <= predicted <= 1.10 * measured_peak(eager[0]), predicted
     graphed = [row for row in rows if row["state"]["step_graphs"]["on"]]
     assert {row["state"]["resident_layers"]["layers"] for row in graphed} == {0, 8, 16, 24}
     for row in graphed:
@@ -505,7 +520,7 @@ def test_the_planned_4bit_moe_row_peaks_within_its_plan() -> None:
     for row in (eager, graphed):
         assert row["state"]["resident_layers"]["layers"] == 15
     _, _, predicted = qlora_row_plan("qwen3-30b-a3b", eager)
-    assert eager["peak_gib"] <= predicted <= 1.10 * eager["peak_gib"], predicted
+    assert measured_peak(eager) <= predicted <= 1.10 * measured_peak(eager), predicted
     shape, setup, predicted = qlora_row_plan("qwen3-30b-a3b", graphed)
     assert 0.95 * graphed["reserved_gib"] <= predicted <= 1.10 * graphed["reserved_gib"], predicted
     assert most_resident_layers(shape, replace(setup, resident_layers=0), 24 * GIB) == 15

@@ -67,3 +67,25 @@ def test_a_compare_s_dense_marks_are_lines_and_pointing_names_one(qtbot: Any) ->
     charts.clear()
     charts.redraw_all()
     assert charts._mark_lines == [] and charts.marks == []
+
+
+def test_the_memory_chart_marks_the_largest_step_peak_as_reserved_memory(qtbot: Any) -> None:
+    from app.run_charts import RunCharts
+    from app.run_panel import peak_memory_text
+
+    charts = RunCharts()
+    qtbot.addWidget(charts)
+    charts.set_device("cuda:0")
+    for peak in (6 * 2**30, int(7.5 * 2**30), 7 * 2**30):
+        charts.add_step_peak(peak)
+    charts.redraw_all()
+    assert charts.peak_line.isVisible() and charts.peak_line.value() == 7.5
+    assert charts.peak_line.label.format == "largest step peak (reserved): 7.50 GiB"
+    assert "card (driver)" in charts.memory.getPlotItem().titleLabel.text
+    charts.clear()
+    charts.redraw_all()
+    assert not charts.peak_line.isVisible() and charts.step_peak == 0
+    assert peak_memory_text("cuda:0", 3 * 2**29, 2 * 2**30) == (
+        "Peak GPU memory (reserved): 1.50 GiB (2.00 GiB as the driver sees it)."
+    )
+    assert peak_memory_text("cpu", 2**30, None) == "Peak process memory (resident): 1.00 GiB."

@@ -4,8 +4,9 @@ A hobbyist's run takes thousands of steps; a few kilobytes kept per step (a loss
 list of metrics) ends it hours in. The tiny model runs 150 steps with checkpoints and evaluation, and the resident
 memory the run reports per step (StepMetrics.memory_bytes is the process RSS on CPU) must be flat over the second
 half, after allocator warm-up; on a GPU machine the same test checks the per-step peak of GPU memory
-(StepMetrics.memory_bytes is then torch.cuda.max_memory_allocated). A second test plants a leak of 256 KiB per
-step and checks that the same measurement catches it, so the soak test can fail.
+(StepMetrics.memory_bytes is then the true peak, the allocator's peak reserved memory, which a leak grows in its
+2 MiB blocks). A second test plants a leak of 256 KiB per step and checks that the same measurement catches it, so
+the soak test can fail.
 """
 
 from __future__ import annotations

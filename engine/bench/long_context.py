@@ -11,7 +11,8 @@ The search doubles N until a probe fails, then bisects to the requested resoluti
 Variants: ``tunedeck`` (every memory switch on: QLoRA without the float32 upcast, offloaded checkpointing, fused
 loss, chunked per-token modules, the input embedding in host memory, metadata cache with varlen attention) and
 ``stock`` (transformers + peft as documented: ``prepare_model_for_kbit_training``, standard checkpointing, sdpa,
-the model's own loss).
+the model's own loss; every TuneDeck switch off, step graphs included). A probe's peak is the true peak (the
+allocator's peak reserved memory, engine.hardware.vram), with the allocated peak beside it.
 
     tunedeck bench --long-context --caps 8,16,24 --out benchmarks/long_context_h200.json
     tunedeck bench --long-context --smoke 4096,16384   # memory per phase, uncapped, in one process
@@ -37,6 +38,7 @@ import torch
 
 from engine.bench import write_report
 from engine.hardware.shapes import BUILTIN_CONFIGS
+from engine.hardware.vram import read_step_peak, reset_step_peak
 
 GIB = 1 << 30
 LLAMA_8B: dict[str, Any] = dict(
@@ -207,16 +209,13 @@ left automatic, as a run sets them."""
 
 
 def speed_settings(variant: str) -> Any:
-    """Every memory switch on (tunedeck) or transformers' own paths with standard checkpointing (stock)."""
+    """Every memory switch on, the others automatic (tunedeck); or transformers' own paths with standard
+    checkpointing and every switch off, step graphs included (stock)."""
     from engine.config import SpeedConfig
 
-    on = variant == "tunedeck"
-    automatic = {} if on else {"fused_kernels": False, "lean_recompute": False, "dequant_once": False}
-    return SpeedConfig(
-        checkpointing="offloaded" if on else "standard",
-        **automatic,  # type: ignore[arg-type]
-        **{name: on for name in MEMORY_SWITCHES},  # type: ignore[arg-type]
-    )
+    if variant != "tunedeck":
+        return SpeedConfig.stock(checkpointing="standard")
+    return SpeedConfig(checkpointing="offloaded", **dict.fromkeys(MEMORY_SWITCHES, True))  # type: ignore[arg-type]
 
 
 def with_lora(model: Any, variant: str) -> Any:
@@ -244,10 +243,16 @@ def one_document(tokens: int, vocab: int, seed: int = 0) -> Any:
 
 
 def _mem(device: torch.device) -> dict[str, float]:
+    """A phase's memory: ``peak_gib`` and ``true_peak_gib`` the true peak since the phase began (the reserved peak:
+    engine.hardware.vram), ``allocated_peak_gib`` live tensors' peak (what ``peak_gib`` held before the true
+    peak), ``allocated_gib`` live tensors at its end."""
+    peak = read_step_peak(device, driver=False)
     return {
         "allocated_gib": torch.cuda.memory_allocated(device) / GIB,
-        "peak_gib": torch.cuda.max_memory_allocated(device) / GIB,
-        "reserved_gib": torch.cuda.max_memory_reserved(device) / GIB,
+        "peak_gib": peak.true_peak / GIB,
+        "true_peak_gib": peak.true_peak / GIB,
+        "allocated_peak_gib": peak.allocated / GIB,
+        "reserved_gib": peak.reserved / GIB,
     }
 
 
@@ -262,14 +267,14 @@ def train_steps(model: Any, controller: Any, batch: Any, steps: int, device: tor
         row: dict[str, Any] = {}
         torch.cuda.synchronize(device)
         start = time.perf_counter()
-        torch.cuda.reset_peak_memory_stats(device)
+        reset_step_peak(device)
         inputs = controller.model_inputs(on_device)
         loss = controller.loss(model, inputs, on_device.labels, on_device.trained_tokens)
         row["forward"] = _mem(device)
-        torch.cuda.reset_peak_memory_stats(device)
+        reset_step_peak(device)
         loss.backward()
         row["backward"] = _mem(device)
-        torch.cuda.reset_peak_memory_stats(device)
+        reset_step_peak(device)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         row["optimizer"] = _mem(device)
@@ -315,7 +320,9 @@ def probe(tokens: int, cap_gib: float | None, variant: str, steps: int = 2) -> d
         result["error"] = "out of memory: " + str(err).splitlines()[0][:160]
     except RuntimeError as err:  # bitsandbytes and cuBLAS report some allocation failures as plain errors
         result["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
-    result["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+    peak = read_step_peak(device, driver=False)  # a failed probe: its last phase's
+    result.update(peak_gib=peak.true_peak / GIB, true_peak_gib=peak.true_peak / GIB)
+    result["allocated_peak_gib"] = peak.allocated / GIB
     return result
 
 
@@ -361,9 +368,15 @@ def search_cap(cap: float, variant: str, start: int, args: argparse.Namespace, d
 
 
 def peak_gib(record: dict[str, Any]) -> float:
-    """The highest allocator peak over every phase of every step (a failed probe: its last phase's peak)."""
-    phases = [step[k]["peak_gib"] for step in record.get("steps") or [] for k in ("forward", "backward", "optimizer")]
-    return max(phases, default=record.get("peak_gib", 0.0))
+    """The highest true peak over every phase of every step (a failed probe: its last phase's). Probes from before
+    the true peak held the allocated peak under ``peak_gib`` and the same measure as the true peak under
+    ``reserved_gib``, which is read where there is one."""
+    phases = [_true_peak(step[k]) for step in record.get("steps") or [] for k in ("forward", "backward", "optimizer")]
+    return max(phases, default=_true_peak(record) if "peak_gib" in record else 0.0)
+
+
+def _true_peak(memory: dict[str, Any]) -> float:
+    return float(memory.get("true_peak_gib", memory.get("reserved_gib", memory["peak_gib"])))
 
 
 def summary(record: dict[str, Any]) -> dict[str, Any]:
@@ -485,10 +498,12 @@ def markdown(report: dict[str, Any]) -> str:
         "AdamW steps, each length in a fresh process, allocator capped with `set_per_process_memory_fraction`",
         "(the CUDA context, ~0.5 GiB on a real card, is not counted). `tunedeck` = the memory switches of the",
         "TuneDeck version that ran (each probe's `state` in the JSON lists them); AdamW with float32 states;",
-        "`stock` = transformers + peft (`prepare_model_for_kbit_training`, standard checkpointing, sdpa).",
+        "`stock` = transformers + peft (`prepare_model_for_kbit_training`, standard checkpointing, sdpa; every",
+        "TuneDeck switch off, step graphs included). Peak GiB (reserved): the true peak, the allocator's peak",
+        "reserved memory.",
         "",
-        "| variant | cap GiB | longest that trains | shortest that failed | resolution | target | peak GiB at longest "
-        "| planned GiB | s/step at longest | probes |",
+        "| variant | cap GiB | longest that trains | shortest that failed | resolution | target "
+        "| peak GiB (reserved) at longest | planned GiB | s/step at longest | probes |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for row in report["searches"]:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from engine.config import SpeedConfig
+from engine.hardware.vram import read_step_peak
 
 TARGET_RATIO = 1.85
 SPEED_PRESETS = ("all", "all-eager", "auto", "stock")
@@ -85,7 +86,7 @@ def rank_main(args: argparse.Namespace) -> int:
         times.append(_timed(step, ranks, device))
         _progress(ranks, began, f"step {index + 1}: {times[-1] * 1e3:.1f} ms")
     times = times[args.warmup :]
-    memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    memory = read_step_peak(device, driver=False).true_peak if device.type == "cuda" else 0  # reserved: graph pools too
     _, rank_memory = ranks.reduce_step(0.0, memory) if ranks.distributed else (0.0, [memory])
     if ranks.is_main:
         median = statistics.median(times)
@@ -95,7 +96,7 @@ def rank_main(args: argparse.Namespace) -> int:
             "step_ms_median": median * 1e3,
             "step_ms": [t * 1e3 for t in times],
             "tokens_per_s": ranks.world * args.tokens / median,
-            "peak_memory_gib_per_rank": [m / 2**30 for m in rank_memory or []],
+            "true_peak_gib_per_rank": [m / 2**30 for m in rank_memory or []],
             "speed": controller.state(),
         }
         Path(args.result).write_text(json.dumps(result, indent=2), encoding="utf-8")
@@ -207,11 +208,11 @@ def markdown(report: dict[str, Any]) -> str:
         f"NCCL {env.get('nccl', '-')}, transformers {env['transformers']}, peft {env['peft']}; "
         f"NCCL_NVLS_ENABLE={env['NCCL_NVLS_ENABLE']}; speed switches: {report['speed']} ({_on(report)}); {env['date']}",
         "",
-        "| GPUs | step (ms, median) | tokens/s | peak memory per GPU (GiB) |",
+        "| GPUs | step (ms, median) | tokens/s | peak memory per GPU (GiB, reserved) |",
         "|---:|---:|---:|---|",
     ]
     for row in report["results"]:
-        memory = ", ".join(f"{m:.1f}" for m in row["peak_memory_gib_per_rank"])
+        memory = ", ".join(f"{m:.1f}" for m in row["true_peak_gib_per_rank"])
         lines.append(f"| {row['gpus']} | {row['step_ms_median']:.1f} | {row['tokens_per_s']:,.0f} | {memory} |")
     verdict = "meets" if report["ratio"] >= TARGET_RATIO else "misses"
     lines += ["", f"**{report['gpus']}-GPU / 1-GPU tokens/s: {report['ratio']:.3f}x** ({verdict} {TARGET_RATIO}x)"]

@@ -1,9 +1,11 @@
 """``tunedeck bench``: stock transformers+PEFT against each speed optimization, on one GPU, in one run.
 
 Everything is measured in the same process on the same packed batch: ms/step (median after warm-up), tokens/s,
-peak VRAM, device->host syncs per step (counted with CUDA sync debug mode) and MFU against a bf16 matmul peak
-measured in the same run. Models are random-init from architecture configs (nothing is downloaded), and this
-module imports neither Qt nor ``datasets``, so it runs on a bare GPU machine: ``python -m engine.bench.speed``.
+the true memory peak (the allocator's peak reserved memory, step graphs' pool included: engine.hardware.vram),
+device->host syncs per step (counted with CUDA sync debug mode) and MFU against a bf16 matmul peak measured in the
+same run. ``stock`` is stock transformers+PEFT: every TuneDeck switch off, step graphs included. Models are
+random-init from architecture configs (nothing is downloaded), and this module imports neither Qt nor
+``datasets``, so it runs on a bare GPU machine: ``python -m engine.bench.speed``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 from engine.config import SpeedConfig
 from engine.data.packing import PackedBatch, TokenizedExample, collate
 from engine.hardware.shapes import BUILTIN_CONFIGS
+from engine.hardware.vram import read_step_peak, reset_step_peak
 from engine.run import guard
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -61,15 +64,10 @@ MOE_SHAPES: dict[str, dict[str, Any]] = {
     ),
 }
 
-STOCK = SpeedConfig(
-    metadata_cache=False,
-    checkpointing="none",
-    moe_routing="stock",
-    fused_loss=False,
-    chunked_mlp=False,
-    lora_16bit=False,
-    fused_kernels=False,
-)
+STOCK = SpeedConfig.stock()
+"""Every switch off, step graphs included: none is left automatic (automatic step graphs went on trial here, and
+automatic resident layers and lean recompute under checkpointing), so each variant below runs exactly the switches
+its name says."""
 ALL_ON = dict(metadata_cache=True, fused_loss=True, lora_16bit=True, fused_kernels=True)
 """The throughput switches (the chunked MLP is for long rows on small cards: off here, as in stock)."""
 # Variants of the dense runs: stock, each switch alone, all on; without and with checkpointing.
@@ -149,19 +147,24 @@ def graphs_decided(controller: Any) -> bool:
 def time_steps(
     step: Callable[[], None], warmup: int, steps: int, settled: Callable[[], bool] = lambda: True
 ) -> dict[str, Any]:
-    """Median ms/step after warm-up, peak memory over the timed steps, syncs in one extra step.
+    """Median ms/step after warm-up, the true memory peak over the timed steps, syncs in one extra step.
 
     The warm-up runs until ``settled()`` too (:func:`settle`), so no timed step still measures an automatic
     choice. Its wall time and steps are reported: with the fused kernels on it includes compiling them.
     ``host_ms`` is how long the host took to queue a step's work (the median, before waiting for the GPU): close
-    to ``ms_per_step``, the host's Python and launch overhead sets the pace, not the GPU."""
+    to ``ms_per_step``, the host's Python and launch overhead sets the pace, not the GPU.
+
+    Memory: ``peak_vram_gib`` and ``true_peak_gib`` are the true peak (the allocator's peak reserved memory, step
+    graphs' pool included), ``allocated_peak_gib`` the bytes in live tensors only (what ``peak_vram_gib`` held
+    before the true peak), ``driver_gib`` the process's GPU memory as NVML reports it (None where it cannot)."""
+    device = torch.device("cuda", torch.cuda.current_device())
     start = time.perf_counter()
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
     warmup += settle(step, settled, torch.cuda.synchronize, SETTLE_STEPS)
     warmup_s = time.perf_counter() - start
-    torch.cuda.reset_peak_memory_stats()
+    reset_step_peak(device)
     times, queued = [], []
     for _ in range(steps):
         start = time.perf_counter()
@@ -169,7 +172,7 @@ def time_steps(
         queued.append((time.perf_counter() - start) * 1e3)
         torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
-    peak, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    peak = read_step_peak(device)
     sites: list[str] = []
     with count_syncs(sites) as syncs:
         step()
@@ -179,8 +182,11 @@ def time_steps(
         "host_ms": statistics.median(queued),
         "warmup_s": warmup_s,
         "warmup_steps": warmup,
-        "peak_vram_gib": peak / 2**30,
-        "reserved_gib": reserved / 2**30,
+        "peak_vram_gib": peak.true_peak / 2**30,
+        "true_peak_gib": peak.true_peak / 2**30,
+        "allocated_peak_gib": peak.allocated / 2**30,
+        "reserved_gib": peak.reserved / 2**30,
+        "driver_gib": peak.driver / 2**30 if peak.driver is not None else None,
         "syncs": syncs[0],
         "sync_sites": sites,
     }
@@ -523,7 +529,7 @@ def _row_line(row: dict[str, Any]) -> str:
         return f"{row['model']:>14} {row['tokens']:>6} {row['variant']:<30} ERROR {row['error']}"
     return (
         f"{row['model']:>14} {row['tokens']:>6} {row['variant']:<30} {row['ms_per_step']:9.1f} ms "
-        f"{row.get('tokens_per_s', 0):9.0f} tok/s {row['peak_vram_gib']:6.2f} GiB "
+        f"{row.get('tokens_per_s', 0):9.0f} tok/s {row['peak_vram_gib']:6.2f} GiB reserved "
         f"(planned {row.get('planned_peak_gib', float('nan')):.2f}) syncs {row['syncs']} "
         f"warm-up {row.get('warmup_s', 0):.1f} s graphs {row.get('compiled_graphs')} breaks {row.get('graph_breaks')}"
     )
@@ -691,17 +697,23 @@ def markdown(report: dict[str, Any]) -> str:
         f"peft {env['peft']}; bf16 matmul peak measured in this run: {report['peak_tflops']:.0f} TFLOP/s.",
         "Random-init models from architecture configs, LoRA r16 on all 7 projections, AdamW, one packed row.",
         "",
-        "| model | tokens | variant | ms/step | tokens/s | peak VRAM GiB | planned GiB | syncs/step | MFU |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+        "`stock`: every TuneDeck switch off, step graphs included. Peak GiB (reserved): the allocator's peak reserved",
+        "memory over the timed steps, step graphs' pool included (engine.hardware.vram); allocated GiB: live tensors",
+        "only, what this table's peak column showed before.",
+        "",
+        "| model | tokens | variant | ms/step | tokens/s | peak GiB (reserved) | allocated GiB | planned GiB "
+        "| syncs/step | MFU |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in timed_rows(report["dense"]):
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['tokens']} | {r['variant']} | error: {r['error'][:80]} | | | | | |")
+            lines.append(f"| {r['model']} | {r['tokens']} | {r['variant']} | error: {r['error'][:80]} | | | | | | |")
             continue
         planned = f"{r['planned_peak_gib']:.2f}" if "planned_peak_gib" in r else "-"
+        true_peak, allocated = _gib(true_peak_gib(r)), _gib(r.get("allocated_peak_gib", r["peak_vram_gib"]))
         lines.append(
             f"| {r['model']} | {r['tokens']:,} | {r['variant']} | {r['ms_per_step']:,.1f} | {r['tokens_per_s']:,.0f} "
-            f"| {r['peak_vram_gib']:.2f} | {planned} | {r['syncs']} | {r['mfu'] * 100:.1f}% |"
+            f"| {true_peak} | {allocated} | {planned} | {r['syncs']} | {r['mfu'] * 100:.1f}% |"
         )
     losses = [r for r in report["dense"] if "max_relative_difference" in r]
     if losses:
@@ -731,6 +743,16 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     lines += ["", *report.get("notes", [])]
     return "\n".join(lines) + "\n"
+
+
+def true_peak_gib(row: dict[str, Any]) -> float | None:
+    """A row's true peak: ``true_peak_gib``, or in rows from before it the reserved peak over the same timed steps
+    (the same measure; their ``peak_vram_gib`` is the allocated peak); None where neither was recorded."""
+    return row.get("true_peak_gib", row.get("reserved_gib"))
+
+
+def _gib(value: float | None) -> str:
+    return f"{value:.2f}" if value is not None else "-"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -33,6 +33,10 @@ class ProgressPrinter:
         self.bar: Any = None
         self.finished: RunFinished | None = None
         self.failed: RunFailed | None = None
+        self.device = ""
+        self.peak_memory: int | None = None
+        """The largest step peak seen (StepMetrics.memory_bytes: reserved GPU memory, or RSS on the CPU)."""
+        self.driver_memory: int | None = None
 
     def write(self, text: str) -> None:
         if self.bar is not None:
@@ -43,9 +47,8 @@ class ProgressPrinter:
     def handle(self, event: Event) -> None:
         if isinstance(event, RunStarted):
             self._started(event)
-        elif isinstance(event, StepMetrics) and self.bar is not None:
-            self.bar.set_postfix_str(f"loss {event.loss:.4f}  {event.tokens_per_s:,.0f} tok/s", refresh=False)
-            self.bar.update(event.step - self.bar.n)
+        elif isinstance(event, StepMetrics):
+            self._stepped(event)
         elif isinstance(event, EvalMetrics):
             self.write(f"step {event.step}: eval loss {event.loss:.4f}")
         elif isinstance(event, CheckpointSaved):
@@ -70,8 +73,18 @@ class ProgressPrinter:
             self._close()
             self.failed = event
 
+    def _stepped(self, event: StepMetrics) -> None:
+        self.peak_memory = max(self.peak_memory or 0, event.memory_bytes)
+        if event.driver_memory_bytes is not None:
+            self.driver_memory = max(self.driver_memory or 0, event.driver_memory_bytes)
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"loss {event.loss:.4f}  {event.tokens_per_s:,.0f} tok/s", refresh=False)
+            self.bar.update(event.step - self.bar.n)
+
     def _started(self, event: RunStarted) -> None:
         from tqdm import tqdm
+
+        self.device = event.device
 
         self.write(
             f"run folder: {event.run_dir}\n"
@@ -98,10 +111,20 @@ class ProgressPrinter:
         status = "stopped" if done.cancelled else "finished"
         loss = f"{done.final_loss:.4f}" if done.final_loss is not None else "n/a"
         evaluation = f", eval loss {done.eval_loss:.4f}" if done.eval_loss is not None else ""
+        memory = f"\n{peak_memory_line(self.device, self.peak_memory, self.driver_memory)}" if self.peak_memory else ""
         return (
-            f"{status} at step {done.step} in {done.wall_time_s:.1f} s: train loss {loss}{evaluation}\n"
+            f"{status} at step {done.step} in {done.wall_time_s:.1f} s: train loss {loss}{evaluation}{memory}\n"
             f"adapter: {done.adapter_dir}"
         )
+
+
+def peak_memory_line(device: str, peak: int, driver: int | None) -> str:
+    """The run's memory peak in plain words: reserved GPU memory (step graphs' pool and the allocator's cache
+    included), and the driver's figure where it gave one; on the CPU, the process's resident memory."""
+    if not device.startswith("cuda"):
+        return f"peak process memory (resident): {peak / 2**30:.2f} GiB"
+    seen = f" ({driver / 2**30:.2f} GiB as the driver sees it, CUDA context included)" if driver else ""
+    return f"peak GPU memory (reserved): {peak / 2**30:.2f} GiB{seen}"
 
 
 def describe_speed(event: SpeedChanged) -> str:

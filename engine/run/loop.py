@@ -29,6 +29,7 @@ from engine.events import (
     SpeedChanged,
     StepMetrics,
 )
+from engine.hardware import vram
 from engine.redact import known_tokens, redact_event
 from engine.run import checkpoint as ckpt
 from engine.run.control import RunControl
@@ -140,6 +141,8 @@ def _every(session: Session, step: int, setting: str) -> bool:
 def _reported(session: Session, done: list[StepMetrics]) -> Iterator[Event]:
     """Log and yield the metrics of steps read back, then evaluate and save where one of them is due."""
     for metrics in done:
+        # the driver's view once per step, as it is read back (one NVML call; None where NVML cannot tell)
+        metrics = dataclasses.replace(metrics, driver_memory_bytes=vram.driver_bytes(session.device))
         if session.ranks.is_main:
             append_jsonl(session.run_dir / METRICS_FILE, _metrics_record(metrics))
         yield metrics
