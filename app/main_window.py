@@ -41,6 +41,7 @@ from app.setup_view import SetupView, torch_missing
 from app.speed_panel import SpeedPanel
 from app.theme import apply_look, style_plots, system_is_dark
 from app.worker import TaskRunner, describe_error
+from engine.hardware.allocator import set_at_process_start
 
 DEFAULT_SIZE = (1280, 820)
 EXPORT_WAIT_MS = 30 * 60 * 1000
@@ -222,6 +223,7 @@ def optional_pages() -> list[tuple[str, QWidget]]:
 
 
 def run_app(argv: Sequence[str]) -> int:
+    set_at_process_start()  # before the hardware detection below starts CUDA (app.__main__ has done it too)
     existing = QApplication.instance()
     app = existing if isinstance(existing, QApplication) else QApplication(list(argv))
     app.setApplicationName("TuneDeck")

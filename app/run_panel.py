@@ -35,10 +35,12 @@ from engine.events import (
     CheckpointSaved,
     EvalMetrics,
     Notice,
+    OomRecovered,
     RunFailed,
     RunFinished,
     RunStarted,
     SpeedChanged,
+    SpeedRestored,
     StepMetrics,
 )
 
@@ -230,6 +232,10 @@ class RunPanel(QWidget):
             self.speed_state = event.state
         elif isinstance(event, Notice):
             self.warnings.add(f"Note: {event.message}")
+        elif isinstance(event, OomRecovered):
+            self.warnings.add(f"Step {event.step}: {event.message}", warning=True)
+        elif isinstance(event, SpeedRestored):
+            self.warnings.add(f"Step {event.step}: {event.message}")
         elif isinstance(event, CheckpointSaved):  # one line, updated: not a list growing every few steps
             self.warnings.add(f"Last checkpoint: step {event.step}", key="checkpoint")
         elif isinstance(event, RunFinished):

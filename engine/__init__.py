@@ -13,5 +13,7 @@ The folders are the layers. Each may import only layers listed above it, so depe
    registry), export (adapter and merged-model exports);
 6. distributed (a run over several GPUs: torchrun launch, process group, control relay);
 7. train: the public entry point, ``from engine.train import run``, on one process or several;
-8. bench (the benchmark programs) and cli (the ``tunedeck`` commands, progress printer, demo run).
+8. cli (the ``tunedeck`` commands, progress printer, demo run);
+9. bench (the benchmark programs, which time the product through its own entry points; ``tunedeck bench`` reaches
+   them by name, so the command line never imports them).
 """

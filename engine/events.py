@@ -120,7 +120,9 @@ class SpeedChanged(Event):
 class OomRecovered(Event):
     """A step ran out of accelerator memory; memory was released and the step is retried with less.
 
-    ``action`` is ``"tokens_per_batch"`` (packed rows are split into smaller micro-batches of at most
+    ``action`` is ``"retry"`` (cached memory released, the same settings again: the first answer to a shortage),
+    ``"resident_layers"`` or ``"step_graphs"`` (the memory those switches hold is given back for now),
+    ``"tokens_per_batch"`` (packed rows are split into smaller micro-batches of at most
     ``tokens_per_batch`` tokens, same documents in the same order), ``"offloaded_checkpointing"`` or
     ``"chunked_mlp"`` (the MLPs run over chunks of the sequence in the recompute).
     """
@@ -128,6 +130,19 @@ class OomRecovered(Event):
     step: int
     action: str
     tokens_per_batch: int
+    message: str
+
+
+@dataclass(frozen=True)
+class SpeedRestored(Event):
+    """A setting an out-of-memory step lowered is tried again from ``step`` on: the steps since left memory to spare.
+
+    ``action`` names it as :class:`OomRecovered` did (``"resident_layers"``, ``"step_graphs"``,
+    ``"tokens_per_batch"``, ``"offloaded_checkpointing"``, ``"chunked_mlp"``).
+    """
+
+    step: int
+    action: str
     message: str
 
 

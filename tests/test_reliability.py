@@ -106,8 +106,11 @@ def test_out_of_memory_step_is_retried_with_smaller_micro_batches(
     events = list(run(make_config(tiny_model_dir, chat_file, tmp_path / "oom", packed)))
     assert not failures(events), failures(events)
     recovered = [e for e in events if isinstance(e, OomRecovered)]
-    assert [(e.step, e.action, e.tokens_per_batch) for e in recovered] == [(1, "tokens_per_batch", 64)]
-    assert "64 tokens" in recovered[0].message
+    lowered = [(e.step, e.action, e.tokens_per_batch) for e in recovered]
+    assert lowered == [(1, "retry", 128), (1, "tokens_per_batch", 64)]
+    assert "same settings" in recovered[0].message and "64 tokens" in recovered[1].message
+    logged = [json.loads(line) for line in (tmp_path / "oom" / "run" / "memory.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["action"]) for r in logged] == [(1, "retry"), (1, "tokens_per_batch")]
     assert [e.step for e in events if isinstance(e, StepMetrics)] == [1, 2, 3, 4, 5, 6]
     assert_same_curve(curve(tmp_path / "oom" / "run"), curve(tmp_path / "ref" / "run"), rel=1e-5)
     last = ckpt.list_checkpoints(tmp_path / "oom" / "run" / "checkpoints")[-1]
@@ -123,7 +126,8 @@ def test_out_of_memory_at_the_smallest_setting_stops_with_a_clear_message(
     wrap_forward(monkeypatch, oom_above(20))  # every document is longer: nothing can fit
     events = list(run(make_config(tiny_model_dir, chat_file, tmp_path, {"tokens_per_batch": 128})))
     actions = [(e.action, e.tokens_per_batch) for e in events if isinstance(e, OomRecovered)]
-    *lowered, offloaded, chunked = actions
+    assert actions[0] == ("retry", 128)  # released and tried as it was, once
+    *lowered, offloaded, chunked = actions[1:]
     budgets = [budget for _, budget in lowered]
     smallest = budgets[-1]  # the longest document of the step: documents are never cut
     assert {kind for kind, _ in lowered} == {"tokens_per_batch"} and budgets[0] == 64
@@ -200,7 +204,8 @@ def test_running_short_with_resident_layers_checkpoints_every_layer_and_retries_
     )
     events = list(run(config))
     assert not failures(events), failures(events)
-    assert calls == [1] and not [e for e in events if isinstance(e, OomRecovered)]  # no budget was lowered
+    recovered = [e.action for e in events if isinstance(e, OomRecovered)]
+    assert calls == [1, 1] and recovered == ["retry", "resident_layers"]  # tried as it was, then no budget lowered
     states = [e.state["resident_layers"] for e in events if isinstance(e, SpeedChanged)]
     assert states and not states[-1]["on"] and "ran short" in states[-1]["reason"]
     assert [e.step for e in events if isinstance(e, StepMetrics)] == [1, 2, 3, 4, 5, 6]

@@ -119,6 +119,13 @@ def test_the_real_resident_memory_is_this_process_s() -> None:
     assert 0.5 * psutil.Process().memory_info().rss < resident < 2 * psutil.Process().memory_info().rss
 
 
+def test_a_training_step_reports_the_true_peak(allocator: list[torch.device]) -> None:
+    """engine.run.step's measure of a step (what StepMetrics.memory_bytes and each rank's figure carry)."""
+    from engine.run.step import _memory_bytes
+
+    assert _memory_bytes(CUDA) == RESERVED
+
+
 # --- the driver's view ---------------------------------------------------------------------------------------------
 
 

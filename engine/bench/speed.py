@@ -32,6 +32,7 @@ import torch
 
 from engine.config import SpeedConfig
 from engine.data.packing import PackedBatch, TokenizedExample, collate
+from engine.hardware.allocator import set_at_process_start
 from engine.hardware.shapes import BUILTIN_CONFIGS
 from engine.hardware.vram import read_step_peak, reset_step_peak
 from engine.run import guard
@@ -792,6 +793,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--long-context", action="store_true", help="longest 8B QLoRA row under 8/16/24 GiB (its own options)"
     )
     parser.add_argument(
+        "--app-path",
+        action="store_true",
+        help="the 8B QLoRA row through `tunedeck train` and the window's run path, fresh processes (its own options)",
+    )
+    parser.add_argument(
         "--qlora",
         action="store_true",
         help="4-bit 8B fine-tuning, stock against TuneDeck under 8/24 GiB (its own options)",
@@ -800,7 +806,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    set_at_process_start()  # as the app and the CLI do: the bench measures what users get
     argv = sys.argv[1:] if argv is None else argv
+    if "--app-path" in argv:
+        from engine.bench.app_path import main as app_path_main
+
+        return app_path_main([arg for arg in argv if arg != "--app-path"])
     if "--qlora" in argv:
         from engine.bench.qlora import main as qlora_main
 

@@ -19,6 +19,7 @@ from engine.events import (
     RunPaused,
     RunStarted,
     SpeedChanged,
+    SpeedRestored,
     StepMetrics,
     StepSkipped,
 )
@@ -57,6 +58,8 @@ class ProgressPrinter:
             self.write(f"note: {event.message}")
         elif isinstance(event, OomRecovered):
             self.write(f"out of memory at step {event.step}: {event.message}")
+        elif isinstance(event, SpeedRestored):
+            self.write(f"step {event.step}: {event.message}")
         elif isinstance(event, StepSkipped):
             self.write(
                 f"step {event.step}: loss or gradient not finite, update skipped "

@@ -50,7 +50,7 @@ def train_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     quiet_libraries()
     try:
-        config = _train_config(args)
+        config = train_config(args)
     except TuneDeckError as err:
         print(f"tunedeck train: error: {err}", file=sys.stderr)
         return 2
@@ -63,7 +63,9 @@ def train_main(argv: list[str]) -> int:
     )
 
 
-def _train_config(args: argparse.Namespace) -> RunConfig:
+def train_config(args: argparse.Namespace) -> RunConfig:
+    """The RunConfig ``tunedeck train`` runs for these parsed flags (``--config``, ``--resume`` and ``--demo``
+    included)."""
     base = RunConfig.load(args.config) if args.config else RunConfig()
     if args.resume and not args.config:  # flags not given (--gpus among them) keep the run's own settings
         base = RunConfig.load(Path(args.resume) / "config.json")

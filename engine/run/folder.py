@@ -26,6 +26,8 @@ from engine.run import checkpoint as ckpt
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
+MEMORY_FILE = "memory.jsonl"
+"""What out-of-memory steps lowered and when it was tried again, one line per change (engine.run.guard)."""
 ADAPTER_DIR = "adapter"
 CHECKPOINT_DIR = "checkpoints"
 

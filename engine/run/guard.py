@@ -1,7 +1,13 @@
 """Keeping a run alive through out-of-memory steps and non-finite losses.
 
 Out of memory: a CUDA OOM inside a step leaves the optimizer untouched (gradients are zeroed, nothing was
-stepped), so the step can simply be taken again with less. The first remedy is a smaller token budget per
+stepped), so the step can simply be taken again. The first try releases what the failed attempt left cached and
+runs the same settings once more: a shortage is often a moment's fragmentation, not a setting that cannot fit.
+Only when that fails too is anything lowered, and only one thing at a time, the least costly first (resident
+layers, then the step graphs' pool, then the micro-batch size, offloaded checkpointing, chunked MLPs). Nothing is
+lowered for good: :class:`Recovery` tries the faster setting again after ``CLIMB_AFTER`` good steps when the
+steps since left a memory margin, and waits twice as long after each climb that ran short again. The remedy for
+the micro-batch size is a smaller token budget per
 micro-batch: every packed row of the step is split, in order, into consecutive pieces of at most that many tokens
 and the pieces are accumulated into the same optimizer step. Documents never attend across each other and the
 loss is a sum over trained tokens divided by the step's trained-token count, so the update is the same as with
@@ -22,7 +28,8 @@ from __future__ import annotations
 import gc
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -31,6 +38,17 @@ from engine.errors import TuneDeckError
 TOKENS_PER_BATCH = "tokens_per_batch"
 OFFLOADED_CHECKPOINTING = "offloaded_checkpointing"
 CHUNKED_MLP = "chunked_mlp"
+RESIDENT_LAYERS = "resident_layers"
+STEP_GRAPHS = "step_graphs"
+RETRY = "retry"
+"""The first answer to a shortage: release cached memory and run the same settings again."""
+
+CLIMB_AFTER = 20
+"""Good steps after a setting was lowered before the faster one is tried again (doubled after each failed climb)."""
+MAX_CLIMBS = 3
+"""Climbs per setting that may run short again before it stays lowered for the rest of the run."""
+CLIMB_MARGIN = 0.10
+"""Share of the usable GPU memory the steps since the shortage must have left free for a climb."""
 
 
 class TrainingHalted(TuneDeckError):
@@ -147,3 +165,95 @@ class NonFiniteCounter:
 
 def is_finite(value: float) -> bool:
     return math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class Lowered:
+    """One setting an out-of-memory step lowered: what, at which step, and the value to go back to."""
+
+    kind: str
+    step: int
+    previous: Any = None
+
+    def describe(self) -> str:
+        what = {
+            RESIDENT_LAYERS: "resident layers",
+            STEP_GRAPHS: "step graphs",
+            TOKENS_PER_BATCH: f"micro-batches of {self.previous} tokens",
+            OFFLOADED_CHECKPOINTING: "the checkpointing it had before",
+            CHUNKED_MLP: "whole-row MLPs",
+        }.get(self.kind, self.kind)
+        return f"memory has had room since step {self.step}: trying {what} again"
+
+
+@dataclass
+class Recovery:
+    """What out-of-memory steps took away, and when to try it again (pure bookkeeping; the step applies it).
+
+    A step's first shortage is retried with the same settings (:meth:`retry_first`). Each lowering is pushed
+    (:meth:`lowered_now`); after ``climb_after`` good steps whose peak left ``margin`` of the usable memory free,
+    :meth:`due` hands back the most recent one to undo. A setting that runs short again after a climb waits twice as
+    long, and after ``max_climbs`` such failures it stays lowered.
+    """
+
+    climb_after: int = CLIMB_AFTER
+    max_climbs: int = MAX_CLIMBS
+    margin: float = CLIMB_MARGIN
+    lowered: list[Lowered] = field(default_factory=list)
+    good_steps: int = 0
+    highest_peak: int = 0
+    """The highest true peak of the good steps since the last change."""
+    failed_climbs: dict[str, int] = field(default_factory=dict)
+    climbed: set[str] = field(default_factory=set)
+    """Settings tried again and not yet proven by ``climb_after`` good steps."""
+    retried_step: int | None = None
+
+    def retry_first(self, step: int) -> bool:
+        """True the first time ``step`` ran short: release memory and run the same settings again."""
+        if self.retried_step == step:
+            return False
+        self.retried_step = step
+        return True
+
+    def lowered_now(self, kind: str, step: int, previous: Any = None) -> None:
+        if kind in self.climbed:  # the faster setting ran short again after a climb
+            self.climbed.discard(kind)
+            self.failed_climbs[kind] = self.failed_climbs.get(kind, 0) + 1
+        self.lowered.append(Lowered(kind, step, previous))
+        self._restart()
+
+    def good_step(self, peak_bytes: int) -> None:
+        self.good_steps += 1
+        self.highest_peak = max(self.highest_peak, peak_bytes)
+        if self.good_steps >= self.climb_after:
+            self.climbed.clear()  # a climb that lasted this long has proven itself
+
+    def wait_for(self, kind: str) -> int | None:
+        """Good steps ``kind`` waits before a climb; None once it has run short after ``max_climbs`` climbs."""
+        failures = self.failed_climbs.get(kind, 0)
+        return None if failures >= self.max_climbs else self.climb_after * 2**failures
+
+    def due(self, usable_bytes: int | None) -> Lowered | None:
+        """The setting to try again now (the most recent lowering), or None."""
+        if not self.lowered:
+            return None
+        last = self.lowered[-1]
+        wait = self.wait_for(last.kind)
+        if wait is None or self.good_steps < wait:
+            return None
+        if usable_bytes is not None and self.highest_peak > (1.0 - self.margin) * usable_bytes:
+            return None
+        return last
+
+    def climbed_back(self, lowered: Lowered) -> None:
+        self.lowered.remove(lowered)
+        self.climbed.add(lowered.kind)
+        self._restart()
+
+    def forget(self, kinds: set[str]) -> None:
+        """The user set these switches themselves: what they asked for replaces any lowering of them."""
+        self.lowered = [entry for entry in self.lowered if entry.kind not in kinds]
+
+    def _restart(self) -> None:
+        self.good_steps = 0
+        self.highest_peak = 0

@@ -32,6 +32,7 @@ from engine.events import (
 from engine.hardware import vram
 from engine.redact import known_tokens, redact_event
 from engine.run import checkpoint as ckpt
+from engine.run import guard
 from engine.run.control import RunControl
 from engine.run.folder import (
     ADAPTER_DIR,
@@ -44,7 +45,10 @@ from engine.run.folder import (
 )
 from engine.run.ranks import Ranks
 from engine.run.session import Session, start
-from engine.run.step import evaluate, read_in_flight, train_step
+from engine.run.step import climb_back, evaluate, read_in_flight, train_step
+
+USER_SET = {guard.OFFLOADED_CHECKPOINTING, guard.CHUNKED_MLP, guard.STEP_GRAPHS}
+"""Lowerings a live switch change replaces (step graphs are captured anew after any switch change)."""
 
 
 def train_in_process(config: RunConfig, run_dir: Path, resuming: bool, control: RunControl) -> Iterator[Event]:
@@ -114,8 +118,10 @@ def _train(session: Session, control: RunControl) -> Iterator[Event]:
             yield RunResumed(session.step)
         if requested is not None:
             session.speed.apply(requested)
+            session.recovery.forget(USER_SET)  # what the user asked for replaces what a shortage lowered
             yield SpeedChanged(session.step, session.speed.state())
         session.ranks.inject_fault(session.step + 1)
+        yield from climb_back(session)  # a setting lowered for memory, once good steps left room
         before = session.speed.state()
         yield from _reported(session, (yield from train_step(session)))
         after = session.speed.state()

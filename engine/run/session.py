@@ -21,6 +21,7 @@ from engine.config import RunConfig
 from engine.data.prepare import PreparedData, RowSchedule, prepare_data
 from engine.errors import ConfigError
 from engine.events import Event, Notice, RunStarted, SpeedChanged
+from engine.hardware import allocator
 from engine.model.load import add_lora, count_parameters, load_base_model, load_tokenizer, pick_device, pick_dtype
 from engine.model.quantized_experts import experts_notice
 from engine.run import checkpoint as ckpt
@@ -28,8 +29,11 @@ from engine.run import guard, readout
 from engine.run.folder import CHECKPOINT_DIR, EVAL_FILE, METRICS_FILE, truncate_log
 from engine.run.optimizer import adamw
 from engine.run.ranks import Ranks
+from engine.run.registry import data_dir
 from engine.run.schedule import lr_lambda
 from engine.speed import SpeedController
+from engine.speed.reuse import DecisionStore, use_compile_cache
+from engine.speed.warm_up import RunLength
 
 PICKLE_WARNING = (
     "pickle weights are allowed for this run: loading a .bin/.pt file can run code hidden in it; "
@@ -64,6 +68,8 @@ class Session:
     chunks_tried: bool = False
     """The per-token modules were switched to chunks after running out of memory."""
     non_finite: guard.NonFiniteCounter = field(init=False)
+    recovery: guard.Recovery = field(init=False)
+    """What out-of-memory steps lowered, and when to try it again."""
     ranks: Ranks = field(default_factory=Ranks.single)
     loss_module: torch.nn.Module | None = None
     """DDP around the model, or the FSDP2 root; None in a one-process run."""
@@ -76,6 +82,7 @@ class Session:
         self.schedule = RowSchedule(len(self.data.train_rows), self.config.training.seed)
         self.tokens_per_batch = self.config.data.tokens_per_batch
         self.non_finite = guard.NonFiniteCounter(self.config.training.max_bad_steps)
+        self.recovery = guard.Recovery(climb_after=guard.CLIMB_AFTER)
 
     @property
     def trainable(self) -> list[torch.nn.Parameter]:
@@ -113,10 +120,14 @@ def start(
     experts_message = experts_notice(model)
     if experts_message is not None:
         yield Notice(experts_message)
+    allocator_warning = allocator.check(device).warning  # with the weights on the GPU, its segments tell
+    if allocator_warning is not None:
+        yield Notice(allocator_warning)
     model.train()
     trainable, total = count_parameters(model)
     ranks.shard_layers(model, device)
     loss_module = ranks.wrap(model, device)
+    use_compile_cache(data_dir())  # before anything compiles: kernels a run of this model compiled before load
     session = _make_session(config, run_dir, device, dtype, tokenizer, model, data)
     session.ranks, session.loss_module = ranks, loss_module
     session.late_readout, readout_reason = readout.resolve(
@@ -129,6 +140,7 @@ def start(
         session.speed.refuse_step_graphs(graphs_refused)
     if resuming:
         yield from _restore(session)
+    session.speed.expect(expected_run(session), DecisionStore.in_folder(data_dir(), writable=ranks.is_main))
     yield RunStarted(
         run_dir=str(run_dir),
         device=_device_label(device, ranks),
@@ -148,6 +160,15 @@ def start(
     if note is not None:
         yield Notice(note)
     return session
+
+
+def expected_run(session: Session) -> RunLength:
+    """What is left of the run for the speed controller: steps, this process's micro-batches a step and the longest
+    packed row's tokens (switches with a one-off cost pay it back only over enough of them)."""
+    data = session.data
+    longest = max((sum(len(data.train[i]) for i in row) for row in data.train_rows), default=0)
+    per_step = math.ceil(session.config.training.grad_accum / session.ranks.world)
+    return RunLength(session.total_steps - session.step, per_step, min(longest, session.tokens_per_batch))
 
 
 def warm_up_note(state: dict[str, Any]) -> str | None:

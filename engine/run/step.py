@@ -20,13 +20,14 @@ from dataclasses import dataclass
 import torch
 
 from engine.data.packing import IGNORE_INDEX, PackedBatch, TokenizedExample, collate
-from engine.events import EvalMetrics, Event, OomRecovered, SpeedChanged, StepMetrics, StepSkipped
+from engine.events import EvalMetrics, Event, OomRecovered, SpeedChanged, SpeedRestored, StepMetrics, StepSkipped
+from engine.hardware import vram
 from engine.run import checkpoint as ckpt
 from engine.run import guard, readout
-from engine.run.folder import CHECKPOINT_DIR, EVAL_FILE, append_jsonl
+from engine.run.folder import CHECKPOINT_DIR, EVAL_FILE, MEMORY_FILE, append_jsonl
 from engine.run.ranks import plain_number
 from engine.run.session import Session
-from engine.speed import GRAPHS_SHORT_OF_MEMORY
+from engine.speed import GRAPHS_SHORT_OF_MEMORY, usable_device_memory
 
 
 def _next_rows(session: Session) -> list[int]:
@@ -118,7 +119,8 @@ def _accumulate(session: Session, rows: list[int]) -> tuple[torch.Tensor, StepTo
 
 
 def _accumulate_or_lower(session: Session, rows: list[int]) -> Generator[Event, None, tuple[torch.Tensor, StepTokens]]:
-    """Run the step's forward/backward, lowering memory use and retrying after each out-of-memory error."""
+    """Run the step's forward/backward; after an out-of-memory error, retry once as it was, then lower one setting
+    at a time (engine.run.guard) and retry."""
     while True:
         try:
             return _accumulate(session, rows)
@@ -128,21 +130,37 @@ def _accumulate_or_lower(session: Session, rows: list[int]) -> Generator[Event, 
             if session.ranks.distributed:  # the other ranks are already waiting in this step's collectives
                 raise guard.out_of_memory_error(session.step + 1, session.tokens_per_batch) from err
         # outside the except block: the traceback (and the activations its frames hold) is gone by now
-        # the first remedies: what the speed switches hold beyond the step's own need, one per shortage
-        dropped = yield from _given_up(session, session.speed.give_up_memory())
         guard.release_memory(session.optimizer, session.device)
-        if dropped:  # the step graphs' pool or the resident layers were the difference: retry the same rows
+        step = session.step + 1
+        if session.recovery.retry_first(step):
+            yield _logged(session, OomRecovered(step, guard.RETRY, session.tokens_per_batch, RETRY_MESSAGE))
             continue
-        yield from _lower_memory(session, [session.data.train_rows[r] for r in rows], session.data.train)
+        yield from _lower_one(session, [session.data.train_rows[r] for r in rows], session.data.train)
 
 
-def _given_up(session: Session, released: bool) -> Generator[Event, None, bool]:
-    """After a remedy that frees what the speed switches held (step graphs' pool, resident layers): say so, and
-    whether it freed anything."""
-    if not released:
-        return False
+RETRY_MESSAGE = "out of GPU memory: cached memory released, retrying the step with the same settings"
+
+
+def _lower_one(session: Session, rows: list[list[int]], examples: list[TokenizedExample]) -> Iterator[Event]:
+    """Lower the least costly setting that holds memory: what the speed switches hold beyond the step's own need
+    first (resident layers, then the step graphs' pool), then the micro-batches and the recompute."""
+    given_up = session.speed.give_up_memory()
+    if given_up is None:
+        yield from _lower_memory(session, rows, examples)
+        return
+    session.recovery.lowered_now(given_up, session.step + 1)
+    guard.release_memory(session.optimizer, session.device)
+    message = GIVEN_UP_MESSAGES[given_up]
+    yield _logged(session, OomRecovered(session.step + 1, given_up, session.tokens_per_batch, message))
     yield SpeedChanged(session.step, session.speed.state())
-    return True
+
+
+GIVEN_UP_MESSAGES = {
+    guard.RESIDENT_LAYERS: "out of GPU memory again: every layer recomputes its activations for now (resident "
+    "layers are tried again once memory has room)",
+    guard.STEP_GRAPHS: "out of GPU memory again: micro-batches run eagerly for now, without the step graphs' memory "
+    "pool (tried again once memory has room)",
+}
 
 
 def _lower_memory(session: Session, rows: list[list[int]], examples: list[TokenizedExample]) -> Iterator[Event]:
@@ -156,16 +174,58 @@ def _lower_memory(session: Session, rows: list[list[int]], examples: list[Tokeni
     if action is None:
         raise guard.out_of_memory_error(session.step + 1, session.tokens_per_batch)
     message = action.describe(session.tokens_per_batch)
+    settings = session.speed.settings
+    previous = {
+        guard.TOKENS_PER_BATCH: session.tokens_per_batch,
+        guard.OFFLOADED_CHECKPOINTING: settings.checkpointing,
+        guard.CHUNKED_MLP: settings.chunked_mlp,
+    }[action.kind]
+    session.recovery.lowered_now(action.kind, session.step + 1, previous)
     session.tokens_per_batch = action.tokens_per_batch
-    yield OomRecovered(session.step + 1, action.kind, action.tokens_per_batch, message)
+    yield _logged(session, OomRecovered(session.step + 1, action.kind, action.tokens_per_batch, message))
     if action.kind == guard.OFFLOADED_CHECKPOINTING:
         session.offload_tried = True
-        session.speed.apply(dataclasses.replace(session.speed.settings, checkpointing="offloaded"))
+        session.speed.apply(dataclasses.replace(settings, checkpointing="offloaded"))
         yield SpeedChanged(session.step, session.speed.state())
     elif action.kind == guard.CHUNKED_MLP:
         session.chunks_tried = True
-        session.speed.apply(dataclasses.replace(session.speed.settings, chunked_mlp=True))
+        session.speed.apply(dataclasses.replace(settings, chunked_mlp=True))
         yield SpeedChanged(session.step, session.speed.state())
+
+
+def _logged(session: Session, event: OomRecovered | SpeedRestored) -> OomRecovered | SpeedRestored:
+    """The event, also written to the run folder's memory log."""
+    if session.ranks.is_main:
+        append_jsonl(session.run_dir / MEMORY_FILE, event.to_dict())
+    return event
+
+
+def climb_back(session: Session) -> Iterator[Event]:
+    """Undo the most recent out-of-memory lowering once enough good steps left room (engine.run.guard.Recovery)."""
+    usable = usable_device_memory(session.device) if session.device.type == "cuda" else None
+    lowered = session.recovery.due(usable)
+    if lowered is None:
+        return
+    _undo(session, lowered)
+    session.recovery.climbed_back(lowered)
+    yield _logged(session, SpeedRestored(session.step + 1, lowered.kind, lowered.describe()))
+    yield SpeedChanged(session.step, session.speed.state())
+
+
+def _undo(session: Session, lowered: guard.Lowered) -> None:
+    speed = session.speed
+    if lowered.kind == guard.RESIDENT_LAYERS:
+        speed.restore_resident_layers()
+    elif lowered.kind == guard.STEP_GRAPHS:
+        speed.restore_step_graphs()
+    elif lowered.kind == guard.TOKENS_PER_BATCH:
+        session.tokens_per_batch = max(session.tokens_per_batch, int(lowered.previous))
+    elif lowered.kind == guard.OFFLOADED_CHECKPOINTING:
+        session.offload_tried = False
+        speed.apply(dataclasses.replace(speed.settings, checkpointing=lowered.previous))
+    elif lowered.kind == guard.CHUNKED_MLP:
+        session.chunks_tried = False
+        speed.apply(dataclasses.replace(speed.settings, chunked_mlp=lowered.previous))
 
 
 def _clip_gradients(session: Session) -> float:
@@ -215,8 +275,7 @@ def train_step(session: Session) -> Generator[Event, None, list[StepMetrics]]:
 
 
 def _step_read_at_once(session: Session) -> Generator[Event, None, StepMetrics | None]:
-    if session.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(session.device)
+    vram.reset_step_peak(session.device)
     start = time.perf_counter()
     learning_rate = float(session.scheduler.get_last_lr()[0])
     rows = _next_rows(session)
@@ -253,6 +312,7 @@ def _good_step(
     """Count a step whose update went in, and its metrics."""
     session.step += 1
     session.last_loss = loss
+    session.recovery.good_step(memory_bytes)
     return StepMetrics(
         step=session.step,
         total_steps=session.total_steps,
@@ -291,8 +351,7 @@ def _read_one(session: Session, step: readout.InFlight | None) -> Generator[Even
 
 
 def _queue_step(session: Session) -> Generator[Event, None, readout.InFlight]:
-    if session.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(session.device)
+    vram.reset_step_peak(session.device)
     started, began = time.perf_counter(), readout.began_event(session.device)
     learning_rate = float(session.scheduler.get_last_lr()[0])
     rows = _next_rows(session)
@@ -327,11 +386,8 @@ def _read(session: Session, step: readout.InFlight) -> Generator[Event, None, St
 
 
 def _memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    import psutil
-
-    return int(psutil.Process().memory_info().rss)
+    """The step's true peak (engine.hardware.vram): reserved memory, step graphs' pool included; on CPU, the RSS."""
+    return vram.read_step_peak(device, driver=False).true_peak
 
 
 @torch.no_grad()
@@ -366,9 +422,12 @@ def evaluate(session: Session) -> Iterator[Event]:
             if not guard.is_out_of_memory(err):
                 raise
         # evaluation keeps no activations: only the step graphs' pool is worth freeing here
-        dropped = yield from _given_up(session, session.speed.graphs.give_up(GRAPHS_SHORT_OF_MEMORY))
+        dropped = session.speed.graphs.give_up(GRAPHS_SHORT_OF_MEMORY)
         guard.release_memory(session.optimizer, session.device)
-        if not dropped:
+        if dropped:
+            session.recovery.lowered_now(guard.STEP_GRAPHS, session.step)
+            yield SpeedChanged(session.step, session.speed.state())
+        else:
             yield from _lower_memory(session, session.data.eval_rows, session.data.eval)
     if result is None:
         return

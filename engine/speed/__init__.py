@@ -42,7 +42,9 @@ from engine.speed import (
     moe_routing,
     offloaded_checkpoint,
     resident_layers,
+    reuse,
     step_graphs,
+    warm_up,
 )
 from engine.speed.host_embedding import HostEmbedding
 from engine.speed.lora_16bit import Lora16Bit, adapted_layers
@@ -57,8 +59,10 @@ __all__ = [
     "transformers_model",
 ]
 
-GRAPHS_SHORT_OF_MEMORY = "GPU memory ran short beside the step graphs' memory pool; micro-batches run eagerly"
-RESIDENT_SHORT_OF_MEMORY = "GPU memory ran short with layers resident; every layer checkpoints for the rest of the run"
+GRAPHS_SHORT_OF_MEMORY = (
+    "GPU memory ran short beside the step graphs' memory pool; micro-batches run eagerly until memory has room again"
+)
+RESIDENT_SHORT_OF_MEMORY = "GPU memory ran short with layers resident; every layer checkpoints until memory has room"
 ACTIVATION_BYTES_PER_TOKEN_AND_HIDDEN = 34
 """Bytes kept per token × hidden per layer without checkpointing in 16-bit (Korthikanti et al., flash attention)."""
 
@@ -156,6 +160,8 @@ class SpeedController:
         self.resident_override: int | None = None
         """A fixed number of resident layers where the switch is on (tests, benches); None: what the planner fits."""
         self._resident_refused: str | None = None
+        self.warm_up = warm_up.WarmUpLedger()
+        """The run's length and earlier runs' measurements: switches with a one-off cost decide with them."""
         metadata_cache.register_packed_attention()
         moe_routing.register_experts_implementations()
         self.apply(settings)
@@ -181,6 +187,13 @@ class SpeedController:
         self._apply_fused_kernels(settings)
         self._apply_resident_layers(settings)
         self._apply_step_graphs(settings)
+
+    def expect(self, length: warm_up.RunLength, store: reuse.DecisionStore | None = None) -> None:
+        """What is left of the run (and what earlier runs left in ``store``): fused kernels and step graphs,
+        where automatic, are decided again and stay on only where their one-off cost pays back
+        (:mod:`engine.speed.warm_up`)."""
+        self.warm_up = warm_up.WarmUpLedger.for_run(self.model, self.hf_model, self.dtype, self.device, length, store)
+        self.apply(self.settings)
 
     def _apply_metadata_cache(self, settings: SpeedConfig) -> None:
         problem = metadata_cache.unsupported_reason(self.hf_model)
@@ -233,8 +246,13 @@ class SpeedController:
         self._fused_loss = on
         self._state["fused_loss"] = {"on": on, "reason": reason}
 
-    def _apply_fused_kernels(self, settings: SpeedConfig) -> None:
+    def _resolve_fused_kernels(self, settings: SpeedConfig) -> tuple[bool, str]:
+        """(on, reason) of the fused kernels, automatic ones counting their compile against the run's length."""
         on, reason = fused_kernels.resolve(settings.fused_kernels, self.hf_model, self.device)
+        return self.warm_up.fused_kernels(settings.fused_kernels, on, reason)
+
+    def _apply_fused_kernels(self, settings: SpeedConfig) -> None:
+        on, reason = self._resolve_fused_kernels(settings)
         self.region_compiler.switch(self.hf_model, on)  # after the chunked MLP switch: it changes the regions
         self._fused_kernels = on
         self._state["fused_kernels"] = {"on": on, "reason": reason}
@@ -247,7 +265,7 @@ class SpeedController:
             settings.chunked_mlp, mode, self._longest_tokens, working_bytes=working, free_bytes=free
         )
         if on:
-            compiled, _ = fused_kernels.resolve(settings.fused_kernels, self.hf_model, self.device)
+            compiled, _ = self._resolve_fused_kernels(settings)
             self.chunked.install(mlp_only=compiled)
         elif self.offloader.keeps_saved:
             self.chunked.install_units()  # the MLPs keep only their inputs and recompute in backward
@@ -313,7 +331,7 @@ class SpeedController:
         fp8, fp8_reason = fp8_base.resolve(settings.fp8_base, self.device, frozen, mode, extra > 0, experts)
         scope = fp8_base.automatic_scope(settings.fp8_base, settings.fp8_scope)
         fp8, fp8_reason = fp8_base.scoped(fp8, fp8_reason, scope, mode)
-        compiled, _ = fused_kernels.resolve(settings.fused_kernels, self.hf_model, self.device)
+        compiled, _ = self._resolve_fused_kernels(settings)
         kernel, kernel_reason = lean_recompute.four_bit_kernel_resolve(
             settings.four_bit_kernel, self.device, self.hf_model, measured=once and not self._chunked
         )
@@ -371,22 +389,39 @@ class SpeedController:
         """Step graphs' pool or resident layers hold memory a micro-batch that ran short can run again without."""
         return bool(self.graphs.captured or self.resident_layers)
 
-    def give_up_memory(self) -> bool:
+    def give_up_memory(self) -> str | None:
         """After a micro-batch ran short: the resident layers go first (each saves about 1% of a step; the graphs they
         were captured with are dropped and captured again without them), the step graphs' pool next (15-25% of an 8B
-        QLoRA step), one per call, each for the rest of the run; False when neither holds any (the caller lowers
-        something else)."""
-        return self.give_up_resident_layers(RESIDENT_SHORT_OF_MEMORY) or self.graphs.give_up(GRAPHS_SHORT_OF_MEMORY)
+        QLoRA step), one per call, until :meth:`restore_resident_layers` / :meth:`restore_step_graphs`. Returns what
+        went (``"resident_layers"``, ``"step_graphs"``), None when neither held any (the caller lowers something
+        else)."""
+        if self.give_up_resident_layers(RESIDENT_SHORT_OF_MEMORY):
+            return "resident_layers"
+        if self.graphs.give_up(GRAPHS_SHORT_OF_MEMORY):
+            return "step_graphs"
+        return None
 
     def give_up_resident_layers(self, reason: str) -> bool:
-        """Out of memory with resident layers: every layer checkpoints again for the rest of the run. False when
-        none were resident (nothing to give up)."""
+        """Out of memory with resident layers: every layer checkpoints again until :meth:`restore_resident_layers`.
+        False when none were resident (nothing to give up)."""
         if not self.resident_layers:
             return False
         self._resident_refused = reason
         self.graphs.clear()
         self._apply_resident_layers(self.settings)
         return True
+
+    def restore_resident_layers(self) -> None:
+        """Memory has room again: the resident layers are sized anew from what is free now."""
+        self._resident_refused = None
+        self.graphs.clear()
+        self._apply_resident_layers(self.settings)
+
+    def restore_step_graphs(self) -> None:
+        """Memory has room again: step graphs given up for a shortage are captured again (a trial's verdict and a
+        failed capture stay as they were)."""
+        if self.graphs.failure == f"off: {GRAPHS_SHORT_OF_MEMORY}":
+            self.graphs.failure = None
 
     def refuse_step_graphs(self, reason: str) -> None:
         """This run cannot replay its micro-batches (several GPUs, float16 loss scaling): step graphs stay off with
@@ -396,11 +431,12 @@ class SpeedController:
 
     def _apply_step_graphs(self, settings: SpeedConfig) -> None:
         on, reason = step_graphs.resolve(settings.step_graphs, self.model, self.device)
+        on, reason, trial = self.warm_up.step_graphs(settings.step_graphs, on, reason, compiled=self._fused_kernels)
         if self._graphs_refused is not None and (on or settings.step_graphs):
             on, reason = False, f"off: {self._graphs_refused}"
         elif on and self._graphs_memory_bound(settings):
             on, reason = False, step_graphs.MEMORY_BOUND
-        self.graphs.switch(on, trial=settings.step_graphs is None)  # drops graphs captured under the previous ones
+        self.graphs.switch(on, trial=trial)  # drops graphs captured under the previous ones
         self._state["step_graphs"] = {"on": on, "reason": reason}
 
     @property
@@ -498,6 +534,7 @@ class SpeedController:
         """Model kwargs for one micro-batch (already on the device); the stock ones when every switch is off."""
         self.offloader.begin_batch()
         self.residency.begin_batch()
+        self.warm_up.tick(self._fused_kernels, self.graphs.active, self.graphs.trial_result)
         self._rows_grew(batch.num_tokens)
         inputs = stock_model_inputs(self.model, batch)
         if self.host_embedding.on:
