@@ -49,10 +49,6 @@ EXPORT_WAIT_MS = 30 * 60 * 1000
 NAV_STYLE = "QListWidget { font-size: 14px; } QListWidget::item { padding: 8px 6px; }"
 
 
-SCROLLING_PAGES = ("Speed", "Chat")
-"""Pages whose panels scroll instead of setting the window's smallest size (a long form, a wide chat bar)."""
-
-
 def default_size() -> tuple[int, int]:
     """The first start's size: 1280x820, or nine tenths of a smaller screen."""
     screen = QGuiApplication.primaryScreen()
@@ -136,7 +132,7 @@ class MainWindow(QMainWindow):
 
     def add_page(self, title: str, page: QWidget) -> None:
         self.nav.addItem(title)
-        self.pages.addWidget(Page(title, page, scrolls=title in SCROLLING_PAGES))
+        self.pages.addWidget(Page(title, page))  # it scrolls where the window is smaller than it
         self._panels[title] = page
 
     def page(self, title: str) -> QWidget | None:

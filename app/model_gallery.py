@@ -30,6 +30,8 @@ GIB = 1 << 30
 THIS_COMPUTER = "This computer"
 VERDICT_TEXT = {"LoRA": "LoRA", "QLoRA": "QLoRA only", "too big": "does not fit"}
 VERDICT_COLOURS = {"LoRA": "#1b7f3b", "QLoRA": "#b26a00", "too big": "#b00020"}
+MIN_VISIBLE_ROWS = 4
+"""The gallery rows shown however small the window (the others scroll in the table)."""
 COLUMNS = ("Model", "Parameters", "Download", "Trains with", "Peak memory", "Longest row", "About")
 
 
@@ -97,6 +99,8 @@ class ModelGallery(QWidget):
         self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
         self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
         self.table.verticalHeader().setVisible(False)
+        self.table.setWordWrap(False)  # one line a row: the rows are computed before the columns are sized
+        self.table.setSizeAdjustPolicy(QAbstractItemView.SizeAdjustPolicy.AdjustToContents)  # every row, given room
         header = self.table.horizontalHeader()
         header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
         header.setStretchLastSection(True)
@@ -139,8 +143,11 @@ class ModelGallery(QWidget):
                 item.setToolTip(self._tooltip(row))
                 self.table.setItem(index, column, item)
         self.table.resizeRowsToContents()
-        height = sum(self.table.rowHeight(i) for i in range(len(rows))) + self.table.horizontalHeader().height()
-        self.table.setFixedHeight(height + 2 * self.table.frameWidth())
+        # Every row where the page has room; a few, and the table's own scroll bar, on a small screen.
+        frame = self.table.horizontalHeader().height() + 2 * self.table.frameWidth()
+        heights = [self.table.rowHeight(i) for i in range(len(rows))]
+        self.table.setMaximumHeight(frame + sum(heights))
+        self.table.setMinimumHeight(frame + sum(heights[:MIN_VISIBLE_ROWS]))
         self.note.setText(self._card_note(card))
         self.select(chosen or DEMO_MODEL)
 

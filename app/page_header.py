@@ -48,11 +48,11 @@ class PageHeader(QWidget):
 
 
 class Page(QWidget):
-    """A panel under its header; ``panel`` is the page's own widget. A ``scrolls`` panel (a long form such as the
-    Speed page's switches) scrolls where the window is smaller than it, so it never makes the window taller or wider
-    than a laptop screen; the others (charts) shrink with the window."""
+    """A panel under its header; ``panel`` is the page's own widget. The panel fills the page and shrinks with the
+    window down to its own smallest size, then scrolls (``scrolls``, the default): a page's content (a long form, a
+    full gallery) never makes the window taller or wider than a laptop screen, nor grows it."""
 
-    def __init__(self, title: str, panel: QWidget, text: str | None = None, scrolls: bool = False) -> None:
+    def __init__(self, title: str, panel: QWidget, text: str | None = None, scrolls: bool = True) -> None:
         super().__init__()
         self.panel = panel
         self.header = PageHeader(title, PAGE_TEXT.get(title, "") if text is None else text)
