@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyqtgraph as pg
-from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtCore import QItemSelection, QItemSelectionModel, Qt, QTimer, Signal
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QHBoxLayout,
@@ -173,19 +173,22 @@ class RunsView(QWidget):
                 item = QTableWidgetItem(text)
                 item.setToolTip(record.folder)
                 self.table.setItem(row, column, item)
-            if record.id in chosen:
-                self.table.selectRow(row)
+        self._select_ids(chosen)  # rows move when a run is added or deleted: select by id, never by row
         self.table.blockSignals(False)
         self._selection_changed()
 
-    def select_runs(self, run_ids: list[str]) -> None:
-        self.table.clearSelection()
-        mode = self.table.selectionMode()
-        self.table.setSelectionMode(QAbstractItemView.SelectionMode.MultiSelection)
+    def select_runs(self, run_ids: Iterable[str]) -> None:
+        self._select_ids(set(run_ids))  # the table's selection signal redraws the chart
+
+    def _select_ids(self, run_ids: set[str]) -> None:
+        """Select exactly the rows of ``run_ids``, in one step (``selectRow`` would keep only the last one)."""
+        selection = QItemSelection()
+        last = self.table.columnCount() - 1
         for row, record in enumerate(self.records):
             if record.id in run_ids:
-                self.table.selectRow(row)
-        self.table.setSelectionMode(mode)
+                selection.select(self.table.model().index(row, 0), self.table.model().index(row, last))
+        flags = QItemSelectionModel.SelectionFlag.ClearAndSelect | QItemSelectionModel.SelectionFlag.Rows
+        self.table.selectionModel().select(selection, flags)
 
     def selected_records(self) -> list[RunRecord]:
         rows = sorted({index.row() for index in self.table.selectionModel().selectedRows()})
