@@ -80,6 +80,10 @@ class DataPanel(QWidget):
         demo.clicked.connect(lambda: self.load(str(demo_data_file())))
         self.summary = QLabel("No dataset yet.")
         self.summary.setWordWrap(True)
+        self.fetch = QPushButton("Look up the tokenizer on the hub")
+        self.fetch.setToolTip("The only request this page sends: the model's tokenizer files, a few MB")
+        self.fetch.clicked.connect(lambda: self.load(self.path_edit.text().strip(), auto=self.auto_demo, use_hub=True))
+        self.fetch.hide()
         self.histogram = pg.PlotWidget(title="Tokens per example", background="w")
         self.histogram.setLabel("bottom", "tokens")
         self.histogram.setLabel("left", "examples")
@@ -97,12 +101,15 @@ class DataPanel(QWidget):
         layout = QVBoxLayout(self)
         layout.addLayout(top)
         layout.addWidget(self.summary)
+        layout.addWidget(self.fetch, 0, Qt.AlignmentFlag.AlignLeft)
         layout.addWidget(body, 1)
 
-    def load(self, path: str, *, auto: bool = False) -> None:
-        """Read ``path`` in the background; ``auto``: picked by TuneDeck (the demo data for the demo model)."""
+    def load(self, path: str, *, auto: bool = False, use_hub: bool = False) -> None:
+        """Read ``path`` in the background; ``auto``: picked by TuneDeck (the demo data for the demo model);
+        ``use_hub``: the user asked to fetch the model's tokenizer (otherwise only what is on disk is read)."""
         self.auto_demo = auto
         self.problem = ""
+        self.fetch.hide()
         if not path:
             self.summary.setText("Choose a file or folder first.")
             return
@@ -113,7 +120,7 @@ class DataPanel(QWidget):
         self.report_model = model
         self.loads += 1
         load = self.loads  # only the latest load may report: an earlier one's result or error is stale
-        self.tasks.start(lambda: analyze_dataset(path, model, settings),
+        self.tasks.start(lambda: analyze_dataset(path, model, settings, use_hub=use_hub),
                          lambda report: self.show_report(report) if load == self.loads else None,
                          lambda error: self._show_error(error) if load == self.loads else None)  # fmt: skip
 
@@ -173,6 +180,9 @@ class DataPanel(QWidget):
 
     def _show_error(self, error: ErrorInfo) -> None:
         self.problem = error.message
+        if error.message.startswith(NO_TOKENIZER):  # a hub model's tokenizer not on this computer: ask first
+            self.fetch.setText(f"Look up {self.report_model}'s tokenizer on the hub")
+            self.fetch.show()
         self.changed.emit()
         self.summary.setText(
             f"<span style='color:#b00020'>{html.escape(error.message)}</span>"

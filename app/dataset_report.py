@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from engine.config import DataConfig, ModelConfig
@@ -18,6 +19,7 @@ TOKENIZER_LOCK = threading.Lock()
 """Two first imports of transformers' lazy AutoTokenizer in two threads fail ("cannot import name
 'AutoTokenizer'"), e.g. the demo data loading for the demo model while the user opens a file: one at a time."""
 NO_TOKENIZER = "cannot read the dataset without the tokenizer of"
+FETCH_HINT = "fetch it from the Hugging Face hub with the Dataset page's button (a few MB), or choose another model"
 MAX_TOKENIZED = 5000
 """Examples tokenized for the histogram and packing figures; larger datasets are sampled from the start."""
 PREVIEW_EXAMPLES = 4
@@ -42,12 +44,38 @@ class DatasetReport:
     sampled: bool = False
 
 
-def analyze_dataset(path: str, model_name: str, data: DataConfig | None = None) -> DatasetReport:
-    """Read, check, tokenize and pack ``path`` as a run with ``model_name``'s tokenizer would."""
+def load_tokenizer_on_disk(model_name: str, use_hub: bool = False) -> Any:
+    """``model_name``'s tokenizer from its folder or the Hugging Face cache; from the hub only when ``use_hub`` (the
+    user asked). The app promises to send nothing unasked: a hub id is never looked up, not even for updates."""
+    from engine.model.load import hub_offline, load_tokenizer, resolve_model
+
+    if resolve_model(model_name).is_local or (use_hub and not hub_offline()):
+        return load_tokenizer(ModelConfig(name=model_name))
+    from huggingface_hub import try_to_load_from_cache
+    from transformers import AutoTokenizer
+
+    # A cache lookup on disk, then a load from that folder: huggingface_hub's own calls, local_files_only included,
+    # send a request on their first use (its agent registry) unless the hub is switched off.
+    cached = try_to_load_from_cache(model_name, "tokenizer.json")
+    if not isinstance(cached, str):
+        raise ModelLoadError("it is not on this computer", hint=FETCH_HINT)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(Path(cached).parent))
+    except Exception as err:  # a cache without the other tokenizer files
+        raise ModelLoadError(f"it is not whole on this computer: {err}", hint=FETCH_HINT) from err
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def analyze_dataset(
+    path: str, model_name: str, data: DataConfig | None = None, *, use_hub: bool = False
+) -> DatasetReport:
+    """Read, check, tokenize and pack ``path`` as a run with ``model_name``'s tokenizer would; ``use_hub``: the
+    user asked to fetch a tokenizer that is not on this computer."""
     from engine.data.files import detect_format, iter_row_problems, normalize_rows, read_rows
     from engine.data.packing import pack_examples, packing_efficiency
     from engine.data.tokenize import ensure_chat_template, tokenize_examples
-    from engine.model.load import load_tokenizer
 
     data = data or DataConfig(path=path)
     rows = read_rows(path)
@@ -58,7 +86,7 @@ def analyze_dataset(path: str, model_name: str, data: DataConfig | None = None) 
     examples = normalize_rows(good[:MAX_TOKENIZED], fmt, path)
     with TOKENIZER_LOCK:
         try:
-            tokenizer = load_tokenizer(ModelConfig(name=model_name))
+            tokenizer = load_tokenizer_on_disk(model_name, use_hub)
         except TuneDeckError as err:  # the model's fault, not the dataset's: say so
             raise ModelLoadError(f"{NO_TOKENIZER} {model_name}: {err.message}", hint=err.hint) from err
     ensure_chat_template(tokenizer)

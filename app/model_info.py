@@ -82,9 +82,12 @@ def model_config_path(name: str) -> Path | str:
         return Path(source.location)
     if name.lower().rsplit("/", 1)[-1] in builtin_shape_names():
         return name
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
 
-    try:
+    cached = try_to_load_from_cache(name, "config.json")  # on disk only: a fetched model is never looked up again
+    if isinstance(cached, str):
+        return Path(cached)
+    try:  # a hub id the user typed and asked for ("downloaded now"); offline, the error says so
         return Path(hf_hub_download(name, "config.json", local_files_only=_offline()))
     except Exception as err:
         raise _hub_error(name, err) from err

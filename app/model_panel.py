@@ -140,8 +140,10 @@ class ModelPanel(QWidget):
         self.status.setText(f"Downloading {self.state.model_name}: {what} {amount}")
 
     def _replan(self) -> None:
-        if self.state.model_info is not None or self.state.model_name == DEMO_MODEL:
-            self.choose(self.state.model_name)
+        if self.state.model_info is not None:
+            self._inspect(self.state.model_name)  # planned again for the new hardware: nothing is fetched again
+        elif self.state.model_name == DEMO_MODEL:
+            self.choose(DEMO_MODEL)
 
     def _browse(self) -> None:
         folder = QFileDialog.getExistingDirectory(self, "Model folder")

@@ -1,0 +1,68 @@
+"""The app sends nothing to the model hub unless the user asks: choosing a gallery model reads only what is on disk
+(its built-in shape, the tokenizer from the cache), says when the tokenizer is not on this computer, and fetches it
+only when the user presses "Look up … on the hub"."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+from app_demo import LOAD_TIMEOUT_MS, prepare_demo
+
+from engine.errors import ModelLoadError
+from engine.model import load
+
+pytest_plugins = ["app_fixtures"]
+
+
+@pytest.fixture
+def requests_sent(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[Any]:
+    """An online machine with an empty Hugging Face cache whose every connection is recorded and refused."""
+    import huggingface_hub.constants as hub
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    sent: list[Any] = []
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        sent.append(args[1:] if args and isinstance(args[0], socket.socket) else args)
+        raise OSError("the test machine has no network")
+
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+    return sent
+
+
+def test_choosing_a_gallery_model_sends_nothing_until_asked(
+    qtbot: Any, window: Any, requests_sent: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prepare_demo(qtbot, window, max_steps=5)
+    panel, data = window.model_panel, window.data_panel
+    panel.gallery.select("Qwen/Qwen3-0.6B")
+    panel.use.click()
+    qtbot.waitUntil(lambda: window.state.model_info is not None, timeout=LOAD_TIMEOUT_MS)
+    qtbot.waitUntil(lambda: data.problem != "", timeout=LOAD_TIMEOUT_MS)  # the data re-read for the new model
+    assert requests_sent == [], "choosing a model must not reach the network"
+    assert "not on this computer" in data.problem
+    assert data.fetch.isVisibleTo(data) and "Qwen/Qwen3-0.6B" in data.fetch.text()
+    ready, text = data.step_status()
+    assert not ready and "tokenizer of Qwen/Qwen3-0.6B" in text
+    window.hardware_panel.detect()  # a new detection plans the model again, still from what is on disk
+    qtbot.waitUntil(lambda: not window.tasks.busy(), timeout=LOAD_TIMEOUT_MS)
+    assert requests_sent == []
+    asked: list[str] = []
+
+    def from_the_hub(config: Any) -> Any:  # what the engine would fetch, without waiting on the retries
+        asked.append(config.name)
+        raise ModelLoadError("cannot reach the hub", hint="check your network")
+
+    monkeypatch.setattr(load, "load_tokenizer", from_the_hub)
+    data.fetch.click()  # the user asks: now, and only now, the hub is asked
+    qtbot.waitUntil(lambda: data.problem != "", timeout=LOAD_TIMEOUT_MS)
+    assert asked == ["Qwen/Qwen3-0.6B"]
+    assert "cannot reach the hub" in data.problem and data.fetch.isVisibleTo(data), "said, and the button stays"
