@@ -187,10 +187,14 @@ class ChatView(QWidget):
             self.status.setText(f"cannot read the run history: {err}")
             return
         chosen = self.runs.currentData()
+        listed = {self.runs.itemData(i) for i in range(self.runs.count())}
         self.runs.clear()
         for record in records:
             if (Path(record.folder) / "adapter" / "adapter_config.json").exists():
                 self.runs.addItem(f"{record.name}  ({Path(record.model).name or record.model})", record.folder)
+        newest = self.runs.itemData(0) if self.runs.count() else None  # the registry lists the newest first
+        if newest is not None and newest not in listed:
+            chosen = newest  # a run that just finished is the one to try
         index = self.runs.findData(chosen) if chosen is not None else -1
         self.runs.setCurrentIndex(max(index, 0) if self.runs.count() else -1)
         self._update_buttons()

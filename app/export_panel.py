@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from PySide6.QtCore import QUrl
+from PySide6.QtCore import Qt, QUrl
 from PySide6.QtGui import QDesktopServices
 from PySide6.QtWidgets import (
     QButtonGroup,
@@ -239,8 +239,10 @@ class ExportDialog(QDialog):
 
     def open_folder(self) -> None:
         folder = self.export_folder()
-        if folder is not None:
-            QDesktopServices.openUrl(QUrl.fromLocalFile(str(folder)))
+        if folder is not None and not QDesktopServices.openUrl(QUrl.fromLocalFile(str(folder))):
+            # no file manager is set up here (a bare desktop, a remote session): the path to copy instead
+            self.status.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+            self.status.setText(f"No file manager opened the folder. Its path, to copy: {html.escape(str(folder))}")
 
     def reject(self) -> None:
         if not self.busy():  # an export cannot be cut short half-way: Close waits until it is done
