@@ -27,7 +27,7 @@ def median_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 3, cuda: b
 
     for _ in range(warmup):
         fn()
-    times = []
+    times: list[float] = []
     for _ in range(reps):
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

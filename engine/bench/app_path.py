@@ -147,7 +147,8 @@ def short_of_memory_at(step: int) -> None:
 
     from engine.run import step as step_module
 
-    real, fired = step_module._accumulate, []
+    real = step_module._accumulate
+    fired: list[bool] = []
 
     def accumulate(session: Any, rows: list[int]) -> Any:
         if session.step + 1 != step or fired:

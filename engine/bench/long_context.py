@@ -151,7 +151,7 @@ def _quantized_linear(linear: torch.nn.Linear, device: torch.device, dtype: torc
     weight = torch.empty(linear.out_features, linear.in_features, device=device, dtype=dtype)
     weight.normal_(0.0, 0.02, generator=gen)
     param = bnb.nn.Params4bit(weight, requires_grad=False, compress_statistics=True, quant_type="nf4", module=layer)
-    layer.weight = param.to(device)
+    layer.weight = param.to(device)  # type: ignore[misc]  # bitsandbytes types .to()'s self as a Module
     return layer
 
 
@@ -229,7 +229,12 @@ def with_lora(model: Any, variant: str) -> Any:
     from peft import get_peft_model, prepare_model_for_kbit_training
 
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules="all-linear", task_type="CAUSAL_LM")
+    config = PeftLoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft annotates int; a float alpha works
+        target_modules="all-linear",
+        task_type="CAUSAL_LM",
+    )
     return get_peft_model(model, config)
 
 
@@ -341,7 +346,8 @@ def probe_in_fresh_process(tokens: int, cap_gib: float, variant: str, timeout: f
         return None
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("{"):
-            return json.loads(line)
+            row: dict[str, Any] = json.loads(line)
+            return row
     return {"tokens": tokens, "cap_gib": cap_gib, "variant": variant, "ok": False, "error": done.stderr[-400:]}
 
 

@@ -78,7 +78,7 @@ def peak_table(events: Iterable[Mapping[str, Any]], before_bytes: int, peak_byte
     return "\n".join(lines) + "\n"
 
 
-def record_peak(step: Callable[[], None], out: Path, label: str) -> dict[str, Any]:
+def record_peak(step: Callable[[], object], out: Path, label: str) -> dict[str, Any]:
     """Run ``step`` once under the allocator's trace and write ``<label>_memory_peak.txt`` under ``out``."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

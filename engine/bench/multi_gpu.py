@@ -22,13 +22,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.config import SpeedConfig
 from engine.hardware.vram import read_step_peak
+
+if TYPE_CHECKING:
+    from engine.run.ranks import Ranks
 
 TARGET_RATIO = 1.85
 SPEED_PRESETS = ("all", "all-eager", "auto", "stock")
@@ -41,9 +45,9 @@ def speed_settings(preset: str) -> SpeedConfig:
     from engine.bench.speed import ALL_ON, STOCK
 
     if preset == "all":
-        return dataclasses.replace(STOCK, **ALL_ON)  # type: ignore[arg-type]  # ALL_ON holds only the on/off switches
+        return dataclasses.replace(STOCK, **ALL_ON)
     if preset == "all-eager":
-        return dataclasses.replace(STOCK, **{**ALL_ON, "fused_kernels": False})  # type: ignore[arg-type]
+        return dataclasses.replace(STOCK, **{**ALL_ON, "fused_kernels": False})
     if preset == "stock":
         return STOCK
     return SpeedConfig()
@@ -106,7 +110,7 @@ def rank_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _timed(step: Any, ranks: Any, device: torch.device) -> float:
+def _timed(step: Callable[[], object], ranks: Ranks, device: torch.device) -> float:
     """One step from a common start to the slowest rank's end (seconds)."""
     _sync(device)
     ranks.barrier()
@@ -149,7 +153,7 @@ def measure(args: argparse.Namespace, world: int) -> dict[str, Any]:
         code = _run_group(command, env, args.timeout)
         if not result.exists():  # written by rank 0 after the timed steps; a teardown failure later is reported
             raise RuntimeError(f"{world}-GPU measurement failed (torchrun exit code {code}); its output is above")
-        measured = json.loads(result.read_text(encoding="utf-8"))
+        measured: dict[str, Any] = json.loads(result.read_text(encoding="utf-8"))
         measured["wall_s"] = time.perf_counter() - started
         measured["exit_code"] = code
         return measured

@@ -137,7 +137,9 @@ def optimizer_choice(variant: str) -> str:
     return "foreach" if FOREACH_ADAMW in split_tails(variant)[1] else "auto"
 
 
-def step_function(variant: str, as_trainer: bool, model: Any, controller: Any, optimizer: Any) -> Callable:
+def step_function(
+    variant: str, as_trainer: bool, model: Any, controller: Any, optimizer: Any
+) -> Callable[..., torch.Tensor]:
     """``step(batch)`` for a variant's rows, reading each step's values as its tail (or ``--as-trainer``) says."""
     tails = split_tails(variant)[1]
     if READ_LATE in tails:
@@ -168,13 +170,15 @@ def _switch_settings(variant: str) -> SpeedConfig:
         unknown = [s for s in switches if s not in SWITCHED_ON]
         if unknown:
             raise ValueError(f"unknown variant {variant!r}: auto+SWITCH[+SWITCH] takes SWITCH in {SWITCHED_ON}")
-        return dataclasses.replace(AUTO, **dict.fromkeys(switches, True))
+        switched_on: dict[str, Any] = dict.fromkeys(switches, True)
+        return dataclasses.replace(AUTO, **switched_on)
     switch = variant.removeprefix("auto-")
     if switch == WHOLE_ROW:
         return dataclasses.replace(AUTO, attention_backend="varlen")
     if switch not in ABLATED:
         raise ValueError(f"unknown variant {variant!r}: stock, auto or auto-SWITCH with SWITCH in {ABLATED}")
-    return dataclasses.replace(AUTO, **{switch: False})
+    switched_off: dict[str, Any] = {switch: False}
+    return dataclasses.replace(AUTO, **switched_off)
 
 
 def set_variant(controller: Any, variant: str) -> None:
@@ -364,7 +368,8 @@ def loss_agreement(record: dict[str, Any], variant: str = "auto", reference: str
     found, expected = record["losses"].get(variant, []), record["losses"].get(reference, [])
     if not found or len(found) != len(expected):
         return None
-    return max(abs(a - s) / abs(s) for a, s in zip(found, expected, strict=True))
+    worst: float = max(abs(a - s) / abs(s) for a, s in zip(found, expected, strict=True))
+    return worst
 
 
 def _number(value: float | None, spec: str) -> str:
@@ -535,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
         from engine.bench.long_context import environment
 
         records = [json.loads(path.read_text(encoding="utf-8")) for path in args.merge]
-        report = {
+        report: dict[str, Any] = {
             "environment": records[0].get("environment") or environment(),
             "models": [m for r in records for m in r["models"]],
             "notes": [n for r in records for n in r.get("notes", [])],
@@ -547,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from engine.bench.long_context import environment
 
-    report: dict[str, Any] = {"environment": environment(), "settings": {k: str(v) for k, v in vars(args).items()}}
+    report = {"environment": environment(), "settings": {k: str(v) for k, v in vars(args).items()}}
     report["models"] = [bench_model(name, args) for name in args.models]
     write(report, args.out)
     return 0

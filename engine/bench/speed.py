@@ -26,7 +26,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -69,7 +69,7 @@ STOCK = SpeedConfig.stock()
 """Every switch off, step graphs included: none is left automatic (automatic step graphs went on trial here, and
 automatic resident layers and lean recompute under checkpointing), so each variant below runs exactly the switches
 its name says."""
-ALL_ON = dict(metadata_cache=True, fused_loss=True, lora_16bit=True, fused_kernels=True)
+ALL_ON: dict[str, Any] = dict(metadata_cache=True, fused_loss=True, lora_16bit=True, fused_kernels=True)
 """The throughput switches (the chunked MLP is for long rows on small cards: off here, as in stock)."""
 # Variants of the dense runs: stock, each switch alone, all on; without and with checkpointing.
 DENSE_VARIANTS: dict[str, SpeedConfig] = {
@@ -129,7 +129,7 @@ SETTLE_STEPS = 8
 """Warm-up steps at most beyond ``--warmup`` while an automatic choice is still measuring."""
 
 
-def settle(step: Callable[[], None], settled: Callable[[], bool], wait: Callable[[], None], limit: int) -> int:
+def settle(step: Callable[[], object], settled: Callable[[], bool], wait: Callable[[], None], limit: int) -> int:
     """Warm-up steps until ``settled()`` (an automatic choice that measures itself first, such as step graphs on
     trial, has decided), each waited for so what it timed is done; at most ``limit``. Returns how many ran."""
     extra = 0
@@ -146,7 +146,7 @@ def graphs_decided(controller: Any) -> bool:
 
 
 def time_steps(
-    step: Callable[[], None], warmup: int, steps: int, settled: Callable[[], bool] = lambda: True
+    step: Callable[[], object], warmup: int, steps: int, settled: Callable[[], bool] = lambda: True
 ) -> dict[str, Any]:
     """Median ms/step after warm-up, the true memory peak over the timed steps, syncs in one extra step.
 
@@ -248,7 +248,8 @@ def model_flops(model: Any, batch: PackedBatch) -> float:
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     attention_fwd = 2 * sum(n * n for n in batch.doc_lengths) * heads * head_dim * config.num_hidden_layers
-    return 4 * linear * tokens + 3 * attention_fwd
+    flops: float = 4 * linear * tokens + 3 * attention_fwd
+    return flops
 
 
 def bench_adamw(model: Any, lr: float, choice: str = "auto") -> torch.optim.Optimizer:
@@ -283,14 +284,14 @@ def forward_backward(model: Any, controller: Any, batch: PackedBatch, optimizer:
     their memory pool go and it runs again eagerly, and after that the resident layers checkpoint again, as the
     training loop recovers (``engine.run.step``)."""
     try:
-        return controller.forward_backward(model, batch, batch.trained_tokens)
+        return cast(torch.Tensor, controller.forward_backward(model, batch, batch.trained_tokens))
     except Exception as err:
         if not guard.is_out_of_memory(err) or not controller.holds_spare_memory:
             raise
     # outside the except block: the traceback's frames, and the activations they hold, are gone
     controller.give_up_memory()
     guard.release_memory(optimizer, controller.device)
-    return controller.forward_backward(model, batch, batch.trained_tokens)
+    return cast(torch.Tensor, controller.forward_backward(model, batch, batch.trained_tokens))
 
 
 @dataclasses.dataclass
@@ -317,7 +318,9 @@ class LateReadout:
         return loss
 
 
-def dense_step(model: Any, controller: Any, batch: PackedBatch, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+def dense_step(
+    model: Any, controller: Any, batch: PackedBatch, optimizer: torch.optim.Optimizer
+) -> Callable[[], torch.Tensor]:
     return functools.partial(train_step, model, controller, batch, optimizer)
 
 
@@ -434,7 +437,9 @@ def compile_variants(
     torch.cuda.empty_cache()
 
 
-def warm_up(model: Any, controller: Any, batch: PackedBatch, optimizer: torch.optim.Optimizer, steps: int) -> dict:
+def warm_up(
+    model: Any, controller: Any, batch: PackedBatch, optimizer: torch.optim.Optimizer, steps: int
+) -> dict[str, Any]:
     for _ in range(steps):
         train_step(model, controller, batch, optimizer)
     return {}
@@ -473,7 +478,7 @@ def log_row(row: dict[str, Any], path: Path | None) -> dict[str, Any]:
     return row
 
 
-def profile_step(step: Callable[[], None], out: Path, variant: str = "all_on") -> dict[str, Any]:
+def profile_step(step: Callable[[], object], out: Path, variant: str = "all_on") -> dict[str, Any]:
     """Where one step's device time goes (after warm-up): the top kernels, and the top operators with their
     input shapes (which tell the LoRA matmuls, rank-wide, from the base ones), as tables under ``out``
     (``top_kernels.txt`` and ``top_ops.txt`` for all_on, prefixed by the variant's name for the others)."""
@@ -670,7 +675,8 @@ def ratios(dense: list[dict[str, Any]], moe: list[dict[str, Any]], tokens: int, 
 
 def merged_rows(paths: list[Path]) -> tuple[dict[str, Any], float, list[dict[str, Any]]]:
     """(environment, mean bf16 peak, dense rows) from the rows logs of bench processes that ran side by side."""
-    headers, rows = [], []
+    headers: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
     for path in paths:
         for line in path.read_text(encoding="utf-8").splitlines():
             row = json.loads(line)

@@ -108,7 +108,8 @@ def gaps(events: list[dict[str, Any]], limit: int = 15, shortest_us: float = 50.
     if not kernels:
         return []
     first = float(kernels[0]["ts"])
-    found, end, before = [], first, ""
+    found: list[dict[str, Any]] = []
+    end, before = first, ""
     for event in kernels:
         start = float(event["ts"])
         if start - end >= shortest_us:

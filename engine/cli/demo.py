@@ -12,10 +12,13 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.config import DEMO_MODEL, RunConfig
 from engine.run.control import RunControl
+
+if TYPE_CHECKING:
+    from engine.demo import GenerativeModel
 
 # The recipe that teaches the demo task in about a minute on two CPU cores: 4 epochs of 1,024-token packed rows
 # (~340 steps) took the base model from 0% to 85-96% exact match over seeds (demo model of resources/demo).
@@ -54,7 +57,7 @@ def demo_accuracy(config: RunConfig, adapter_dir: Path | None) -> tuple[float, i
     device = pick_device(config.training.device)
     model_config = dataclasses.replace(config.model, qlora=False)
     tokenizer = load_tokenizer(model_config)
-    model = load_base_model(model_config, device, pick_dtype(config.model.dtype, device))
+    model: GenerativeModel = load_base_model(model_config, device, pick_dtype(config.model.dtype, device))
     if adapter_dir is not None:
         from peft import PeftModel
 

@@ -34,7 +34,8 @@ def write_control(path: Path, *, stop: bool, pause: bool, speed_seq: int, speed:
 
 def read_control(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        record: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+        return record
     except (OSError, ValueError):  # not written yet
         return {}
 

@@ -216,7 +216,8 @@ def _rank_processes(process: subprocess.Popen[str]) -> list[Any]:
     import psutil
 
     try:
-        return psutil.Process(process.pid).children(recursive=True)
+        children: list[Any] = psutil.Process(process.pid).children(recursive=True)
+        return children
     except psutil.NoSuchProcess:
         return []
 
@@ -245,6 +246,6 @@ def _running(member: Any) -> bool:
     import psutil
 
     try:
-        return member.is_running() and member.status() != psutil.STATUS_ZOMBIE
+        return bool(member.is_running() and member.status() != psutil.STATUS_ZOMBIE)
     except psutil.Error:
         return False

@@ -207,4 +207,5 @@ def gguf_name(name_map: Any, name: str) -> str | None:
     """The GGUF tensor name for an hf-style name, or None for tensors llama.cpp does not use."""
     if name.endswith("rotary_emb.inv_freq"):
         return None
-    return name_map.get_name(name, try_suffixes=(".weight", ".bias"))
+    gguf: str | None = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
+    return gguf

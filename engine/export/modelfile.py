@@ -42,7 +42,8 @@ class ChatFormat:
 
 def _render(tokenizer: Any, roles: list[str]) -> str:
     messages = [{"role": role, "content": _marker(i)} for i, role in enumerate(roles)]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text: str = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return text
 
 
 def _measure(tokenizer: Any, roles: list[str], found: dict[tuple[str, str], str]) -> bool:

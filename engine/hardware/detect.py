@@ -131,7 +131,9 @@ def classify(name: str, compute_capability: tuple[int, int] | None, integrated: 
     return gpus.OTHER_NVIDIA
 
 
-def safe_read(fn: Callable[[], T], default: T | None = None) -> T | None:
+def safe_read(fn: Callable[..., T], default: T | None = None) -> T | None:
+    """``fn()``, or ``default`` where it raises. ``fn`` takes no arguments; ``...`` lets it be a lambda whose
+    default arguments bind loop variables, which mypy cannot match to ``Callable[[], T]``."""
     try:
         return fn()
     except Exception:  # NVML raises NotSupported/Unknown per field on many cards; one field never stops detection

@@ -109,7 +109,7 @@ def _load_base(config: RunConfig, device: str, tokenizer_folder: Path | None) ->
 def prompt_ids(chat: ChatModel, messages: Sequence[dict[str, str]]) -> torch.Tensor:
     """The conversation rendered with the model's chat template, ending where the assistant speaks next."""
     text = chat.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-    ids = chat.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    ids: torch.Tensor = chat.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
     return ids.to(chat.device)
 
 
@@ -124,7 +124,9 @@ class StopFlag:
         return torch.full((input_ids.shape[0],), stopped, dtype=torch.bool, device=input_ids.device)
 
 
-def _generate_kwargs(chat: ChatModel, ids: torch.Tensor, settings: GenerationSettings, stop: StopFlag) -> dict:
+def _generate_kwargs(
+    chat: ChatModel, ids: torch.Tensor, settings: GenerationSettings, stop: StopFlag
+) -> dict[str, Any]:
     from transformers import StoppingCriteriaList
 
     kwargs: dict[str, Any] = {

@@ -18,12 +18,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.config import DEMO_MODEL, LoraConfig, ModelConfig, demo_model_dir
 from engine.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -149,7 +152,7 @@ def _quantization_config(dtype: torch.dtype) -> Any:
     )
 
 
-def load_base_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+def load_base_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
     """The frozen base model on ``device`` (4-bit NF4 with QLoRA)."""
     from transformers import AutoModelForCausalLM
 
@@ -163,6 +166,7 @@ def load_base_model(config: ModelConfig, device: torch.device, dtype: torch.dtyp
         kwargs["quantization_config"] = _quantization_config(dtype)
         kwargs["device_map"] = {"": device}
     moe_config = _moe_config(source, config, dtype) if config.qlora else None
+    model: PreTrainedModel
     try:
         if moe_config is not None:
             model = _load_quantized_moe(source, config, moe_config, device, dtype)
@@ -313,7 +317,8 @@ def _compute_dtype(model: torch.nn.Module) -> torch.dtype:
         compute = getattr(module, "compute_dtype", None)
         if isinstance(compute, torch.dtype):
             return compute
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    get_input_embeddings = getattr(model, "get_input_embeddings", None)
+    embeddings = get_input_embeddings() if get_input_embeddings is not None else None
     return embeddings.weight.dtype if embeddings is not None else torch.float32
 
 

@@ -62,7 +62,8 @@ class CheckpointTensors:
         return name in self.where
 
     def read(self, name: str) -> torch.Tensor:
-        return self._handles[self.where[name]].get_tensor(name)
+        tensor: torch.Tensor = self._handles[self.where[name]].get_tensor(name)
+        return tensor
 
 
 @contextmanager
@@ -113,7 +114,8 @@ def load_quantized_moe(folder: Path, config: Any, device: torch.device, dtype: t
 
 
 def _name_of(model: torch.nn.Module, target: torch.nn.Module) -> str:
-    return next(name for name, module in model.named_modules() if module is target)
+    name: str = next(name for name, module in model.named_modules() if module is target)
+    return name
 
 
 def _expert_weight(
@@ -167,7 +169,7 @@ def nf4_linear(linear: torch.nn.Linear, weight: torch.Tensor, bias: torch.Tensor
         device="meta",
     )
     param = bnb.nn.Params4bit(weight, requires_grad=False, compress_statistics=True, quant_type="nf4", module=layer)
-    layer.weight = param.to(weight.device)
+    layer.weight = param.to(weight.device)  # type: ignore[misc]  # bitsandbytes types .to()'s self as a Module
     if bias is not None:
         layer.bias = torch.nn.Parameter(bias, requires_grad=False)
     return layer

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -32,6 +32,13 @@ NESTED_BLOCKSIZE = 256
 
 class ExpertWeightNF4(torch.nn.Module):
     """One 3-D expert weight in NF4: packed 4-bit codes and double-quantized block statistics, as buffers."""
+
+    packed: torch.Tensor
+    absmax: torch.Tensor
+    code: torch.Tensor
+    offset: torch.Tensor
+    nested_absmax: torch.Tensor
+    nested_code: torch.Tensor
 
     def __init__(self, packed: torch.Tensor, state: Any) -> None:
         super().__init__()
@@ -98,7 +105,7 @@ class _DequantizedExpertsCall(torch.autograd.Function):
     """The experts on dequantized weights; saves no 16-bit weight, dequantizes again in backward."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         hidden_states: torch.Tensor,
         top_k_weights: torch.Tensor,
@@ -108,7 +115,7 @@ class _DequantizedExpertsCall(torch.autograd.Function):
         ctx.experts = experts
         ctx.save_for_backward(hidden_states, top_k_weights, top_k_index)
         with experts.dequantized():
-            return experts.base(hidden_states, top_k_index, top_k_weights)
+            return cast(torch.Tensor, experts.base(hidden_states, top_k_index, top_k_weights))
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
@@ -162,8 +169,12 @@ class QuantizedExperts(torch.nn.Module):
     ) -> torch.Tensor:
         if not torch.is_grad_enabled() or not (hidden_states.requires_grad or top_k_weights.requires_grad):
             with self.dequantized():
-                return self.base(hidden_states, top_k_index, top_k_weights)
-        return _DequantizedExpertsCall.apply(hidden_states, top_k_weights, top_k_index, self)
+                return cast(torch.Tensor, self.base(hidden_states, top_k_index, top_k_weights))
+        # torch leaves Function.apply unannotated
+        out: torch.Tensor = _DequantizedExpertsCall.apply(  # type: ignore[no-untyped-call]
+            hidden_states, top_k_weights, top_k_index, self
+        )
+        return out
 
     def storage_bytes(self) -> int:
         return sum(self.nf4(name).storage_bytes() for name in self.weight_names)
@@ -178,7 +189,8 @@ class QuantizedExperts(torch.nn.Module):
 
     @property
     def num_experts(self) -> int:
-        return int(self.base.num_experts)
+        count: Any = self.base.num_experts  # a plain attribute, which torch types as Tensor | Module
+        return int(count)
 
 
 def is_experts_module(module: torch.nn.Module) -> bool:
@@ -238,7 +250,8 @@ def linear_targets_outside_experts(model: torch.nn.Module) -> list[str]:
     peft's 'all-linear' on a transformers MoE also adds the experts' and router's weights as ``target_parameters``;
     naming the linear layers keeps LoRA off the frozen 4-bit experts (and off the router that picks them).
     """
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_output_embeddings = getattr(model, "get_output_embeddings", None)
+    head = get_output_embeddings() if get_output_embeddings is not None else None
     return sorted(
         {
             name.rpartition(".")[2]

@@ -12,11 +12,15 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 
 from engine.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
 
 ParallelMode = Literal["single", "ddp", "fsdp"]
 LONG_TIMEOUT = timedelta(days=7)
@@ -76,10 +80,10 @@ class Ranks:
     def accumulating(self, module: torch.nn.Module | None, last: bool) -> AbstractContextManager[Any]:
         """Gradients stay local for all but a rank's last micro-batch of a step, then are reduced once."""
         if self.mode == "fsdp" and module is not None:
-            module.set_requires_gradient_sync(last)  # type: ignore[operator]  # FSDPModule method
+            cast("FSDPModule", module).set_requires_gradient_sync(last)  # fully_shard made it one
             return nullcontext()
         if self.mode == "ddp" and module is not None and not last:
-            return module.no_sync()  # type: ignore[operator]  # DistributedDataParallel method
+            return cast("DistributedDataParallel", module).no_sync()
         return nullcontext()
 
     @property

@@ -15,7 +15,7 @@ import sys
 import threading
 from collections.abc import Generator, Mapping
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from engine.setup.cancel import CancelToken
 from engine.setup.events import OutputLine, Progress, SetupCancelled, SetupEvent, SetupFailed
@@ -36,13 +36,13 @@ def _pump(stream: IO[str], lines: queue.Queue[str | None]) -> None:
 
 
 def _start(argv: list[str], env: Mapping[str, str]) -> subprocess.Popen[str]:
-    extra: dict[str, object] = {}
+    extra: dict[str, Any] = {}
     if sys.platform == "win32":
         extra["creationflags"] = subprocess.CREATE_NEW_PROCESS_GROUP | subprocess.CREATE_NO_WINDOW  # type: ignore[attr-defined]
     else:
         extra["start_new_session"] = True
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, encoding="utf-8",
-                            errors="replace", env=dict(env), **extra)  # type: ignore[call-overload]  # fmt: skip
+                            errors="replace", env=dict(env), **extra)  # fmt: skip
 
 
 def _stop(process: subprocess.Popen[str]) -> None:

@@ -21,13 +21,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from engine.config import SpeedConfig
 from engine.data.model_inputs import stock_model_inputs
 from engine.data.packing import PackedBatch
+from engine.hardware.planner import keeps_layer
 from engine.hardware.shapes import ModelShape
 from engine.speed import (
     chunked_mlp,
@@ -287,7 +288,7 @@ class SpeedController:
         )  # fmt: skip
         share = self._kept_share(tokens, layer) if on else 1.0
         if on and share < 1.0:
-            kept = sum(offloaded_checkpoint.keeps_layer(i, share) for i in range(layers))
+            kept = sum(keeps_layer(i, share) for i in range(layers))
             reason += f"; {kept} of {layers} layers (the host link would slow the others' forward pass)"
         offloader.kept_share = share
         offloader.keep_saved(on, self.model)
@@ -564,7 +565,7 @@ class SpeedController:
             return fused_loss.fused_causal_lm_loss(
                 model, inputs, labels, num_items, positions=positions, compiled=self._fused_kernels
             )
-        return model(**inputs, labels=labels, num_items_in_batch=num_items).loss
+        return cast(torch.Tensor, model(**inputs, labels=labels, num_items_in_batch=num_items).loss)
 
     def forward_backward(self, model: torch.nn.Module, batch: PackedBatch, num_items: int) -> torch.Tensor:
         """Forward and backward of one micro-batch (on the device) through :meth:`loss`; its detached loss.

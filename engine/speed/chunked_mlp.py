@@ -93,7 +93,7 @@ def chunked_call(module: torch.nn.Module, hidden: torch.Tensor, chunk_tokens: in
 def _into_one_output(
     module: torch.nn.Module, pieces: tuple[torch.Tensor, ...], length: int, *args: Any, **kwargs: Any
 ) -> torch.Tensor:
-    first = module(pieces[0], *args, **kwargs)
+    first: torch.Tensor = module(pieces[0], *args, **kwargs)
     out = first.new_empty((*first.shape[:-2], length, first.shape[-1]))
     out[..., : first.shape[-2], :] = first
     start = first.shape[-2]
@@ -116,7 +116,7 @@ class _ChunkedRun(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         module: torch.nn.Module,
         chunk_tokens: int,
@@ -188,7 +188,8 @@ class TokenChunked(StandIn):
         params = [p for p in self.wrapped.parameters() if p.requires_grad]
         discard = self.feeds_residual_only and self.flag.active
         chunk = length if self.unit else self.chunk_tokens
-        return _ChunkedRun.apply(self.wrapped, chunk, discard, self.flag, hidden, *params)
+        # torch leaves Function.apply unannotated
+        return _ChunkedRun.apply(self.wrapped, chunk, discard, self.flag, hidden, *params)  # type: ignore[no-untyped-call]
 
     def extra_repr(self) -> str:
         if self.unit:
@@ -226,10 +227,11 @@ def per_token_targets(
                 yield parent, name, module
     if mlp_only:
         return
-    decoder = hf_model.get_decoder() if hasattr(hf_model, "get_decoder") else None
+    get_decoder = getattr(hf_model, "get_decoder", None)
+    decoder = get_decoder() if get_decoder is not None else None
     norm = getattr(decoder, "norm", None)
-    if isinstance(norm, torch.nn.Module):
-        yield decoder, "norm", norm  # type: ignore[misc]
+    if decoder is not None and isinstance(norm, torch.nn.Module):
+        yield decoder, "norm", norm
 
 
 @dataclass

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -111,7 +111,10 @@ def sixteen_bit_from_4bit(packed: torch.Tensor, quant_state: Any, dtype: torch.d
     """The (out, in) weight of a covered 4-bit weight in ``dtype`` (float16 or bfloat16): bitsandbytes'
     ``dequantize_4bit`` bit for bit, in one kernel. ``use``: see :func:`four_bit_to_16bit`."""
     codes, rows, columns, blocksize = _codes(packed, quant_state)
-    return four_bit_to_16bit(codes, *_block_scales(quant_state), rows, columns, blocksize, dtype, use)
+    # a torch.library custom op: its __call__ is typed as returning Any
+    return cast(
+        torch.Tensor, four_bit_to_16bit(codes, *_block_scales(quant_state), rows, columns, blocksize, dtype, use)
+    )
 
 
 def _codes(packed: torch.Tensor, quant_state: Any) -> tuple[torch.Tensor, int, int, int]:
@@ -295,8 +298,9 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def four_bit_decode_kernel(
+    # a Triton kernel: its parameters are pointers and scalars that Triton types at launch, and Triton is untyped
+    @triton.jit  # type: ignore[untyped-decorator]
+    def four_bit_decode_kernel(  # type: ignore[no-untyped-def]
         packed, absmax, absmax2, code2, offset, table, scale, forward, backward, rows, columns,
         BLOCKSIZE: tl.constexpr, GROUP: tl.constexpr, NESTED: tl.constexpr, ROUND_TO: tl.constexpr,
         TO_E4M3: tl.constexpr, ROWS_OUT: tl.constexpr, TRANSPOSED_OUT: tl.constexpr, TILE_R: tl.constexpr,

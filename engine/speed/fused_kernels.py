@@ -42,9 +42,12 @@ from __future__ import annotations
 import functools
 import importlib.util
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["RegionCompiler", "compile_regions", "decoder_layers", "prepare_metadata", "resolve", "unsupported_reason"]
 
@@ -187,7 +190,7 @@ class RegionCompiler:
 
 
 def _sliding_window(hf_model: torch.nn.Module) -> int | None:
-    config = hf_model.config.get_text_config()
+    config = cast("PreTrainedModel", hf_model).config.get_text_config()
     if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
         return getattr(config, "sliding_window", None)
     return None

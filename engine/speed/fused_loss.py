@@ -190,7 +190,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         hidden: torch.Tensor,
         weight: torch.Tensor,
@@ -218,7 +218,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         return total / divisor
 
     @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         factor = grad_output.float() / ctx.divisor
         grads = []
         for grad, dtype in zip(ctx.grads, ctx.dtypes, strict=True):
@@ -251,7 +251,11 @@ def linear_cross_entropy(
     keep = (shifted != IGNORE_INDEX).nonzero().squeeze(1) if positions is None else positions.to(flat.device)
     divisor = _divisor(num_items, keep)
     targets = shifted.index_select(0, keep)
-    return LinearCrossEntropy.apply(flat.index_select(0, keep), weight, bias, targets, divisor, chunk_size, compiled)
+    # torch leaves Function.apply unannotated
+    loss: torch.Tensor = LinearCrossEntropy.apply(  # type: ignore[no-untyped-call]
+        flat.index_select(0, keep), weight, bias, targets, divisor, chunk_size, compiled
+    )
+    return loss
 
 
 def _divisor(num_items: int | torch.Tensor | None, keep: torch.Tensor) -> float | torch.Tensor:

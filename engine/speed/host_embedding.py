@@ -18,7 +18,7 @@ needs the same table on the GPU. Switching off moves the table back and removes 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -84,7 +84,7 @@ class HostEmbedding:
         return True, f"automatic: the input embedding table ({size}) is looked up in host memory"
 
     def table_bytes(self) -> int:
-        weight = self.hf_model.get_input_embeddings().weight
+        weight: torch.Tensor = self.hf_model.get_input_embeddings().weight
         return weight.numel() * weight.element_size()
 
     def stage(self, host_ids: torch.Tensor | None) -> None:
@@ -123,7 +123,7 @@ class HostEmbedding:
         that is not a plain table (a subclass that scales its rows, a norm cap) goes through its module."""
         embed = self.hf_model.get_input_embeddings()
         if not self.on or type(embed) is not torch.nn.Embedding or embed.max_norm is not None:
-            return embed(ids)
+            return cast(torch.Tensor, embed(ids))
         (host_ids,) = self._ids_to_host(embed, (ids,))
         weight = embed.weight
         slot, staging = self._staging(host_ids.numel() * weight.shape[1], weight.dtype)

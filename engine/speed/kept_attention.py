@@ -77,7 +77,8 @@ def host_link_bytes_per_s(device: torch.device) -> float:
         props = torch.cuda.get_device_properties(device)
         pynvml.nvmlInit()
         try:
-            bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+            # torch's stubs lack the pci_* fields that its CUDA device properties have
+            bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"  # type: ignore[attr-defined]
             handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus)
             generation = int(pynvml.nvmlDeviceGetMaxPcieLinkGeneration(handle))
             width = int(pynvml.nvmlDeviceGetMaxPcieLinkWidth(handle))
@@ -140,7 +141,8 @@ def resolve(
 def resident_rotary(hf_model: torch.nn.Module, keep: Callable[..., None]) -> Any:
     """Hook the model's rotary embedding so that its cos/sin tables, which every layer saves, stay on the device;
     returns the hook handle (None for models without one)."""
-    decoder = hf_model.get_decoder() if hasattr(hf_model, "get_decoder") else None
+    get_decoder = getattr(hf_model, "get_decoder", None)
+    decoder = get_decoder() if get_decoder is not None else None
     rotary = getattr(decoder, "rotary_emb", None)
     if not isinstance(rotary, torch.nn.Module):
         return None

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +77,7 @@ def is_4bit(module: torch.nn.Module) -> bool:
     return type(weight).__name__ == "Params4bit" and getattr(weight, "quant_state", None) is not None
 
 
-def _is_frozen_linear(module: torch.nn.Module) -> bool:
+def _is_frozen_linear(module: torch.nn.Module) -> TypeGuard[torch.nn.Linear]:
     if is_4bit(module):
         return True
     weight = getattr(module, "weight", None)
@@ -103,7 +103,7 @@ class _UnreadOutput(torch.autograd.Function):
     """``x @ W.T`` whose value nobody reads: forward only allocates, backward gives ``grad @ W``."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, quant_state: Any, out_features: int, one_kernel: bool
     ) -> torch.Tensor:
         ctx.weight, ctx.quant_state, ctx.one_kernel = weight, quant_state, one_kernel
@@ -123,7 +123,7 @@ class _Decoded(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, quant_state: Any, bias: torch.Tensor | None, keep: bool,
         one_kernel: bool,
     ) -> torch.Tensor:  # fmt: skip
@@ -147,7 +147,9 @@ switch is on (never saved)."""
 class FrozenProjection(StandIn):
     """Stands in for a frozen base projection (``nn.Linear`` or bitsandbytes ``Linear4bit``), names unchanged."""
 
-    def __init__(self, wrapped: torch.nn.Module, flag: RecomputeFlag, output_unread: bool) -> None:
+    wrapped: torch.nn.Linear
+
+    def __init__(self, wrapped: torch.nn.Linear, flag: RecomputeFlag, output_unread: bool) -> None:
         super().__init__(wrapped)
         self.flag = flag
         self.output_unread = output_unread
@@ -168,17 +170,21 @@ class FrozenProjection(StandIn):
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if args or kwargs:
-            return self.wrapped(x, *args, **kwargs)
+            return cast(torch.Tensor, self.wrapped(x, *args, **kwargs))
         recompute = self.flag.active
         unread = recompute and self.skip_unread and self.output_unread
         if self.fp8_columns is not None and (recompute or self.fp8_in_forward):
             return self._fp8(x, keep=recompute and self.dequant_once, unread=unread)
         if unread:
-            return _UnreadOutput.apply(x, *self._weight_and_state(), self.out_features, self.one_kernel)
+            # torch leaves Function.apply unannotated
+            out: torch.Tensor = _UnreadOutput.apply(  # type: ignore[no-untyped-call]
+                x, *self._weight_and_state(), self.out_features, self.one_kernel
+            )
+            return out
         keep = recompute and self.dequant_once and self.quantized
         if keep or self.one_kernel:
             return self._decoded(x, keep)
-        return self.wrapped(x)
+        return cast(torch.Tensor, self.wrapped(x))
 
     def set_one_kernel(self, on: bool) -> None:
         """Decode this 4-bit weight with the one-pass kernel from the next call, where the kernel covers it."""
@@ -221,7 +227,8 @@ class FrozenProjection(StandIn):
         weight, state = self._weight_and_state()
         compute = self._compute_dtype()
         columns_out, columns_in = self.fp8_columns  # type: ignore[misc]
-        out = fp8_base.Fp8Projection.apply(
+        # torch leaves Function.apply unannotated
+        out: torch.Tensor = fp8_base.Fp8Projection.apply(  # type: ignore[no-untyped-call]
             x.to(compute), weight, state, self.wrapped.bias, columns_out, columns_in, keep, unread, self.one_pass
         )
         return out.to(x.dtype)
@@ -233,7 +240,10 @@ class FrozenProjection(StandIn):
     def _decoded(self, x: torch.Tensor, keep: bool) -> torch.Tensor:
         compute = getattr(self.wrapped, "compute_dtype", None) or x.dtype
         weight, state = self._weight_and_state()
-        out = _Decoded.apply(x.to(compute), weight, state, self.wrapped.bias, keep, self.one_kernel)
+        # torch leaves Function.apply unannotated
+        out: torch.Tensor = _Decoded.apply(  # type: ignore[no-untyped-call]
+            x.to(compute), weight, state, self.wrapped.bias, keep, self.one_kernel
+        )
         return out.to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -252,7 +262,7 @@ def _dense_mlp(layer: torch.nn.Module) -> torch.nn.Module | None:
 
 def frozen_projections(
     hf_model: torch.nn.Module, every: bool = False
-) -> Iterator[tuple[torch.nn.Module, str, torch.nn.Module, bool]]:
+) -> Iterator[tuple[torch.nn.Module, str, torch.nn.Linear, bool]]:
     """(parent, attribute, frozen linear, output unread in recompute) for every frozen projection of the decoder
     layers that either part can act on: the base layer under a LoRA adapter, or a frozen linear that has none.
     ``every``: all frozen projections, as the fp8-base switch acts on each of them."""
@@ -295,7 +305,9 @@ def four_bit_kernel_resolve(
     MLPs); switched on, everywhere it covers."""
     if requested is False:
         return False, "switched off: bitsandbytes' dequantize and 4-bit matmul"
-    states = [base.weight.quant_state for _, _, base, _ in frozen_projections(hf_model) if is_4bit(base)]
+    states = [
+        getattr(base.weight, "quant_state", None) for _, _, base, _ in frozen_projections(hf_model) if is_4bit(base)
+    ]
     if not states:
         return False, "no 4-bit projections"
     if device.type != "cuda":

@@ -79,7 +79,8 @@ def lora_b_update(hidden: torch.Tensor, lora_b: torch.nn.Linear, scale: float) -
 
 
 def _delta(module: Any, adapter: str, like: torch.Tensor) -> torch.Tensor:
-    return module.get_delta_weight(adapter).to(like.dtype)
+    delta: torch.Tensor = module.get_delta_weight(adapter)
+    return delta.to(like.dtype)
 
 
 @functools.cache

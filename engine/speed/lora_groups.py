@@ -66,7 +66,8 @@ class LoraGroup:
         return hidden
 
     def _weight(self, member: Any) -> torch.Tensor:
-        return member.lora_A[self.adapter].weight
+        weight: torch.Tensor = member.lora_A[self.adapter].weight
+        return weight
 
     def clear(self) -> None:
         self.input, self.hidden = None, None
@@ -81,8 +82,9 @@ def find_groups(model: torch.nn.Module, adapted: Iterator[tuple[Any, str]]) -> l
         for names in GROUPS:
             members = [getattr(module, name, None) for name in names]
             adapters = {usable.get(id(member)) for member in members}
-            if len(adapters) == 1 and None not in adapters:
-                groups.append(LoraGroup(members, adapters.pop()))
+            adapter = adapters.pop() if len(adapters) == 1 else None
+            if adapter is not None:
+                groups.append(LoraGroup(members, adapter))
     return groups
 
 
@@ -92,7 +94,7 @@ def _no_dropout(layer: Any, adapter: str) -> bool:
 
 def group_hidden(module: Any, x: torch.Tensor) -> torch.Tensor | None:
     """The member's ``x · Aᵀ`` through its group, or None when it has none."""
-    entry = getattr(module, GROUP_ATTR, None)
+    entry: tuple[LoraGroup, int] | None = getattr(module, GROUP_ATTR, None)
     if entry is None:
         return None
     group, index = entry

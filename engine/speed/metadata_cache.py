@@ -27,7 +27,7 @@ import importlib.util
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -127,7 +127,7 @@ class PackedAttentionMetadata:
         """(1, 1, T, T) boolean block-diagonal causal mask (True = may attend), built once per batch and window."""
         if window not in self._masks:
             self._masks[window] = block_diagonal_mask(self.document_ids, window)
-        return self._masks[window]
+        return cast(torch.Tensor, self._masks[window])
 
     def block_mask(self, window: int | None) -> Any:
         """flex_attention BlockMask, built once per batch and window from the host-side cu_seqlens."""
@@ -276,7 +276,7 @@ def grouped_flash_attention(
     out = torch.ops.aten._flash_attention_forward(
         q, k, v, cu, cu, n, n, 0.0, True, False, scale=scale, window_size_left=left, window_size_right=0
     )
-    return out[0]
+    return cast(torch.Tensor, out[0])
 
 
 def varlen_attention(
@@ -324,7 +324,7 @@ def cudnn_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     cuDNN backend runs, so the kernel does not depend on SDPA's own choice, which differs between torch versions
     and cards (torch 2.11 picks this kernel on the H200 by itself)."""
     cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention
-    return cudnn(query, key, value, None, True, 0.0, True, False, scale=scale)[0]
+    return cast(torch.Tensor, cudnn(query, key, value, None, True, 0.0, True, False, scale=scale)[0])
 
 
 def cudnn_problem(
@@ -384,9 +384,10 @@ def flash_attn_attention(
 
     cu, n = meta.cu_seqlens, meta.max_seqlen
     left = -1 if window is None else window - 1
-    return flash_attn_varlen_func(
+    out: torch.Tensor = flash_attn_varlen_func(
         q, k, v, cu, cu, n, n, dropout_p=dropout, softmax_scale=scale, causal=True, window_size=(left, 0)
     )
+    return out
 
 
 _COMPILED_FLEX: dict[str, Callable[..., Any]] = {}
@@ -411,7 +412,7 @@ def flex_attention_call(
     """q/k/v (1, H, T, D) -> (1, H, T, D). Compiled on CUDA (eager flex is a dense reference implementation)."""
     fn: Any = _flex_attention_for(q)
     groups = q.shape[1] // k.shape[1]
-    return fn(q, k, v, block_mask=meta.block_mask(window), scale=scale, enable_gqa=groups > 1)
+    return cast(torch.Tensor, fn(q, k, v, block_mask=meta.block_mask(window), scale=scale, enable_gqa=groups > 1))
 
 
 def sdpa_attention_call(

@@ -332,7 +332,8 @@ class ActivationOffloader:
             return self._run_keeping_saved(function, *args, **kwargs)
         if not isinstance(hidden, torch.Tensor) or hidden.numel() * hidden.element_size() < self.min_offload_bytes:
             return standard_checkpoint(function, *args, **kwargs)
-        return _OffloadedLayer.apply(function, self, hidden, self.anchor())
+        # torch leaves Function.apply unannotated
+        return _OffloadedLayer.apply(function, self, hidden, self.anchor())  # type: ignore[no-untyped-call]
 
     # --- kept attention: what a layer saves goes to host memory -------------------------------------------------
 
@@ -408,7 +409,7 @@ class ActivationOffloader:
         """Host memory that kept attention's buffers hold."""
         return sum(b.tensor.numel() * b.tensor.element_size() for b in self._saved_buffers.values())
 
-    def _unpack(self, entry: Any) -> torch.Tensor:
+    def _unpack(self, entry: torch.Tensor | _Saved) -> torch.Tensor:
         if isinstance(entry, torch.Tensor):
             return entry
         if not entry.group.fetched:
@@ -526,7 +527,7 @@ class _OffloadedLayer(torch.autograd.Function):
     """Runs a layer without saving activations; backward fetches its input back and recomputes it."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, run: Callable[[torch.Tensor], Any], offloader: ActivationOffloader, hidden: torch.Tensor, _: Any
     ) -> Any:
         ctx.run, ctx.offloader = run, offloader

@@ -32,9 +32,8 @@ from typing import Any
 
 import torch
 
-from engine.hardware.planner import most_resident_layers, setup_from_speed_state
+from engine.hardware.planner import keeps_layer, most_resident_layers, setup_from_speed_state
 from engine.hardware.shapes import ModelShape
-from engine.speed.offloaded_checkpoint import keeps_layer
 
 __all__ = ["LayerResidency", "planned_layers", "resolve"]
 

@@ -16,6 +16,8 @@ import torch
 class StandIn(torch.nn.Module):
     """Shares ``wrapped``'s children, parameters and buffers; keeps its training flag in step."""
 
+    wrapped: torch.nn.Module
+
     def __init__(self, wrapped: torch.nn.Module) -> None:
         super().__init__()
         object.__setattr__(self, "wrapped", wrapped)

@@ -52,7 +52,7 @@ import gc
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -70,6 +70,8 @@ __all__ = [
     "unsupported_reason",
     "wait_for_replays",
 ]
+
+_T = TypeVar("_T")
 
 ROW_STEP_SHARE = 8
 """Row lengths are rounded up to 1/ROW_STEP_SHARE of the longest row seen."""
@@ -248,7 +250,7 @@ class Trial:
             self.running.stop()
             self.running = None
 
-    def timed(self, key: tuple[Any, ...], phase: str, run: Callable[[], Any]) -> Any:
+    def timed(self, key: tuple[Any, ...], phase: str, run: Callable[[], _T]) -> _T:
         """``run()``, timed when it is the trial's eager run or its second replay of the trial's bucket."""
         if phase == "eager":
             due = self.eager is None
