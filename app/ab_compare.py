@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.config import SpeedConfig
 
@@ -59,10 +60,11 @@ def switch_settings(base: SpeedConfig, switch: str, on: bool) -> SpeedConfig:
     every one of them off: stock transformers and peft.
     """
     if switch == ALL:
-        flags = {name: None if on else False for name in SPEED_SWITCHES}
+        flags: dict[str, Any] = {name: None if on else False for name in SPEED_SWITCHES}
         return dataclasses.replace(base, **flags, moe_routing="auto" if on else "stock")
     if switch in ON_OFF_SWITCHES:
-        return dataclasses.replace(base, **{switch: on})
+        flag: dict[str, Any] = {switch: on}
+        return dataclasses.replace(base, **flag)
     if switch == "checkpointing":
         return dataclasses.replace(base, checkpointing="offloaded" if on else "standard")
     if switch == "moe_routing":

@@ -90,7 +90,8 @@ class ExportDialog(QDialog):
         self.run_folder = Path(run_folder)
         self.setWindowTitle(f"Export {run_name or self.run_folder.name}")
         self.tasks = TaskRunner(self)
-        self.result: Path | None = None
+        # the exported path (tests read it); it hides QDialog.result(), which nothing here calls
+        self.result: Path | None = None  # type: ignore[assignment]
         self.quants = gguf_quants()
         self.kinds = {kind: QRadioButton(text) for kind, text in KINDS.items()}
         self.dtype = QComboBox()
@@ -248,6 +249,6 @@ class ExportDialog(QDialog):
         if not self.busy():  # an export cannot be cut short half-way: Close waits until it is done
             super().reject()
 
-    def done(self, result: int) -> None:  # type: ignore[override]
+    def done(self, result: int) -> None:
         self.tasks.wait_all()
         super().done(result)

@@ -29,7 +29,7 @@ from app.app_state import AppState
 from app.data_panel import DataPanel
 from app.export_panel import ExportDialog
 from app.gui_gc import collect_on_gui_thread
-from app.guide import GuideBar
+from app.guide import GuideBar, GuidedPage
 from app.hardware_panel import HardwarePanel
 from app.icon import app_icon
 from app.model_panel import ModelPanel
@@ -107,8 +107,10 @@ class MainWindow(QMainWindow):
         self.run_panel.start_requested.connect(lambda: self.show_page("Run"))
         self.setup_view.installed.connect(lambda: None if torch_missing() else self.hardware_panel.detect())
         self.controller.telemetry.connect(self._telemetry_warning)
-        guided = [("Model", "Model", self.model_panel), ("Data", "Dataset", self.data_panel),
-                  ("Recipe", "Recipe", self.setup_panel)]  # fmt: skip
+        guided: list[tuple[str, str, GuidedPage]] = [
+            ("Model", "Model", self.model_panel), ("Data", "Dataset", self.data_panel),
+            ("Recipe", "Recipe", self.setup_panel),
+        ]  # fmt: skip
         self.guide = GuideBar(guided, self.controller)
         self.guide.page_requested.connect(self.show_page)
         self.guide.start_clicked.connect(self.run_panel.start)

@@ -104,7 +104,7 @@ def progress_bar_class(report: Progress) -> type:
     """A tqdm class that forwards every update to ``report`` instead of drawing, for huggingface_hub."""
     from tqdm.auto import tqdm
 
-    class Reporting(tqdm):  # type: ignore[misc, valid-type]
+    class Reporting(tqdm):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             kwargs["disable"] = False
             kwargs["file"] = open(os.devnull, "w")  # noqa: SIM115 (closed with the bar)

@@ -158,7 +158,8 @@ class SpeedPanel(QWidget):
         """The run's settings with only ``switch`` taken from its control (the others stay as the user left them)."""
         base = self.controller.current_speed()
         if switch in self.on_off:
-            return dataclasses.replace(base, **{switch: self.on_off[switch].isChecked()})
+            flag: dict[str, Any] = {switch: self.on_off[switch].isChecked()}
+            return dataclasses.replace(base, **flag)
         if switch == "checkpointing":
             return dataclasses.replace(base, checkpointing=cast(Checkpointing, self.checkpoint_box.currentText()))
         return dataclasses.replace(base, moe_routing="sync-free" if self.moe_box.isChecked() else "stock")
