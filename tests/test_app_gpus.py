@@ -115,7 +115,7 @@ def test_two_gpu_run_view_screenshot(qtbot: Any) -> None:
             charts.add_sample(sample, None)
     charts.redraw_all()
     page.show()
-    qtbot.waitExposed(page)
+    qtbot.waitExposed(page, timeout=120_000)
     folder = Path(__file__).resolve().parent.parent / "artifacts" / "screenshots"
     folder.mkdir(parents=True, exist_ok=True)
     assert page.grab().save(str(folder / "run-two-gpus.png"))

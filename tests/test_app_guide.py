@@ -124,6 +124,8 @@ def test_the_demo_runs_to_the_end_in_three_clicks(qtbot: Any, window: Any) -> No
 
 
 def test_only_the_latest_dataset_load_reports(qtbot: Any, window: Any, tmp_path: Any) -> None:
+    from PySide6.QtWidgets import QApplication
+
     from app.data_panel import demo_data_file
 
     (tmp_path / "broken.jsonl").write_text("{not json\n", encoding="utf-8")
@@ -131,8 +133,8 @@ def test_only_the_latest_dataset_load_reports(qtbot: Any, window: Any, tmp_path:
     panel.load(str(tmp_path / "broken.jsonl"))
     panel.load(str(demo_data_file()))
     qtbot.waitUntil(lambda: window.state.data_report is not None, timeout=LOAD_TIMEOUT_MS)
-    window.tasks.wait_all()
-    qtbot.wait(50)  # let any late result arrive
+    qtbot.waitUntil(lambda: not window.tasks.busy(), timeout=LOAD_TIMEOUT_MS)  # both loads ended ...
+    QApplication.processEvents()  # ... and what they posted to the window has arrived
     assert panel.problem == "" and panel.step_status()[0], panel.step_status()
     assert window.state.data_path == str(demo_data_file())
 

@@ -2,8 +2,9 @@
 Compare and all on vs all off on that run.
 
 The pictures are what the README shows: ``docs/screenshots/light/<page>.png`` and ``docs/screenshots/dark/...``,
-written by ``.venv/bin/python -m pytest tests/test_app_screenshots.py`` (set ``TUNEDECK_SCREENSHOTS`` to write
-them elsewhere). They are stored with a reduced palette to keep the repository small.
+rewritten by ``TUNEDECK_SCREENSHOTS=docs/screenshots .venv/bin/python -m pytest tests/test_app_screenshots.py``.
+Without that variable they go to the test's temporary folder, so a test run never changes the repository's files.
+They are stored with a reduced palette to keep the repository small.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from engine.events import RunFinished, StepMetrics
 
 pytest_plugins = ["app_fixtures"]
 
-SCREENSHOTS = Path(os.environ.get("TUNEDECK_SCREENSHOTS", Path(__file__).resolve().parents[1] / "docs" / "screenshots"))
 STEP_TIMEOUT_MS = 180_000
 SIZE = (1280, 820)
 
@@ -46,7 +46,13 @@ def save(widget: QWidget, path: Path) -> Path:
     return path
 
 
-def save_pages(window: Any, look: str) -> list[Path]:
+def screenshots_folder(tmp_path: Path) -> Path:
+    """``$TUNEDECK_SCREENSHOTS`` (``docs/screenshots`` to rewrite the README's pictures), else a throwaway folder."""
+    chosen = os.environ.get("TUNEDECK_SCREENSHOTS")
+    return Path(chosen) if chosen else tmp_path / "screenshots"
+
+
+def save_pages(window: Any, look: str, folder: Path) -> list[Path]:
     window.set_look(look == "dark")
     QApplication.processEvents()  # the new palette reaches the widgets through posted events
     saved = []
@@ -56,10 +62,10 @@ def save_pages(window: Any, look: str) -> list[Path]:
         charts.redraw_all()
         if title == "Run" and charts.marks:  # as when the pointer rests on the last change
             charts.show_mark_near(charts.marks[-1][0])
-        saved.append(save(window, SCREENSHOTS / look / f"{title.lower().replace(' ', '-')}.png"))
+        saved.append(save(window, folder / look / f"{title.lower().replace(' ', '-')}.png"))
     dialog = window.page("Runs").export_dialog
     if dialog is not None:
-        saved.append(save(dialog, SCREENSHOTS / look / "export.png"))
+        saved.append(save(dialog, folder / look / "export.png"))
     return saved
 
 
@@ -107,7 +113,8 @@ def test_screenshots_of_every_page_in_light_and_dark(qtbot: Any, window: Any, tm
     export_from_runs(qtbot, window, run_dir, "adapter", tmp_path / "adapter")
     qtbot.waitUntil(lambda: window.setup_view.driver is not None, timeout=LOAD_TIMEOUT_MS)
     window.page("Runs").select_runs([record.id for record in window.page("Runs").records])
-    saved = save_pages(window, "light") + save_pages(window, "dark")
+    folder = screenshots_folder(tmp_path)
+    saved = save_pages(window, "light", folder) + save_pages(window, "dark", folder)
     window.set_look(False)
     assert len(saved) == 2 * (len(window.page_titles()) + 1)
     assert all(path.stat().st_size > 10_000 for path in saved)

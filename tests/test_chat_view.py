@@ -12,7 +12,7 @@ from test_chat import train_tiny_run
 from engine.run.registry import Registry
 
 SCREENSHOTS = Path(__file__).resolve().parents[1] / "artifacts" / "screenshots"
-TIMEOUT_MS = 60_000
+TIMEOUT_MS = 120_000  # bounds a hang only
 
 
 @pytest.fixture(scope="module")

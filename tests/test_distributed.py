@@ -31,6 +31,7 @@ from engine.run.ranks import FAULT_ENV, Ranks
 from engine.train import run
 
 REL = 1e-5
+HANG_S = 300  # only bounds a hang: processes that exit late on a busy machine are no failure
 
 
 @pytest.fixture
@@ -120,7 +121,7 @@ def training_processes(folder: Path | None) -> list[str]:
 
 
 def assert_no_children(folder: Path | None = None) -> None:
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + HANG_S
     while training_processes(folder) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert training_processes(folder) == []
@@ -246,7 +247,7 @@ def test_ranks_save_and_exit_when_the_launcher_is_killed(
     assert len(ranks) >= 3  # torchrun and its two ranks
     launcher.kill()
     launcher.wait()
-    _, alive = psutil.wait_procs(ranks, timeout=60)
+    _, alive = psutil.wait_procs(ranks, timeout=HANG_S)
     assert alive == []
     assert list((tmp_path / "orphan" / "checkpoints").glob("step-*")), "the stop saved no checkpoint"
 

@@ -10,6 +10,7 @@ KV cache in f16, so even f32 files differ from transformers by ~0.1%).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -28,6 +29,9 @@ F16_TOLERANCE = 0.02  # of the largest |logit|: f16 weights and llama.cpp's f16 
 Q8_ARGMAX_AGREEMENT = 0.95
 Q8_ARGMAX_AGREEMENT_GEMMA3 = 0.90
 TOKENS = 100
+NO_LLAMA_CPP = "llama-cpp-python is not installed (the gguf-check extra: pip install -e '.[gguf-check]')"
+needs_llama_cpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason=NO_LLAMA_CPP)
+"""On every test that loads an export in llama.cpp: a mark, so the skip comes before the fixtures build the runs."""
 
 PHI3 = {"pad_token_id": 0, "bos_token_id": None, "eos_token_id": 2}
 FAMILIES = {  # name -> overrides for a tiny model of that family (the name is its model_type, before any "-")
@@ -165,7 +169,7 @@ llm.close()
 
 def in_llama_cpp(script: str, *args: str) -> str:
     """Run ``script`` with llama-cpp-python in a child process: a llama.cpp abort fails the test, not the suite."""
-    pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp", reason=NO_LLAMA_CPP)
     result = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"llama.cpp failed ({result.returncode}): {result.stderr[-2000:]}"
     return result.stdout
@@ -187,10 +191,10 @@ def export(run: Path, target: Path, quant: str) -> Path:
     return folder / "tiny-run.gguf"
 
 
+@needs_llama_cpp
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["demo", *FAMILIES])
 def test_llama_cpp_loads_the_export_with_the_merged_logits(runs: dict[str, Path], tmp_path: Path, family: str) -> None:
-    pytest.importorskip("llama_cpp")
     run = runs[family]
     base_config = json.loads((Path(RunConfig.load(run / "config.json").model.name) / "config.json").read_text())
     vocab = base_config["vocab_size"]
@@ -206,12 +210,12 @@ def test_llama_cpp_loads_the_export_with_the_merged_logits(runs: dict[str, Path]
     assert agreement >= threshold, f"{family}: q8_0 argmax agrees on {agreement:.0%} of positions"
 
 
+@needs_llama_cpp
 @pytest.mark.slow
 def test_k_quants_come_from_llama_cpp(runs: dict[str, Path], tmp_path: Path) -> None:
     """q4_k_m: a float16 file quantized by llama.cpp's own quantizer, which loads and still mostly agrees."""
     import gguf
 
-    pytest.importorskip("llama_cpp")
     run = runs["demo"]
     path = export(run, tmp_path / "q4", "q4_k_m")
     reader = gguf.GGUFReader(path)
@@ -375,6 +379,7 @@ def styled_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return found
 
 
+@needs_llama_cpp
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("style", "kind"),
@@ -390,7 +395,6 @@ def test_llama_cpp_tokenizes_like_the_tokenizer(
     runs: dict[str, Path], styled_runs: dict[str, Path], tmp_path: Path, style: str, kind: str
 ) -> None:
     """The vocabulary, merges, pre-tokenizer and special tokens in the file make llama.cpp split text the same way."""
-    pytest.importorskip("llama_cpp")
     import gguf
     from transformers import AutoTokenizer
 
@@ -407,6 +411,7 @@ def test_llama_cpp_tokenizes_like_the_tokenizer(
     assert np.abs(llama_cpp_logits(path, ids) - reference).max() <= F16_TOLERANCE * np.abs(reference).max()
 
 
+@needs_llama_cpp
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("quant", "tolerance", "agreement"),

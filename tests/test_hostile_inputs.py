@@ -4,7 +4,9 @@ classic shapes: huge lines, deep nesting, wrong encodings, zero-length, enormous
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
+import io
 import json
 import os
 import time
@@ -24,8 +26,10 @@ from engine.events import RunFailed
 from engine.model.load import load_tokenizer
 from engine.train import run
 
-FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-SLOW = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# No deadline and no too-slow check: a busy machine slows generation and examples alike, and that is no failure.
+HEALTH = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+FAST = settings(max_examples=60, deadline=None, suppress_health_check=HEALTH)
+SLOW = settings(max_examples=15, deadline=None, suppress_health_check=HEALTH)
 
 scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=20)
 json_values = st.recursive(
@@ -169,19 +173,43 @@ def test_zero_length_and_whitespace_only(tmp_path: Path) -> None:
         read_rows(tmp_path / "blank.jsonl")
 
 
-def test_a_file_over_the_size_limit_is_refused_before_reading(tmp_path: Path) -> None:
+def opened_files(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """Every file opened from now on through ``open``, ``io.open`` or ``Path.open`` (what the readers use)."""
+    opened: list[Path] = []
+    real_open = builtins.open
+
+    def spying_open(file: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(file, str | os.PathLike):
+            opened.append(Path(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", spying_open)
+    monkeypatch.setattr(io, "open", spying_open)
+    return opened
+
+
+def test_a_file_over_the_size_limit_is_refused_before_reading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "big.jsonl"
     with path.open("wb") as handle:
         handle.truncate(5 * 1024**3)  # a sparse 5 GiB file: nothing is written, nothing must be read
-    started = time.perf_counter()
+    opened = opened_files(monkeypatch)
     with pytest.raises(DataError) as caught:
         read_rows(path)
     assert "too large (5.0 GiB; the limit is 4.0 GiB)" in str(caught.value) and caught.value.hint
-    assert time.perf_counter() - started < 1.0
+    assert path not in opened, "the file was opened before its size was checked"
     small = tmp_path / "small.jsonl"
     small.write_text('{"text": "0123456789012345678901234"}\n')
     with pytest.raises(DataError, match=r"too large \(38 bytes; the limit is 10 bytes\)"):
         read_rows(small, max_bytes=10)
+
+
+def plain_parse_seconds(path: Path) -> float:
+    """The calibration for a load: reading ``path`` and parsing each line with json.loads, in seconds."""
+    started = time.perf_counter()
+    with path.open(encoding="utf-8") as handle:
+        for line in handle:
+            json.loads(line)
+    return time.perf_counter() - started
 
 
 def test_a_huge_line_and_a_50_mb_file_load_in_bounded_time(tmp_path: Path) -> None:
@@ -191,10 +219,14 @@ def test_a_huge_line_and_a_50_mb_file_load_in_bounded_time(tmp_path: Path) -> No
         handle.write(one_line + "\n")
         handle.write("".join(json.dumps({"text": f"row {i} " + "y" * 100}) + "\n" for i in range(90_000)))
     assert path.stat().st_size > 50 * 1024**2
+    baseline = plain_parse_seconds(path)
     started = time.perf_counter()
     examples, fmt = load_examples(path)
+    took = time.perf_counter() - started
     assert fmt == "text" and len(examples) == 90_001 and len(examples[0].completion) == 40 * 1024**2
-    assert time.perf_counter() - started < 20
+    # Relative to parsing the same file with json.loads on this machine, now: a busy machine slows both alike, while
+    # work that grows with the square of a line's length (the 40 MB line) would be far slower.
+    assert took < 20 * baseline + 2.0, f"{took:.1f} s to load, {baseline:.1f} s to parse each line with json.loads"
     with path.open("a", encoding="utf-8") as handle:
         handle.write('{"text": "truncated by a full disk\n')
     with pytest.raises(DataError, match="line 90002 is not valid JSON"):

