@@ -42,7 +42,8 @@ TORCH_MISSING_EXIT = 3
 
 def _load(target: str) -> Callable[[list[str]], int]:
     module, function = target.split(":")
-    return getattr(importlib.import_module(module), function)
+    command: Callable[[list[str]], int] = getattr(importlib.import_module(module), function)
+    return command
 
 
 def run_command(name: str, argv: list[str]) -> int:

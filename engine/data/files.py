@@ -118,7 +118,8 @@ def _load_with_datasets(kind: str, source: Path) -> list[dict[str, Any]]:
         dataset = datasets.load_dataset(kind, data_files=str(source), split="train", **options)
     except Exception as err:  # datasets/pyarrow raise many types; all mean "this file can't be read"
         raise DataError(f"cannot read the file as {kind}: {_first_line(err)}", path=str(source)) from err
-    return dataset.to_list()
+    rows: list[dict[str, Any]] = dataset.to_list()
+    return rows
 
 
 def _csv_options(source: Path) -> dict[str, Any]:
@@ -153,7 +154,7 @@ def _read_saved_dataset(folder: Path) -> list[dict[str, Any]]:
     if isinstance(loaded, datasets.DatasetDict):
         split = "train" if "train" in loaded else next(iter(loaded))
         loaded = loaded[split]
-    rows = loaded.to_list()
+    rows: list[dict[str, Any]] = loaded.to_list()
     if not rows:
         raise DataError("the dataset has no rows", path=str(folder))
     return rows

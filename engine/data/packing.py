@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -77,7 +78,7 @@ class PackedBatch:
 
     def to(self, device: torch.device | str) -> PackedBatch:
         """A copy with the tensors on ``device``; ``cu_seqlens`` and ``max_seqlen`` stay on the host."""
-        move = {"non_blocking": True} if torch.device(device).type == "cuda" else {}
+        move: dict[str, Any] = {"non_blocking": True} if torch.device(device).type == "cuda" else {}
         return PackedBatch(
             input_ids=self.input_ids.to(device, **move),
             labels=self.labels.to(device, **move),

@@ -45,7 +45,8 @@ class TokenizeReport:
 
 
 def _render(tokenizer: Any, messages: Sequence[dict[str, str]], generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt)
+    text: str = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt)
+    return text
 
 
 def assistant_spans(tokenizer: Any, conversation: Conversation) -> tuple[str, list[tuple[int, int]], bool]:
@@ -71,7 +72,9 @@ def _last_answer_span(tokenizer: Any, messages: list[dict[str, str]], text: str)
     return [(max(start, 0), len(text))]
 
 
-def _labels_from_spans(offsets: Sequence[tuple[int, int]], ids: Sequence[int], spans: Iterable[tuple[int, int]]):
+def _labels_from_spans(
+    offsets: Sequence[tuple[int, int]], ids: Sequence[int], spans: Iterable[tuple[int, int]]
+) -> list[int]:
     spans = list(spans)
     labels = []
     for token, (start, end) in zip(ids, offsets, strict=True):

@@ -169,7 +169,12 @@ def effective_attention(setup: TrainSetup, compute_capability: tuple[int, int] |
     requested = setup.attention
     sixteen_bit = setup.activation_bytes == 2
     on_gpu = compute_capability is not None
-    if requested in ("varlen", "flash_attn") and sixteen_bit and on_gpu and compute_capability >= (8, 0):
+    if (
+        requested in ("varlen", "flash_attn")
+        and sixteen_bit
+        and compute_capability is not None
+        and compute_capability >= (8, 0)
+    ):
         return requested
     if requested in ("varlen", "flash_attn", "flex") and on_gpu:
         return "flex"
@@ -235,7 +240,7 @@ def setup_from_speed_state(
     cache = state.get("metadata_cache", {})
     return TrainSetup(
         tokens=tokens,
-        checkpointing=state.get("checkpointing", {}).get("mode", "none"),  # type: ignore[arg-type]
+        checkpointing=state.get("checkpointing", {}).get("mode", "none"),
         fused_loss=on("fused_loss"),
         lora_16bit=on("lora_16bit"),
         host_embedding=on("host_embedding"),
@@ -509,7 +514,7 @@ def estimate_memory(
     else:
         kept_layer = resident_layer_bytes(shape, setup, backend) * t + layer_mask + copies
         activations = kept_inputs + resident * kept_layer
-        chunk = setup.chunk_tokens if _chunks(shape, setup) else t
+        chunk = setup.chunk_tokens if _chunks(shape, setup) and setup.chunk_tokens else t
         layer = per_layer
         if chunk < t:
             local, whole = chunk_split(shape, setup)
@@ -724,7 +729,7 @@ def longest_row(
 
 
 def _longest_reason(shape: ModelShape, setup: TrainSetup, tokens: int, can_offload: bool) -> str:
-    mode = "offloaded" if can_offload else "standard"
+    mode: Checkpointing = "offloaded" if can_offload else "standard"
     how = f"{'QLoRA' if setup.qlora else 'LoRA'} and {mode} checkpointing"
     if _chunks(shape, replace(setup, tokens=tokens, checkpointing=mode)):
         how += f", the MLPs in chunks of {setup.chunk_tokens:,} tokens"

@@ -215,7 +215,7 @@ def build_profile(
     overrides = dict(overrides or {})
     dtype = _override(overrides, "dtype") or choose_dtype(target)
     attention = _override(overrides, "attention_backend") or choose_attention(target, dtype.value)
-    choices: dict[str, Choice] = {
+    choices: dict[str, Any] = {  # Choices, as keyword arguments of Profile
         "dtype": dtype,
         "attention_backend": attention,
         "metadata_cache": _override(overrides, "metadata_cache") or choose_metadata_cache(target),
@@ -275,9 +275,11 @@ def faster_rows_note(
         if rate is not None and (best is None or rate > best[0]):
             best = (rate, shorter)
         tokens //= 2
-    if best is None or best[0] < FASTER_ROWS_GAIN * speed or best[1].tokens is None:
+    if best is None or best[0] < FASTER_ROWS_GAIN * speed:
         return None
     rate, shorter = best
+    if shorter.tokens is None:
+        return None
     resident = f", {shorter.resident_layers} layers resident" if shorter.resident_layers else ""
     return (
         f"rows of {shorter.tokens:,} tokens would train about {rate / speed:.1f}x faster here ({shorter.checkpointing} "
