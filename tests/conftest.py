@@ -28,11 +28,14 @@ os.environ.setdefault("TUNEDECK_HOME", tempfile.mkdtemp(prefix="tunedeck-home-")
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # pytest-xdist (`-n 2`): this process is one of several
 if _WORKER:
     # Workers inherit the first process's variables: each gets a data folder of its own (run history, compile cache),
-    # and its share of the cores for torch's thread pool (children such as the ranks of a run inherit it). Two pools
-    # of two threads on two cores spin against each other: a set of training tests took 93 s instead of 39 s.
+    # and its share of the cores for torch's thread pool and inductor's compile workers (children such as the ranks
+    # of a run inherit both). Two pools of two threads on two cores spin against each other (a set of training tests
+    # took 93 s instead of 39 s), and a pool of compile processes per worker costs more than it saves (the compiling
+    # tests of two files: 262 s instead of 115 s).
     os.environ["TUNEDECK_HOME"] = str(Path(os.environ["TUNEDECK_HOME"]) / _WORKER)
-    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _workers)))
+    _share = str(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+    os.environ.setdefault("OMP_NUM_THREADS", _share)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", _share)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
