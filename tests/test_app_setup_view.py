@@ -44,11 +44,14 @@ for name in packages:
 if "{mode}" == "hang":
     print("Resolved 3 packages", flush=True)
     time.sleep(600)
+seen = os.environ.get("FAKE_UV_SEEN")
 for index, name in enumerate(packages):
-    time.sleep(0.15)
     os.makedirs(os.path.join(cache, name), exist_ok=True)
     print("Prepared " + name, flush=True)
-    time.sleep(0.3)  # let the engine's poll see each package land
+    waited = 0.0
+    while seen and index == 0 and not os.path.exists(seen) and waited < 120:  # the window showed a package land
+        time.sleep(0.05)
+        waited += 0.05
 print("Installed 3 packages", flush=True)
 """
 
@@ -129,7 +132,15 @@ def test_install_shows_uv_progress_and_log(qtbot: Any, tasks: TaskRunner, tmp_pa
     layout = make_layout(tmp_path)
     view = make_view(qtbot, tasks, layout, RTX_5090)
     values: list[int] = []
-    view.progress.valueChanged.connect(values.append)
+    seen = tmp_path / "progress-seen"  # the fake uv goes on once the bar has moved: no race with a busy machine
+    monkeypatch.setenv("FAKE_UV_SEEN", str(seen))
+
+    def record(value: int) -> None:
+        values.append(value)
+        if 0 < value < STEPS:
+            seen.touch()
+
+    view.progress.valueChanged.connect(record)
     announced: list[bool] = []
     view.installed.connect(lambda: announced.append(True))
     # job_ended: the thread's end reaches the view after isRunning() drops
