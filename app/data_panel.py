@@ -28,6 +28,7 @@ from PySide6.QtWidgets import (
 
 from app.app_state import AppState
 from app.dataset_report import NO_TOKENIZER, DatasetReport, analyze_dataset
+from app.theme import current_chart_colors, style_plot
 from app.worker import ErrorInfo, TaskRunner
 from engine.config import DEMO_MODEL, DataConfig
 
@@ -48,6 +49,37 @@ def preview_html(pieces: list[tuple[str, bool]]) -> str:
         for text, trained in pieces
     )
     return f"<pre style='white-space:pre-wrap'>{spans}</pre>"
+
+
+class LengthHistogram(pg.PlotWidget):
+    """Tokens per example as bars in the palette's accent on the chart's own background, redrawn in the new colours
+    when the look changes (bars of a fixed colour sank into the dark background)."""
+
+    def __init__(self) -> None:
+        super().__init__(title="Tokens per example")
+        self.setLabel("bottom", "tokens")
+        self.setLabel("left", "examples")
+        self.lengths: list[int] = []
+        self.bars: pg.BarGraphItem | None = None
+        self.restyle()
+
+    def draw(self, lengths: list[int]) -> None:
+        self.lengths = list(lengths)
+        self.clear()
+        self.bars = None
+        if not lengths:
+            return
+        colors = current_chart_colors()
+        counts, edges = np.histogram(lengths, bins=min(30, max(5, len(set(lengths)))))
+        # the bars' outline is the background, so neighbouring bars stay apart in either look
+        self.bars = pg.BarGraphItem(x0=edges[:-1], x1=edges[1:], height=counts, brush=colors.accent,
+                                    pen=pg.mkPen(colors.background, width=1))  # fmt: skip
+        self.addItem(self.bars)
+
+    def restyle(self) -> None:
+        style_plot(self, current_chart_colors())
+        if self.lengths:
+            self.draw(self.lengths)
 
 
 class DataPanel(QWidget):
@@ -84,9 +116,7 @@ class DataPanel(QWidget):
         self.fetch.setToolTip("The only request this page sends: the model's tokenizer files, a few MB")
         self.fetch.clicked.connect(lambda: self.load(self.path_edit.text().strip(), auto=self.auto_demo, use_hub=True))
         self.fetch.hide()
-        self.histogram = pg.PlotWidget(title="Tokens per example", background="w")
-        self.histogram.setLabel("bottom", "tokens")
-        self.histogram.setLabel("left", "examples")
+        self.histogram = LengthHistogram()
         self.problems = QListWidget()
         self.preview = QTextBrowser()
         top = QHBoxLayout()
@@ -135,7 +165,7 @@ class DataPanel(QWidget):
             + ("<br>The demo dataset, selected for the demo model: open your own file to replace it."
                if self.auto_demo else "")
         )  # fmt: skip
-        self._draw_histogram(report.lengths)
+        self.histogram.draw(report.lengths)
         self.problems.clear()
         for row, field, message in report.problems:
             self.problems.addItem(f"row {row}: {field}: {message}")
@@ -170,13 +200,6 @@ class DataPanel(QWidget):
                 self.load(str(demo_data_file()), auto=True)
         elif known and self.state.data_path and self.report_model not in (None, self.state.model_name):
             self.load(self.state.data_path, auto=self.auto_demo)
-
-    def _draw_histogram(self, lengths: list[int]) -> None:
-        self.histogram.clear()
-        if not lengths:
-            return
-        counts, edges = np.histogram(lengths, bins=min(30, max(5, len(set(lengths)))))
-        self.histogram.addItem(pg.BarGraphItem(x0=edges[:-1], x1=edges[1:], height=counts, brush="#4a90d9"))
 
     def _show_error(self, error: ErrorInfo) -> None:
         self.problem = error.message

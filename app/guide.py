@@ -2,7 +2,9 @@
 
 Each step is a button that opens its page; its second line comes from the page's ``step_status()`` (ready, text)
 and updates when the page emits ``changed``. Start is enabled once every step is ready and no run is going; the
-line beside it says what to do next. The demo is chosen once the machine is detected, with its dataset and recipe,
+line beside it says what to do next, and where the run trains (the GPU by name, or this computer's CPU). Every text
+is cut to the room its widget has (the whole text in its tooltip), so a long reason never spills out of the bar on
+a 1366-pixel-wide laptop screen. The demo is chosen once the machine is detected, with its dataset and recipe,
 so Start is the only click it needs; choosing it again is Model → "Use this model" → Start.
 """
 
@@ -11,12 +13,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from PySide6.QtCore import Signal
+from PySide6.QtCore import QRect, QSize, Qt, Signal
+from PySide6.QtGui import QFontMetrics, QResizeEvent
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPushButton, QSizePolicy
+
+from app.model_info import machine_name
 
 READY_COLOUR = "#2f9a4e"  # mid-tones: they read on the light and the dark look
 MISSING_COLOUR = "#b7791f"
-MAX_STEP_TEXT = 52
+STEP_WIDTH = (150, 260)
+"""A step button's narrowest and widest: three of them, Start and the next line fit 1366 pixels."""
+STEP_PADDING = 2 * 10 + 8
+"""The style's left and right padding and the button's frame: what the text cannot use of the width."""
+NEXT_LINES = 2
 STEP_STYLE = "QPushButton {{ text-align: left; padding: 2px 10px; color: {colour}; }}"
 
 
@@ -26,8 +35,89 @@ class GuidedPage(Protocol):
     def step_status(self) -> tuple[bool, str]: ...
 
 
-def shorten(text: str, limit: int = MAX_STEP_TEXT) -> str:
-    return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
+def fit_text(text: str, metrics: QFontMetrics, width: int, lines: int = 1) -> str:
+    """``text`` as it fits ``lines`` word-wrapped lines of ``width`` pixels: whole, or cut at the end with "…"."""
+
+    def fits(candidate: str) -> bool:
+        if lines == 1:
+            return metrics.horizontalAdvance(candidate) <= width
+        flags = int(Qt.TextFlag.TextWordWrap)
+        used = metrics.boundingRect(QRect(0, 0, max(width, 1), 1 << 16), flags, candidate)
+        return used.width() <= width and used.height() <= lines * metrics.lineSpacing()
+
+    if fits(text):
+        return text
+    low, high = 0, len(text)  # the longest prefix that fits with its ellipsis
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(text[:middle].rstrip() + "…"):
+            low = middle
+        else:
+            high = middle - 1
+    return text[:low].rstrip() + "…"
+
+
+class StepButton(QPushButton):
+    """A step: its name over its status, the status cut to the button's width (whole in the tooltip)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name, self.mark, self.status = name, "•", ""
+        self.setMinimumSize(STEP_WIDTH[0], 44)
+        self.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Fixed)
+
+    def show_status(self, ready: bool, status: str) -> None:
+        self.mark, self.status = ("✓" if ready else "•"), status
+        self.setToolTip(status)
+        self._fit()
+        self.updateGeometry()
+
+    def sizeHint(self) -> QSize:
+        wanted = self.fontMetrics().horizontalAdvance(self.status) + STEP_PADDING
+        return QSize(min(max(wanted, STEP_WIDTH[0]), STEP_WIDTH[1]), super().sizeHint().height())
+
+    def minimumSizeHint(self) -> QSize:  # its status is cut to fit: the narrowest width always does
+        return QSize(STEP_WIDTH[0], super().minimumSizeHint().height())
+
+    def text_width(self) -> int:
+        return self.width() - STEP_PADDING
+
+    def resizeEvent(self, event: QResizeEvent) -> None:
+        super().resizeEvent(event)
+        self._fit()
+
+    def _fit(self) -> None:
+        status = fit_text(self.status, self.fontMetrics(), self.text_width())
+        self.setText(f"{self.mark} {self.name}\n{status}")
+
+
+class FittedLabel(QLabel):
+    """A word-wrapped label whose text is cut to the lines it has room for (whole in the tooltip)."""
+
+    def __init__(self, lines: int) -> None:
+        super().__init__()
+        self.lines, self.whole = lines, ""
+        self.setWordWrap(True)
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Preferred)
+        self.setMinimumWidth(120)
+
+    def show_text(self, text: str) -> None:
+        self.whole = text
+        self.setToolTip(text)
+        self._fit()
+
+    def minimumSizeHint(self) -> QSize:  # its text is cut to fit: it never asks for more room
+        return QSize(self.minimumWidth(), self.fontMetrics().lineSpacing() * self.lines)
+
+    def sizeHint(self) -> QSize:
+        return self.minimumSizeHint()
+
+    def resizeEvent(self, event: QResizeEvent) -> None:
+        super().resizeEvent(event)
+        self._fit()
+
+    def _fit(self) -> None:
+        self.setText(fit_text(self.whole, self.fontMetrics(), self.contentsRect().width(), self.lines))
 
 
 class GuideBar(QFrame):
@@ -36,27 +126,25 @@ class GuideBar(QFrame):
     page_requested = Signal(str)
     start_clicked = Signal()
 
-    def __init__(self, steps: Sequence[tuple[str, str, GuidedPage]], controller: Any) -> None:
-        """``steps``: (step name, page title, page); ``controller``: the run controller (active, state_changed)."""
+    def __init__(self, steps: Sequence[tuple[str, str, GuidedPage]], controller: Any, state: Any = None) -> None:
+        """``steps``: (step name, page title, page); ``controller``: the run controller (active, state_changed);
+        ``state``: the app state, whose hardware names where the run trains."""
         super().__init__()
         self.setFrameShape(QFrame.Shape.StyledPanel)
         self.steps = list(steps)
         self.controller = controller
-        self.buttons: list[QPushButton] = []
+        self.state = state
+        self.buttons: list[StepButton] = []
         self.start_button = QPushButton("▶  Start")
         self.start_button.setMinimumHeight(44)
         self.start_button.setStyleSheet("QPushButton { font-size: 15px; font-weight: bold; padding: 0 18px; }")
         self.start_button.clicked.connect(self.start_clicked)
-        self.next = QLabel("")
-        self.next.setWordWrap(True)
-        self.next.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Preferred)
+        self.next = FittedLabel(NEXT_LINES)
         layout = QHBoxLayout(self)
         layout.setContentsMargins(8, 6, 8, 6)
         for number, (name, title, page) in enumerate(self.steps, start=1):
-            button = QPushButton()
-            button.setMinimumSize(150, 44)  # narrower windows clip the status line; its tooltip keeps it whole
+            button = StepButton(f"{number}  {name}")
             button.clicked.connect(lambda _=False, title=title: self.page_requested.emit(title))
-            button.setProperty("step", f"{number}  {name}")
             page.changed.connect(self.refresh)
             self.buttons.append(button)
             layout.addWidget(button)
@@ -64,6 +152,8 @@ class GuideBar(QFrame):
         layout.addWidget(self.start_button)
         layout.addWidget(self.next, 1)
         controller.state_changed.connect(lambda _state: self.refresh())
+        if state is not None:
+            state.hardware_changed.connect(self.refresh)
         self.refresh()
         # A fixed height: text changing here during a run must never re-lay out the pages (and charts) below.
         self.setFixedHeight(self.sizeHint().height())
@@ -75,9 +165,7 @@ class GuideBar(QFrame):
     def refresh(self) -> None:
         for button, (_, _, page) in zip(self.buttons, self.steps, strict=True):
             ready, text = page.step_status()
-            mark = "✓" if ready else "•"
-            button.setText(f"{mark} {button.property('step')}\n{shorten(text)}")
-            button.setToolTip(text)
+            button.show_status(ready, text)
             style = STEP_STYLE.format(colour=READY_COLOUR if ready else MISSING_COLOUR)
             if button.styleSheet() != style:  # re-polishing on every refresh would cost a repaint each time
                 button.setStyleSheet(style)
@@ -85,8 +173,12 @@ class GuideBar(QFrame):
         running = bool(self.controller.active)
         self.start_button.setEnabled(not missing and not running)
         if running:
-            self.next.setText("A run is going: watch it on the Run page.")
+            self.next.show_text("A run is going: watch it on the Run page.")
         elif missing:
-            self.next.setText(f"Next: {missing[0][1]}")
+            self.next.show_text(f"Next: {missing[0][1]}")
         else:
-            self.next.setText("Ready: Start begins the run, and the Run page follows it.")
+            self.next.show_text(f"Ready: Start trains on {self.machine()}; the Run page follows it.")
+
+    def machine(self) -> str:
+        hardware = getattr(self.state, "hardware", None)
+        return machine_name(hardware) if hardware is not None else "this computer"

@@ -111,7 +111,7 @@ class MainWindow(QMainWindow):
             ("Model", "Model", self.model_panel), ("Data", "Dataset", self.data_panel),
             ("Recipe", "Recipe", self.setup_panel),
         ]  # fmt: skip
-        self.guide = GuideBar(guided, self.controller)
+        self.guide = GuideBar(guided, self.controller, self.state)
         self.guide.page_requested.connect(self.show_page)
         self.guide.start_clicked.connect(self.run_panel.start)
         body = QWidget()

@@ -35,6 +35,16 @@ class ModelInfo:
     profile: Any = None
 
 
+def machine_name(hardware: Any) -> str:
+    """Where a run would train, in a few words: the GPU by name ("the RTX 4090"), or "this computer's CPU" on a
+    machine without a usable GPU. ``hardware``: a HardwareInfo, or a DeviceTarget taken from the GPU table."""
+    gpu = getattr(hardware, "primary", hardware)
+    name = getattr(gpu, "name", None)
+    if gpu is None or not name or getattr(hardware, "gpu_class", "") == "cpu":
+        return "this computer's CPU"
+    return f"the {name.removeprefix('NVIDIA ')}"
+
+
 def verdict_target(info: ModelInfo) -> str:
     """What the verdict is for: the GPU by name, or the computer when the run would be on the CPU."""
     profile = info.profile

@@ -23,6 +23,7 @@ from PySide6.QtWidgets import (
 
 from app.app_state import AppState
 from app.config_form import ConfigForm
+from app.model_info import machine_name
 from engine.config import DEMO_MODEL, DataConfig, RunConfig
 from engine.errors import TuneDeckError
 from engine.hardware.recipes import (
@@ -46,11 +47,12 @@ def recipe_config(name: str, base: RunConfig | None = None) -> RunConfig:
 
 
 def fit_warning(config: RunConfig, model_info: Any, hardware: Any) -> str | None:
-    """The planner's objection to these settings on this GPU, or None when they fit (or cannot be judged)."""
+    """The planner's objection to these settings on this machine's GPU (or CPU), or None when they fit (or cannot
+    be judged)."""
     if model_info is None or model_info.shape is None or hardware is None:
         return None
     estimate = estimate_recipe(config, model_info.shape, hardware)
-    return None if estimate.fits else f"Will not fit on this GPU: {estimate.reason}"
+    return None if estimate.fits else f"Will not fit on {machine_name(hardware)}: {estimate.reason}"
 
 
 def format_duration(seconds: float) -> str:

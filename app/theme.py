@@ -86,6 +86,19 @@ def chart_colors(palette: QPalette) -> ChartColors:
     )
 
 
+def contrast_ratio(first: str, second: str) -> float:
+    """WCAG contrast ratio of two colours (1 to 21); 3 or more reads as a distinct shape beside the other."""
+
+    def luminance(name: str) -> float:
+        color = QColor(name)
+        channels = [c / 255 for c in (color.red(), color.green(), color.blue())]
+        linear = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in channels]
+        return 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
+
+    light, dark = sorted((luminance(first), luminance(second)), reverse=True)
+    return (light + 0.05) / (dark + 0.05)
+
+
 def current_chart_colors() -> ChartColors:
     """The colours charts take now (the application's palette; Fusion light before any window exists)."""
     app = QApplication.instance()

@@ -308,7 +308,7 @@ def test_the_planner_warns_on_setup_before_a_run_that_will_not_fit(qtbot: Any) -
     panel.form.editor("model.qlora").setChecked(False)
     panel.form.editor("data.tokens_per_batch").setValue(16384)
     panel.check_fit()
-    assert panel.warning.text().startswith("Will not fit on this GPU: even 256 tokens need")
+    assert panel.warning.text().startswith("Will not fit on the RTX 4060 Laptop: even 256 tokens need")
     state.set_model("qwen3-0.6b", ModelInfo("qwen3-0.6b", "qwen3", 600_000_000, False, "fits", "",
                                             shape=load_shape("qwen3-0.6b")))  # fmt: skip
     panel.form.editor("data.tokens_per_batch").setValue(2048)
