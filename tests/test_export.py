@@ -93,3 +93,41 @@ def test_export_command_writes_adapter_and_merged(run_folder: Path, tmp_path: Pa
     assert json.loads((tmp_path / "m" / "config.json").read_text())["dtype"] == "float16"
     assert export_main([str(run_folder), "--to", str(tmp_path / "m"), "--merged"]) == 1
     assert export_main(["no-such-run", "--to", str(tmp_path / "x")]) == 1
+
+
+def test_merged_export_keeps_the_runs_dtype_unless_asked(run_folder: Path, tmp_path: Path) -> None:
+    """The tiny run computed in float32 on the CPU (recorded in compute.json): its merge stays float32."""
+    from engine.export import run_dtype
+
+    assert json.loads((run_folder / "compute.json").read_text()) == {"dtype": "float32", "device": "cpu"}
+    assert run_dtype(run_folder) == "float32"
+    target = export_merged(run_folder, tmp_path / "merged")
+    assert json.loads((target / "config.json").read_text())["dtype"] == "float32"
+    assert "(float32, safetensors)" in (target / "README.md").read_text()
+    asked = export_merged(run_folder, tmp_path / "merged-bf16", dtype="bf16")
+    assert json.loads((asked / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    ("recorded", "model_dtype", "device", "expected"),
+    [
+        ({"dtype": "bfloat16", "device": "cuda"}, "auto", "auto", "bfloat16"),
+        ({"dtype": "float16", "device": "cuda"}, "auto", "auto", "float16"),
+        (None, "float32", "auto", "float32"),  # a run from before the record: its config says
+        (None, "auto", "cpu", "float32"),
+        (None, "auto", "auto", "bfloat16"),  # auto on a GPU, unrecorded: the GPU default
+        ("not json", "float16", "auto", "float16"),
+    ],
+)
+def test_the_runs_dtype_comes_from_its_record_then_its_config(
+    tmp_path: Path, recorded: object, model_dtype: str, device: str, expected: str
+) -> None:
+    from engine.config import RunConfig
+    from engine.export import run_dtype
+
+    config = {"model": {"name": "demo", "dtype": model_dtype}, "data": {"path": "x.jsonl"}}
+    RunConfig.from_dict({**config, "training": {"device": device}}).save(tmp_path / "config.json")
+    if recorded is not None:
+        text = recorded if isinstance(recorded, str) else json.dumps(recorded)
+        (tmp_path / "compute.json").write_text(text)
+    assert run_dtype(tmp_path) == expected

@@ -181,14 +181,15 @@ def llama_cpp_logits(gguf: Path, ids: list[int]) -> np.ndarray:
     return np.load(out)
 
 
-def export(run: Path, target: Path, quant: str) -> Path:
+def export(run: Path, target: Path, quant: str, name: str = "tiny-run.gguf") -> Path:
     stages: list[ExportProgress] = []
     folder = export_gguf(run, target, quant=quant, on_progress=stages.append)
     assert stages[0].stage == "merging" and stages[-1] == ExportProgress("writing", 1, 1)
     assert any(s.stage == "converting" and s.done == s.total for s in stages)
     files = sorted(p.name for p in folder.iterdir())
-    assert files == ["Modelfile", "README.md", "tiny-run.gguf"]
-    return folder / "tiny-run.gguf"
+    assert files == ["Modelfile", "README.md", name]
+    assert (folder / "Modelfile").read_text().startswith(f"FROM ./{name}\n")
+    return folder / name
 
 
 @needs_llama_cpp
@@ -216,8 +217,8 @@ def test_k_quants_come_from_llama_cpp(runs: dict[str, Path], tmp_path: Path) -> 
     """q4_k_m: a float16 file quantized by llama.cpp's own quantizer, which loads and still mostly agrees."""
     import gguf
 
-    run = runs["demo"]
-    path = export(run, tmp_path / "q4", "q4_k_m")
+    run = runs["demo"]  # hidden size 128: too narrow for k-quant blocks of 256, so llama.cpp falls back
+    path = export(run, tmp_path / "q4", "q4_k_m", name="tiny-run-q4_k_m-mostly-q5_0.gguf")
     reader = gguf.GGUFReader(path)
     file_type = reader.fields["general.file_type"].contents()
     assert file_type == int(gguf.LlamaFileType.MOSTLY_Q4_K_M)
@@ -433,3 +434,116 @@ def test_every_directly_written_quant_loads(
     if tolerance is not None:
         assert np.abs(logits - reference).max() <= tolerance * np.abs(reference).max()
     assert float((logits.argmax(-1) == reference.argmax(-1)).mean()) >= agreement
+
+
+# ------------------------------------------------------------------------------------------- honest exports
+
+
+def counted_types(path: Path) -> str:
+    """The file's tensor types counted here, independently of the export, most common first."""
+    import collections
+
+    import gguf
+
+    counts = collections.Counter(t.tensor_type.name for t in gguf.GGUFReader(path).tensors)
+    return ", ".join(f"{count} {kind}" for kind, count in counts.most_common())
+
+
+def shaped_run(root: Path, **shape: object) -> Path:
+    folder = root / "model"
+    folder.mkdir(parents=True)
+    build_tokenizer(folder)
+    vocab = len(json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]) + 3
+    build_model(folder, vocab, "llama", **shape)
+    return make_run(folder, root)
+
+
+def test_rows_that_do_not_fit_the_blocks_are_counted_named_and_a_type_suggested(tmp_path: Path) -> None:
+    """q8_0 stores rows in blocks of 32: a model 48 wide keeps most tensors in f16, and the export says so."""
+    from engine.export.gguf_types import tensor_types
+
+    run = shaped_run(tmp_path, hidden_size=48, num_attention_heads=4, num_key_value_heads=2)
+    stages: list[ExportProgress] = []
+    folder = export_gguf(run, tmp_path / "out", quant="q8_0", on_progress=stages.append)
+    path = folder / "tiny-run-q8_0-mostly-f16.gguf"
+    assert path.exists() and (folder / "Modelfile").read_text().startswith(f"FROM ./{path.name}\n")
+    types = tensor_types(path)
+    assert (types.requested, types.quantized, types.fallback) == ("q8_0", 16, 14)  # ffn_down (128 wide) fits
+    summary = f"q8_0 requested: {counted_types(path)} (fallback: 48 columns are not a multiple of 32)"
+    assert types.summary() == summary
+    assert ExportProgress("checking", 1, 1, summary) in stages
+    readme = (folder / "README.md").read_text()
+    assert f"Tensor types in the file: {summary}." in readme
+    assert "14 of 16 quantized tensors fell back from q8_0: export f16 for one type." in readme
+    assert f"llama-cli -m {folder.resolve().as_posix()}/{path.name}" in readme
+
+
+def test_a_file_with_what_was_asked_for_says_only_that(runs: dict[str, Path], tmp_path: Path) -> None:
+    from engine.export.gguf_types import tensor_types
+
+    path = export(runs["qwen2"], tmp_path / "q8", "q8_0")
+    types = tensor_types(path)
+    assert types.fallback == 0 and types.suggestion() is None and types.file_label() == "q8_0"
+    assert types.summary() == f"q8_0 requested: {counted_types(path)}"
+    assert "fell back" not in (path.parent / "README.md").read_text()
+
+
+LLAMA_CPP_LOG = (  # as llama.cpp's log callback delivers it: in pieces, the arrow on a piece of its own
+    "llama_model_quantize_impl: model size = 16.01 MiB\n"
+    "warning: blk.0.attn_k.weight                  - ncols    576 not divisible by 256 (required for type    q4_K) "
+    "\n-> falling back to    q5_0\n"
+    "warning: blk.1.attn_v.weight                  - ncols    576 not divisible by 256 (required for type    q6_K) "
+    "\n-> falling back to    q8_0\n"
+    "warning: blk.1.ffn_up.weight                  - ncols    960 not divisible by 256 (required for type    q4_K) "
+    "\n-> falling back to    q5_0\n"
+    "llama_model_quantize_impl: WARNING: 3 of 20 tensor(s) required fallback quantization\n"
+)
+
+
+def test_llama_cpps_warnings_become_one_line() -> None:
+    from engine.export.gguf_types import fallback_line
+
+    assert fallback_line(LLAMA_CPP_LOG) == (
+        "llama.cpp fell back on 3 tensors (576, 960 columns not divisible by 256): q4_K -> q5_0 (2), q6_K -> q8_0 (1)"
+    )
+    assert fallback_line("llama_model_quantize_impl: model size = 16.01 MiB\n") is None
+
+
+@needs_llama_cpp
+@pytest.mark.slow
+def test_k_quant_fallback_is_stated_in_one_line_and_in_the_name(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """SmolLM2-135M's shape (576 wide, MLP 1536): q4_k_m becomes mostly q5_0, and every place says so."""
+    from engine.export.gguf_types import tensor_types
+
+    run = shaped_run(
+        tmp_path, hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    capfd.readouterr()
+    stages: list[ExportProgress] = []
+    folder = export_gguf(run, tmp_path / "out", quant="q4_k_m", on_progress=stages.append)
+    printed = capfd.readouterr()
+    assert "falling back" not in printed.out + printed.err, "llama.cpp's per-tensor warnings are not printed"
+    lines = [s.message for s in stages if "fell back" in s.message]
+    assert lines == ["llama.cpp fell back on 12 tensors (576 columns not divisible by 256): q4_K -> q5_0 (11), "
+                     "q6_K -> q8_0 (1)"]  # fmt: skip
+    path = folder / "tiny-run-q4_k_m-mostly-q5_0.gguf"
+    summary = f"q4_k_m requested: {counted_types(path)} (fallback: 576 columns are not a multiple of 256)"
+    assert tensor_types(path).summary() == summary and summary.startswith("q4_k_m requested: 11 Q5_0, ")
+    readme = (folder / "README.md").read_text()
+    assert f"Tensor types in the file: {summary}." in readme and "export q5_0 (or q8_0" in readme
+
+
+@needs_llama_cpp
+@pytest.mark.slow
+def test_a_k_quant_without_fallback_is_named_for_its_type(tmp_path: Path) -> None:
+    from engine.export.gguf_types import tensor_types
+
+    run = shaped_run(tmp_path, hidden_size=256, intermediate_size=512)
+    path = export(run, tmp_path / "out", "q4_k_m", name="tiny-run-q4_k_m.gguf")
+    types = tensor_types(path)
+    assert types.fallback == 0 and types.suggestion() is None
+    assert {kind for kind, _ in types.counts} <= {"Q4_K", "Q6_K", "F32"}
+    assert "(fallback" not in (path.parent / "README.md").read_text()

@@ -227,7 +227,10 @@ def export_parser() -> argparse.ArgumentParser:
     parser.add_argument("--to", required=True, metavar="DIR", help="the folder to write")
     parser.add_argument("--merged", action="store_true", help="write a merged model instead of the adapter")
     parser.add_argument(
-        "--dtype", default="bfloat16", help="merged model dtype: bfloat16 (bf16), float16 (fp16) or float32 (fp32)"
+        "--dtype",
+        default=None,
+        help="with --merged, the merged model's dtype: bfloat16 (bf16), float16 (fp16) or float32 (fp32); by default "
+        "the dtype the run computed in (a float32 run stays float32)",
     )
     parser.add_argument(
         "--gguf",
@@ -237,8 +240,37 @@ def export_parser() -> argparse.ArgumentParser:
         help=f"write a GGUF file and an Ollama Modelfile; QUANT is one of {', '.join(GGUF_QUANTS)} (default q8_0; "
         "the k-quants need llama-cpp-python)",
     )
+    parser.add_argument(
+        "--install",
+        action="append",
+        choices=("ollama", "lmstudio"),
+        help="with --gguf, install the file into Ollama (ollama create, or its local API) or LM Studio (its models "
+        "folder), then ask the installed model --question beside TuneDeck's own answer when the runtime runs; "
+        "may be given twice",
+    )
+    parser.add_argument(
+        "--question", default=None, metavar="TEXT", help="with --install, the question to ask the installed model"
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace DIR if it is not empty")
     return parser
+
+
+def _refused_flags(args: argparse.Namespace) -> str | None:
+    """Why a flag given does not apply to this export, or None when every flag applies."""
+    if args.gguf and args.merged:
+        return "choose one of --merged and --gguf"
+    if args.dtype is not None and args.gguf:
+        return (
+            f"--dtype applies to --merged only: a GGUF file's tensor types come from its QUANT (--gguf {args.gguf}); "
+            "for float32 tensors use --gguf f32"
+        )
+    if args.dtype is not None and not args.merged:
+        return "--dtype applies to --merged only: the adapter is exported as it was trained"
+    if args.install and not args.gguf:
+        return "--install needs a GGUF export (--gguf): Ollama and LM Studio load GGUF files"
+    if args.question is not None and not args.install:
+        return "--question is asked of an installed model: add --install ollama or --install lmstudio"
+    return None
 
 
 class _ExportPrinter:
@@ -257,6 +289,10 @@ class _ExportPrinter:
             self.stream.write(f"{progress.stage}: {note}" + ("" if self.live else "\n"))
         elif self.live and progress.total > 1:
             self.stream.write(f"\r{progress.stage}: {progress.done}/{progress.total} {progress.message[:60]:<60}")
+        elif progress.total <= 1 and progress.message:  # a stage's outcome (llama.cpp's fallback, in one line)
+            self.stream.write(
+                f"\n{progress.stage}: {progress.message}" if self.live else f"{progress.stage}: {progress.message}\n"
+            )
         if progress.stage == "writing" and progress.done == progress.total:
             self.stream.write("\n" if self.live else "")
         self.stream.flush()
@@ -267,8 +303,9 @@ def export_main(argv: list[str]) -> int:
     from engine.quiet import quiet_libraries
 
     args = export_parser().parse_args(argv)
-    if args.gguf and args.merged:
-        export_parser().error("choose one of --merged and --gguf")
+    refused = _refused_flags(args)
+    if refused is not None:
+        export_parser().error(refused)
     quiet_libraries()
     try:
         folder = run_folder(args.run)
@@ -276,7 +313,8 @@ def export_main(argv: list[str]) -> int:
             printer = _ExportPrinter(sys.stderr)
             target = export_gguf(folder, args.to, quant=args.gguf, overwrite=args.overwrite, on_progress=printer)
         elif args.merged:
-            target = export_merged(folder, args.to, dtype=normalize_dtype(args.dtype), overwrite=args.overwrite)
+            dtype = normalize_dtype(args.dtype) if args.dtype else None
+            target = export_merged(folder, args.to, dtype=dtype, overwrite=args.overwrite)
         else:
             target = export_adapter(folder, args.to, overwrite=args.overwrite)
     except TuneDeckError as err:
@@ -284,4 +322,34 @@ def export_main(argv: list[str]) -> int:
         return 1
     what = f"GGUF model ({args.gguf}) and Modelfile" if args.gguf else "merged model" if args.merged else "adapter"
     print(f"{what} written to {target} (see README.md there)")
-    return 0
+    if args.gguf:
+        _print_tensor_types(target)
+    return _install(folder, target, args) if args.install else 0
+
+
+def _print_tensor_types(target: Path) -> None:
+    from engine.export.gguf_types import tensor_types
+    from engine.export.install import read_export
+
+    types = tensor_types(read_export(target).gguf)
+    print(f"tensor types: {types.summary()}")
+    advice = types.suggestion()
+    if advice:
+        print(f"note: {advice}")
+
+
+def _install(run: Path, target: Path, args: argparse.Namespace) -> int:
+    """Install the export into each runtime asked for; 1 when one of them could not be installed."""
+    from engine.export.install import DEFAULT_QUESTION, install_export
+
+    status = 0
+    for runtime in dict.fromkeys(args.install):
+        try:
+            report = install_export(run, target, runtime, question=args.question or DEFAULT_QUESTION)
+        except TuneDeckError as err:
+            print(f"tunedeck export: error: {err}", file=sys.stderr)
+            status = 1
+            continue
+        print("\n".join(report.lines()))
+        status = status or (0 if report.installed else 1)
+    return status

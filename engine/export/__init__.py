@@ -15,6 +15,7 @@ from engine.export.merged import (
     export_merged,
     merged_model,
     normalize_dtype,
+    run_dtype,
 )
 
 __all__ = [
@@ -29,5 +30,6 @@ __all__ = [
     "export_merged",
     "merged_model",
     "normalize_dtype",
+    "run_dtype",
     "supported_gguf_family",
 ]

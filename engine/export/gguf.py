@@ -8,8 +8,10 @@ converter keeps them. The k-quants (q4_k_m and friends) come from llama.cpp's ow
 llama-cpp-python when it is installed: a float16 GGUF is written first and quantized into the target.
 
 The tokenizer, its special tokens and the chat template go into the metadata (``gguf_vocab``), and the folder
-gets a Modelfile (``modelfile``) and a README. Everything is written to a temporary folder that is renamed into
-place at the end, so a failed export leaves nothing behind.
+gets a Modelfile (``modelfile``) and a README. The written file is read back (``gguf_types``): the README, the
+progress report and the file name of a k-quant (or of a file where many tensors fell back to another type) say
+which tensor types it holds. Everything is written to a temporary folder that is renamed into place at the end,
+so a failed export leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import TuneDeckError
-from engine.export import gguf_families, gguf_vocab, modelfile
+from engine.export import gguf_families, gguf_types, gguf_vocab, modelfile
 from engine.export.merged import _commit, _prepare_target, _readme, merged_model
 
 PYTHON_QUANTS = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
@@ -40,7 +42,7 @@ LLAMA_CPP_HINT = (
 class ExportProgress:
     """One step of a long export: ``done`` of ``total`` in ``stage``."""
 
-    stage: str  # "merging", "converting", "quantizing" or "writing"
+    stage: str  # "merging", "converting", "quantizing", "checking" or "writing"
     done: int
     total: int
     message: str = ""
@@ -189,6 +191,8 @@ GGUF_README = """# {name}: GGUF ({quant})
 The base model `{base}` with a TuneDeck LoRA fine-tune folded into its weights, as one GGUF file
 (`{gguf}`, {quant}) with its tokenizer and chat template, for llama.cpp, Ollama and LM Studio.
 
+Tensor types in the file: {types}.{advice}
+
 ## Ollama
 
 ```sh
@@ -214,7 +218,7 @@ Trained for {steps} steps; final training loss {loss}.
 """
 
 
-def _slug(name: str) -> str:
+def model_slug(name: str) -> str:
     """A file and Ollama model name from the run's name: lower case letters, digits, '-', '_' and '.'."""
     text = "".join(c if c.isalnum() or c in "-_." else "-" for c in name.lower()).strip("-.")
     return text or "model"
@@ -247,9 +251,10 @@ def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
 
 
 def _quantize_with_llama_cpp(source: Path, path: Path, quant: str, report: ProgressCallback) -> None:
-    """llama.cpp's own quantizer: ``source`` (a float16 GGUF) -> ``path`` in ``quant``."""
+    """llama.cpp's own quantizer: ``source`` (a float16 GGUF) -> ``path`` in ``quant``. Its log (a line per tensor,
+    and a warning per tensor that falls back to another type) is collected and reported as one line."""
     import ctypes
-    import logging
+    import importlib
     import os
 
     llama_cpp = _llama_cpp()
@@ -257,16 +262,21 @@ def _quantize_with_llama_cpp(source: Path, path: Path, quant: str, report: Progr
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{quant.upper()}")
     params.nthread = max(1, (os.cpu_count() or 1))
-    log = logging.getLogger("llama-cpp-python")  # llama.cpp's per-tensor log lines, through llama-cpp-python
-    level = log.level
-    log.setLevel(logging.ERROR)
+    log: list[str] = []
+
+    @llama_cpp.llama_log_callback  # type: ignore[untyped-decorator]
+    def collect(level: int, text: bytes, user_data: Any) -> None:
+        log.append(text.decode("utf-8", errors="replace"))
+
+    llama_cpp.llama_log_set(collect, ctypes.c_void_p(0))
     try:
         status = llama_cpp.llama_model_quantize(str(source).encode(), str(path).encode(), ctypes.byref(params))
-    finally:
-        log.setLevel(level)
+    finally:  # llama-cpp-python's own logger again (it prints errors, or everything when verbose)
+        llama_cpp.llama_log_set(importlib.import_module("llama_cpp._logger").llama_log_callback, ctypes.c_void_p(0))
     if status != 0 or not path.exists():
-        raise TuneDeckError(f"llama.cpp could not quantize the model to {quant} (status {status})")
-    report(ExportProgress("quantizing", 1, 1))
+        tail = "".join(log).strip().splitlines()[-1:] or [""]
+        raise TuneDeckError(f"llama.cpp could not quantize the model to {quant} (status {status}) {tail[0]}".strip())
+    report(ExportProgress("quantizing", 1, 1, gguf_types.fallback_line("".join(log)) or ""))
 
 
 def _write_model(path: Path, model: Any, tokenizer: Any, quant: str, report: ProgressCallback) -> None:
@@ -280,6 +290,18 @@ def _write_model(path: Path, model: Any, tokenizer: Any, quant: str, report: Pro
             _quantize_with_llama_cpp(source, path, quant, report)
         else:
             _write_gguf(path, model, tokenizer_dir, tokenizer, quant, report)
+
+
+def _checked_name(path: Path, quant: str, report: ProgressCallback) -> tuple[Path, gguf_types.TensorTypes]:
+    """Read the written file's tensor types back; a k-quant file, or one where much fell back, is renamed to
+    say so (``name-q4_k_m.gguf``, ``name-q4_k_m-mostly-q5_0.gguf``)."""
+    types = gguf_types.tensor_types(path, quant)
+    report(ExportProgress("checking", 1, 1, types.summary()))
+    if quant not in LLAMA_CPP_QUANTS and not types.fell_back_much:
+        return path, types
+    named = path.with_name(f"{path.stem}-{types.file_label()}.gguf")
+    path.rename(named)
+    return named, types
 
 
 def export_gguf(
@@ -310,16 +332,19 @@ def export_gguf(
     ensure_chat_template(tokenizer)  # the ChatML fallback the run trained with, when the tokenizer has none
     gguf_families.check_config(gguf_families.family_for(model.config.model_type), model.config)
     report(ExportProgress("merging", 1, 1))
-    name = _slug(run_folder.name)
+    name = model_slug(run_folder.name)
     tmp = _prepare_target(target, overwrite)
     try:
         tmp.mkdir(parents=True)
         _write_model(tmp / f"{name}.gguf", model, tokenizer, quant, report)
+        path, types = _checked_name(tmp / f"{name}.gguf", quant, report)
         report(ExportProgress("writing", 0, 1, "Modelfile and README"))
         fmt = modelfile.chat_format(tokenizer)
         stops = modelfile.stop_tokens(tokenizer, fmt, _eos_ids(model, tokenizer))
-        (tmp / "Modelfile").write_text(modelfile.modelfile(f"{name}.gguf", fmt, stops), encoding="utf-8")
-        readme = _readme(GGUF_README, run_folder, target, quant=quant, gguf=f"{name}.gguf", ollama=name)
+        (tmp / "Modelfile").write_text(modelfile.modelfile(path.name, fmt, stops), encoding="utf-8")
+        advice = types.suggestion()
+        extra = {"types": types.summary(), "advice": f"\n{advice[0].upper()}{advice[1:]}." if advice else ""}
+        readme = _readme(GGUF_README, run_folder, target, quant=quant, gguf=path.name, ollama=name, **extra)
         (tmp / "README.md").write_text(readme, encoding="utf-8")
         report(ExportProgress("writing", 1, 1))
     except BaseException:

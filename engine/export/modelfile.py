@@ -7,6 +7,10 @@ as a transition that depends on the previous and the next role (including the st
 generation prompt). The Go template replays those transitions. The measured transitions are checked against
 further renders before use; a template they cannot reproduce (one that rewrites message content, say) gets no
 TEMPLATE line, and Ollama falls back to the chat template stored in the GGUF file.
+
+Two messages of the same role in a row (two user messages, as a client that sends a document and then a
+question does) are measured too, so the TEMPLATE renders them as the model's template does (two turns, not
+"firstsecond"); a template that refuses such conversations leaves those transitions out.
 """
 
 from __future__ import annotations
@@ -65,6 +69,25 @@ SHAPES = [
     ["user", "assistant", "user"],
 ]
 CHECKS = [["system", "user"], ["user"], ["user", "assistant", "user", "assistant", "user"]]
+SAME_ROLE_SHAPES = [  # measured where the template accepts them: many refuse roles that do not alternate
+    ["user", "user", "assistant", "assistant", "user"],
+    ["system", "system", "user"],
+]
+
+
+def _measure_same_roles(tokenizer: Any, found: dict[tuple[str, str], str]) -> list[list[str]]:
+    """Add the transitions between same-role messages to ``found``; returns the shapes that were measured."""
+    measured = []
+    for shape in SAME_ROLE_SHAPES:
+        trial = dict(found)
+        try:
+            consistent = _measure(tokenizer, shape, trial)
+        except Exception:  # the template raises on this conversation: Ollama gets no rule for it either
+            continue
+        if consistent:
+            found.update(trial)
+            measured.append(shape)
+    return measured
 
 
 def chat_format(tokenizer: Any) -> ChatFormat | None:
@@ -75,7 +98,8 @@ def chat_format(tokenizer: Any) -> ChatFormat | None:
     try:
         if not all(_measure(tokenizer, shape, found) for shape in SHAPES):
             return None
-        checks = [(shape, _render(tokenizer, shape)) for shape in CHECKS]
+        same_roles = _measure_same_roles(tokenizer, found)
+        checks = [(shape, _render(tokenizer, shape)) for shape in CHECKS + same_roles]
     except Exception:  # a template that rejects these conversations (e.g. no system role) cannot be measured
         return None
     bos = getattr(tokenizer, "bos_token", None) or ""

@@ -30,6 +30,8 @@ MEMORY_FILE = "memory.jsonl"
 """What out-of-memory steps lowered and when it was tried again, one line per change (engine.run.guard)."""
 ADAPTER_DIR = "adapter"
 CHECKPOINT_DIR = "checkpoints"
+COMPUTE_FILE = "compute.json"
+"""The dtype the run computed in (``auto`` resolved on its machine): a merged export keeps it (engine.export)."""
 
 
 def load_run_config(run_dir: Path) -> RunConfig:
@@ -69,6 +71,14 @@ def _default_run_name(config: RunConfig) -> str:
     model = Path(config.model.name).name or "model"
     data = Path(config.data.path).stem or "data"
     return f"{datetime.now():%Y%m%d-%H%M%S}-{model}-{data}"
+
+
+def write_compute(run_dir: Path, dtype: torch.dtype, device: torch.device) -> None:
+    record = {"dtype": str(dtype).removeprefix("torch."), "device": device.type}
+    try:
+        ckpt.write_text_atomic(run_dir / COMPUTE_FILE, json.dumps(record) + "\n")
+    except OSError as err:
+        raise ckpt.write_error(err, "run folder", run_dir) from err
 
 
 def write_error_log(run_dir: Path | None, err: Exception) -> Path | None:

@@ -26,7 +26,7 @@ from engine.model.load import add_lora, count_parameters, load_base_model, load_
 from engine.model.quantized_experts import experts_notice
 from engine.run import checkpoint as ckpt
 from engine.run import guard, readout
-from engine.run.folder import CHECKPOINT_DIR, EVAL_FILE, METRICS_FILE, truncate_log
+from engine.run.folder import CHECKPOINT_DIR, EVAL_FILE, METRICS_FILE, truncate_log, write_compute
 from engine.run.optimizer import adamw
 from engine.run.ranks import Ranks
 from engine.run.registry import data_dir
@@ -129,6 +129,8 @@ def start(
     loss_module = ranks.wrap(model, device)
     use_compile_cache(data_dir())  # before anything compiles: kernels a run of this model compiled before load
     session = _make_session(config, run_dir, device, dtype, tokenizer, model, data)
+    if ranks.is_main:
+        write_compute(run_dir, dtype, device)
     session.ranks, session.loss_module = ranks, loss_module
     session.late_readout, readout_reason = readout.resolve(
         config.training.step_readout, session.optimizer, ranks.distributed, session.scaler is not None
