@@ -2,7 +2,9 @@
 
 The export runs in a background thread (a merge loads the whole base model and can take minutes); the dialog
 shows each stage, says clearly what went wrong, and offers to open the folder when it is done. Exports go to
-``<run folder>/exports/<kind>`` unless the user picks another folder. GGUF is offered only when
+``<run folder>/exports/<kind>`` unless the user picks another folder. A merged model is offered in the dtype the
+run computed in; a GGUF export says which tensor types its file holds and can then be installed into Ollama or
+LM Studio (``install_panel``). GGUF is offered only when
 ``engine.export`` provides ``export_gguf``; otherwise its choice is disabled and its tooltip says why.
 """
 
@@ -33,6 +35,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.install_panel import InstallPanel
 from app.theme import ERROR_COLOR
 from app.worker import ErrorInfo, TaskRunner
 
@@ -55,6 +58,30 @@ def gguf_quants() -> tuple[str, ...]:
     if not callable(getattr(export, "export_gguf", None)):
         return ()
     return tuple(getattr(export, "GGUF_QUANTS", ()))
+
+
+def run_dtype_or_default(run_folder: Path) -> str:
+    """The dtype the run computed in (what a merged export keeps), or bfloat16 for a folder without a config."""
+    from engine.errors import TuneDeckError
+    from engine.export.merged import run_dtype
+
+    try:
+        return run_dtype(run_folder)
+    except (TuneDeckError, OSError):
+        return "bfloat16"
+
+
+def gguf_summary(folder: Path) -> str:
+    """The tensor types of the export's GGUF file, and a better type where many fell back ("" if unreadable)."""
+    from engine.export.gguf_types import tensor_types
+    from engine.export.install import read_export
+
+    try:
+        types = tensor_types(read_export(folder).gguf)
+    except Exception:  # a file this TuneDeck cannot read back: the export stands, without a summary
+        return ""
+    advice = types.suggestion()
+    return f"Tensor types: {types.summary()}. " + (f"Note: {advice}. " if advice else "")
 
 
 def export_job(kind: str, run_folder: Path, target: Path, option: str, overwrite: bool) -> Callable[[Report], Path]:
@@ -96,6 +123,7 @@ class ExportDialog(QDialog):
         self.kinds = {kind: QRadioButton(text) for kind, text in KINDS.items()}
         self.dtype = QComboBox()
         self.dtype.addItems(MERGED_DTYPES)
+        self.dtype.setCurrentText(run_dtype_or_default(self.run_folder))
         self.quant = QComboBox()
         self.quant.addItems(self.quants)
         if "q8_0" in self.quants:
@@ -108,6 +136,7 @@ class ExportDialog(QDialog):
         self.export_button = QPushButton("Export")
         self.open_button = QPushButton("Open folder")
         self.close_button = QPushButton("Close")
+        self.install = InstallPanel()
         self._build()
         self._connect()
         self.kinds["adapter"].setChecked(True)
@@ -148,6 +177,7 @@ class ExportDialog(QDialog):
         layout.addWidget(self.progress)
         layout.addWidget(self.status)
         layout.addWidget(self.error)
+        layout.addWidget(self.install)
         layout.addLayout(buttons)
         self.resize(640, self.sizeHint().height())
 
@@ -181,7 +211,7 @@ class ExportDialog(QDialog):
             self.target.setText(folder)
 
     def busy(self) -> bool:
-        return self.tasks.busy()
+        return self.tasks.busy() or self.install.busy()
 
     def start(self) -> None:
         """Export in the background with the current choices."""
@@ -190,6 +220,7 @@ class ExportDialog(QDialog):
             self.show_error(ErrorInfo("choose a folder to export into"))
             return
         self.result = None
+        self.install.set_export(None, None)
         self.error.setText("")
         self.open_button.setEnabled(False)
         self.export_button.setEnabled(False)
@@ -212,10 +243,14 @@ class ExportDialog(QDialog):
         self.progress.setRange(0, 1)
         self.progress.setValue(1)
         self.status.setText(f"Exported to {self.result}")
-        modelfile = self.export_folder() / "Modelfile"  # type: ignore[operator]
-        if modelfile.exists():  # a GGUF export for Ollama
-            name = self.run_folder.name.lower()
-            self.status.setText(f"Exported to {self.result}. For Ollama: ollama create {name} -f {modelfile}")
+        folder = self.export_folder()
+        assert folder is not None
+        if (folder / "Modelfile").exists():  # a GGUF export for Ollama and LM Studio
+            from engine.export.gguf import model_slug
+
+            command = f"ollama create {model_slug(self.run_folder.name)} -f {folder / 'Modelfile'}"
+            self.status.setText(f"Exported to {self.result}. {gguf_summary(folder)}For Ollama: {command}")
+            self.install.set_export(self.run_folder, folder)
         self.open_button.setEnabled(True)
 
     def show_error(self, error: ErrorInfo) -> None:
@@ -251,4 +286,5 @@ class ExportDialog(QDialog):
 
     def done(self, result: int) -> None:
         self.tasks.wait_all()
+        self.install.tasks.wait_all()
         super().done(result)

@@ -9,12 +9,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import test_export_install
+from PySide6.QtCore import Qt
 from test_chat import train_tiny_run
+from test_export_install import OLLAMA_ANSWER, closed_port
 
 import engine.export
 from engine.run.registry import Registry
 
 pytest_plugins = ["app_fixtures"]  # the dangling-QThread guard
+runtime = test_export_install.runtime  # the fixture: a stand-in Ollama / LM Studio server
 TIMEOUT_MS = 120_000
 
 
@@ -191,3 +195,48 @@ def test_a_missing_package_is_named_with_how_to_install_it() -> None:
 
     info = describe_error(ModuleNotFoundError("No module named 'gguf.constants'", name="gguf.constants"))
     assert info.message == "a package TuneDeck needs is not installed: gguf" and "pip install gguf" in info.hint
+
+
+def test_install_buttons_put_the_gguf_export_into_ollama_and_lm_studio(
+    qtbot: Any, dialog: Any, run_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    runtime: tuple[str, dict[str, Any]],
+) -> None:  # fmt: skip
+    """After a real GGUF export, "Install in Ollama" (a stand-in Ollama server) shows its answer beside TuneDeck's;
+    "Install in LM Studio" with no LM Studio server running says what was done and what to do."""
+    from engine.export.install import DEFAULT_QUESTION, LMSTUDIO_URL_VARIABLE, tunedeck_answer
+
+    if not callable(getattr(engine.export, "export_gguf", None)):
+        pytest.skip("this engine has no GGUF export")
+    address, state = runtime
+    bin_folder = tmp_path / "bin"
+    bin_folder.mkdir()
+    monkeypatch.setenv("PATH", str(bin_folder))  # no ollama command: the API is used
+    monkeypatch.setenv("OLLAMA_HOST", address)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv(LMSTUDIO_URL_VARIABLE, f"http://{closed_port()}")
+    panel = dialog.install
+    assert not panel.buttons["ollama"].isEnabled(), "nothing to install before a GGUF export"
+    dialog.kinds["gguf"].setChecked(True)
+    dialog.quant.setCurrentText("q8_0")
+    export(qtbot, dialog, "gguf", tmp_path / "gguf")
+    assert "Tensor types: q8_0 requested: " in dialog.status.text()
+    assert panel.buttons["ollama"].isEnabled() and panel.buttons["lmstudio"].isEnabled()
+    assert panel.question.text() == DEFAULT_QUESTION
+
+    qtbot.mouseClick(panel.buttons["ollama"], Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: not panel.busy() and panel.report is not None, timeout=TIMEOUT_MS)
+    assert ("POST", "/api/create") in [(method, path) for method, path, _ in state["calls"]]
+    assert panel.runtime_label.text() == "<b>Ollama's answer</b>" and panel.runtime_answer.text() == OLLAMA_ANSWER
+    assert panel.tunedeck_answer.text() == tunedeck_answer(run_folder, DEFAULT_QUESTION)
+    assert panel.tunedeck_answer.text() and panel.tunedeck_answer.isVisible()
+    assert "created the model run through Ollama's API" in panel.status.text()
+
+    qtbot.mouseClick(panel.buttons["lmstudio"], Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(
+        lambda: not panel.busy() and getattr(panel.report, "runtime", "") == "LM Studio", timeout=TIMEOUT_MS
+    )
+    placed = tmp_path / "home" / ".lmstudio" / "models" / "tunedeck" / "run" / "run.gguf"
+    assert placed.read_bytes() == (tmp_path / "gguf" / "run.gguf").read_bytes()
+    assert "does not answer" in panel.status.text() and "lms load tunedeck/run" in panel.status.text()
+    assert not panel.runtime_answer.isVisible() and not panel.tunedeck_answer.isVisible()
+    assert panel.buttons["ollama"].isEnabled(), "ready for another install"
