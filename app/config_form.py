@@ -34,6 +34,7 @@ SECTION_TITLES = {
     "lora": "LoRA adapter",
     "training": "Training",
     "speed": "Speed optimizations",
+    "dpo": "Preference tuning (DPO)",
     "output": "Output folder",
 }
 MAIN_TITLE = "Main settings"

@@ -71,6 +71,12 @@ class ModelConfig:
         "also load pickle-based .bin/.pt weights when a model has no safetensors (unpickling can run code)",
         flag="--allow-pickle-weights",
     )
+    adapter: str | None = setting(
+        None,
+        "start from an earlier run's LoRA adapter: a run folder, a run id or name, or a PEFT adapter folder "
+        "(its rank, alpha and target modules replace the lora settings)",
+        flag="--adapter",
+    )
 
     def __post_init__(self) -> None:
         _require(bool(self.name and self.name.strip()), "model.name", "must name a model")
@@ -81,7 +87,7 @@ class DataConfig:
     """Where the examples come from and how they become packed token rows."""
 
     path: str = setting("", "dataset: a .jsonl/.json/.csv/.parquet file or a saved dataset folder", flag="--data")
-    format: Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text"] = setting(
+    format: Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text", "preference"] = setting(
         "auto", "row format; auto detects it from the columns", flag="--data-format"
     )
     train_on_all_tokens: bool = setting(
@@ -125,6 +131,12 @@ class LoraConfig:
 class TrainingConfig:
     """The optimisation loop."""
 
+    method: Literal["sft", "dpo"] = setting(
+        "sft",
+        "sft: learn the answers of the examples; dpo: learn to prefer the chosen answer of each pair over the "
+        "rejected one (direct preference optimization; needs prompt/chosen/rejected data)",
+        flag="--method",
+    )
     max_steps: int = setting(0, "optimizer steps to run; 0 runs `epochs` passes over the data", flag="--max-steps")
     epochs: float = setting(1.0, "passes over the training data when max_steps is 0", flag="--epochs")
     learning_rate: float = setting(2e-4, "peak learning rate of AdamW", flag="--lr")
@@ -313,6 +325,28 @@ class SpeedConfig:
 
 
 @dataclass
+class DpoConfig:
+    """Preference tuning (``training.method`` dpo): the loss on each pair's chosen and rejected answers.
+
+    The reference model is the base model with the adapter switched off; the defaults are TRL's."""
+
+    beta: float = setting(
+        0.1,
+        "how far the model may move from the reference: a smaller beta lets it drift further (TRL's default 0.1)",
+        flag="--dpo-beta",
+    )
+    loss: Literal["sigmoid", "ipo", "hinge"] = setting(
+        "sigmoid",
+        "sigmoid: the DPO paper's loss; ipo: squared distance to a margin of 1/(2 beta) on per-token averages; "
+        "hinge: the SLiC hinge on the reward margin",
+        flag="--dpo-loss",
+    )
+
+    def __post_init__(self) -> None:
+        _require(self.beta > 0, "dpo.beta", f"must be positive, got {self.beta}")
+
+
+@dataclass
 class OutputConfig:
     """Where the run folder goes."""
 
@@ -333,6 +367,7 @@ class RunConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     speed: SpeedConfig = field(default_factory=SpeedConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
     def to_dict(self) -> dict[str, Any]:

@@ -62,6 +62,14 @@ class StepMetrics(Event):
     driver_memory_bytes: int | None = None
     """This process's GPU memory as the driver (NVML) reports it when the step is read, CUDA context included;
     None where NVML cannot tell (no driver, not permitted, a CPU run)."""
+    rewards_chosen: float | None = None
+    """DPO runs (None otherwise): the mean over the step's pairs of beta × (policy − reference) log-probability of
+    the chosen answer, TRL's ``rewards/chosen``; ``rewards_rejected`` the same for the rejected answer."""
+    rewards_rejected: float | None = None
+    reward_margin: float | None = None
+    """DPO: mean of chosen minus rejected reward (TRL's ``rewards/margins``)."""
+    reward_accuracy: float | None = None
+    """DPO: share of the step's pairs whose chosen reward beats the rejected one (TRL's ``rewards/accuracies``)."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,9 @@ class EvalMetrics(Event):
     step: int
     loss: float
     tokens: int
+    reward_accuracy: float | None = None
+    """DPO runs: share of held-out pairs whose chosen answer gets the higher reward (``loss`` is then the mean DPO
+    loss over the pairs and ``tokens`` counts their answers' tokens)."""
 
 
 @dataclass(frozen=True)

@@ -34,20 +34,23 @@ SHARDS: dict[str, tuple[str, ...]] = {
             "test_grouped_flash_attention_matches_repeated_kv_on_gpu",
         )
     ),
-    # 4-bit weights, fp8 products, resident layers
-    "2": tuple(
-        SPEED + name
-        for name in (
-            "test_4bit_weights_reach_e4m3_in_one_pass_with_the_two_pass_bits_on_gpu",
-            "test_4bit_weights_reach_16_bits_in_one_kernel_with_bitsandbytes_bits_on_gpu",
-            "test_the_4bit_kernel_trains_with_bitsandbytes_products_and_gradients_on_gpu",
-            "test_both_triton_kernels_run_on_their_tensors_gpu_while_another_is_current",
-            "test_fp8_base_products_on_tensor_cores_follow_bf16_with_no_sync",
-            "test_fp8_weights_from_4bit_codes_in_one_pass_train_as_the_two_pass_weights_on_gpu",
-            "test_fp8_only_in_the_recompute_keeps_the_16bit_forward_on_gpu",
-            "test_automatic_fp8_keeps_a_qlora_step_16bit_forward_on_gpu",
-            "test_automatic_resident_layers_size_from_gpu_memory_and_follow_the_recompute",
-        )
+    # 4-bit weights, fp8 products, resident layers; DPO against TRL with the switches on
+    "2": (
+        *(
+            SPEED + name
+            for name in (
+                "test_4bit_weights_reach_e4m3_in_one_pass_with_the_two_pass_bits_on_gpu",
+                "test_4bit_weights_reach_16_bits_in_one_kernel_with_bitsandbytes_bits_on_gpu",
+                "test_the_4bit_kernel_trains_with_bitsandbytes_products_and_gradients_on_gpu",
+                "test_both_triton_kernels_run_on_their_tensors_gpu_while_another_is_current",
+                "test_fp8_base_products_on_tensor_cores_follow_bf16_with_no_sync",
+                "test_fp8_weights_from_4bit_codes_in_one_pass_train_as_the_two_pass_weights_on_gpu",
+                "test_fp8_only_in_the_recompute_keeps_the_16bit_forward_on_gpu",
+                "test_automatic_fp8_keeps_a_qlora_step_16bit_forward_on_gpu",
+                "test_automatic_resident_layers_size_from_gpu_memory_and_follow_the_recompute",
+            )
+        ),
+        "tests/test_dpo_gpu.py",
     ),
     # step graphs, whole training runs, compiled regions, detection, several GPUs
     "3": (

@@ -64,6 +64,7 @@ OLD_SPELLINGS = (
 TEXT_VALUES = {
     "model.name": "./my-model",
     "model.revision": "main",
+    "model.adapter": "runs/earlier-run",
     "data.path": "chats.jsonl",
     "data.eval_path": "held-out.jsonl",
     "lora.target_modules": "q_proj",

@@ -10,7 +10,10 @@ to one of two shapes:
 
 * :class:`Conversation` — chat messages (``messages``), ShareGPT (``conversations``), Alpaca
   (instruction/input/output): rendered with a chat template, loss on assistant turns;
-* :class:`Completion` — prompt/completion and raw ``text``: plain text, loss on the completion (or everything).
+* :class:`Completion` — prompt/completion and raw ``text``: plain text, loss on the completion (or everything);
+* :class:`PreferencePair` — a prompt with a chosen and a rejected answer (``training.method`` dpo): text
+  (``prompt``/``chosen``/``rejected`` strings) or chat (``chosen``/``rejected`` message lists that share the
+  prompt's turns, or a ``prompt`` message list with the answers' assistant turns), as TRL reads them.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 
 from engine.errors import DataError
 
-FORMATS = ("messages", "sharegpt", "alpaca", "prompt_completion", "text")
+FORMATS = ("messages", "sharegpt", "alpaca", "prompt_completion", "text", "preference")
 FILE_TYPES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -54,7 +57,21 @@ class Completion:
     completion: str
 
 
-Example = Conversation | Completion
+@dataclass(frozen=True)
+class PreferencePair:
+    """A prompt and two answers, the chosen one preferred. All three are text, or all three are chat turns
+    (``prompt`` the turns before the answers, each answer the assistant turns that follow them)."""
+
+    prompt: str | tuple[Message, ...]
+    chosen: str | tuple[Message, ...]
+    rejected: str | tuple[Message, ...]
+
+    @property
+    def is_chat(self) -> bool:
+        return isinstance(self.prompt, tuple)
+
+
+Example = Conversation | Completion | PreferencePair
 
 
 def read_rows(path: str | os.PathLike[str], *, max_bytes: int = MAX_FILE_BYTES) -> list[dict[str, Any]]:
@@ -237,6 +254,8 @@ def _first_line(err: BaseException) -> str:
 def detect_format(rows: Sequence[dict[str, Any]], path: str | None = None) -> str:
     """The row format, from the columns of the first row."""
     columns = set(rows[0]) if rows else set()
+    if {"chosen", "rejected"} <= columns:
+        return "preference"
     if "messages" in columns:
         return "messages"
     if "conversations" in columns:
@@ -250,7 +269,8 @@ def detect_format(rows: Sequence[dict[str, Any]], path: str | None = None) -> st
     raise DataError(
         f"unknown dataset format; columns: {', '.join(sorted(columns)) or 'none'}",
         path=path,
-        hint="expected 'messages', 'conversations', instruction/output, prompt/completion or 'text'",
+        hint="expected 'messages', 'conversations', instruction/output, prompt/completion or 'text'; "
+        "preference pairs: prompt/chosen/rejected",
     )
 
 
@@ -355,12 +375,76 @@ def _from_text(row: dict[str, Any]) -> Completion:
     return Completion("", text)
 
 
+def _from_preference(row: dict[str, Any]) -> PreferencePair:
+    """A pair as TRL reads it: strings, or message lists where a missing prompt is the turns both answers share."""
+    chosen, rejected = row.get("chosen"), row.get("rejected")
+    for key, value in (("chosen", chosen), ("rejected", rejected)):
+        if value is None:
+            raise _RowError(key, "missing")
+    if isinstance(chosen, str) or isinstance(rejected, str):
+        if not (isinstance(chosen, str) and isinstance(rejected, str)):
+            raise _RowError("rejected", "must be text like 'chosen', or both must be message lists")
+        return _text_pair(row)
+    return _chat_pair(row)
+
+
+def _text_pair(row: dict[str, Any]) -> PreferencePair:
+    if row.get("prompt") is None:
+        raise _RowError("prompt", "missing (text answers need the prompt they answer)")
+    prompt, chosen, rejected = _text(row, "prompt"), _text(row, "chosen"), _text(row, "rejected")
+    for key, value in (("chosen", chosen), ("rejected", rejected)):
+        if not value.strip():
+            raise _RowError(key, "is empty")
+    if chosen == rejected:
+        raise _RowError("rejected", "is the same as the chosen answer: nothing to prefer")
+    return PreferencePair(prompt, chosen, rejected)
+
+
+def _chat_pair(row: dict[str, Any]) -> PreferencePair:
+    roles = {r: r for r in CHAT_ROLES}
+    chosen = _turns(row, "chosen", roles)
+    rejected = _turns(row, "rejected", roles)
+    if row.get("prompt") is not None:
+        prompt = _turns(row, "prompt", roles)
+    else:  # the prompt is the turns both answers start with (TRL's extract_prompt)
+        shared = 0
+        while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+            shared += 1
+        if shared == 0:
+            raise _RowError("prompt", "missing, and 'chosen' and 'rejected' share no first turn to take it from")
+        prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+    for key, answer in (("chosen", chosen), ("rejected", rejected)):
+        if not answer or not any(m.role == "assistant" for m in answer):
+            raise _RowError(key, "has no assistant answer after the prompt")
+    if chosen == rejected:
+        raise _RowError("rejected", "is the same as the chosen answer: nothing to prefer")
+    return PreferencePair(prompt, chosen, rejected)
+
+
+def _turns(row: dict[str, Any], key: str, roles: dict[str, str]) -> tuple[Message, ...]:
+    raw = row.get(key)
+    if not isinstance(raw, list) or not raw:
+        raise _RowError(key, "must be a non-empty list of messages")
+    messages = []
+    for number, item in enumerate(raw, start=1):
+        where = f"{key}[{number}]"
+        if not isinstance(item, dict):
+            raise _RowError(where, f"must be an object, got {type(item).__name__}")
+        role = item.get("role")
+        if not isinstance(role, str) or role not in roles:
+            shown = repr(role[:40]) if isinstance(role, str) else f"of type {type(role).__name__}"
+            raise _RowError(f"{where}.role", f"unknown role {shown}; expected one of {', '.join(roles)}")
+        messages.append(Message(roles[role], _checked_text(item.get("content"), f"{where}.content")))
+    return tuple(messages)
+
+
 _CONVERTERS: dict[str, Callable[[dict[str, Any]], Example]] = {
     "messages": _from_messages,
     "sharegpt": _from_sharegpt,
     "alpaca": _from_alpaca,
     "prompt_completion": _from_prompt_completion,
     "text": _from_text,
+    "preference": _from_preference,
 }
 
 

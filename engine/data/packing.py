@@ -35,6 +35,35 @@ class TokenizedExample:
         return sum(label != IGNORE_INDEX for label in self.labels[1:])
 
 
+@dataclass(frozen=True)
+class TokenizedPair(TokenizedExample):
+    """A preference pair as one packed item: the chosen document (prompt + chosen answer) followed by the rejected
+    one (prompt + rejected answer), ``chosen_length`` tokens and the rest. Packed and split as one item, so both
+    answers always share a micro-batch; :func:`collate` gives each its own document (positions restart)."""
+
+    chosen_length: int = 0
+
+    def documents(self) -> tuple[TokenizedExample, TokenizedExample]:
+        cut = self.chosen_length
+        return (
+            TokenizedExample(self.input_ids[:cut], self.labels[:cut]),
+            TokenizedExample(self.input_ids[cut:], self.labels[cut:]),
+        )
+
+    @property
+    def trained_tokens(self) -> int:
+        return sum(document.trained_tokens for document in self.documents())
+
+    @property
+    def answer_tokens(self) -> tuple[int, int]:
+        """Tokens of the chosen and of the rejected answer (IPO averages its log-probabilities over them)."""
+        chosen, rejected = self.documents()
+        return (
+            sum(label != IGNORE_INDEX for label in chosen.labels),
+            sum(label != IGNORE_INDEX for label in rejected.labels),
+        )
+
+
 @dataclass
 class PackedBatch:
     """One packed row (batch size 1, the layout varlen attention wants) and its document metadata (host side)."""
@@ -129,9 +158,11 @@ def packing_efficiency(lengths: Sequence[int], bins: Sequence[Sequence[int]], bu
 
 
 def collate(examples: Sequence[TokenizedExample]) -> PackedBatch:
-    """Concatenate documents into one row and compute its metadata on the host."""
+    """Concatenate documents into one row and compute its metadata on the host (a pair is two documents, chosen
+    then rejected)."""
     if not examples:
         raise ValueError("cannot collate an empty row")
+    examples = [doc for ex in examples for doc in (ex.documents() if isinstance(ex, TokenizedPair) else (ex,))]
     lengths = tuple(len(ex) for ex in examples)
     if min(lengths) < 1:
         raise ValueError("cannot pack an empty document")

@@ -17,9 +17,16 @@ import torch
 
 from engine.config import DataConfig
 from engine.data.files import load_examples
-from engine.data.packing import PackedBatch, TokenizedExample, collate, pack_examples, packing_efficiency
+from engine.data.packing import (
+    PackedBatch,
+    TokenizedExample,
+    TokenizedPair,
+    collate,
+    pack_examples,
+    packing_efficiency,
+)
 from engine.data.tokenize import TokenizeReport, ensure_chat_template, tokenize_examples
-from engine.errors import DataError
+from engine.errors import ConfigError, DataError
 
 
 @dataclass
@@ -80,21 +87,25 @@ def _tokenize(tokenizer: Any, examples: Sequence[Any], config: DataConfig) -> tu
     )
 
 
-def prepare_data(config: DataConfig, tokenizer: Any, seed: int) -> PreparedData:
-    """Read, tokenize, split and pack; raises DataError when nothing usable is left."""
+def prepare_data(config: DataConfig, tokenizer: Any, seed: int, method: str = "sft") -> PreparedData:
+    """Read, tokenize, split and pack; raises DataError when nothing usable is left or the data does not suit the
+    training ``method`` (preference pairs for dpo, anything else for sft). A pair packs as one item."""
     if not config.path:
         raise DataError("no dataset given", hint="pass --data PATH (a .jsonl/.json/.csv/.parquet file or a folder)")
     added_template = ensure_chat_template(tokenizer)
     examples, data_format = load_examples(config.path, config.format)
+    check_method(data_format, method, config.path)
     if config.eval_path:
         train_raw = examples
-        eval_raw, _ = load_examples(config.eval_path, config.format)
+        eval_raw, eval_format = load_examples(config.eval_path, config.format)
+        check_method(eval_format, method, config.eval_path)
     else:
         train_raw, eval_raw = _split(examples, config.eval_fraction, seed)
     train, report = _tokenize(tokenizer, train_raw, config)
     evaluation, _ = _tokenize(tokenizer, eval_raw, config)
     if not train:
         raise DataError("no usable training examples are left after tokenization", path=config.path)
+    _check_pairs_fit([*train, *evaluation], config.tokens_per_batch)
     train_rows = pack_examples(train, config.tokens_per_batch)
     lengths = [len(ex) for ex in train]
     return PreparedData(
@@ -106,6 +117,33 @@ def prepare_data(config: DataConfig, tokenizer: Any, seed: int) -> PreparedData:
         efficiency=packing_efficiency(lengths, train_rows, config.tokens_per_batch),
         notices=_report_notices(report, config, added_template),
     )
+
+
+def _check_pairs_fit(examples: Sequence[TokenizedExample], budget: int) -> None:
+    """A pair's two answers share a packed row, so the longest pair must fit one."""
+    longest = max((len(ex) for ex in examples if isinstance(ex, TokenizedPair)), default=0)
+    if longest > budget:
+        raise ConfigError(
+            f"data.tokens_per_batch ({budget}) must hold both answers of a pair: the longest pair has {longest} tokens",
+            hint=f"--tokens-per-batch {longest} or more, or a smaller --max-seq-len (each answer with its prompt)",
+        )
+
+
+def check_method(data_format: str, method: str, path: str) -> None:
+    """Preference pairs train with DPO and only with DPO."""
+    if method == "dpo" and data_format != "preference":
+        raise DataError(
+            f"DPO needs preference pairs, but this is {data_format} data",
+            path=path,
+            hint="each row needs a prompt and a chosen and a rejected answer: prompt/chosen/rejected text, or "
+            "chosen/rejected message lists that start with the same prompt turns",
+        )
+    if method != "dpo" and data_format == "preference":
+        raise DataError(
+            "this dataset holds preference pairs (chosen/rejected answers)",
+            path=path,
+            hint="train on it with --method dpo",
+        )
 
 
 def epoch_order(num_rows: int, epoch: int, seed: int) -> list[int]:

@@ -6,6 +6,11 @@ turn with the generation prompt gives where the answer starts, rendering it thro
 ends, and the tokenizer's offset mapping turns the spans into token labels. This works with any template
 whose renderings of a shorter conversation are a prefix of the full one, which holds for the common families;
 when it does not, only the final answer is learned.
+
+A preference pair is tokenized as TRL's DPO trainer tokenizes it, so that a pair means the same tokens here and
+there: the prompt alone (chat: rendered with the generation prompt) and the prompt followed by each answer (text
+answers get the EOS token appended as text); each answer's tokens start where its full tokens stop agreeing with
+the prompt's.
 """
 
 from __future__ import annotations
@@ -14,8 +19,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.data.files import Completion, Conversation, Example
-from engine.data.packing import IGNORE_INDEX, TokenizedExample
+from engine.data.files import Completion, Conversation, Example, Message, PreferencePair
+from engine.data.packing import IGNORE_INDEX, TokenizedExample, TokenizedPair
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -84,8 +89,64 @@ def _labels_from_spans(
     return labels
 
 
+def _answer_ids(tokenizer: Any, prompt: str | tuple[Message, ...], answer: str | tuple[Message, ...]) -> list[int]:
+    """The prompt followed by one answer, as tokens."""
+    if isinstance(prompt, tuple) and isinstance(answer, tuple):
+        messages = [{"role": m.role, "content": m.content} for m in (*prompt, *answer)]
+        return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"])
+    eos = tokenizer.eos_token or ""
+    text = f"{prompt}{answer}"
+    return list(tokenizer(text if text.endswith(eos) else text + eos)["input_ids"])
+
+
+def _prompt_ids(tokenizer: Any, prompt: str | tuple[Message, ...]) -> list[int]:
+    if isinstance(prompt, tuple):
+        messages = [{"role": m.role, "content": m.content} for m in prompt]
+        rendered = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, add_generation_prompt=True)
+        return list(rendered["input_ids"])
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def _shared_prefix(ids: Sequence[int], other: Sequence[int]) -> int:
+    length = 0
+    for token, other_token in zip(ids, other, strict=False):
+        if token != other_token:
+            break
+        length += 1
+    return length
+
+
+def tokenize_pair(tokenizer: Any, pair: PreferencePair) -> TokenizedPair:
+    """The pair's chosen and rejected documents, each the prompt's tokens (unlearned) and the answer's (learned)."""
+    prompt = _prompt_ids(tokenizer, pair.prompt)
+    chosen, rejected = (_answer_ids(tokenizer, pair.prompt, answer) for answer in (pair.chosen, pair.rejected))
+    cut = min(_shared_prefix(prompt, chosen), _shared_prefix(prompt, rejected))
+    labels = [[IGNORE_INDEX] * cut + ids[cut:] for ids in (chosen, rejected)]
+    return TokenizedPair(tuple(chosen + rejected), tuple(labels[0] + labels[1]), chosen_length=len(chosen))
+
+
+def _fit_pair(pair: TokenizedPair, max_seq_len: int, overlong: str, report: TokenizeReport) -> TokenizedPair | None:
+    """Each answer's document cut to ``max_seq_len`` (its end goes, as TRL's keep_start), or the pair dropped."""
+    documents = list(pair.documents())
+    if any(len(document) > max_seq_len for document in documents):
+        if overlong == "drop":
+            report.dropped_overlong += 1
+            return None
+        report.truncated += 1
+        documents = [TokenizedExample(d.input_ids[:max_seq_len], d.labels[:max_seq_len]) for d in documents]
+    if any(document.trained_tokens == 0 for document in documents):
+        report.dropped_untrained += 1
+        return None
+    chosen, rejected = documents
+    return TokenizedPair(
+        chosen.input_ids + rejected.input_ids, chosen.labels + rejected.labels, chosen_length=len(chosen)
+    )
+
+
 def tokenize_example(tokenizer: Any, example: Example, train_on_all: bool) -> tuple[TokenizedExample, bool]:
     """Tokens and labels of one example; the flag says the template fallback was used."""
+    if isinstance(example, PreferencePair):
+        return tokenize_pair(tokenizer, example), False
     fallback = False
     if isinstance(example, Conversation):
         text, spans, fallback = assistant_spans(tokenizer, example)
@@ -112,10 +173,15 @@ def tokenize_examples(
 ) -> tuple[list[TokenizedExample], TokenizeReport]:
     """Tokenize every example, truncating or dropping over-long ones and dropping ones with nothing to learn."""
     report = TokenizeReport()
-    result = []
+    result: list[TokenizedExample] = []
     for example in examples:
         tokenized, fallback = tokenize_example(tokenizer, example, train_on_all)
         report.template_fallbacks += fallback
+        if isinstance(tokenized, TokenizedPair):
+            fitted = _fit_pair(tokenized, max_seq_len, overlong, report)
+            if fitted is not None:
+                result.append(fitted)
+            continue
         if len(tokenized) > max_seq_len:
             if overlong == "drop":
                 report.dropped_overlong += 1

@@ -22,14 +22,16 @@ from engine.data.prepare import PreparedData, RowSchedule, prepare_data
 from engine.errors import ConfigError
 from engine.events import Event, Notice, RunStarted, SpeedChanged
 from engine.hardware import allocator
+from engine.model.adapter import adapter_folder, adapter_lora, load_adapter_weights
 from engine.model.load import add_lora, count_parameters, load_base_model, load_tokenizer, pick_device, pick_dtype
 from engine.model.quantized_experts import experts_notice
 from engine.run import checkpoint as ckpt
 from engine.run import guard, readout
 from engine.run.folder import CHECKPOINT_DIR, EVAL_FILE, METRICS_FILE, truncate_log, write_compute
 from engine.run.optimizer import adamw
+from engine.run.preference import FUSED_LOSS_REFUSED, STEP_GRAPHS_REFUSED, PreferenceTraining
 from engine.run.ranks import Ranks
-from engine.run.registry import data_dir
+from engine.run.registry import Registry, RegistryError, data_dir
 from engine.run.schedule import lr_lambda
 from engine.speed import SpeedController
 from engine.speed.reuse import DecisionStore, use_compile_cache
@@ -77,6 +79,8 @@ class Session:
     """Each step's loss and gradient norm are read one step late (engine.run.readout)."""
     in_flight: readout.InFlight | None = None
     """With late readout: the step queued last, whose values the host has not read yet."""
+    preference: PreferenceTraining | None = None
+    """DPO runs (``training.method`` dpo): settings, reference log-probabilities and the step's rewards."""
 
     def __post_init__(self) -> None:
         self.schedule = RowSchedule(len(self.data.train_rows), self.config.training.seed)
@@ -108,15 +112,17 @@ def start(
     device = device or pick_device(config.training.device)
     dtype = pick_dtype(config.model.dtype, device)
     config = yield from _fit_to_ranks(config, ranks, device, dtype)
+    if config.training.method == "dpo" and ranks.distributed:
+        raise ConfigError("DPO trains on one GPU", hint="pass --gpus 1")
     tokenizer = load_tokenizer(config.model)
-    data = prepare_data(config.data, tokenizer, config.training.seed)
+    data = prepare_data(config.data, tokenizer, config.training.seed, config.training.method)
     for message in data.notices:
         yield Notice(message)
     if config.model.allow_pickle_weights:
         yield Notice(PICKLE_WARNING)
     # FSDP2 shards from host memory, so a model too big for one card never lands whole on one
     load_device = torch.device("cpu") if ranks.mode == "fsdp" else device
-    model = add_lora(load_base_model(config.model, load_device, dtype), config.lora, config.model.qlora)
+    model = yield from _with_adapter(config, load_base_model(config.model, load_device, dtype), resuming)
     experts_message = experts_notice(model)
     if experts_message is not None:
         yield Notice(experts_message)
@@ -135,7 +141,9 @@ def start(
     session.late_readout, readout_reason = readout.resolve(
         config.training.step_readout, session.optimizer, ranks.distributed, session.scaler is not None
     )
-    if config.training.step_readout == "late" and not session.late_readout:
+    if config.training.method == "dpo":
+        yield from _prefer(session)
+    elif config.training.step_readout == "late" and not session.late_readout:
         yield Notice(readout_reason)
     graphs_refused = _step_graphs_refused(session)
     if graphs_refused is not None:
@@ -162,6 +170,47 @@ def start(
     if note is not None:
         yield Notice(note)
     return session
+
+
+def _with_adapter(config: RunConfig, base: Any, resuming: bool) -> Generator[Event, None, Any]:
+    """``base`` with a fresh LoRA adapter, or with the one ``model.adapter`` names (its weights are loaded unless a
+    checkpoint of this run replaces them next)."""
+    if config.model.adapter is None:
+        return add_lora(base, config.lora, config.model.qlora)
+    folder = adapter_folder(_adapter_location(config.model.adapter))
+    lora = adapter_lora(folder, config.lora)
+    model = add_lora(base, lora, config.model.qlora)
+    if not resuming:
+        load_adapter_weights(model, folder)
+    yield Notice(f"starting from the adapter in {folder} (rank {lora.rank}, alpha {lora.alpha:g})")
+    return model
+
+
+def _adapter_location(reference: str) -> Path:
+    """A folder as given, or the folder of the run with that id or name in the run history."""
+    path = Path(reference).expanduser()
+    if path.exists():
+        return path
+    try:
+        return Path(Registry().resolve(reference).folder)
+    except RegistryError as err:
+        raise ConfigError(f"--adapter {reference}: no such folder, and {err.message}", err.hint) from err
+    except OSError as err:
+        raise ConfigError(f"--adapter {reference}: no such folder, and the run history cannot be read: {err}") from err
+
+
+def _prefer(session: Session) -> Iterator[Event]:
+    """Make ``session`` a DPO run: pair-aware steps, and the switches that cannot serve its loss turned off."""
+    config = session.config
+    session.preference = PreferenceTraining.for_run(
+        config.dpo, len(session.data.train), len(session.data.eval), session.device
+    )
+    session.speed.refuse_step_graphs(STEP_GRAPHS_REFUSED)
+    session.speed.refuse_fused_loss(FUSED_LOSS_REFUSED)
+    if session.late_readout or config.training.step_readout == "late":
+        session.late_readout = False
+        yield Notice("step readout: every step before its update (DPO reads the step's rewards with its loss)")
+    yield Notice(session.preference.describe())
 
 
 def expected_run(session: Session) -> RunLength:

@@ -25,6 +25,7 @@ from engine.hardware import vram
 from engine.run import checkpoint as ckpt
 from engine.run import guard, readout
 from engine.run.folder import CHECKPOINT_DIR, EVAL_FILE, MEMORY_FILE, append_jsonl
+from engine.run.preference import accumulate_pairs, evaluate_pairs
 from engine.run.ranks import plain_number
 from engine.run.session import Session
 from engine.speed import GRAPHS_SHORT_OF_MEMORY, usable_device_memory
@@ -103,7 +104,11 @@ class StepTokens:
 
 def _accumulate(session: Session, rows: list[int]) -> tuple[torch.Tensor, StepTokens]:
     """Forward and backward over the step's rows (this rank's share of them); the loss is the sum over trained
-    tokens / their count over the whole step, this rank's part of it under several ranks."""
+    tokens / their count over the whole step, this rank's part of it under several ranks. DPO: the mean loss over
+    the step's pairs (engine.run.preference)."""
+    if session.preference is not None:
+        total, tokens, trained = accumulate_pairs(session, rows)
+        return total, StepTokens(tokens, trained)
     data = session.data
     documents = [data.train[i] for r in rows for i in data.train_rows[r]]
     counted = StepTokens(sum(len(ex) for ex in documents), sum(ex.trained_tokens for ex in documents))
@@ -313,7 +318,7 @@ def _good_step(
     session.step += 1
     session.last_loss = loss
     session.recovery.good_step(memory_bytes)
-    return StepMetrics(
+    metrics = StepMetrics(
         step=session.step,
         total_steps=session.total_steps,
         epoch=epoch,
@@ -327,6 +332,7 @@ def _good_step(
         memory_bytes=memory_bytes,
         rank_memory_bytes=rank_memory,
     )
+    return session.preference.totals.reported(metrics) if session.preference is not None else metrics
 
 
 def _queue_and_read_previous(session: Session) -> Generator[Event, None, list[StepMetrics]]:
@@ -392,7 +398,9 @@ def _memory_bytes(device: torch.device) -> int:
 
 @torch.no_grad()
 def evaluate_loss(session: Session) -> tuple[float, int] | None:
-    """Mean loss per trained token over the held-out rows, or None without an eval split."""
+    """Mean loss per trained token over the held-out rows (DPO: per pair), or None without an eval split."""
+    if session.preference is not None:
+        return evaluate_pairs(session)
     data = session.data
     groups = [[g] for row in data.eval_rows for g in _row_groups(data.eval, row, session.tokens_per_batch)]
     if not groups:
@@ -433,6 +441,10 @@ def evaluate(session: Session) -> Iterator[Event]:
         return
     loss, tokens = result
     session.last_eval = loss
+    accuracy = session.preference.eval_accuracy if session.preference is not None else None
     if session.ranks.is_main:
-        append_jsonl(session.run_dir / EVAL_FILE, {"step": session.step, "eval_loss": loss, "tokens": tokens})
-    yield EvalMetrics(session.step, loss, tokens)
+        record = {"step": session.step, "eval_loss": loss, "tokens": tokens}
+        if accuracy is not None:
+            record["reward_accuracy"] = accuracy
+        append_jsonl(session.run_dir / EVAL_FILE, record)
+    yield EvalMetrics(session.step, loss, tokens, accuracy)

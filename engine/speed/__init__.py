@@ -155,6 +155,7 @@ class SpeedController:
         self._rotary_hook: Any = None
         self.graphs = step_graphs.StepGraphs(self.device, self._trainable, reset=self.offloader.forget_events)
         self._graphs_refused: str | None = None
+        self._fused_loss_refused: str | None = None
         self.kept_share_override: float | None = None
         """A fixed share of layers for kept attention (the bench's sweep); None: chosen from the GPU."""
         self.residency = resident_layers.LayerResidency()
@@ -235,7 +236,9 @@ class SpeedController:
 
     def _apply_fused_loss(self, settings: SpeedConfig) -> None:
         problem = fused_loss.unsupported_reason(self.hf_model)
-        if settings.fused_loss is False:
+        if self._fused_loss_refused is not None:
+            on, reason = False, f"off: {self._fused_loss_refused}"
+        elif settings.fused_loss is False:
             on, reason = False, "switched off: the model's own head and transformers' loss"
         elif problem is not None:
             on, reason = False, problem
@@ -429,6 +432,11 @@ class SpeedController:
         ``reason``, whatever they are switched to."""
         self._graphs_refused = reason
         self._apply_step_graphs(self.settings)
+
+    def refuse_fused_loss(self, reason: str) -> None:
+        """This run's loss is not the causal-LM cross-entropy (DPO): the fused loss stays off with ``reason``."""
+        self._fused_loss_refused = reason
+        self._apply_fused_loss(self.settings)
 
     def _apply_step_graphs(self, settings: SpeedConfig) -> None:
         on, reason = step_graphs.resolve(settings.step_graphs, self.model, self.device)

@@ -1,0 +1,316 @@
+"""DPO: preference data in its common shapes, pairs packed as two documents, TRL's losses, the kept reference
+log-probabilities, starting from an earlier adapter, QLoRA, and a run through ``tunedeck train --method dpo``."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import write_jsonl
+
+from engine.config import DataConfig, DpoConfig, ModelConfig, RunConfig
+from engine.data.files import PreferencePair, iter_row_problems, load_examples
+from engine.data.packing import IGNORE_INDEX, TokenizedPair, collate
+from engine.data.prepare import prepare_data
+from engine.data.tokenize import ensure_chat_template, tokenize_examples, tokenize_pair
+from engine.errors import ConfigError, DataError
+from engine.events import Notice, RunFailed, RunFinished, StepMetrics
+from engine.model.load import add_lora, load_base_model, load_tokenizer
+from engine.run import preference
+from engine.run.preference import document_log_probs, pair_losses
+from engine.train import run
+
+TEXT_ROWS = [{"prompt": f"say {i}: ", "chosen": f"number {i}", "rejected": f"the fox {i} jumps"} for i in range(12)]
+USER = {"role": "user", "content": "what colour is the sky?"}
+
+
+def chat_row(chosen: str, rejected: str) -> dict[str, Any]:
+    return {
+        "chosen": [USER, {"role": "assistant", "content": chosen}],
+        "rejected": [USER, {"role": "assistant", "content": rejected}],
+    }
+
+
+@pytest.fixture
+def tokenizer(tiny_model_dir: Path) -> Any:
+    loaded = load_tokenizer(ModelConfig(name=str(tiny_model_dir)))
+    ensure_chat_template(loaded)
+    return loaded
+
+
+# --- data ------------------------------------------------------------------------------------------------------
+
+
+def test_text_pairs_are_detected_and_read(tmp_path: Path) -> None:
+    (pair, *_), fmt = load_examples(write_jsonl(tmp_path / "p.jsonl", TEXT_ROWS))
+    assert fmt == "preference"
+    assert pair == PreferencePair("say 0: ", "number 0", "the fox 0 jumps") and not pair.is_chat
+
+
+def test_chat_pairs_take_their_shared_turns_as_the_prompt(tmp_path: Path) -> None:
+    (pair,), fmt = load_examples(write_jsonl(tmp_path / "p.jsonl", [chat_row("blue", "green")]))
+    assert fmt == "preference" and pair.is_chat
+    assert [m.content for m in pair.prompt] == [USER["content"]]
+    assert [(m.role, m.content) for m in pair.chosen] == [("assistant", "blue")]
+    assert [(m.role, m.content) for m in pair.rejected] == [("assistant", "green")]
+
+
+def test_chat_pairs_with_an_explicit_prompt(tmp_path: Path) -> None:
+    row = {
+        "prompt": [USER],
+        "chosen": [{"role": "assistant", "content": "blue"}],
+        "rejected": [{"role": "assistant", "content": "green"}],
+    }
+    (pair,), _ = load_examples(write_jsonl(tmp_path / "p.jsonl", [row]))
+    assert [m.content for m in pair.prompt] == [USER["content"]] and pair.chosen[0].content == "blue"
+
+
+@pytest.mark.parametrize(
+    ("row", "field", "words"),
+    [
+        ({"prompt": "q", "chosen": "a", "rejected": None}, "rejected", "missing"),
+        ({"chosen": "a", "rejected": "b"}, "prompt", "missing"),
+        ({"prompt": "q", "chosen": "a", "rejected": "a"}, "rejected", "nothing to prefer"),
+        ({"prompt": "q", "chosen": "  ", "rejected": "b"}, "chosen", "empty"),
+        ({"prompt": "q", "chosen": "a", "rejected": [USER]}, "rejected", "both must be message lists"),
+        (
+            {
+                "chosen": [{"role": "assistant", "content": "x"}],
+                "rejected": [USER, {"role": "assistant", "content": "y"}],
+            },
+            "prompt",
+            "share no first turn",
+        ),
+        ({"chosen": [USER, USER], "rejected": [USER, {"role": "assistant", "content": "y"}]}, "chosen", "assistant"),
+        ({"chosen": [USER, {"role": "robot", "content": "y"}], "rejected": [USER]}, "chosen[2].role", "unknown role"),
+    ],
+)
+def test_bad_rows_are_named_by_row_and_field(tmp_path: Path, row: dict[str, Any], field: str, words: str) -> None:
+    rows = [TEXT_ROWS[0], TEXT_ROWS[1], row]
+    problems = list(iter_row_problems(rows, "preference"))
+    assert [(number, name) for number, name, _ in problems] == [(3, field)]
+    assert words in problems[0][2]
+    with pytest.raises(DataError) as caught:
+        load_examples(write_jsonl(tmp_path / "bad.jsonl", rows), "preference")
+    assert "row 3" in str(caught.value) and field in str(caught.value)
+
+
+def test_the_data_page_previews_pairs_and_lists_bad_rows(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from app.dataset_report import analyze_dataset
+
+    rows = [*TEXT_ROWS[:3], {"prompt": "q", "chosen": "a"}, {"prompt": "q", "chosen": "a", "rejected": "a"}]
+    report = analyze_dataset(str(write_jsonl(tmp_path / "p.jsonl", rows)), str(tiny_model_dir))
+    assert report.data_format == "preference" and report.good_rows == 3
+    assert [(row, field) for row, field, _ in report.problems] == [(4, "rejected"), (5, "rejected")]
+    learned = [text for text, trained in report.preview[0] if trained]
+    assert learned == [" number 0<|im_end|>", " the fox 0 jumps<|im_end|>"]  # both answers, prompts not learned
+
+
+def test_the_data_must_suit_the_method(tmp_path: Path, tokenizer: Any, chat_file: Path) -> None:
+    pairs = write_jsonl(tmp_path / "p.jsonl", TEXT_ROWS)
+    with pytest.raises(DataError, match="preference pairs") as caught:
+        prepare_data(DataConfig(path=str(pairs), max_seq_len=32, tokens_per_batch=64), tokenizer, 0)
+    assert caught.value.hint is not None and "--method dpo" in caught.value.hint
+    with pytest.raises(DataError, match="DPO needs preference pairs"):
+        prepare_data(DataConfig(path=str(chat_file), max_seq_len=32, tokens_per_batch=64), tokenizer, 0, "dpo")
+    with pytest.raises(ConfigError, match="both answers") as caught:
+        prepare_data(DataConfig(path=str(pairs), max_seq_len=16, tokens_per_batch=20), tokenizer, 0, "dpo")
+    assert caught.value.hint is not None and "--tokens-per-batch" in caught.value.hint
+
+
+def test_a_text_pair_is_two_documents_learning_only_the_answers(tokenizer: Any) -> None:
+    pair = tokenize_pair(tokenizer, PreferencePair("say 3: ", "number 3", "the fox"))
+    prompt = tokenizer("say 3: ")["input_ids"]
+    for document, answer in zip(pair.documents(), ("number 3", "the fox"), strict=True):
+        assert tokenizer.decode(list(document.input_ids)) == "say 3: " + answer + tokenizer.eos_token  # TRL adds EOS
+        cut = next(i for i, label in enumerate(document.labels) if label != IGNORE_INDEX)
+        # the answer starts where the prompt's own tokens stop matching (a token may straddle the boundary)
+        assert 0 < cut <= len(prompt) and list(document.input_ids[:cut]) == prompt[:cut]
+        assert all(label != IGNORE_INDEX for label in document.labels[cut:])
+        assert tokenizer.decode(list(document.input_ids[cut:])).endswith(answer + tokenizer.eos_token)
+    chosen, rejected = pair.documents()
+    assert pair.chosen_length == len(chosen) and len(pair) == len(chosen) + len(rejected)
+
+
+def test_a_chat_pair_learns_the_assistant_turn(tokenizer: Any) -> None:
+    (pair,), _ = tokenize_examples(tokenizer, [_chat_pair()], max_seq_len=128)
+    assert isinstance(pair, TokenizedPair)
+    chosen, _ = pair.documents()
+    learned = [t for t, label in zip(chosen.input_ids, chosen.labels, strict=True) if label != IGNORE_INDEX]
+    assert tokenizer.decode(learned) == "blue<|im_end|>\n"
+
+
+def _chat_pair() -> PreferencePair:
+    from engine.data.files import Message
+
+    return PreferencePair((Message("user", "sky?"),), (Message("assistant", "blue"),), (Message("assistant", "no"),))
+
+
+def test_overlong_pairs_are_cut_per_answer_or_dropped(tokenizer: Any) -> None:
+    long_pair = PreferencePair("say: ", "number " * 30, "fox")
+    kept, report = tokenize_examples(tokenizer, [long_pair], max_seq_len=16)
+    assert report.truncated == 1 and all(len(d) <= 16 for d in kept[0].documents())  # type: ignore[attr-defined]
+    dropped, report = tokenize_examples(tokenizer, [long_pair], max_seq_len=16, overlong="drop")
+    assert dropped == [] and report.dropped_overlong == 1
+    no_answer_left = PreferencePair("say " * 40, "number", "fox")
+    gone, report = tokenize_examples(tokenizer, [no_answer_left], max_seq_len=16)
+    assert gone == [] and report.dropped_untrained == 1
+
+
+def test_collated_pairs_restart_positions_at_every_answer(tokenizer: Any) -> None:
+    pairs = [tokenize_pair(tokenizer, PreferencePair(f"say {i}: ", "number", "fox")) for i in range(2)]
+    batch = collate(pairs)
+    lengths = [len(d) for p in pairs for d in p.documents()]
+    assert batch.doc_lengths == tuple(lengths) and batch.num_documents == 4
+    starts = batch.cu_seqlens[:-1].tolist()
+    assert all(batch.position_ids[0, s] == 0 for s in starts)
+    assert batch.trained_tokens == sum(p.trained_tokens for p in pairs)
+
+
+# --- loss ------------------------------------------------------------------------------------------------------
+
+
+def test_losses_are_trls_formulas() -> None:
+    policy = torch.tensor([[-4.0, -6.0], [-5.0, -3.0]])
+    reference = torch.tensor([[-5.0, -5.0], [-5.0, -5.0]])
+    tokens = torch.tensor([[2.0, 4.0], [1.0, 1.0]])
+    delta = torch.tensor([2.0, -2.0])  # (chosen − ref) − (rejected − ref)
+    beta = 0.1
+    sigmoid = pair_losses(policy, reference, beta, "sigmoid", tokens)
+    assert torch.allclose(sigmoid, torch.log1p(torch.exp(-beta * delta)))
+    assert torch.allclose(pair_losses(policy, reference, beta, "hinge", tokens), torch.relu(1 - beta * delta))
+    ipo = pair_losses(policy, reference, beta, "ipo", tokens)
+    assert torch.allclose(ipo, torch.tensor([(1 / 2 + 1 / 4 - 5) ** 2, (0 - 2 - 5) ** 2]))
+    assert math.isclose(float(pair_losses(reference, reference, beta, "sigmoid", tokens)[0]), math.log(2), rel_tol=1e-6)
+
+
+def test_packed_answers_score_as_if_each_ran_alone(tiny_model_dir: Path, tokenizer: Any) -> None:
+    model = add_lora(
+        load_base_model(ModelConfig(name=str(tiny_model_dir)), torch.device("cpu"), torch.float32),
+        RunConfig().lora,
+        qlora=False,
+    ).eval()
+    pairs = [tokenize_pair(tokenizer, PreferencePair(f"say {i}: ", f"number {i}", "the fox jumps")) for i in range(2)]
+    packed = collate(pairs)
+    inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "use_cache": False}
+    with torch.no_grad():
+        together = document_log_probs(model, inputs, packed)
+        alone = []
+        for document in (d for p in pairs for d in p.documents()):
+            single = collate([document])
+            single_inputs = {"input_ids": single.input_ids, "position_ids": single.position_ids, "use_cache": False}
+            alone.append(float(document_log_probs(model, single_inputs, single)[0]))
+    assert torch.allclose(together, torch.tensor(alone), atol=1e-5)
+
+
+def test_beta_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match=r"dpo\.beta"):
+        DpoConfig(beta=0.0)
+    assert DpoConfig().beta == 0.1 and DpoConfig().loss == "sigmoid"  # TRL's defaults
+
+
+# --- runs ------------------------------------------------------------------------------------------------------
+
+
+def dpo_config(model_dir: Path, data: Path, output: Path, **training: Any) -> RunConfig:
+    model = {"name": str(model_dir), **training.pop("model", {})}
+    return RunConfig.from_dict(
+        {
+            "model": model,
+            "data": {"path": str(data), "max_seq_len": 32, "tokens_per_batch": 64, "eval_fraction": 0.0},
+            "training": {"method": "dpo", "learning_rate": 5e-3, "warmup_steps": 0, "seed": 3, **training},
+            "output": {"dir": str(output)},
+        }
+    )
+
+
+def events_of(config: RunConfig) -> list[Any]:
+    events = list(run(config))
+    assert not any(isinstance(e, RunFailed) for e in events), [e for e in events if isinstance(e, RunFailed)]
+    return events
+
+
+def test_reference_log_probs_are_computed_once_per_pair(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = write_jsonl(tmp_path / "p.jsonl", TEXT_ROWS[:6])
+    reference_documents: list[int] = []
+    original = preference.document_log_probs
+
+    def counted(model: Any, inputs: dict[str, Any], batch: Any) -> torch.Tensor:
+        if not torch.is_grad_enabled():  # the reference pass (no evaluation in this run)
+            reference_documents.append(batch.num_documents)
+        return original(model, inputs, batch)
+
+    monkeypatch.setattr(preference, "document_log_probs", counted)
+    events = events_of(dpo_config(tiny_model_dir, data, tmp_path / "runs", epochs=3.0, eval_every=0))
+    steps = [e for e in events if isinstance(e, StepMetrics)]
+    assert steps[-1].epoch == pytest.approx(3.0)
+    assert sum(reference_documents) == 2 * 6  # each pair's two answers once, not once per pass
+    assert steps[-1].loss < steps[0].loss and steps[-1].reward_accuracy == 1.0
+
+
+def test_a_run_from_an_earlier_adapter_keeps_the_base_as_reference(tiny_model_dir: Path, tmp_path: Path) -> None:
+    data = write_jsonl(tmp_path / "p.jsonl", TEXT_ROWS)
+    first = events_of(dpo_config(tiny_model_dir, data, tmp_path / "a", max_steps=4))
+    finished = next(e for e in first if isinstance(e, RunFinished))
+    config = dpo_config(
+        tiny_model_dir, data, tmp_path / "b", max_steps=1, learning_rate=1e-9,
+        model={"adapter": finished.run_dir},
+    )  # fmt: skip
+    events = events_of(config)
+    assert any(isinstance(e, Notice) and "starting from the adapter" in e.message for e in events)
+    (step,) = [e for e in events if isinstance(e, StepMetrics)]
+    # the adapter that learned to prefer the chosen answers starts ahead of the base model, its reference
+    assert step.reward_margin is not None and step.reward_margin > 0.05 and step.loss < math.log(2)
+    missing = list(run(dpo_config(tiny_model_dir, data, tmp_path / "c", model={"adapter": str(tmp_path / "none")})))
+    assert isinstance(missing[-1], RunFailed) and "no such folder" in missing[-1].message
+
+
+def test_qlora_dpo_trains(tiny_model_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("bitsandbytes")
+    data = write_jsonl(tmp_path / "p.jsonl", TEXT_ROWS[:4])
+    events = events_of(
+        dpo_config(tiny_model_dir, data, tmp_path / "runs", max_steps=2, model={"qlora": True, "dtype": "bfloat16"})
+    )
+    steps = [e for e in events if isinstance(e, StepMetrics)]
+    assert len(steps) == 2 and all(math.isfinite(s.loss) and s.rewards_chosen is not None for s in steps)
+
+
+def test_tunedeck_train_method_dpo(tiny_model_dir: Path, tmp_path: Path) -> None:
+    data = write_jsonl(tmp_path / "pairs.jsonl", [chat_row(f"blue {i}", f"green {i}") for i in range(10)])
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "engine.cli", "train", "--method", "dpo", "--dpo-beta", "0.2", "--dpo-loss", "ipo",
+            "--model", str(tiny_model_dir), "--data", str(data), "--output", str(tmp_path), "--name", "dpo",
+            "--max-steps", "3", "--max-seq-len", "48", "--tokens-per-batch", "96", "--eval-fraction", "0.2",
+            "--step-readout", "late", "--json",
+        ],
+        capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    events = [json.loads(line) for line in result.stdout.splitlines()]
+    notices = [e["message"] for e in events if e["kind"] == "Notice"]
+    assert any("beta 0.2, ipo loss" in n for n in notices)
+    assert any("DPO reads the step's rewards" in n for n in notices)  # late readout asked for, and why not
+    speed = next(e["state"] for e in events if e["kind"] == "SpeedChanged")
+    assert not speed["fused_loss"]["on"] and "DPO" in speed["fused_loss"]["reason"]
+    assert not speed["step_graphs"]["on"]  # (on a GPU its reason names DPO too: tests/test_dpo_gpu.py)
+    logged = [json.loads(line) for line in (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [1, 2, 3]
+    for record in logged:
+        assert record["reward_margin"] == pytest.approx(record["rewards_chosen"] - record["rewards_rejected"])
+        assert 0.0 <= record["reward_accuracy"] <= 1.0
+    evaluation = json.loads((tmp_path / "dpo" / "eval.jsonl").read_text().splitlines()[-1])
+    assert 0.0 <= evaluation["reward_accuracy"] <= 1.0 and evaluation["eval_loss"] > 0
+    assert [e for e in events if e["kind"] == "EvalMetrics"][-1]["reward_accuracy"] == evaluation["reward_accuracy"]
+    saved = json.loads((tmp_path / "dpo" / "config.json").read_text())
+    assert saved["training"]["method"] == "dpo" and saved["dpo"] == {"beta": 0.2, "loss": "ipo"}
+    assert (tmp_path / "dpo" / "adapter" / "adapter_model.safetensors").exists()
