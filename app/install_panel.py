@@ -112,7 +112,7 @@ class InstallPanel(QGroupBox):
         self.set_export(self.run_folder, self.export_folder)
         lines = [html.escape(f"{report.runtime}: {sentence}", quote=False) for sentence in report.done]
         if report.problem:
-            lines.append(html.escape(report.problem, quote=False))
+            lines.append(html.escape(f"{report.runtime}: {report.problem}", quote=False))
         if report.todo:
             lines.append("To finish:" if not report.installed else "Then:")
             lines += [f"<code>{html.escape(command, quote=False)}</code>" for command in report.todo]

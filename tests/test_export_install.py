@@ -100,6 +100,9 @@ class FakeRuntime(BaseHTTPRequestHandler):
         request = json.loads(body)
         state["calls"].append(("POST", self.path, request))
         if self.path == "/api/create":
+            if state.get("refuse"):
+                self._send(500, {"error": state["refuse"]})
+                return
             missing = [d for d in request["files"].values() if d not in state["blobs"]]
             if missing:
                 self._send(400, {"error": f"blob {missing[0]} not found"})
@@ -230,6 +233,21 @@ def test_a_failing_ollama_command_says_what_to_run(
         "start Ollama (the app, or `ollama serve`)",
         f'ollama create run -f "{exported / "Modelfile"}"',
     )
+
+
+def test_a_model_ollama_refuses_is_reported_with_its_reason(
+    run_folder: Path, exported: Path, runtime: tuple[str, dict[str, Any]], bare_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    address, state = runtime
+    monkeypatch.setenv("OLLAMA_HOST", address)
+    state["refuse"] = "unsupported architecture"
+    report = install_export(run_folder, exported, "ollama")
+    assert not report.installed and report.answer is None
+    assert report.problem == "its API refused the model: HTTP 500: unsupported architecture"
+    assert report.todo == (f'ollama create run -f "{exported / "Modelfile"}"',)
+    assert "Ollama: its API refused the model" in "\n".join(report.lines())
+    assert not any(path == "/api/chat" for _, path, _ in state["calls"]), "a model that is not there is not asked"
 
 
 def test_nothing_running_says_exactly_what_to_run(

@@ -208,9 +208,9 @@ def _ollama_by_api(http: _Http, name: str, files: ExportFiles) -> tuple[list[str
             body["parameters"] = {"stop": list(files.stops)}
         reply = http.request("POST", "/api/create", body, timeout=ANSWER_SECONDS)
     except (OSError, ValueError) as err:
-        return done, f"Ollama's API refused the model: {_error_text(err)}"
+        return done, f"its API refused the model: {_error_text(err)}"
     if isinstance(reply, dict) and reply.get("error"):
-        return done, f"Ollama's API refused the model: {reply['error']}"
+        return done, f"its API refused the model: {reply['error']}"
     done.append(f"created the model {name} through Ollama's API with the Modelfile's template and stop tokens")
     return done, ""
 
@@ -256,7 +256,7 @@ def install_ollama(
     if not running:
         return InstallReport(
             "Ollama", name, tuple(done), todo=(f"ollama run {name}",), question=question,
-            problem=f"Ollama's server does not answer at {http.base}, so the model was not asked a question",
+            problem=f"its server does not answer at {http.base}, so the model was not asked a question",
         )  # fmt: skip
     answer, problem = _ask_ollama(http, name, question)
     return InstallReport("Ollama", name, tuple(done), question=question, answer=answer, problem=problem)
@@ -343,7 +343,7 @@ def install_lmstudio(
         return InstallReport(
             "LM Studio", key, done, question=question,
             todo=(f"open LM Studio: My Models lists {key}; load it (or `lms load {key}`) to chat with it",),
-            problem=f"LM Studio's server does not answer at {http.base}, so the model was not asked a question",
+            problem=f"its server does not answer at {http.base}, so the model was not asked a question",
         )  # fmt: skip
     try:
         model = _listed_model(http, key, files.gguf)
@@ -353,7 +353,7 @@ def install_lmstudio(
         return InstallReport(
             "LM Studio", key, done, question=question,
             todo=(f"lms load {key}   (or load it in LM Studio's My Models), then ask it again",),
-            problem="LM Studio's server runs but does not list the new model yet (it lists models it has loaded "
+            problem="its server runs but does not list the new model yet (it lists models it has loaded "
             "or indexed)",
         )  # fmt: skip
     answer, problem = _ask_lmstudio(http, model, question)
