@@ -314,3 +314,17 @@ def test_tunedeck_train_method_dpo(tiny_model_dir: Path, tmp_path: Path) -> None
     saved = json.loads((tmp_path / "dpo" / "config.json").read_text())
     assert saved["training"]["method"] == "dpo" and saved["dpo"] == {"beta": 0.2, "loss": "ipo"}
     assert (tmp_path / "dpo" / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_the_progress_printer_shows_the_rewards() -> None:
+    import io
+
+    from engine.cli.progress import ProgressPrinter
+    from engine.events import EvalMetrics
+
+    stream = io.StringIO()
+    ProgressPrinter(stream).handle(EvalMetrics(step=4, loss=0.5, tokens=40, reward_accuracy=0.75))
+    assert "step 4: eval loss 0.5000, reward accuracy 75%" in stream.getvalue()
+    stream = io.StringIO()
+    ProgressPrinter(stream).handle(EvalMetrics(step=4, loss=0.5, tokens=40))
+    assert stream.getvalue().strip() == "step 4: eval loss 0.5000"

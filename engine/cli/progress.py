@@ -51,7 +51,8 @@ class ProgressPrinter:
         elif isinstance(event, StepMetrics):
             self._stepped(event)
         elif isinstance(event, EvalMetrics):
-            self.write(f"step {event.step}: eval loss {event.loss:.4f}")
+            accuracy = "" if event.reward_accuracy is None else f", reward accuracy {event.reward_accuracy:.0%}"
+            self.write(f"step {event.step}: eval loss {event.loss:.4f}{accuracy}")
         elif isinstance(event, CheckpointSaved):
             pass  # checkpoints are frequent; the final folder is reported at the end
         elif isinstance(event, Notice):
@@ -81,7 +82,8 @@ class ProgressPrinter:
         if event.driver_memory_bytes is not None:
             self.driver_memory = max(self.driver_memory or 0, event.driver_memory_bytes)
         if self.bar is not None:
-            self.bar.set_postfix_str(f"loss {event.loss:.4f}  {event.tokens_per_s:,.0f} tok/s", refresh=False)
+            rewards = "" if event.reward_margin is None else f"  margin {event.reward_margin:.3f}"
+            self.bar.set_postfix_str(f"loss {event.loss:.4f}{rewards}  {event.tokens_per_s:,.0f} tok/s", refresh=False)
             self.bar.update(event.step - self.bar.n)
 
     def _started(self, event: RunStarted) -> None:
