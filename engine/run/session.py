@@ -122,7 +122,7 @@ def start(
         yield Notice(PICKLE_WARNING)
     # FSDP2 shards from host memory, so a model too big for one card never lands whole on one
     load_device = torch.device("cpu") if ranks.mode == "fsdp" else device
-    model = yield from _with_adapter(config, load_base_model(config.model, load_device, dtype), resuming)
+    model = yield from _with_adapter(config, load_base_model(config.model, load_device, dtype))
     experts_message = experts_notice(model)
     if experts_message is not None:
         yield Notice(experts_message)
@@ -172,16 +172,15 @@ def start(
     return session
 
 
-def _with_adapter(config: RunConfig, base: Any, resuming: bool) -> Generator[Event, None, Any]:
-    """``base`` with a fresh LoRA adapter, or with the one ``model.adapter`` names (its weights are loaded unless a
-    checkpoint of this run replaces them next)."""
+def _with_adapter(config: RunConfig, base: Any) -> Generator[Event, None, Any]:
+    """``base`` with a fresh LoRA adapter, or with the one ``model.adapter`` names (a resumed run's checkpoint then
+    replaces its weights, where the run has one)."""
     if config.model.adapter is None:
         return add_lora(base, config.lora, config.model.qlora)
     folder = adapter_folder(_adapter_location(config.model.adapter))
     lora = adapter_lora(folder, config.lora)
     model = add_lora(base, lora, config.model.qlora)
-    if not resuming:
-        load_adapter_weights(model, folder)
+    load_adapter_weights(model, folder)
     yield Notice(f"starting from the adapter in {folder} (rank {lora.rank}, alpha {lora.alpha:g})")
     return model
 
