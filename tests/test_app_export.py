@@ -66,6 +66,7 @@ def test_the_adapter_exports_and_its_folder_opens(
 def test_the_merged_model_exports_in_the_chosen_dtype(qtbot: Any, dialog: Any, tmp_path: Path) -> None:
     dialog.kinds["merged"].setChecked(True)
     assert dialog.dtype.isEnabled() and not dialog.quant.isEnabled()
+    assert dialog.dtype.currentText() == "float32", "offered in the dtype the run computed in (float32 on the CPU)"
     dialog.dtype.setCurrentText("float16")
     assert dialog.target.text().endswith("merged-float16")
     export(qtbot, dialog, "merged", tmp_path / "merged")

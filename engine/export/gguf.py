@@ -254,7 +254,6 @@ def _quantize_with_llama_cpp(source: Path, path: Path, quant: str, report: Progr
     """llama.cpp's own quantizer: ``source`` (a float16 GGUF) -> ``path`` in ``quant``. Its log (a line per tensor,
     and a warning per tensor that falls back to another type) is collected and reported as one line."""
     import ctypes
-    import importlib
     import os
 
     llama_cpp = _llama_cpp()
@@ -271,12 +270,24 @@ def _quantize_with_llama_cpp(source: Path, path: Path, quant: str, report: Progr
     llama_cpp.llama_log_set(collect, ctypes.c_void_p(0))
     try:
         status = llama_cpp.llama_model_quantize(str(source).encode(), str(path).encode(), ctypes.byref(params))
-    finally:  # llama-cpp-python's own logger again (it prints errors, or everything when verbose)
-        llama_cpp.llama_log_set(importlib.import_module("llama_cpp._logger").llama_log_callback, ctypes.c_void_p(0))
+    finally:
+        _restore_llama_cpp_log(llama_cpp)
     if status != 0 or not path.exists():
         tail = "".join(log).strip().splitlines()[-1:] or [""]
         raise TuneDeckError(f"llama.cpp could not quantize the model to {quant} (status {status}) {tail[0]}".strip())
     report(ExportProgress("quantizing", 1, 1, gguf_types.fallback_line("".join(log)) or ""))
+
+
+def _restore_llama_cpp_log(llama_cpp: Any) -> None:
+    """llama-cpp-python's own log callback again (it prints errors, or everything when verbose)."""
+    import ctypes
+    import importlib
+
+    try:
+        callback = importlib.import_module("llama_cpp._logger").llama_log_callback
+    except (ImportError, AttributeError):  # another llama-cpp-python layout: llama.cpp's default log
+        callback = None
+    llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
 
 
 def _write_model(path: Path, model: Any, tokenizer: Any, quant: str, report: ProgressCallback) -> None:
