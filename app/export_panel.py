@@ -219,6 +219,9 @@ class ExportDialog(QDialog):
         if not text:
             self.show_error(ErrorInfo("choose a folder to export into"))
             return
+        if self.install.busy():  # the install reads the last export's file: it must not be replaced meanwhile
+            self.error.setText("<b>Not now:</b> an install is still running; export again once it has finished.")
+            return
         self.result = None
         self.install.set_export(None, None)
         self.error.setText("")

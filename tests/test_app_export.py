@@ -4,6 +4,7 @@ a clear error for a folder in use, Open folder, and GGUF through a stand-in for 
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -224,7 +225,13 @@ def test_install_buttons_put_the_gguf_export_into_ollama_and_lm_studio(
     assert panel.buttons["ollama"].isEnabled() and panel.buttons["lmstudio"].isEnabled()
     assert panel.question.text() == DEFAULT_QUESTION
 
+    state["hold"] = threading.Event()
     qtbot.mouseClick(panel.buttons["ollama"], Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: any(path == "/api/chat" for _, path, _ in state["calls"]), timeout=TIMEOUT_MS)
+    assert not panel.buttons["lmstudio"].isEnabled(), "one install at a time"
+    dialog.export_button.click()  # a new export would replace the file being installed
+    assert "an install is still running" in dialog.error.text() and not dialog.tasks.busy()
+    state["hold"].set()
     qtbot.waitUntil(lambda: not panel.busy() and panel.report is not None, timeout=TIMEOUT_MS)
     assert ("POST", "/api/create") in [(method, path) for method, path, _ in state["calls"]]
     assert panel.runtime_label.text() == "<b>Ollama's answer</b>" and panel.runtime_answer.text() == OLLAMA_ANSWER

@@ -110,6 +110,8 @@ class FakeRuntime(BaseHTTPRequestHandler):
             state["models"].add(request["model"])
             self._send(200, {"status": "success"})
         elif self.path == "/api/chat":
+            if "hold" in state:  # a test holds the answer back until it has looked at the waiting app
+                state["hold"].wait(timeout=600)
             if request["model"] not in state["models"]:
                 self._send(404, {"error": f"model '{request['model']}' not found"})
                 return
@@ -128,6 +130,8 @@ def runtime() -> Iterator[tuple[str, dict[str, Any]]]:
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield f"127.0.0.1:{server.server_address[1]}", server.state  # type: ignore[attr-defined]
+    if "hold" in server.state:  # type: ignore[attr-defined]
+        server.state["hold"].set()  # type: ignore[attr-defined]  # a failed test must not leave a request waiting
     server.shutdown()
     server.server_close()
     thread.join()
