@@ -24,6 +24,7 @@ from engine.errors import ConfigError, DataError
 from engine.events import Notice, RunFailed, RunFinished, StepMetrics
 from engine.model.load import add_lora, load_base_model, load_tokenizer
 from engine.run import preference
+from engine.run.folder import new_run_dir
 from engine.run.preference import document_log_probs, pair_losses
 from engine.train import run
 
@@ -270,6 +271,10 @@ def test_a_run_from_an_earlier_adapter_keeps_the_base_as_reference(tiny_model_di
     (step,) = [e for e in events if isinstance(e, StepMetrics)]
     # the adapter that learned to prefer the chosen answers starts ahead of the base model, its reference
     assert step.reward_margin is not None and step.reward_margin > 0.05 and step.loss < math.log(2)
+    # resumed before its first checkpoint, a run starts from the adapter too (not from a fresh one)
+    folder = new_run_dir(config)
+    (resumed,) = [e for e in run(config, resume=folder) if isinstance(e, StepMetrics)]
+    assert resumed.reward_margin == pytest.approx(step.reward_margin, abs=1e-4)
     missing = list(run(dpo_config(tiny_model_dir, data, tmp_path / "c", model={"adapter": str(tmp_path / "none")})))
     assert isinstance(missing[-1], RunFailed) and "no such folder" in missing[-1].message
 
