@@ -26,6 +26,7 @@ from engine.model.load import add_lora, load_base_model, load_tokenizer
 from engine.run import preference
 from engine.run.folder import new_run_dir
 from engine.run.preference import document_log_probs, pair_losses
+from engine.speed.warm_up import WarmUpLedger
 from engine.train import run
 
 TEXT_ROWS = [{"prompt": f"say {i}: ", "chosen": f"number {i}", "rejected": f"the fox {i} jumps"} for i in range(12)]
@@ -251,10 +252,19 @@ def test_reference_log_probs_are_computed_once_per_pair(
         return original(model, inputs, batch)
 
     monkeypatch.setattr(preference, "document_log_probs", counted)
+    ticks: list[int] = []  # micro-batches the warm-up clock counted (compile costs are measured from them)
+    original_tick = WarmUpLedger.tick
+
+    def tick(ledger: WarmUpLedger, *args: Any) -> None:
+        ticks.append(1)
+        original_tick(ledger, *args)
+
+    monkeypatch.setattr(WarmUpLedger, "tick", tick)
     events = events_of(dpo_config(tiny_model_dir, data, tmp_path / "runs", epochs=3.0, eval_every=0))
     steps = [e for e in events if isinstance(e, StepMetrics)]
     assert steps[-1].epoch == pytest.approx(3.0)
     assert sum(reference_documents) == 2 * 6  # each pair's two answers once, not once per pass
+    assert len(ticks) == len(steps)  # one micro-batch a step here: reference passes are not micro-batches
     assert steps[-1].loss < steps[0].loss and steps[-1].reward_accuracy == 1.0
 
 

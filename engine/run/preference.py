@@ -162,7 +162,8 @@ def _reference(session: Session, batch: PackedBatch, pairs: Sequence[int], cache
     model.eval()  # no dropout; transformers' checkpointing runs only in training mode
     try:
         with torch.no_grad(), model.disable_adapter():
-            values = document_log_probs(model, session.speed.model_inputs(batch), batch).view(-1, 2)
+            inputs = session.speed.model_inputs(batch, timed=False)
+            values = document_log_probs(model, inputs, batch).view(-1, 2)
     finally:
         model.train(training)
     cache.put(pairs, values)

@@ -539,11 +539,14 @@ class SpeedController:
         if longer and self.graphs.on and self._graphs_memory_bound(self.settings):
             self._apply_step_graphs(self.settings)  # the row now needs chunks to fit: graphs go
 
-    def model_inputs(self, batch: PackedBatch) -> dict[str, Any]:
-        """Model kwargs for one micro-batch (already on the device); the stock ones when every switch is off."""
+    def model_inputs(self, batch: PackedBatch, *, timed: bool = True) -> dict[str, Any]:
+        """Model kwargs for one micro-batch (already on the device); the stock ones when every switch is off.
+        ``timed=False``: an extra forward pass of the same micro-batch (DPO's reference pass), which the warm-up
+        clock does not count as a micro-batch of its own."""
         self.offloader.begin_batch()
         self.residency.begin_batch()
-        self.warm_up.tick(self._fused_kernels, self.graphs.active, self.graphs.trial_result)
+        if timed:
+            self.warm_up.tick(self._fused_kernels, self.graphs.active, self.graphs.trial_result)
         self._rows_grew(batch.num_tokens)
         inputs = stock_model_inputs(self.model, batch)
         if self.host_embedding.on:
