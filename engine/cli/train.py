@@ -20,6 +20,7 @@ EPILOG = """examples:
   tunedeck train --demo                         fine-tune the built-in demo model (CPU, about a minute)
   tunedeck train --model ./my-model --data chats.jsonl --max-steps 200
   tunedeck train --resume runs/20261130-120000-my-model-chats
+  tunedeck train --method dpo --model ./my-model --data pairs.jsonl   prefer chosen over rejected answers (DPO)
   tunedeck train --model ./my-model --data chats.jsonl --gpus 2   one process per GPU (torchrun, DDP)
 """
 
