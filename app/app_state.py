@@ -1,15 +1,23 @@
-"""What the user has chosen so far (model, dataset, settings) and what the machine is, shared by the pages.
+"""What the user has chosen so far (model, dataset, settings) and what the machine is, shared by the pages, and the
+run going on (or the last one) as every page shows it.
 
 Pages write their choice here and listen for the others' changes; none of them talks to another page directly.
+The run's state, peak memory, speed and time are one :class:`engine.run.summary.RunSummary`, folded here from the
+run controller's events before any page sees them; pages read it on ``run_changed`` and word it with
+``engine.run.summary.describe``, so no two pages can disagree.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from PySide6.QtCore import QObject, Signal
 
 from engine.config import DEMO_MODEL
+from engine.events import RunStarted
+from engine.run.estimate import MeasuredRow, TimeEstimate
+from engine.run.summary import RunSummary, seeded, summarize, with_state
 
 
 class AppState(QObject):
@@ -18,6 +26,8 @@ class AppState(QObject):
     hardware_changed = Signal()
     model_changed = Signal()
     data_changed = Signal()
+    run_changed = Signal()
+    plan_changed = Signal()
 
     def __init__(self, parent: QObject | None = None) -> None:
         super().__init__(parent)
@@ -31,6 +41,14 @@ class AppState(QObject):
         self.data_path: str = ""
         self.data_report: Any = None
         """app.dataset_report.DatasetReport of the chosen dataset."""
+        self.run = RunSummary()
+        """The run going on, or the last one this session (idle before the first)."""
+        self.planned_peak: int | None = None
+        """The plan's predicted peak for the current settings (None: not known)."""
+        self.planned_time: TimeEstimate | None = None
+        """How long the current settings train here, before Start."""
+        self.measured: list[MeasuredRow] = []
+        """Earlier runs' throughput on this machine, for time estimates (engine.run.summary.measured_rows)."""
 
     def set_hardware(self, hardware: Any, profile: Any) -> None:
         self.hardware, self.profile = hardware, profile
@@ -43,3 +61,32 @@ class AppState(QObject):
     def set_data(self, path: str, report: Any) -> None:
         self.data_path, self.data_report = path, report
         self.data_changed.emit()
+
+    def set_plan(self, peak: int | None, estimate: TimeEstimate | None) -> None:
+        """The plan for the current settings: predicted peak memory and training time."""
+        if (peak, estimate) != (self.planned_peak, self.planned_time):
+            self.planned_peak, self.planned_time = peak, estimate
+            self.plan_changed.emit()
+
+    def begin_run(self) -> None:
+        """A run is starting with the current plan: its summary starts from the plan's figures."""
+        estimate = self.planned_time
+        first = estimate if estimate is not None and estimate.seconds else None
+        self.run = RunSummary(state="loading", predicted_peak_bytes=self.planned_peak, estimate=estimate,
+                              first_estimate=first)  # fmt: skip
+        self.run_changed.emit()
+
+    def follow_event(self, event: object) -> None:
+        """A run event (connected to the run controller before any page is)."""
+        summary = summarize(self.run, event, now=time.monotonic())
+        if isinstance(event, RunStarted) and event.start_step > 0:  # resumed: its earlier steps count too
+            summary = seeded(summary, event.run_dir, event.start_step)
+        if summary != self.run:
+            self.run = summary
+            self.run_changed.emit()
+
+    def follow_state(self, state: str) -> None:
+        """The controller's own states that no event reports (stopping; a thread that ended without an event)."""
+        if state in ("stopping", "failed") and self.run.state != state and self.run.active:
+            self.run = with_state(self.run, state)
+            self.run_changed.emit()

@@ -34,7 +34,8 @@ from PySide6.QtWidgets import (
 )
 
 from app.worker import describe_error
-from engine.run.registry import Registry
+from engine.run.registry import Registry, RunRecord
+from engine.run.summary import RunSummary, describe, summary_of_record
 
 SIDES = ("tuned", "base")
 
@@ -102,10 +103,16 @@ class ChatView(QWidget):
         self.loader: ModelLoader | None = None
         self.worker: ReplyWorker | None = None
         self.histories: dict[str, list[dict[str, str]]] = {side: [] for side in SIDES}
+        self.records: dict[str, RunRecord] = {}
+        self.live = RunSummary()
+        self.run_info = QLabel("")
+        """The chosen run's state, measured peak memory and speed, as every page words them."""
+        self.run_info.setWordWrap(True)
         self.status = QLabel("Choose a finished run to chat with its fine-tuned model.")
         self.status.setWordWrap(True)
         layout = QVBoxLayout(self)
         layout.addLayout(self._build_picker())
+        layout.addWidget(self.run_info)
         layout.addWidget(self._build_settings())
         layout.addLayout(self._build_panes(), 1)
         layout.addLayout(self._build_prompt())
@@ -116,6 +123,7 @@ class ChatView(QWidget):
     def _build_picker(self) -> QHBoxLayout:
         self.runs = QComboBox()
         self.runs.setMinimumWidth(320)
+        self.runs.currentIndexChanged.connect(lambda _index: self.show_run_info())
         self.load_button = QPushButton("Load")
         self.load_button.clicked.connect(lambda: self.load_run(self.runs.currentData()))
         browse = QPushButton("Open run folder…")
@@ -188,16 +196,38 @@ class ChatView(QWidget):
             return
         chosen = self.runs.currentData()
         listed = {self.runs.itemData(i) for i in range(self.runs.count())}
+        self.runs.blockSignals(True)
         self.runs.clear()
+        self.records = {}
         for record in records:
             if (Path(record.folder) / "adapter" / "adapter_config.json").exists():
                 self.runs.addItem(f"{record.name}  ({Path(record.model).name or record.model})", record.folder)
+                self.records[record.folder] = record
+        self.runs.blockSignals(False)
         newest = self.runs.itemData(0) if self.runs.count() else None  # the registry lists the newest first
         if newest is not None and newest not in listed:
             chosen = newest  # a run that just finished is the one to try
         index = self.runs.findData(chosen) if chosen is not None else -1
         self.runs.setCurrentIndex(max(index, 0) if self.runs.count() else -1)
+        self.show_run_info()
         self._update_buttons()
+
+    def show_live(self, summary: RunSummary) -> None:
+        """The window's run changed (the main window passes it on): shown here when it is the chosen run."""
+        self.live = summary
+        chosen = self.runs.currentData()
+        if chosen and summary.run_dir and Path(summary.run_dir).resolve() == Path(chosen).resolve():
+            self.show_run_info()
+
+    def show_run_info(self) -> None:
+        """The chosen run's summary: the live one while the window runs it, else from its folder."""
+        record = self.records.get(self.runs.currentData() or "")
+        if record is None:
+            self.run_info.setText("")
+            return
+        live = bool(self.live.run_dir) and Path(self.live.run_dir).resolve() == Path(record.folder).resolve()
+        summary = self.live if live and self.live.active else summary_of_record(record)
+        self.run_info.setText(describe(summary).line())
 
     def _browse(self) -> None:
         folder = QFileDialog.getExistingDirectory(self, "Run folder")

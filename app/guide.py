@@ -18,6 +18,7 @@ from PySide6.QtGui import QFontMetrics, QResizeEvent
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPushButton, QSizePolicy
 
 from app.model_info import machine_name
+from engine.run.summary import describe
 
 READY_COLOUR = "#2f9a4e"  # mid-tones: they read on the light and the dark look
 MISSING_COLOUR = "#b7791f"
@@ -154,6 +155,7 @@ class GuideBar(QFrame):
         controller.state_changed.connect(lambda _state: self.refresh())
         if state is not None:
             state.hardware_changed.connect(self.refresh)
+            state.run_changed.connect(self.refresh)
         self.refresh()
         # A fixed height: text changing here during a run must never re-lay out the pages (and charts) below.
         self.setFixedHeight(self.sizeHint().height())
@@ -173,11 +175,21 @@ class GuideBar(QFrame):
         running = bool(self.controller.active)
         self.start_button.setEnabled(not missing and not running)
         if running:
-            self.next.show_text("A run is going: watch it on the Run page.")
+            self.next.show_text(f"{self.run_line()}; watch it on the Run page.")
         elif missing:
             self.next.show_text(f"Next: {missing[0][1]}")
         else:
             self.next.show_text(f"Ready: Start trains on {self.machine()}; the Run page follows it.")
+
+    def run_line(self) -> str:
+        """The run going on in the words every page uses: its state, progress, speed and measured peak."""
+        run = getattr(self.state, "run", None)
+        if run is None or run.state in ("idle", "loading"):
+            return "A run is starting"
+        texts = describe(run)
+        parts = [texts.state.capitalize(), texts.progress, texts.speed,
+                 f"peak memory measured: {texts.peak}" if texts.peak else ""]  # fmt: skip
+        return " · ".join(part for part in parts if part)
 
     def machine(self) -> str:
         hardware = getattr(self.state, "hardware", None)

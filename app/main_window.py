@@ -42,6 +42,9 @@ from app.speed_panel import SpeedPanel
 from app.theme import apply_look, style_plots, system_is_dark
 from app.worker import TaskRunner, describe_error
 from engine.hardware.allocator import set_at_process_start
+from engine.run.estimate import MeasuredRow
+from engine.run.registry import Registry
+from engine.run.summary import measured_rows
 
 DEFAULT_SIZE = (1280, 820)
 EXPORT_WAIT_MS = 30 * 60 * 1000
@@ -77,6 +80,9 @@ class MainWindow(QMainWindow):
         self.state = AppState(self)
         self.tasks = TaskRunner(self)
         self.controller = RunController(self)
+        # the run's summary follows the controller before any page does, so every page reads the same figures
+        self.controller.run_event.connect(self.state.follow_event)
+        self.controller.state_changed.connect(self.state.follow_state)
         self.hardware_panel = HardwarePanel(self.state, self.tasks)
         self.model_panel = ModelPanel(self.state, self.tasks)
         self.setup_panel = SetupPanel(self.state)
@@ -104,6 +110,8 @@ class MainWindow(QMainWindow):
             if hasattr(page, "resume_requested"):  # the Runs page: resume a stopped run here
                 page.resume_requested.connect(self.run_panel.resume_run)
         self.controller.state_changed.connect(self._run_ended)
+        self.state.run_changed.connect(self._show_live_run)
+        self.load_measured_runs()
         self.run_panel.start_requested.connect(lambda: self.show_page("Run"))
         self.setup_view.installed.connect(lambda: None if torch_missing() else self.hardware_panel.detect())
         self.controller.telemetry.connect(self._telemetry_warning)
@@ -169,10 +177,27 @@ class MainWindow(QMainWindow):
         if type(event).__name__ == "TelemetryWarning":
             self.statusBar().showMessage(f"⚠ {getattr(event, 'message', '')}")
 
+    def load_measured_runs(self) -> None:
+        """Earlier runs' speeds on this machine, for the time estimates before Start (read in the background: each
+        run's step log is read)."""
+        self.tasks.start(lambda: measured_rows(Registry().runs()), self._measured_runs_read, lambda _error: None)
+
+    def _measured_runs_read(self, rows: list[MeasuredRow]) -> None:
+        self.state.measured = rows
+        self.setup_panel.check_fit()
+
+    def _show_live_run(self) -> None:
+        """The run going on, on the pages that list runs (their own reading of the history lags behind it)."""
+        for title in ("Runs", "Chat"):
+            page = self.page(title)
+            if page is not None and hasattr(page, "show_live"):
+                page.show_live(self.state.run)
+
     def _run_ended(self, state: str) -> None:
         """Pages listing runs show a run's end (finished, stopped or failed) at once, not at their next poll."""
         if state not in (FINISHED, FAILED):
             return
+        self.load_measured_runs()
         runs, chat = self.page("Runs"), self.page("Chat")
         if runs is not None:
             runs.refresh()  # type: ignore[attr-defined]

@@ -1,4 +1,8 @@
-"""Run page: start, pause, resume and stop a run, with live charts, progress, ETA and warnings.
+"""Run page: start, pause, resume and stop a run, with live charts, progress, time left and warnings.
+
+Before Start, the summary line says what the plan predicts for the current settings (peak memory, training time on
+this machine); during and after the run it is the run's summary (engine.run.summary) that every page shows: state,
+measured peak memory beside the plan's prediction, mean speed, and the time left or how close the estimate was.
 
 Pause keeps the model loaded (the engine blocks between two steps); resume continues the same run; stop saves
 a checkpoint first. Failures arrive as a RunFailed event and are shown as a message with what to do next.
@@ -7,7 +11,6 @@ a checkpoint first. Failures arrive as a RunFailed event and are shown as a mess
 from __future__ import annotations
 
 import html
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,26 +46,8 @@ from engine.events import (
     SpeedRestored,
     StepMetrics,
 )
-
-ETA_WINDOW = 20
-"""Steps averaged for the remaining-time estimate (recent ones: speed switches change the pace)."""
-
-
-def peak_memory_text(device: str, peak: int, driver: int | None) -> str:
-    """The run's memory peak in plain words: reserved GPU memory (step graphs' pool and the allocator's cache
-    included) and the driver's figure where it gave one; on a CPU run, the process's resident memory."""
-    if not device.startswith("cuda"):
-        return f"Peak process memory (resident): {peak / 2**30:.2f} GiB."
-    seen = f" ({driver / 2**30:.2f} GiB as the driver sees it)" if driver else ""
-    return f"Peak GPU memory (reserved): {peak / 2**30:.2f} GiB{seen}."
-
-
-def format_eta(seconds: float) -> str:
-    seconds = round(seconds)
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    return f"{hours}h {minutes:02d}m" if hours else f"{minutes}m {secs:02d}s"
-
+from engine.run.estimate import describe_time, format_duration
+from engine.run.summary import describe, format_gib
 
 SHORT_NAMES = {"metadata_cache": "cache", "cudnn_attention": "cudnn attention", "fused_loss": "fused loss",
                "fused_kernels": "kernels", "lora_16bit": "lora 16-bit", "lora_groups": "lora groups",
@@ -107,6 +92,12 @@ class RunPanel(QWidget):
         """The folder of the last run that ended with an adapter (what Export… exports)."""
         self.status = QLabel("Ready: choose a model and a dataset, then Start.")
         self.status.setWordWrap(True)
+        self.summary = QLabel("")
+        self.summary.setWordWrap(True)
+        self.summary.setToolTip(
+            "Memory measured during the run (GPU memory reserved, or the process's resident memory on a CPU run) "
+            "beside the plan's prediction (the training's tensors alone)"
+        )
         self.error = QLabel("")
         self.error.setWordWrap(True)
         self.error.setStyleSheet(f"color:{ERROR_COLOR}; font-weight:bold")
@@ -115,25 +106,23 @@ class RunPanel(QWidget):
         self.eta.setFixedWidth(120)
         # Fixed heights: a label that grows re-lays out the charts below it, and repainting them all at once
         # blocked the window for over 100 ms on a busy two-core machine.
-        for label, lines in ((self.status, 2), (self.error, 2)):
+        for label, lines in ((self.status, 2), (self.summary, 2), (self.error, 2)):
             label.setFixedHeight(label.fontMetrics().lineSpacing() * lines + 6)
         self.charts = RunCharts()
         self.gpu_selector = GpuSelector()
         self.warnings = NoticeList()
         self.warnings.setMaximumHeight(72)
-        self.step_times: deque[float] = deque(maxlen=ETA_WINDOW)
         self.speed_state: dict[str, dict[str, object]] = {}
-        self.device = ""
-        self.peak_memory = 0
-        """The largest step peak of this run (StepMetrics.memory_bytes)."""
-        self.driver_memory: int | None = None
         self._layout()
         controller.run_event.connect(self.on_event)
         controller.telemetry.connect(self.on_telemetry)
         controller.state_changed.connect(self._update_buttons)
         state.hardware_changed.connect(lambda: self.gpu_selector.set_hardware(state.hardware))
         self.gpu_selector.changed.connect(self._show_gpu_plan)
+        state.run_changed.connect(self.show_summary)
+        state.plan_changed.connect(self.show_summary)
         self._update_buttons(controller.state)
+        self.show_summary()
 
     def _layout(self) -> None:
         buttons = QHBoxLayout()
@@ -148,6 +137,7 @@ class RunPanel(QWidget):
         layout.addWidget(self.gpu_selector)
         layout.addLayout(buttons)
         layout.addWidget(self.status)
+        layout.addWidget(self.summary)
         layout.addWidget(self.error)
         layout.addLayout(progress)
         layout.addWidget(QLabel("<b>Warnings and notices</b>"))
@@ -174,6 +164,7 @@ class RunPanel(QWidget):
         self.status.setText(f"Loading {config.model.name} and preparing the data…")
         gpus = self.gpu_selector.selected()
         self.charts.set_gpus(tuple(gpus))
+        self.state.begin_run()
         self.controller.start(config, gpu_indices=gpus)
         self.start_requested.emit()
 
@@ -181,9 +172,7 @@ class RunPanel(QWidget):
         self.error.setText("")
         self.warnings.clear()
         self.charts.clear()
-        self.step_times.clear()
         self.speed_state = {}
-        self.peak_memory, self.driver_memory = 0, None
         self.progress.setValue(0)
 
     def resume_run(self, folder: str) -> None:
@@ -201,6 +190,7 @@ class RunPanel(QWidget):
         self.status.setText(f"Resuming {folder}…")
         gpus = self.gpu_selector.selected()
         self.charts.set_gpus(tuple(gpus))
+        self.state.begin_run()
         self.controller.start(config, resume=folder, gpu_indices=gpus)
         self.start_requested.emit()
 
@@ -214,7 +204,6 @@ class RunPanel(QWidget):
         elif isinstance(event, EvalMetrics):
             self.charts.add_eval(event.step, event.loss)
         elif isinstance(event, RunStarted):
-            self.device = event.device
             self.charts.set_device(event.device)
             if event.start_step > 0:
                 self.charts.load_history(Path(event.run_dir), event.start_step)
@@ -241,10 +230,7 @@ class RunPanel(QWidget):
         elif isinstance(event, RunFinished):
             what = "Stopped" if event.cancelled else "Finished"
             loss = f", last loss {event.final_loss:.3f}" if event.final_loss is not None else ""
-            memory = (
-                f" {peak_memory_text(self.device, self.peak_memory, self.driver_memory)}" if self.peak_memory else ""
-            )
-            self.status.setText(f"{what} at step {event.step}{loss}.{memory} Adapter: {event.adapter_dir}")
+            self.status.setText(f"{what} at step {event.step}{loss}. Adapter: {event.adapter_dir}")
             self.ended_run = event.run_dir if Path(event.adapter_dir, "adapter_config.json").exists() else None
             self.export_button.setEnabled(self.ended_run is not None and not self.controller.active)
             self.eta.setText("")
@@ -255,14 +241,22 @@ class RunPanel(QWidget):
     def _on_step(self, event: StepMetrics) -> None:
         self.charts.add_step(event.step, event.loss, event.tokens_per_s)
         self.charts.add_step_peak(event.memory_bytes)
-        self.peak_memory = max(self.peak_memory, event.memory_bytes)
-        if event.driver_memory_bytes is not None:
-            self.driver_memory = max(self.driver_memory or 0, event.driver_memory_bytes)
-        self.step_times.append(event.step_time_s)
         self.progress.setValue(event.step)
         self.progress.setFormat(f"step %v of %m · loss {event.loss:.3f}")
-        remaining = (event.total_steps - event.step) * sum(self.step_times) / len(self.step_times)
-        self.eta.setText(f"ETA {format_eta(remaining)}")
+
+    def show_summary(self) -> None:
+        """The run's summary as every page words it; before the first run, the plan for the current settings."""
+        run = self.state.run
+        if run.state == "idle":
+            peak, time = self.state.planned_peak, self.state.planned_time
+            parts = [f"predicted peak memory {format_gib(peak)}" if peak else "",
+                     describe_time(time, None, None, False) if time is not None else ""]  # fmt: skip
+            shown = " · ".join(part for part in parts if part)
+            self.summary.setText(f"Plan for these settings: {shown}" if shown else "")
+            return
+        self.summary.setText(describe(run).line())
+        left = run.estimate.left_s if run.estimate is not None and run.active else None
+        self.eta.setText(f"{format_duration(left)} left" if left is not None else "")
 
     def on_telemetry(self, event: object) -> None:
         from engine.hardware.telemetry import TelemetrySample, TelemetryWarning

@@ -4,7 +4,8 @@ Rows come from the run registry; curves from each run folder's ``metrics.jsonl``
 still training shows its newest steps on the next refresh (every few seconds). Selecting several runs draws them
 on one chart in distinct colours (train as lines, eval as dashed lines with dots): the way to see which settings
 worked. Resuming emits ``resume_requested(folder)`` for the main window; Export opens the export dialog for the
-selected run.
+selected run. A run's state, mean speed and measured peak memory are its summary (engine.run.summary) read from its
+folder's step log, worded as every page words them; the run going on in this window shows its live summary.
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ from app.export_panel import ExportDialog
 from app.theme import current_chart_colors, style_plot
 from engine.errors import TuneDeckError
 from engine.run.registry import Registry, RunRecord
+from engine.run.summary import RunSummary, describe, summary_of_record
 
-COLUMNS = ("Name", "Model", "Dataset", "Date", "Steps", "Final loss", "Tokens/s", "Status")
+COLUMNS = ("Name", "Model", "Dataset", "Date", "Steps", "Final loss", "Speed (mean)", "Peak memory (measured)",
+           "Status")  # fmt: skip
 COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2")
 REFRESH_MS = 5000
 
@@ -75,14 +78,19 @@ def read_curves(folder: str | Path) -> LossCurves:
     return LossCurves(steps, losses, eval_steps, eval_losses)
 
 
-def _cells(record: RunRecord) -> tuple[str, ...]:
+def _cells(record: RunRecord, summary: RunSummary) -> tuple[str, ...]:
+    texts = describe(summary)
     loss = "-" if record.final_loss is None else f"{record.final_loss:.4f}"
-    speed = "-" if record.tokens_per_s is None else f"{record.tokens_per_s:,.0f}"
     date = dt.datetime.fromtimestamp(record.created).strftime("%Y-%m-%d %H:%M")
-    status = record.status + (" (resumable)" if record.resumable else "")
     model = Path(record.model).name or record.model
-    steps = f"{record.steps}/{record.total_steps}" if record.total_steps else str(record.steps)
-    return (record.name, model, Path(record.dataset).name, date, steps, loss, speed, status)
+    step, total = max(summary.step, record.steps), summary.total_steps or record.total_steps
+    steps = f"{step}/{total}" if total else str(step)
+    return (record.name, model, Path(record.dataset).name, date, steps, loss, texts.speed or "-", texts.peak or "-",
+            texts.state)  # fmt: skip
+
+
+def _same_folder(first: str, second: str) -> bool:
+    return bool(first and second) and Path(first).resolve() == Path(second).resolve()
 
 
 def has_adapter(record: RunRecord) -> bool:
@@ -99,6 +107,9 @@ class RunsView(QWidget):
         super().__init__(parent)
         self.registry = registry if registry is not None else Registry()
         self.records: list[RunRecord] = []
+        self.live = RunSummary()
+        """The run going on in this window (the main window passes it on)."""
+        self._summaries: dict[str, tuple[tuple[object, ...], RunSummary]] = {}
         self.export_dialog: ExportDialog | None = None
         self.table = self._build_table()
         self.chart = self._build_chart()
@@ -169,13 +180,43 @@ class RunsView(QWidget):
         self.table.blockSignals(True)
         self.table.setRowCount(len(self.records))
         for row, record in enumerate(self.records):
-            for column, text in enumerate(_cells(record)):
-                item = QTableWidgetItem(text)
-                item.setToolTip(record.folder)
-                self.table.setItem(row, column, item)
+            self._fill_row(row, record)
         self._select_ids(chosen)  # rows move when a run is added or deleted: select by id, never by row
         self.table.blockSignals(False)
         self._selection_changed()
+
+    def summary(self, record: RunRecord) -> RunSummary:
+        """The run's summary: the live one while this window runs it, else from its folder (read again only when
+        its step log or status changed)."""
+        if self.live.active and _same_folder(self.live.run_dir, record.folder):
+            return self.live
+        log = Path(record.folder) / "metrics.jsonl"
+        try:
+            stat = log.stat()
+            key: tuple[object, ...] = (record.status, record.message, stat.st_mtime_ns, stat.st_size)
+        except OSError:
+            key = (record.status, record.message)
+        cached = self._summaries.get(record.folder)
+        if cached is None or cached[0] != key:
+            cached = (key, summary_of_record(record))
+            self._summaries[record.folder] = cached
+        return cached[1]
+
+    def show_live(self, summary: RunSummary) -> None:
+        """The window's run changed: its row shows the live summary (at once, not at the next refresh)."""
+        self.live = summary
+        for row, record in enumerate(self.records):
+            if _same_folder(summary.run_dir, record.folder):
+                self._fill_row(row, record)
+
+    def _fill_row(self, row: int, record: RunRecord) -> None:
+        for column, text in enumerate(_cells(record, self.summary(record))):
+            item = self.table.item(row, column)
+            if item is None:
+                item = QTableWidgetItem(text)
+                self.table.setItem(row, column, item)
+            item.setText(text)
+            item.setToolTip(record.folder)
 
     def select_runs(self, run_ids: Iterable[str]) -> None:
         self._select_ids(set(run_ids))  # the table's selection signal redraws the chart

@@ -35,6 +35,7 @@ from engine.hardware.recipes import (
     estimate_recipe,
     find_recipe,
 )
+from engine.run.estimate import TimeEstimate, before_start, format_duration
 
 CHOSEN_ELSEWHERE = frozenset({"model.name", "data.path"})
 GIB = 1 << 30
@@ -55,29 +56,36 @@ def fit_warning(config: RunConfig, model_info: Any, hardware: Any) -> str | None
     return None if estimate.fits else f"Will not fit on {machine_name(hardware)}: {estimate.reason}"
 
 
-def format_duration(seconds: float) -> str:
-    minutes = seconds / 60
-    if minutes < 1.5:
-        return "about a minute"
-    if minutes < 90:
-        return f"about {minutes:.0f} min"
-    return f"about {minutes / 60:.1f} h"
-
-
-def describe_estimate(estimate: RecipeEstimate, on_gpu: bool = True) -> str:
-    """One line: '2.1 of 7.5 GiB · 480 steps · about 25 min', or why it does not fit."""
+def describe_estimate(estimate: RecipeEstimate, time: TimeEstimate) -> str:
+    """One line: 'predicted 2.1 of 7.5 GiB · 480 steps · about 25 min (the planner's figure for this card)', or why
+    it does not fit."""
     if not estimate.fits:
         return f"<span style='color:{ERROR_COLOUR}'>does not fit: {estimate.reason}</span>"
     parts = []
     if estimate.peak_bytes is not None and estimate.budget_bytes:
-        parts.append(f"{estimate.peak_bytes / GIB:.1f} of {estimate.budget_bytes / GIB:.1f} GiB")
+        parts.append(f"predicted {estimate.peak_bytes / GIB:.1f} of {estimate.budget_bytes / GIB:.1f} GiB")
     if estimate.steps is not None:
         parts.append(f"{estimate.steps:,} steps")
-    if estimate.seconds:
-        parts.append(format_duration(estimate.seconds))
+    if time.seconds:
+        parts.append(f"about {format_duration(time.seconds)} ({time.basis})")
     else:
-        parts.append("no time estimate for this card" if on_gpu else "no time estimate on the CPU")
+        parts.append(f"time {time.basis}")
     return " · ".join(parts)
+
+
+def time_estimate(estimate: RecipeEstimate, config: RunConfig, state: AppState) -> TimeEstimate:
+    """How long ``config`` trains on this machine: from earlier runs measured here, else the planner's figure."""
+    hardware = state.hardware
+    gpu_class = str(getattr(hardware, "gpu_class", "cpu"))
+    gpu = getattr(hardware, "primary", hardware)
+    gpu_name = "" if gpu_class == "cpu" else str(getattr(gpu, "name", "") or "")
+    tokens_per_step = (config.data.tokens_per_batch or 0) * config.training.grad_accum
+    planner = None
+    if estimate.seconds and estimate.steps and tokens_per_step:
+        planner = estimate.steps * tokens_per_step / estimate.seconds
+    return before_start(steps=estimate.steps, tokens_per_step=tokens_per_step, gpu_class=gpu_class,
+                        gpu_name=gpu_name, model=config.model.name, qlora=config.model.qlora, rows=state.measured,
+                        planner_tokens_per_s=planner)  # fmt: skip
 
 
 def dataset_tokens(report: Any) -> int | None:
@@ -204,17 +212,23 @@ class SetupPanel(QWidget):
         self.changed.emit()
 
     def _show_estimates(self, config: RunConfig) -> None:
+        """Each recipe's line, and the plan for the current settings (the Run page shows it before Start)."""
         info, hardware = self.state.model_info, self.state.hardware
         if info is None or info.shape is None or hardware is None:
             for label in self.estimates.values():
                 label.setText("")
+            self.state.set_plan(None, None)
             return
         tokens = dataset_tokens(self.state.data_report)
-        on_gpu = getattr(hardware, "primary", None) is not None or getattr(hardware, "is_gpu", False)
         for recipe in RECIPES:
             if self.state.model_name == DEMO_MODEL or not recipe.demo_only:
-                estimate = estimate_recipe(apply_recipe(config, recipe), info.shape, hardware, tokens)
-                self.estimates[recipe.name].setText(describe_estimate(estimate, on_gpu))
+                settings = apply_recipe(config, recipe)
+                estimate = estimate_recipe(settings, info.shape, hardware, tokens)
+                self.estimates[recipe.name].setText(describe_estimate(estimate, time_estimate(estimate, settings,
+                                                                                              self.state)))  # fmt: skip
+        current = estimate_recipe(config, info.shape, hardware, tokens)
+        peak = current.peak_bytes if current.fits else None
+        self.state.set_plan(peak, time_estimate(current, config, self.state) if current.fits else None)
 
     def step_status(self) -> tuple[bool, str]:
         """(ready, what to say) for the guide: the recipe, or what stops it."""

@@ -71,7 +71,7 @@ def test_a_compare_s_dense_marks_are_lines_and_pointing_names_one(qtbot: Any) ->
 
 def test_the_memory_chart_marks_the_largest_step_peak_as_reserved_memory(qtbot: Any) -> None:
     from app.run_charts import RunCharts
-    from app.run_panel import peak_memory_text
+    from engine.run.summary import RunSummary, describe
 
     charts = RunCharts()
     qtbot.addWidget(charts)
@@ -85,7 +85,6 @@ def test_the_memory_chart_marks_the_largest_step_peak_as_reserved_memory(qtbot: 
     charts.clear()
     charts.redraw_all()
     assert not charts.peak_line.isVisible() and charts.step_peak == 0
-    assert peak_memory_text("cuda:0", 3 * 2**29, 2 * 2**30) == (
-        "Peak GPU memory (reserved): 1.50 GiB (2.00 GiB as the driver sees it)."
-    )
-    assert peak_memory_text("cpu", 2**30, None) == "Peak process memory (resident): 1.00 GiB."
+    on_gpu = RunSummary(device="cuda:0", peak_memory_bytes=3 * 2**29, driver_peak_bytes=2 * 2**30)
+    assert describe(on_gpu).peak == "1.50 GiB (GPU memory reserved; 2.00 GiB as the driver sees it)"
+    assert describe(RunSummary(device="cpu", peak_memory_bytes=2**30)).peak == "1.00 GiB (process memory)"

@@ -30,6 +30,7 @@ def hardware_summary(device: str, dtype: str) -> dict[str, Any]:
         info = detect_hardware()
         summary.update(
             gpus=[gpu.name for gpu in info.gpus],
+            gpu_class=info.gpu_class,  # what a later run's time estimate matches earlier runs by
             driver=info.driver_version,
             torch=info.torch_version,
             platform=info.platform,
@@ -103,9 +104,12 @@ class RunRecorder:
             self._failed(event)
 
     def _finished(self, event: Any) -> None:
+        from engine.run.summary import STOPPED_MESSAGE
+
         status = "interrupted" if event.cancelled else "finished"
         summary = {"steps": event.step, "final_loss": event.final_loss, "eval_loss": event.eval_loss}
-        self.write(force=True, status=status, **{k: v for k, v in summary.items() if v is not None})
+        values = {k: v for k, v in summary.items() if v is not None}
+        self.write(force=True, status=status, message=STOPPED_MESSAGE if event.cancelled else None, **values)
 
     def _failed(self, event: Any) -> None:
         if self.run_id is None and event.run_dir and (Path(event.run_dir) / "config.json").exists():

@@ -1,0 +1,150 @@
+"""How long a run's training takes on this machine: before Start, while it runs, and how close that was.
+
+Before Start the estimate comes from runs measured here: earlier runs of the same model on this GPU class (the same
+card first), their mean tokens/s over the steps they took plus what they spent beside the steps (evaluations,
+checkpoints, the final save). Without such a run it is the planner's throughput for the card (its rated tensor
+throughput at the utilisation measured on the H200), and on a CPU with no earlier run there is none until the run's
+first steps. Once steps are timed, the run's own recent pace replaces it, updated every step. When training ends,
+the first estimate the user saw is set beside the time it took. Pure functions on plain values; Qt-free.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+FIRST_STEPS = 3
+"""Steps timed before the run's own pace replaces an estimate (the first step carries one-off warm-up)."""
+
+
+@dataclass(frozen=True)
+class MeasuredRow:
+    """One earlier run's throughput on this machine."""
+
+    gpu_class: str
+    gpu_name: str
+    """The card's name ("" on a CPU run)."""
+    model: str
+    qlora: bool
+    tokens_per_batch: int
+    tokens_per_s: float
+    """Mean tokens/s over the run's steps."""
+    overhead_s: float = 0.0
+    """Time the run spent beside its steps (evaluations, checkpoints, the final save)."""
+
+
+@dataclass(frozen=True)
+class TimeEstimate:
+    """A training time and what it rests on."""
+
+    seconds: float | None
+    """The whole training time (None: not known yet)."""
+    basis: str
+    """In words: "from 2 earlier runs of this model here", "from the planner's figure for this card", "from its last
+    20 steps"; for no estimate, when there will be one."""
+    source: str
+    """"measured" (earlier runs), "planner", "steps" (this run's own pace) or "none"."""
+    left_s: float | None = None
+    """While running: the time left."""
+
+
+NO_ESTIMATE = TimeEstimate(None, "known after the first steps", "none")
+
+
+def _nearest(rows: Sequence[MeasuredRow], tokens_per_batch: int) -> list[MeasuredRow]:
+    """The rows whose row length is nearest ``tokens_per_batch`` (throughput changes with it)."""
+    distance = {row: abs(math.log(max(row.tokens_per_batch, 1) / max(tokens_per_batch, 1))) for row in rows}
+    best = min(distance.values())
+    return [row for row in rows if distance[row] == best]
+
+
+def before_start(
+    *,
+    steps: int | None,
+    tokens_per_step: int,
+    gpu_class: str,
+    gpu_name: str,
+    model: str,
+    qlora: bool,
+    rows: Iterable[MeasuredRow],
+    planner_tokens_per_s: float | None,
+) -> TimeEstimate:
+    """The training time of ``steps`` steps of ``tokens_per_step`` tokens, before the run starts."""
+    if not steps:
+        return TimeEstimate(None, "known once the dataset's size is", "none")
+    same_model = [row for row in rows if row.gpu_class == gpu_class and row.model == model]
+    same_card = [row for row in same_model if row.gpu_name == gpu_name] or same_model
+    matching = [row for row in same_card if row.qlora == qlora] or same_card
+    if matching:
+        chosen = _nearest(matching, tokens_per_step)
+        # a step's time at the measured speed; an automatic row length (0) takes the measured runs' own
+        step_s = statistics.median((tokens_per_step or row.tokens_per_batch) / row.tokens_per_s for row in chosen)
+        overhead = statistics.median(row.overhead_s for row in chosen)
+        runs = f"{len(chosen)} earlier run{'s' if len(chosen) > 1 else ''}"
+        return TimeEstimate(steps * step_s + overhead, f"from {runs} of this model here", "measured")
+    if planner_tokens_per_s and tokens_per_step:
+        return TimeEstimate(steps * tokens_per_step / planner_tokens_per_s, "from the planner's figure for this card",
+                            "planner")  # fmt: skip
+    return NO_ESTIMATE
+
+
+def during_run(
+    before: TimeEstimate | None, step: int, total_steps: int, steps_timed: int, recent_step_s: Sequence[float]
+) -> TimeEstimate | None:
+    """After a step: from ``FIRST_STEPS`` timed steps on, the run's own pace (its recent steps, the first timed one
+    left out while there are others) gives the time left and the whole; before that, ``before`` stands."""
+    if steps_timed < FIRST_STEPS or not recent_step_s:
+        return before
+    first = steps_timed == len(recent_step_s)
+    window = list(recent_step_s[1:] if first else recent_step_s)
+    pace = statistics.fmean(window)
+    left = max(total_steps - step, 0) * pace
+    basis = f"from its first {steps_timed} steps" if first else f"from its last {len(window)} steps"
+    return TimeEstimate(pace * step + left, basis, "steps", left_s=left)
+
+
+def format_duration(seconds: float) -> str:
+    """'45 s', '4 min 20 s', '1 h 05 min'."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes, secs = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes} min {secs:02d} s" if secs else f"{minutes} min"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
+
+
+def describe_time(estimate: TimeEstimate | None, first: TimeEstimate | None, took_s: float | None, active: bool) -> str:
+    """Training time in words: the estimate before and during a run, and after it how close the first one was
+    ("" for a run that ended without its time known)."""
+    if took_s is None and not active and (estimate is None or estimate.left_s is not None):
+        return ""
+    if took_s is not None and not active:
+        took = f"training took {format_duration(took_s)}"
+        shown = first if first is not None and first.seconds else None
+        if shown is None or shown.seconds is None:
+            return took
+        return f"estimated {format_duration(shown.seconds)} ({shown.basis}), {took}"
+    if estimate is None or estimate.seconds is None:
+        return f"training time: {(estimate or NO_ESTIMATE).basis}"
+    if estimate.left_s is not None and active:
+        return f"about {format_duration(estimate.left_s)} left ({estimate.basis})"
+    return f"training takes about {format_duration(estimate.seconds)} ({estimate.basis})"
+
+
+def gpu_class_of(hardware: dict[str, Any]) -> tuple[str, str]:
+    """(GPU class, card name) of a run from its registry ``hardware`` record ("cpu", "" for a CPU run)."""
+    from engine.hardware import gpus
+
+    if not str(hardware.get("device", "")).startswith("cuda"):
+        return gpus.CPU, ""
+    names = hardware.get("gpus") or [""]
+    name = str(names[0])
+    if hardware.get("gpu_class"):
+        return str(hardware["gpu_class"]), name
+    spec = gpus.find_gpu(name) if name else None
+    return (spec.gpu_class if spec else "unknown"), name
