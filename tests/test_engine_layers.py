@@ -1,4 +1,5 @@
-"""engine/'s packages depend on each other one way, in the layers engine/__init__.py lists, with no cycle.
+"""engine/'s packages depend on each other one way, in the layers engine/__init__.py lists, with no cycle, and no two
+modules import each other, directly or round a circle, inside a package either.
 
 Imports are read from the source with ``ast`` (function-level and ``TYPE_CHECKING`` imports included), so a
 lazy import inside a function cannot hide an upward dependency.
@@ -94,6 +95,31 @@ def dependencies() -> dict[str, dict[str, list[str]]]:
     return graph
 
 
+def module_imports(path: Path, modules: set[str]) -> set[str]:
+    """The engine modules ``path`` imports: ``from a import b`` is ``a.b`` where that is a module, else ``a``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in modules)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            for alias in node.names:
+                name = f"{base}.{alias.name}"
+                found.add(name if name in modules else base)
+    return (found & modules) - {module_name(path)}
+
+
+def module_dependencies() -> dict[str, dict[str, list[str]]]:
+    """module -> the engine modules it imports (the graph :func:`cycles` reads)."""
+    paths = {module_name(path): path for path in engine_files()}
+    return {name: {target: [name] for target in module_imports(path, set(paths))} for name, path in paths.items()}
+
+
 def cycles(graph: dict[str, dict[str, list[str]]]) -> list[list[str]]:
     """Each strongly connected group of more than one component (Tarjan)."""
     index: dict[str, int] = {}
@@ -137,6 +163,12 @@ def test_no_import_cycle_between_components() -> None:
     assert cycles(dependencies()) == []
 
 
+def test_no_import_cycle_between_modules() -> None:
+    """A package's ``__init__`` may import its modules; they may not import it back, nor each other round a
+    circle: such a pair cannot be read, tested or moved one at a time."""
+    assert cycles(module_dependencies()) == []
+
+
 def test_no_component_imports_a_higher_layer() -> None:
     upward = [
         f"engine.{imported} (layer {rank_of(imported) + 1}) imported by {', '.join(sorted(set(modules)))} "
@@ -163,6 +195,16 @@ def test_function_level_and_relative_imports_are_seen(tmp_path: Path, monkeypatc
     source.write_text("def f():\n    from engine.run import loop\n    from . import packing\n    import engine.cli\n")
     monkeypatch.setattr(sys.modules[__name__], "ENGINE", tmp_path / "engine")
     assert imported_modules(source) >= {"engine.run.loop", "engine.data.packing", "engine.cli"}
+
+
+def test_a_module_cycle_through_a_lazy_import_is_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    package = tmp_path / "engine" / "speed"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("from engine.speed import loss\n")
+    (package / "loss.py").write_text("def f():\n    from engine.speed import SpeedController\n")
+    (package / "kernel.py").write_text("from . import loss\n")
+    monkeypatch.setattr(sys.modules[__name__], "ENGINE", tmp_path / "engine")
+    assert cycles(module_dependencies()) == [["engine.speed", "engine.speed.loss"]]
 
 
 def test_a_cycle_is_found() -> None:

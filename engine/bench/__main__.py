@@ -1,10 +1,10 @@
-"""``python -m engine.bench``: the speed benchmark (engine.bench.speed), as ``tunedeck bench``."""
+"""``python -m engine.bench``: the benchmarks (engine.bench.command), as ``tunedeck bench``."""
 
 from __future__ import annotations
 
 import sys
 
-from engine.bench.speed import main
+from engine.bench.command import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -812,21 +812,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The 16-bit rows (``--app-path``, ``--qlora`` and ``--long-context`` are :mod:`engine.bench.command`'s)."""
     set_at_process_start()  # as the app and the CLI do: the bench measures what users get
-    argv = sys.argv[1:] if argv is None else argv
-    if "--app-path" in argv:
-        from engine.bench.app_path import main as app_path_main
-
-        return app_path_main([arg for arg in argv if arg != "--app-path"])
-    if "--qlora" in argv:
-        from engine.bench.qlora import main as qlora_main
-
-        return qlora_main([arg for arg in argv if arg != "--qlora"])
-    if "--long-context" in argv:
-        from engine.bench.long_context import main as long_context_main
-
-        return long_context_main([arg for arg in argv if arg != "--long-context"])
-    args = parse_args(argv)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.merge is not None:
         env, peak, dense = merged_rows(args.merge)
     elif not torch.cuda.is_available():

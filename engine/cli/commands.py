@@ -19,9 +19,13 @@ VERSION = "0.1.0"
 # command -> (module:function taking argv, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("engine.cli.train:train_main", "fine-tune a model on a dataset (or the built-in demo)"),
-    "bench": ("engine.bench.speed:main", "measure the speed optimizations against stock transformers+PEFT on this GPU"),
+    "bench": ("engine.bench.command:main", "measure the speed optimizations against stock transformers+PEFT on this GPU"),
     "detect": ("engine.hardware.cli:detect_main", "show the GPU, what TuneDeck will do with it, and why"),
     "plan": ("engine.hardware.cli:plan_main", "will a model fit on a GPU (this or any named one), and how"),
+    "models": (
+        "engine.cli.models:models_main",
+        "list the GGUF models in Ollama and LM Studio that a run can start from (--model NAME)",
+    ),
     "runs": ("engine.cli.runs:runs_main", "list, show, rename or delete past runs"),
     "chat": ("engine.cli.runs:chat_main", "chat with a run's fine-tuned model (and the base model beside it)"),
     "export": ("engine.cli.runs:export_main", "export a run's adapter, or a merged model with --merged"),

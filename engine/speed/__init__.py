@@ -47,6 +47,7 @@ from engine.speed import (
     step_graphs,
     warm_up,
 )
+from engine.speed.fused_kernels import transformers_model
 from engine.speed.host_embedding import HostEmbedding
 from engine.speed.lora_16bit import Lora16Bit, adapted_layers
 from engine.speed.lora_groups import LoraGroups
@@ -66,16 +67,6 @@ GRAPHS_SHORT_OF_MEMORY = (
 RESIDENT_SHORT_OF_MEMORY = "GPU memory ran short with layers resident; every layer checkpoints until memory has room"
 ACTIVATION_BYTES_PER_TOKEN_AND_HIDDEN = 34
 """Bytes kept per token × hidden per layer without checkpointing in 16-bit (Korthikanti et al., flash attention)."""
-
-
-def transformers_model(model: torch.nn.Module) -> Any:
-    """The transformers PreTrainedModel inside a peft wrapper (or the model itself)."""
-    from transformers import PreTrainedModel
-
-    for module in model.modules():
-        if isinstance(module, PreTrainedModel):
-            return module
-    raise TypeError(f"{type(model).__name__} contains no transformers model")
 
 
 def free_device_memory(device: torch.device) -> int:

@@ -329,3 +329,18 @@ def _kernel() -> Any:
             tl.store(backward + column[:, None] * rows + row[None, :], tl.trans(tile))
 
     return four_bit_decode_kernel
+
+
+def dense_weight(
+    weight: torch.Tensor, quant_state: Any, dtype: torch.dtype, one_kernel: bool = False, use: int = 0
+) -> torch.Tensor:
+    """The (out, in) weight in ``dtype``: dequantized from 4 bits when there is a quantization state, by the one-pass
+    kernel (:func:`sixteen_bit_from_4bit`, the same bits) when ``one_kernel``;
+    ``use`` 1 for an input gradient's weight (never merged with the forward's in compiled graphs)."""
+    if quant_state is None:
+        return weight.to(dtype)
+    if one_kernel:
+        return sixteen_bit_from_4bit(weight, quant_state, quant_state.dtype, use).to(dtype)
+    from bitsandbytes.functional import dequantize_4bit
+
+    return dequantize_4bit(weight, quant_state).to(dtype)

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from engine.speed.four_bit_weights import e4m3_from_4bit
+from engine.speed.four_bit_weights import dense_weight, e4m3_from_4bit
 
 __all__ = [
     "E4M3_MAX",
@@ -102,8 +102,6 @@ def fp8_matmul(
 
 
 def _dense(weight: torch.Tensor, quant_state: Any, dtype: torch.dtype) -> torch.Tensor:
-    from engine.speed.lean_recompute import dense_weight
-
     return dense_weight(weight, quant_state, dtype)
 
 

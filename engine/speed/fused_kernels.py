@@ -210,3 +210,13 @@ def prepare_metadata(meta: Any, hf_model: torch.nn.Module) -> None:
             meta.block_mask(window)
         elif meta.backend == "sdpa":
             meta.dense_mask(window)
+
+
+def transformers_model(model: torch.nn.Module) -> Any:
+    """The transformers PreTrainedModel inside a peft wrapper (or the model itself)."""
+    from transformers import PreTrainedModel
+
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            return module
+    raise TypeError(f"{type(model).__name__} contains no transformers model")

@@ -307,7 +307,7 @@ def fused_causal_lm_loss(
     :func:`choose_chunk_size`; ``positions`` (``PackedBatch.loss_positions``) make the step free of host syncs;
     ``compiled`` computes each chunk's softmax gradient with one fused kernel (the fused-kernels switch).
     """
-    from engine.speed import transformers_model
+    from engine.speed.fused_kernels import transformers_model
 
     hf_model = transformers_model(model)
     head = hf_model.get_output_embeddings()

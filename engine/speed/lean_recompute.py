@@ -84,21 +84,6 @@ def _is_frozen_linear(module: torch.nn.Module) -> TypeGuard[torch.nn.Linear]:
     return type(module) is torch.nn.Linear and isinstance(weight, torch.Tensor) and not weight.requires_grad
 
 
-def dense_weight(
-    weight: torch.Tensor, quant_state: Any, dtype: torch.dtype, one_kernel: bool = False, use: int = 0
-) -> torch.Tensor:
-    """The (out, in) weight in ``dtype``: dequantized from 4 bits when there is a quantization state, by the one-pass
-    kernel (:func:`engine.speed.four_bit_weights.sixteen_bit_from_4bit`, the same bits) when ``one_kernel``;
-    ``use`` 1 for an input gradient's weight (never merged with the forward's in compiled graphs)."""
-    if quant_state is None:
-        return weight.to(dtype)
-    if one_kernel:
-        return four_bit_weights.sixteen_bit_from_4bit(weight, quant_state, quant_state.dtype, use).to(dtype)
-    from bitsandbytes.functional import dequantize_4bit
-
-    return dequantize_4bit(weight, quant_state).to(dtype)
-
-
 class _UnreadOutput(torch.autograd.Function):
     """``x @ W.T`` whose value nobody reads: forward only allocates, backward gives ``grad @ W``."""
 
@@ -111,7 +96,7 @@ class _UnreadOutput(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        dense = dense_weight(ctx.weight, ctx.quant_state, grad.dtype, ctx.one_kernel, use=1)
+        dense = four_bit_weights.dense_weight(ctx.weight, ctx.quant_state, grad.dtype, ctx.one_kernel, use=1)
         return grad @ dense, None, None, None, None
 
 
@@ -127,7 +112,7 @@ class _Decoded(torch.autograd.Function):
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, quant_state: Any, bias: torch.Tensor | None, keep: bool,
         one_kernel: bool,
     ) -> torch.Tensor:  # fmt: skip
-        dense = dense_weight(weight, quant_state, x.dtype, one_kernel)
+        dense = four_bit_weights.dense_weight(weight, quant_state, x.dtype, one_kernel)
         ctx.keep, ctx.one_kernel, ctx.quant_state = keep, one_kernel, quant_state
         ctx.save_for_backward(dense if keep else weight)
         return F.linear(x, dense, None if bias is None else bias.to(x.dtype))
@@ -135,7 +120,11 @@ class _Decoded(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         (saved,) = ctx.saved_tensors
-        dense = saved if ctx.keep else dense_weight(saved, ctx.quant_state, grad.dtype, ctx.one_kernel, use=1)
+        dense = (
+            saved
+            if ctx.keep
+            else four_bit_weights.dense_weight(saved, ctx.quant_state, grad.dtype, ctx.one_kernel, use=1)
+        )
         return grad @ dense.to(grad.dtype), None, None, None, None, None
 
 
@@ -205,7 +194,7 @@ class FrozenProjection(StandIn):
                     module._non_persistent_buffers_set.discard(name)
         elif self.fp8_columns is None:
             with torch.no_grad():
-                dense = dense_weight(*self._weight_and_state(), self._compute_dtype())
+                dense = four_bit_weights.dense_weight(*self._weight_and_state(), self._compute_dtype())
                 columns = fp8_base.weight_columns(dense)
             for name, value in zip(FP8_SCALES, columns, strict=True):
                 # buffers (compiled regions take them as inputs), never saved with the model
