@@ -19,7 +19,7 @@ VERSION = "0.1.0"
 # command -> (module:function taking argv, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("engine.cli.train:train_main", "fine-tune a model on a dataset (or the built-in demo)"),
-    "bench": ("engine.bench.command:main", "measure the speed optimizations against stock transformers+PEFT on this GPU"),
+    "bench": ("engine.bench.command:main", "measure the speed switches against stock transformers+PEFT on this GPU"),
     "detect": ("engine.hardware.cli:detect_main", "show the GPU, what TuneDeck will do with it, and why"),
     "plan": ("engine.hardware.cli:plan_main", "will a model fit on a GPU (this or any named one), and how"),
     "models": (
