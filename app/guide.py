@@ -13,15 +13,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from PySide6.QtCore import QRect, QSize, Qt, Signal
-from PySide6.QtGui import QFontMetrics, QResizeEvent
-from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPushButton, QSizePolicy
+from PySide6.QtCore import QEvent, QRect, QSize, Qt, Signal
+from PySide6.QtGui import QFontMetrics, QPalette, QResizeEvent
+from PySide6.QtWidgets import QApplication, QFrame, QHBoxLayout, QLabel, QPushButton, QSizePolicy
 
 from app.model_info import machine_name
 from engine.run.summary import describe
 
-READY_COLOUR = "#2f9a4e"  # mid-tones: they read on the light and the dark look
-MISSING_COLOUR = "#b7791f"
+STEP_COLOURS = {False: ("#1e7a3a", "#8a5a00"), True: ("#6fd08c", "#e8b04f")}
+"""(ready, missing) text colours in the light and the dark look: 4.5:1 or more against the buttons (one mid-tone
+green for both looks read at 3.4:1, too faint on the dark buttons)."""
 STEP_WIDTH = (150, 260)
 """A step button's narrowest and widest: three of them, Start and the next line fit 1366 pixels."""
 STEP_PADDING = 2 * 10 + 8
@@ -56,6 +57,11 @@ def fit_text(text: str, metrics: QFontMetrics, width: int, lines: int = 1) -> st
         else:
             high = middle - 1
     return text[:low].rstrip() + "…"
+
+
+def step_colours(palette: QPalette) -> tuple[str, str]:
+    """(ready, missing) text colours for the look ``palette`` belongs to."""
+    return STEP_COLOURS[palette.color(QPalette.ColorRole.Window).lightness() < 128]
 
 
 class StepButton(QPushButton):
@@ -168,7 +174,7 @@ class GuideBar(QFrame):
         for button, (_, _, page) in zip(self.buttons, self.steps, strict=True):
             ready, text = page.step_status()
             button.show_status(ready, text)
-            style = STEP_STYLE.format(colour=READY_COLOUR if ready else MISSING_COLOUR)
+            style = STEP_STYLE.format(colour=step_colours(QApplication.palette())[0 if ready else 1])
             if button.styleSheet() != style:  # re-polishing on every refresh would cost a repaint each time
                 button.setStyleSheet(style)
         missing = self.missing()
@@ -180,6 +186,11 @@ class GuideBar(QFrame):
             self.next.show_text(f"Next: {missing[0][1]}")
         else:
             self.next.show_text(f"Ready: Start trains on {self.machine()}; the Run page follows it.")
+
+    def changeEvent(self, event: QEvent) -> None:
+        super().changeEvent(event)
+        if event.type() in (QEvent.Type.PaletteChange, QEvent.Type.ApplicationPaletteChange):  # light or dark look
+            self.refresh()
 
     def run_line(self) -> str:
         """The run going on in the words every page uses: its state, progress, speed and measured peak."""

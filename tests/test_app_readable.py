@@ -169,3 +169,29 @@ def test_the_ready_line_says_the_run_trains_on_this_computers_cpu(qtbot: Any) ->
     assert guide.next.whole == "Ready: Start trains on this computer's CPU; the Run page follows it."
     state.set_hardware(DeviceTarget.from_spec(gpus.find_gpu("RTX 4090")), None)
     assert guide.next.whole == "Ready: Start trains on the RTX 4090; the Run page follows it."
+
+
+def test_the_guides_step_texts_read_in_the_light_and_the_dark_look(qtbot: Any, window: Any) -> None:
+    """Each step's coloured text against its button as drawn, in both looks (4.5:1, the rule for text)."""
+    import re
+
+    from PySide6.QtWidgets import QApplication
+
+    from app.theme import contrast_ratio
+
+    window.resize(LAPTOP)
+    qtbot.waitExposed(window)
+    try:
+        for dark in (False, True, False):
+            window.set_look(dark)
+            QApplication.processEvents()  # the new palette reaches the widgets through posted events
+            for button in window.guide.buttons:
+                image = button.grab().toImage()
+                ground = QColor(image.pixel(image.width() - 8, image.height() // 2)).name()
+                colour = re.search(r"color: (#[0-9a-f]{6})", button.styleSheet())
+                assert colour is not None, button.styleSheet()
+                ratio = contrast_ratio(colour.group(1), ground)
+                look = "dark" if dark else "light"
+                assert ratio >= 4.5, f"{button.name}, {look}: {colour.group(1)} on {ground}: {ratio:.2f}"
+    finally:
+        window.set_look(False)
