@@ -109,6 +109,10 @@ CHECKBOX_TEXT = {
 """What a check box does, written beside it where the label alone could mislead."""
 
 
+AUTOMATIC_AT_ZERO = frozenset({"data.max_seq_len", "data.tokens_per_batch"})
+"""Whole-number settings whose 0 means automatic (chosen for the device, the model and the data at the run's start)."""
+
+
 def _editor(annotation: Any) -> QWidget:
     options = get_args(annotation)
     if annotation is bool:
@@ -217,6 +221,8 @@ class ConfigForm(QWidget):
             editor = _editor(annotation)
             if isinstance(editor, QCheckBox) and key in CHECKBOX_TEXT:
                 editor.setText(CHECKBOX_TEXT[key])
+            if isinstance(editor, QSpinBox) and key in AUTOMATIC_AT_ZERO:
+                editor.setSpecialValueText("automatic")  # shown at 0, the config's automatic value
             if not isinstance(editor, QCheckBox):
                 editor.setFixedWidth(EDITOR_WIDTH)  # one editor width too, so the groups line up
             editor.setToolTip(tooltip_for(key, spec))

@@ -7,6 +7,7 @@ instead of stopping at the first. Qt-free.
 
 from __future__ import annotations
 
+import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 
 from engine.config import DataConfig, ModelConfig
 from engine.errors import ModelLoadError, TuneDeckError
+from engine.hardware.row_lengths import GPU_TOKENS_PER_BATCH
 
 TOKENIZER_LOCK = threading.Lock()
 """Two first imports of transformers' lazy AutoTokenizer in two threads fail ("cannot import name
@@ -90,11 +92,15 @@ def analyze_dataset(
         except TuneDeckError as err:  # the model's fault, not the dataset's: say so
             raise ModelLoadError(f"{NO_TOKENIZER} {model_name}: {err.message}", hint=err.hint) from err
     ensure_chat_template(tokenizer)
+    # automatic (0) lengths: no example cut, and a GPU's rows (a CPU run picks shorter rows when it starts)
+    longest = data.max_seq_len or sys.maxsize
+    tokens_per_batch = data.tokens_per_batch or GPU_TOKENS_PER_BATCH
     tokenized, _ = tokenize_examples(
-        tokenizer, examples, max_seq_len=data.max_seq_len, overlong=data.overlong, train_on_all=data.train_on_all_tokens
+        tokenizer, examples, max_seq_len=longest, overlong=data.overlong, train_on_all=data.train_on_all_tokens
     )
     lengths = [len(ex) for ex in tokenized]
-    packed = pack_examples(tokenized, data.tokens_per_batch) if tokenized else []
+    tokens_per_batch = max(tokens_per_batch, max(lengths, default=0))
+    packed = pack_examples(tokenized, tokens_per_batch) if tokenized else []
     return DatasetReport(
         path=path,
         data_format=fmt,
@@ -105,8 +111,8 @@ def analyze_dataset(
         trained_tokens=sum(ex.trained_tokens for ex in tokenized),
         total_tokens=sum(lengths),
         packed_rows=len(packed),
-        packing_efficiency=packing_efficiency(lengths, packed, data.tokens_per_batch),
-        tokens_per_batch=data.tokens_per_batch,
+        packing_efficiency=packing_efficiency(lengths, packed, tokens_per_batch),
+        tokens_per_batch=tokens_per_batch,
         preview=[token_pieces(tokenizer, ex) for ex in tokenized[:PREVIEW_EXAMPLES]],
         sampled=len(good) > MAX_TOKENIZED,
     )

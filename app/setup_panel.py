@@ -79,7 +79,7 @@ def time_estimate(estimate: RecipeEstimate, config: RunConfig, state: AppState) 
     gpu_class = str(getattr(hardware, "gpu_class", "cpu"))
     gpu = getattr(hardware, "primary", hardware)
     gpu_name = "" if gpu_class == "cpu" else str(getattr(gpu, "name", "") or "")
-    tokens_per_step = (config.data.tokens_per_batch or 0) * config.training.grad_accum
+    tokens_per_step = (estimate.tokens_per_batch or config.data.tokens_per_batch) * config.training.grad_accum
     planner = None
     if estimate.seconds and estimate.steps and tokens_per_step:
         planner = estimate.steps * tokens_per_step / estimate.seconds

@@ -93,18 +93,25 @@ class DataConfig:
     train_on_all_tokens: bool = setting(
         False, "compute the loss on every token, not only on assistant/completion tokens"
     )
-    max_seq_len: int = setting(2048, "longest example in tokens; longer ones are truncated or dropped")
+    max_seq_len: int = setting(
+        0,
+        "longest example in tokens; longer ones are truncated or dropped (0: automatic: 2048 on a GPU; on a CPU the "
+        "longest example rounded up, within what the CPU trains in seconds)",
+    )
     overlong: Literal["truncate", "drop"] = setting("truncate", "what to do with examples over max_seq_len")
-    tokens_per_batch: int = setting(4096, "token budget of one packed row (one micro-batch)")
+    tokens_per_batch: int = setting(
+        0,
+        "token budget of one packed row (one micro-batch) (0: automatic: 4096 on a GPU; on a CPU what it trains in "
+        "about 8 s a step for the model)",
+    )
     eval_fraction: float = setting(0.05, "share of examples held out for evaluation (0 disables eval)")
     eval_path: str | None = setting(None, "separate evaluation file (overrides eval_fraction)")
 
     def __post_init__(self) -> None:
-        _require(self.max_seq_len >= 8, "data.max_seq_len", f"must be at least 8, got {self.max_seq_len}")
         _require(
-            self.tokens_per_batch >= self.max_seq_len,
-            "data.tokens_per_batch",
-            f"must be at least max_seq_len ({self.max_seq_len}), got {self.tokens_per_batch}",
+            self.max_seq_len == 0 or self.max_seq_len >= 8,
+            "data.max_seq_len",
+            f"must be at least 8 (or 0: automatic), got {self.max_seq_len}",
         )
         _require(0.0 <= self.eval_fraction < 1.0, "data.eval_fraction", f"must be in [0, 1), got {self.eval_fraction}")
 
@@ -127,6 +134,15 @@ class LoraConfig:
         _require(bool(self.target_modules), "lora.target_modules", "must name at least one module")
 
 
+        _require(self.tokens_per_batch >= 0, "data.tokens_per_batch", f"must be >= 0, got {self.tokens_per_batch}")
+        if self.max_seq_len and self.tokens_per_batch and self.tokens_per_batch < self.max_seq_len:
+            raise ConfigError(
+                f"data.tokens_per_batch: must be at least max_seq_len ({self.max_seq_len}), "
+                f"got {self.tokens_per_batch}",
+                hint=f"tokens_per_batch {self.max_seq_len} or more would work (--tokens-per-batch "
+                f"{self.max_seq_len}), or max_seq_len {self.tokens_per_batch} or less (--max-seq-len "
+                f"{self.tokens_per_batch}); one left at 0 (automatic) follows the other",
+            )
 @dataclass
 class TrainingConfig:
     """The optimisation loop."""

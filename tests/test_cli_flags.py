@@ -85,7 +85,7 @@ def value_words(section: str, spec: dataclasses.Field[Any], annotation: Any, def
     if getattr(annotation, "__origin__", None) is Literal:
         return [next(choice for choice in get_args(annotation) if choice != default)]
     if annotation is int:
-        return [str(default + 1)]
+        return [str(default + 1 if default else 64)]  # 0 means automatic for some, and 1 is too short a row
     if annotation is float:
         return [str(default / 2 if default else 0.1)]
     return [TEXT_VALUES[f"{section}.{spec.name}"]]

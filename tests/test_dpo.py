@@ -23,7 +23,7 @@ from engine.data.tokenize import ensure_chat_template, tokenize_examples, tokeni
 from engine.errors import ConfigError, DataError
 from engine.events import Notice, RunFailed, RunFinished, StepMetrics
 from engine.model.load import add_lora, load_base_model, load_tokenizer
-from engine.run import preference
+from engine.run import preference_step
 from engine.run.folder import new_run_dir
 from engine.run.preference import document_log_probs, pair_losses
 from engine.speed.warm_up import WarmUpLedger
@@ -244,14 +244,14 @@ def test_reference_log_probs_are_computed_once_per_pair(
 ) -> None:
     data = write_jsonl(tmp_path / "p.jsonl", TEXT_ROWS[:6])
     reference_documents: list[int] = []
-    original = preference.document_log_probs
+    original = preference_step.document_log_probs
 
     def counted(model: Any, inputs: dict[str, Any], batch: Any) -> torch.Tensor:
         if not torch.is_grad_enabled():  # the reference pass (no evaluation in this run)
             reference_documents.append(batch.num_documents)
         return original(model, inputs, batch)
 
-    monkeypatch.setattr(preference, "document_log_probs", counted)
+    monkeypatch.setattr(preference_step, "document_log_probs", counted)
     ticks: list[int] = []  # micro-batches the warm-up clock counted (compile costs are measured from them)
     original_tick = WarmUpLedger.tick
 

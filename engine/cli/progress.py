@@ -67,7 +67,7 @@ class ProgressPrinter:
                 f"({event.consecutive} in a row, {event.total_skipped} in all)"
             )
         elif isinstance(event, SpeedChanged):
-            self.write(describe_speed(event))
+            self.write(describe_speed(event, on_cpu=self.device == "cpu"))
         elif isinstance(event, RunPaused):
             self.write(f"paused at step {event.step}")
         elif isinstance(event, RunFinished):
@@ -132,14 +132,21 @@ def peak_memory_line(device: str, peak: int, driver: int | None) -> str:
     return f"peak GPU memory (reserved): {peak / 2**30:.2f} GiB{seen}"
 
 
-def describe_speed(event: SpeedChanged) -> str:
-    """One line per optimization: what is in force and why."""
+def describe_speed(event: SpeedChanged, on_cpu: bool = False) -> str:
+    """One line per optimization: what is in force and why. On a CPU only what applies there: the switches that
+    are on and the modes chosen (most switches need an NVIDIA GPU, and a list of them all off says nothing)."""
     lines = [f"speed settings from step {event.step}:"]
+    hidden = 0
     for name, state in event.state.items():
         choice = state.get("backend") or state.get("mode") or ("on" if state.get("on") else "off")
         if "on" in state and not state["on"]:
             choice = "off"
+        if on_cpu and choice in ("off", "stock"):
+            hidden += 1
+            continue
         lines.append(f"  {name.replace('_', ' ')}: {choice} ({state.get('reason', '')})")
+    if hidden:
+        lines.append(f"  {hidden} more are off: they need an NVIDIA GPU or do not apply to this run (--json lists why)")
     return "\n".join(lines)
 
 

@@ -89,7 +89,13 @@ def _common(parser: argparse.ArgumentParser) -> None:
         "--tokens-per-batch", type=int, dest="tokens", help="tokens per batch (default: the largest that fits)"
     )
     parser.add_argument("--tokens", type=int, help=argparse.SUPPRESS)  # the older spelling
-    parser.add_argument("--max-seq-len", type=int, default=2048, help="longest example; the batch is at least this")
+    parser.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=0,
+        help="longest example; the batch is at least this (default: automatic: 2048 on a GPU; on a CPU what it "
+        "trains in seconds)",
+    )
     parser.add_argument("--qlora", action=argparse.BooleanOptionalAction, default=None, help="force QLoRA on or off")
     parser.add_argument("--checkpointing", choices=("auto", "none", "standard", "offloaded"), default="auto")
     parser.add_argument("--lora-rank", type=int, default=16)
@@ -180,10 +186,12 @@ def _parallel_plan(args: argparse.Namespace, shape: Any, device: Any, profile: A
     """DDP or FSDP2 over ``args.gpus`` cards like ``device``, for the one-card plan's settings."""
     from engine.hardware.parallel import choose_parallel
     from engine.hardware.planner import TrainSetup, usable_bytes
+    from engine.hardware.row_lengths import GPU_MAX_SEQ_LEN
 
     plan = profile.memory_plan
+    row = args.max_seq_len or GPU_MAX_SEQ_LEN
     setup = TrainSetup(
-        tokens=args.tokens or (plan.tokens if plan is not None and plan.tokens else args.max_seq_len),
+        tokens=args.tokens or (plan.tokens if plan is not None and plan.tokens else None) or row,
         qlora=bool(args.qlora if args.qlora is not None else plan is not None and plan.qlora),
         lora_rank=args.lora_rank,
         checkpointing=plan.checkpointing if plan is not None else "offloaded",

@@ -23,6 +23,7 @@ from engine.hardware.planner import (
     estimate_memory,
     weight_bytes,
 )
+from engine.hardware.row_lengths import GPU_TOKENS_PER_BATCH
 from engine.hardware.shapes import ModelShape, load_shape
 
 if TYPE_CHECKING:
@@ -119,7 +120,7 @@ def setup_for_run(config: RunConfig) -> TrainSetup:
     """The planner's view of a run's memory choices (per GPU: tokens per batch is per card)."""
     mode = config.speed.checkpointing
     return TrainSetup(
-        tokens=config.data.tokens_per_batch,
+        tokens=config.data.tokens_per_batch or GPU_TOKENS_PER_BATCH,  # automatic (0): the GPU's default
         qlora=config.model.qlora,
         lora_rank=config.lora.rank,
         checkpointing="offloaded" if mode == "auto" else mode,

@@ -30,8 +30,11 @@ from engine.hardware.planner import (
     training_flops_per_token,
     usable_bytes,
 )
+from engine.hardware.row_lengths import choose_row_lengths, round_up
 from engine.hardware.shapes import ModelShape
 
+PLANNER_STEP = 256
+"""The planner sizes rows in steps of this many tokens (a CPU row is planned at the next step up)."""
 MFU_LORA = 0.24
 """Share of peak tensor throughput a LoRA step reaches (measured on the H200: Llama-3.2-1B, 37k tokens/s)."""
 MFU_QLORA = 0.45
@@ -59,6 +62,8 @@ class Profile:
     checkpointing: Choice
     moe_routing: Choice
     qlora: Choice | None = None
+    max_seq_len: Choice | None = None
+    """The row length, where the device sets it (on a CPU it follows the model and the data)."""
     tokens_per_batch: Choice | None = None
     tokens_per_second: float | None = None
     memory_plan: MemoryPlan | None = None
@@ -66,7 +71,7 @@ class Profile:
 
     def choices(self) -> dict[str, Choice]:
         names = ("dtype", "attention_backend", "metadata_cache", "checkpointing", "moe_routing", "qlora")
-        found = {name: getattr(self, name) for name in (*names, "tokens_per_batch")}
+        found = {name: getattr(self, name) for name in (*names, "max_seq_len", "tokens_per_batch")}
         return {name: choice for name, choice in found.items() if choice is not None}
 
     def to_dict(self) -> dict[str, Any]:
@@ -98,6 +103,8 @@ class DeviceTarget:
     other_used_bytes: int = 0
     tflops: float | None = None
     wsl: bool = False
+    cpu_cores: int = 1
+    """The CPU's cores (what a CPU run trains with)."""
     assumed: bool = False
     """A card known by its memory alone (``tunedeck plan --vram``), planned as an RTX 40-series card: what only its
     architecture would tell (fp8 tensor cores) is not claimed."""
@@ -106,7 +113,7 @@ class DeviceTarget:
     def from_hardware(cls, hardware: HardwareInfo) -> DeviceTarget:
         gpu = hardware.primary
         if gpu is None:
-            return cls(None, gpus.CPU, None, hardware.host_memory_bytes, wsl=hardware.wsl)
+            return cls(None, gpus.CPU, None, hardware.host_memory_bytes, wsl=hardware.wsl, cpu_cores=hardware.cpu_count)
         spec = gpus.find_gpu(gpu.name)
         return cls(
             name=gpu.name,
@@ -206,13 +213,25 @@ def build_profile(
     *,
     overrides: Mapping[str, Any] | None = None,
     lora_rank: int = 16,
-    min_tokens: int = 2048,
+    min_tokens: int = 0,
     max_tokens: int = 16384,
 ) -> Profile:
-    """Choose every setting for ``target``; ``overrides`` (config field name -> value) are kept as given."""
+    """Choose every setting for ``target``; ``overrides`` (config field name -> value) are kept as given.
+    ``min_tokens``: the row length (``data.max_seq_len``; 0: automatic, 2,048 on a GPU)."""
     if isinstance(target, HardwareInfo):
         target = DeviceTarget.from_hardware(target)
     overrides = dict(overrides or {})
+    rows = choose_row_lengths(
+        on_gpu=target.is_gpu,
+        max_seq_len=min_tokens,
+        tokens_per_batch=overrides.get("tokens_per_batch") or 0,
+        shape=shape,
+        cpu_cores=target.cpu_cores,
+        qlora=bool(overrides.get("qlora")),
+    )
+    min_tokens = rows.max_seq_len
+    if not target.is_gpu:  # the CPU's row is its speed budget, not the largest that fits in host memory
+        overrides["tokens_per_batch"] = round_up(rows.tokens_per_batch, PLANNER_STEP)
     dtype = _override(overrides, "dtype") or choose_dtype(target)
     attention = _override(overrides, "attention_backend") or choose_attention(target, dtype.value)
     choices: dict[str, Any] = {  # Choices, as keyword arguments of Profile
@@ -230,6 +249,10 @@ def build_profile(
     if offload_note and target.is_gpu:
         notes.append(offload_note)
     extra = _memory_choices(plan, overrides, target)
+    if not target.is_gpu:
+        extra["max_seq_len"] = Choice(rows.max_seq_len, rows.max_seq_len_reason)
+        if plan.fits:
+            extra["tokens_per_batch"] = Choice(rows.tokens_per_batch, rows.tokens_per_batch_reason)
     choices.update(extra)
     if not plan.fits:
         notes.append(plan.reasons.get("fit", "does not fit"))

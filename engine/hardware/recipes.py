@@ -9,12 +9,14 @@ what a recipe costs on a card: the predicted peak memory, and the time from the 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from engine.config import RunConfig
+from engine.hardware.row_lengths import GPU_TOKENS_PER_BATCH, choose_row_lengths
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,8 @@ class RecipeEstimate:
     seconds: float | None
     """Training time from the card's throughput (None: no figure for this device, or steps unknown)."""
     reason: str = ""
+    tokens_per_batch: int = 0
+    """The tokens of one packed row the estimate is for (an automatic value resolved for the device)."""
 
 
 def planned_steps(config: RunConfig, dataset_tokens: int | None) -> int | None:
@@ -137,13 +141,28 @@ def planned_steps(config: RunConfig, dataset_tokens: int | None) -> int | None:
         return training.max_steps
     if not dataset_tokens:
         return None
-    rows = math.ceil(dataset_tokens / config.data.tokens_per_batch)
+    rows = math.ceil(dataset_tokens / (config.data.tokens_per_batch or GPU_TOKENS_PER_BATCH))
     return max(1, math.ceil(training.epochs * rows / training.grad_accum))
 
 
 def estimate_recipe(config: RunConfig, shape: Any, target: Any, dataset_tokens: int | None = None) -> RecipeEstimate:
-    """Predicted peak memory and time of ``config`` for ``shape`` on ``target`` (a DeviceTarget or HardwareInfo)."""
-    from engine.hardware.profile import build_profile
+    """Predicted peak memory and time of ``config`` for ``shape`` on ``target`` (a DeviceTarget or HardwareInfo);
+    an automatic row length or tokens per batch is the one a run on ``target`` would choose."""
+    from engine.hardware.detect import HardwareInfo
+    from engine.hardware.profile import DeviceTarget, build_profile
+
+    device = DeviceTarget.from_hardware(target) if isinstance(target, HardwareInfo) else target
+    rows = choose_row_lengths(
+        on_gpu=device.is_gpu,
+        max_seq_len=config.data.max_seq_len,
+        tokens_per_batch=config.data.tokens_per_batch,
+        shape=shape,
+        cpu_cores=device.cpu_cores,
+        qlora=config.model.qlora,
+        documents_per_item=2 if config.training.method == "dpo" else 1,
+    )
+    data = dataclasses.replace(config.data, max_seq_len=rows.max_seq_len, tokens_per_batch=rows.tokens_per_batch)
+    config = dataclasses.replace(config, data=data)
 
     overrides: dict[str, Any] = {"qlora": config.model.qlora, "tokens_per_batch": config.data.tokens_per_batch}
     if config.speed.checkpointing != "auto":
@@ -156,11 +175,11 @@ def estimate_recipe(config: RunConfig, shape: Any, target: Any, dataset_tokens: 
     plan = profile.memory_plan
     steps = planned_steps(config, dataset_tokens)
     if plan is None:
-        return RecipeEstimate(True, None, None, steps, None, "no memory figure for this device")
+        return RecipeEstimate(True, None, None, steps, None, "no memory figure for this device", rows.tokens_per_batch)
     if not plan.fits:
         reason = plan.reasons.get("fit", "does not fit").removeprefix("does not fit: ")
-        return RecipeEstimate(False, plan.estimate.peak, plan.budget_bytes, steps, None, reason)
+        return RecipeEstimate(False, plan.estimate.peak, plan.budget_bytes, steps, None, reason, rows.tokens_per_batch)
     rate = profile.tokens_per_second
     tokens = None if steps is None else steps * config.data.tokens_per_batch * config.training.grad_accum
     seconds = tokens / rate if tokens and rate else None
-    return RecipeEstimate(True, plan.estimate.peak, plan.budget_bytes, steps, seconds)
+    return RecipeEstimate(True, plan.estimate.peak, plan.budget_bytes, steps, seconds, "", rows.tokens_per_batch)

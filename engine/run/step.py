@@ -25,7 +25,7 @@ from engine.hardware import vram
 from engine.run import checkpoint as ckpt
 from engine.run import guard, readout
 from engine.run.folder import CHECKPOINT_DIR, EVAL_FILE, MEMORY_FILE, append_jsonl
-from engine.run.preference import accumulate_pairs, evaluate_pairs
+from engine.run.preference_step import accumulate_pairs, evaluate_pairs
 from engine.run.ranks import plain_number
 from engine.run.session import Session
 from engine.speed import GRAPHS_SHORT_OF_MEMORY, usable_device_memory

@@ -1,0 +1,100 @@
+"""A DPO run's steps: the reference pass (kept per pair after the first), the pairs of an optimizer step scored and
+backpropagated micro-batch by micro-batch, and the held-out pairs' loss and reward accuracy
+(:mod:`engine.run.preference` holds the losses, the kept reference and the run's settings)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.data.packing import PackedBatch, TokenizedExample, TokenizedPair, collate
+from engine.run import guard
+from engine.run.preference import PairScores, ReferenceCache, RewardTotals, document_log_probs, pair_losses
+from engine.run.session import Session
+
+
+def _reference(session: Session, batch: PackedBatch, pairs: Sequence[int], cache: ReferenceCache) -> torch.Tensor:
+    """(P, 2) reference log-probabilities: kept ones, or one pass with the adapter off."""
+    kept = cache.get(pairs)
+    if kept is not None:
+        return kept
+    model = session.model
+    training = model.training
+    model.eval()  # no dropout; transformers' checkpointing runs only in training mode
+    try:
+        with torch.no_grad(), model.disable_adapter():
+            inputs = session.speed.model_inputs(batch, timed=False)
+            values = document_log_probs(model, inputs, batch).view(-1, 2)
+    finally:
+        model.train(training)
+    cache.put(pairs, values)
+    return values
+
+
+def score_pairs(
+    session: Session, pairs: Sequence[int], examples: Sequence[TokenizedExample], cache: ReferenceCache
+) -> PairScores:
+    """Forward one micro-batch of pairs (indices into ``examples``) through the reference and the policy."""
+    items = [examples[i] for i in pairs]
+    batch = collate(items).to(session.device)
+    reference = _reference(session, batch, pairs, cache)
+    policy = document_log_probs(session.model, session.speed.model_inputs(batch), batch).view(-1, 2)
+    counts = [item.answer_tokens if isinstance(item, TokenizedPair) else (1, 1) for item in items]
+    answer_tokens = torch.tensor(counts, dtype=torch.float32, device=policy.device)
+    assert session.preference is not None
+    settings = session.preference.settings
+    losses = pair_losses(policy, reference, settings.beta, settings.loss, answer_tokens)
+    rewards = settings.beta * (policy - reference).detach()
+    return PairScores(losses, rewards[:, 0], rewards[:, 1])
+
+
+def _micro_batches(session: Session, examples: Sequence[TokenizedExample], row: Sequence[int]) -> list[list[int]]:
+    """A packed row's pairs in micro-batches of whole pairs (one unless memory ran short)."""
+    groups = guard.split_row([len(examples[i]) for i in row], session.tokens_per_batch)
+    return [[row[position] for position in group] for group in groups]
+
+
+def accumulate_pairs(session: Session, rows: Sequence[int]) -> tuple[torch.Tensor, int, int]:
+    """Forward and backward over the step's packed rows of pairs: (the step's loss on the device, tokens in its
+    rows, learned answer tokens). The step's reward sums go to ``session.preference.totals``."""
+    state = session.preference
+    assert state is not None
+    data = session.data
+    items = [i for r in rows for i in data.train_rows[r]]
+    state.totals = RewardTotals()
+    total = torch.zeros((), device=session.device)
+    for r in rows:
+        for pairs in _micro_batches(session, data.train, data.train_rows[r]):
+            scores = score_pairs(session, pairs, data.train, state.train_reference)
+            loss = scores.losses.sum() / len(items)
+            (session.scaler.scale(loss) if session.scaler is not None else loss).backward()
+            total += loss.detach().float()
+            state.totals.add(scores.chosen_rewards, scores.rejected_rewards)
+    tokens = sum(len(data.train[i]) for i in items)
+    return total, tokens, sum(data.train[i].trained_tokens for i in items)
+
+
+@torch.no_grad()
+def evaluate_pairs(session: Session) -> tuple[float, int] | None:
+    """Mean DPO loss over the held-out pairs and their learned tokens, or None without an eval split; the share of
+    pairs ranked right goes to ``session.preference.eval_accuracy``."""
+    state = session.preference
+    assert state is not None
+    data = session.data
+    if not data.eval_rows:
+        return None
+    totals, loss = RewardTotals(), torch.zeros((), device=session.device)
+    session.model.eval()
+    try:
+        for row in data.eval_rows:
+            for pairs in _micro_batches(session, data.eval, row):
+                scores = score_pairs(session, pairs, data.eval, state.eval_reference)
+                loss += scores.losses.sum()
+                totals.add(scores.chosen_rewards, scores.rejected_rewards)
+    finally:
+        session.model.train()
+    means = totals.means()
+    state.eval_accuracy = None if means is None else means[2]
+    tokens = sum(data.eval[i].trained_tokens for row in data.eval_rows for i in row)
+    return float(loss) / max(totals.pairs, 1), tokens
