@@ -113,6 +113,15 @@ class DataConfig:
             "data.max_seq_len",
             f"must be at least 8 (or 0: automatic), got {self.max_seq_len}",
         )
+        _require(self.tokens_per_batch >= 0, "data.tokens_per_batch", f"must be >= 0, got {self.tokens_per_batch}")
+        if self.max_seq_len and self.tokens_per_batch and self.tokens_per_batch < self.max_seq_len:
+            raise ConfigError(
+                f"data.tokens_per_batch: must be at least max_seq_len ({self.max_seq_len}), "
+                f"got {self.tokens_per_batch}",
+                hint=f"tokens_per_batch {self.max_seq_len} or more would work (--tokens-per-batch "
+                f"{self.max_seq_len}), or max_seq_len {self.tokens_per_batch} or less (--max-seq-len "
+                f"{self.tokens_per_batch}); one left at 0 (automatic) follows the other",
+            )
         _require(0.0 <= self.eval_fraction < 1.0, "data.eval_fraction", f"must be in [0, 1), got {self.eval_fraction}")
 
 
@@ -134,15 +143,6 @@ class LoraConfig:
         _require(bool(self.target_modules), "lora.target_modules", "must name at least one module")
 
 
-        _require(self.tokens_per_batch >= 0, "data.tokens_per_batch", f"must be >= 0, got {self.tokens_per_batch}")
-        if self.max_seq_len and self.tokens_per_batch and self.tokens_per_batch < self.max_seq_len:
-            raise ConfigError(
-                f"data.tokens_per_batch: must be at least max_seq_len ({self.max_seq_len}), "
-                f"got {self.tokens_per_batch}",
-                hint=f"tokens_per_batch {self.max_seq_len} or more would work (--tokens-per-batch "
-                f"{self.max_seq_len}), or max_seq_len {self.tokens_per_batch} or less (--max-seq-len "
-                f"{self.tokens_per_batch}); one left at 0 (automatic) follows the other",
-            )
 @dataclass
 class TrainingConfig:
     """The optimisation loop."""

@@ -39,8 +39,9 @@ MFU_LORA = 0.24
 """Share of peak tensor throughput a LoRA step reaches (measured on the H200: Llama-3.2-1B, 37k tokens/s)."""
 MFU_QLORA = 0.45
 """QLoRA's share (measured on the H200, Llama-3.1-8B at 4,096 tokens with every switch automatic: 0.52 under an 8 GiB
-cap, 11,134 tokens/s, and 0.47 under 24 GiB with resident layers, 12,624 tokens/s; benchmarks/qlora_8gib_h200.md,
-qlora_resident_h200.md). Consumer cards reach a smaller share of their rated throughput; not measured."""
+cap, 11,134 tokens/s, and 0.47 under 24 GiB with resident layers, 12,624 tokens/s;
+benchmarks/history/qlora_8gib_h200.md, benchmarks/qlora_resident_h200.md). Consumer cards reach a smaller share of
+their rated throughput; not measured."""
 
 
 @dataclass(frozen=True)

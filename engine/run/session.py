@@ -32,8 +32,8 @@ from engine.run.optimizer import adamw
 from engine.run.preference import FUSED_LOSS_REFUSED, STEP_GRAPHS_REFUSED, PreferenceTraining
 from engine.run.ranks import Ranks
 from engine.run.registry import Registry, RegistryError, data_dir
-from engine.run.schedule import lr_lambda
 from engine.run.rows import resolve_rows
+from engine.run.schedule import lr_lambda
 from engine.speed import SpeedController
 from engine.speed.reuse import DecisionStore, use_compile_cache
 from engine.speed.warm_up import RunLength
@@ -116,9 +116,9 @@ def start(
     if config.training.method == "dpo" and ranks.distributed:
         raise ConfigError("DPO trains on one GPU", hint="pass --gpus 1")
     tokenizer = load_tokenizer(config.model)
+    config = yield from resolve_rows(config, tokenizer, device, None if resuming or not ranks.is_main else run_dir)
     data = prepare_data(config.data, tokenizer, config.training.seed, config.training.method)
     for message in data.notices:
-    config = yield from resolve_rows(config, tokenizer, device, None if resuming or not ranks.is_main else run_dir)
         yield Notice(message)
     if config.model.allow_pickle_weights:
         yield Notice(PICKLE_WARNING)
