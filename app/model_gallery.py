@@ -32,7 +32,8 @@ VERDICT_TEXT = {"LoRA": "LoRA", "QLoRA": "QLoRA only", "too big": "does not fit"
 VERDICT_COLOURS = {"LoRA": "#1b7f3b", "QLoRA": "#b26a00", "too big": "#b00020"}
 MIN_VISIBLE_ROWS = 4
 """The gallery rows shown however small the window (the others scroll in the table)."""
-COLUMNS = ("Model", "Parameters", "Download", "Trains with", "Peak memory", "Longest row", "About")
+COLUMNS = ("Model", "Parameters", "Download", "Trains with", "Predicted peak", "Longest row", "About")
+"""The peak is the plan's prediction for the model's default settings, never a measured figure."""
 
 
 def format_size(count: float, unit: str = "B") -> str:
