@@ -252,7 +252,7 @@ def markdown(data: dict) -> str:
         "`prepare_model_for_kbit_training` (fp32 embeddings, norms, head and activations), as the engine did then;",
         "these rows are predicted with `kbit_upcast=True`. The engine's own preparation (16-bit embeddings, norms,",
         "head and activations; now the planner's default) has not been re-measured here: its 8B QLoRA rows, and",
-        "the 8 and 12 GiB planner verdicts below, are stale (see benchmarks/long_context_h200.md for 8B QLoRA",
+        "the 8 and 12 GiB planner verdicts below, are stale (see benchmarks/history/long_context_h200.md for 8B QLoRA",
         "measured with it).",
         "",
         "| shape | quant | attention | checkpointing | tokens | predicted GiB | measured GiB | error |",

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The runs behind qlora_step_readout_h200.{json,md}, qlora_fp8_recompute_h200.{json,md} and
+# The runs behind qlora_step_readout_h200.{json,md}, history/qlora_fp8_recompute_h200.{json,md} and
 # qlora_memory_peak_h200.md, on one H200 (run tool, kind nvidia-h200), from the repo root, one process each.
 # GPU tests of the same round: pytest tests/test_step_readout_gpu.py tests/test_reliability_gpu.py
 # "tests/test_speed_gpu.py::test_fp8_only_in_the_recompute_keeps_the_16bit_forward_on_gpu" (--noconftest where

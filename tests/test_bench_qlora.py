@@ -14,7 +14,7 @@ import pytest
 from engine.bench.qlora import AUTO, LAYER_REGIONS, loss_agreement, markdown, set_variant, variant_settings
 from engine.config import SpeedConfig
 
-REPORT = Path(__file__).resolve().parents[1] / "benchmarks" / "qlora_fp8_h200.json"
+REPORT = Path(__file__).resolve().parents[1] / "benchmarks" / "history" / "qlora_fp8_h200.json"
 
 
 def test_variants_turn_one_switch_off_or_on() -> None:

@@ -121,7 +121,7 @@ def test_large_model_on_small_card_chooses_qlora_and_says_why() -> None:
 def test_an_8b_qlora_plan_counts_the_switches_the_engine_turns_on_by_itself(card: str, table_on_host: bool) -> None:
     """The engine moves Llama-3.1-8B's 1 GiB input embedding table to host memory on 8 and 12 GiB cards and keeps
     one layer's 16-bit weights through each recompute; the plan counts both, so an 8 GiB card is told which rows
-    train (the engine ran 4,096 tokens at a 7.22 GiB peak under an 8 GiB cap, benchmarks/qlora_train_h200.md)
+    train (the engine ran 4,096 tokens at a 7.22 GiB peak under an 8 GiB cap, benchmarks/history/qlora_train_h200.md)
     instead of that nothing fits."""
     target = DeviceTarget.from_spec(gpus.find_gpu(card))  # type: ignore[arg-type]
     shape = load_shape("llama-3.1-8b")
@@ -144,8 +144,8 @@ def test_an_8b_qlora_plan_counts_the_switches_the_engine_turns_on_by_itself(card
 def test_a_plan_says_when_shorter_rows_would_train_markedly_faster() -> None:
     """On a 24 GiB card the largest 8B QLoRA batch (16,384 tokens, MLPs in chunks) keeps no layer resident; rows of
     4,096 tokens keep most of them (measured on the H200 under 24 GiB: 13,489 against 9,196 tokens/s,
-    benchmarks/qlora_train_h200.md). The plan keeps its choice and says how to get the shorter rows with the same
-    tokens per optimizer step; where the estimate gains less, or the user set the rows, it says nothing."""
+    benchmarks/history/qlora_train_h200.md). The plan keeps its choice and says how to get the shorter rows with the
+    same tokens per optimizer step; where the estimate gains less, or the user set the rows, it says nothing."""
     shape = load_shape("llama-3.1-8b")
 
     def notes(card: str, **overrides: object) -> list[str]:

@@ -137,7 +137,9 @@ def test_the_stock_variant_has_every_switch_off() -> None:
 def test_a_probe_s_planned_peak_is_the_planners_for_its_switches() -> None:
     """The committed 8 GiB probe at 16,384 tokens: its switches give the plan the planner's tests hold to the
     measurement (within 10% above; here with grouped K/V, which the engine now passes)."""
-    data = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "long_context_h200.json").read_text())
+    data = json.loads(
+        (Path(__file__).resolve().parents[1] / "benchmarks" / "history" / "long_context_h200.json").read_text()
+    )
     probe = next(p for s in data["searches"] if s["cap_gib"] == 8.0 for p in s["probes"] if p["tokens"] == 16384)
     planned = planned_peak_gib(probe["state"], 16384)
     assert planned < planned_peak_gib(probe["state"], 32768)

@@ -275,9 +275,9 @@ def phase_peak(probe: dict) -> float:
 @pytest.mark.parametrize(
     ("report", "least"),
     [
-        ("long_context_h200.json", 5),
-        ("long_context_h200_16gib.json", 1),
-        ("long_context_h200_24gib.json", 1),
+        ("history/long_context_h200.json", 5),
+        ("history/long_context_h200_16gib.json", 1),
+        ("history/long_context_h200_24gib.json", 1),
         ("long_context_final_h200.json", 3),
     ],
 )
@@ -390,9 +390,9 @@ def qlora_row_plan(model: str, row: dict) -> tuple[ModelShape, TrainSetup, float
     ("report", "least_rows", "dequant_once"),
     [
         ("qlora_h200.json", 10, {False, True}),
-        ("qlora_fp8_h200.json", 4, {True}),
+        ("history/qlora_fp8_h200.json", 4, {True}),
         ("qlora_step_readout_h200.json", 4, {True}),
-        ("qlora_rerun_h200.json", 1, {True}),
+        ("history/qlora_rerun_h200.json", 1, {True}),
     ],
 )
 def test_qlora_bench_rows_are_predicted_within_10_percent_above(
@@ -437,11 +437,11 @@ def test_resident_layer_rows_are_predicted_within_10_percent() -> None:
 
 
 def test_tunedeck_train_rows_without_step_graphs_are_predicted_within_10_percent() -> None:
-    """`tunedeck train --qlora` itself on the H200 (benchmarks/qlora_train_h200.md), the rows whose allocator peak is
-    the whole step's (step graphs off): Llama-3.1-8B at 4,096 tokens with 6 resident layers under 12 GiB (+0.3%),
-    and at 16,384 tokens with 4 under 24 GiB (+1.0%; +12.8% when the plan still counted the top resident layer alive
-    while the layer below it recomputes, where backward has already freed it)."""
-    data = json.loads((BENCHMARKS / "qlora_train_h200.json").read_text(encoding="utf-8"))
+    """`tunedeck train --qlora` itself on the H200 (benchmarks/history/qlora_train_h200.md), the rows whose allocator
+    peak is the whole step's (step graphs off): Llama-3.1-8B at 4,096 tokens with 6 resident layers under 12 GiB
+    (+0.3%), and at 16,384 tokens with 4 under 24 GiB (+1.0%; +12.8% when the plan still counted the top resident
+    layer alive while the layer below it recomputes, where backward has already freed it)."""
+    data = json.loads((BENCHMARKS / "history" / "qlora_train_h200.json").read_text(encoding="utf-8"))
     rows = [row for row in data["runs"] if not row["state"]["step_graphs"]["on"]]
     assert sorted((row["tokens"], row["resident_layers"]) for row in rows) == [(4096, 6), (16384, 4)]
     for row in rows:
@@ -472,11 +472,11 @@ def test_tunedeck_train_rows_with_the_top_layer_freed_are_predicted_within_10_pe
         assert with_top == estimate_memory(shape, checkpointed).peak
 
 
-@pytest.mark.parametrize("report", ["qlora_train_qwen3_8gib_h200.json", "qlora_train_cudnn_h200.json"])
+@pytest.mark.parametrize("report", ["qlora_train_qwen3_8gib_h200.json", "history/qlora_train_cudnn_h200.json"])
 def test_later_tunedeck_train_rows_are_predicted_within_10_percent_with_the_count_the_plan_picks(report: str) -> None:
     """Later `tunedeck train --qlora` runs on the H200: Qwen3-8B under 8 GiB with its top layer resident (7.32 GiB,
     the peak it had with none), and Llama-3.1-8B under 8 and 24 GiB with one-document rows on cuDNN's attention
-    kernel (benchmarks/qlora_train_qwen3_8gib_h200.md, qlora_train_cudnn_h200.md)."""
+    kernel (benchmarks/qlora_train_qwen3_8gib_h200.md, history/qlora_train_cudnn_h200.md)."""
     data = json.loads((BENCHMARKS / report).read_text(encoding="utf-8"))
     assert data["runs"]
     for row in data["runs"]:

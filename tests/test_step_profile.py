@@ -12,7 +12,7 @@ import torch
 from engine.bench.qlora import markdown
 from engine.bench.step_profile import kernel_category, profile_step, timeline
 
-REPORT = Path(__file__).resolve().parents[1] / "benchmarks" / "qlora_fp8_h200.json"
+REPORT = Path(__file__).resolve().parents[1] / "benchmarks" / "history" / "qlora_fp8_h200.json"
 
 
 @pytest.mark.parametrize(

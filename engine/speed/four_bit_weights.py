@@ -3,9 +3,9 @@
 Why: bitsandbytes turns an NF4 weight back into numbers in two kernels (its double-quantized block scales first,
 then the codes), and a QLoRA step decodes every weight at least twice. Here one Triton kernel reads the packed codes
 and block scales once and writes the whole weight. On the H200 (Llama-3.1-8B shape, 4,096 tokens, 8 GiB cap) a
-step's 448 16-bit decodes took 12 ms of GPU time against 17 ms (benchmarks/qlora_four_bit_kernel_h200.md). On the
-host the custom op costs a little more per call than bitsandbytes' Python (86 against 65 us there), so the gain
-shows where step graphs take the host out of the step. Floating-point contraction is off in the kernel: a fused
+step's 448 16-bit decodes took 12 ms of GPU time against 17 ms (benchmarks/history/qlora_four_bit_kernel_h200.md).
+On the host the custom op costs a little more per call than bitsandbytes' Python (86 against 65 us there), so the
+gain shows where step graphs take the host out of the step. Floating-point contraction is off in the kernel: a fused
 multiply-add in the double-quantized scale rounded about one weight in a million differently from bitsandbytes.
 
 * **16-bit** (:func:`sixteen_bit_from_4bit`, the 4-bit kernel switch of :mod:`engine.speed.lean_recompute`): each

@@ -26,12 +26,12 @@ compiles, the second is timed), is captured, and its second replay is timed too,
 micro-batch's; the graphs stay unless the replay took clearly longer than the eager run (:data:`TRIAL_KEEP`: a near-tie
 keeps them), and the run reports what it measured either way. A fast GPU on a model whose step launches thousands of
 kernels is host-bound, and replays much faster (H200, Llama-3.1-8B in 4-bit, 4,096 tokens under an 8 GiB cap:
-353-370 ms against 407-466 ms eagerly, benchmarks/qlora_automatic_graphs_h200.md and qlora_rerun_h200.md); a card
-that spends longer in its kernels gains nothing from them, and where the padded replay measures slower it keeps its
-memory and unpadded rows instead. Those H200 figures timed each micro-batch only to its own end. The Qwen3-8B row
-then measured 373 against 381 ms and kept graphs off, although its host took 442 ms of a 448 ms eager step
-(qlora_rerun_h200.md); counting the time to the next micro-batch takes in the host work between them, which a
-replay lets overlap the GPU's.
+353-370 ms against 407-466 ms eagerly, benchmarks/qlora_automatic_graphs_h200.md and
+benchmarks/history/qlora_rerun_h200.md); a card that spends longer in its kernels gains nothing from them, and where
+the padded replay measures slower it keeps its memory and unpadded rows instead. Those H200 figures timed each
+micro-batch only to its own end. The Qwen3-8B row then measured 373 against 381 ms and kept graphs off, although its
+host took 442 ms of a 448 ms eager step (benchmarks/history/qlora_rerun_h200.md); counting the time to the next
+micro-batch takes in the host work between them, which a replay lets overlap the GPU's.
 
 Where it runs: CUDA, one process (no DDP/FSDP hooks), no float16 loss scaling, no dropout (a recompute inside a
 graph cannot replay random masks). A step that waits for the GPU (MoE routing that reads expert counts on the
@@ -89,8 +89,8 @@ takes, while one eager micro-batch is the eager path's best case, since anything
 window, garbage collection, another program) only slows it. On the H200 (Llama-3.1-8B in 4-bit, 4,096 tokens,
 8 GiB cap) one trial measured 359 ms replayed against 363 ms eagerly and, at 97%, turned the graphs off; that run's
 eager steps then took 360-630 ms (median 463 ms) against a steady 365-385 ms with graphs kept in an otherwise
-identical run (benchmarks/qlora_train_h200.md). Another measured 367 against 366 ms and turned them off; its eager
-steps then took 378-449 ms (median 401 ms) where the same process had run 371-373 ms with graphs
+identical run (benchmarks/history/qlora_train_h200.md). Another measured 367 against 366 ms and turned them off; its
+eager steps then took 378-449 ms (median 401 ms) where the same process had run 371-373 ms with graphs
 (benchmarks/qlora_moe_resident_h200.md). Where the GPU sets the pace, keeping them on such a near-tie costs at most
 those 2%."""
 MEMORY_BOUND = (

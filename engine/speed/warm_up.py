@@ -146,8 +146,8 @@ FIGURES: tuple[WarmUpFigures, ...] = (
   turned them off for a 400-step run) against 311 ms with them (benchmarks/qlora_train_fp8_h200.md): compiled
   regions also carry the one-pass 4-bit to fp8 casts. 306 ms per 4,096 tokens: 75 ms per 1,000, so compiling pays
   back after about 230 steps. (Fused kernels alone, before fp8: 592 to 449 ms.) Step graphs from 444 to 395 ms
-  (benchmarks/qlora_step_graphs_h200.md), 49 ms over 32 layers: the 1.5 ms a layer every row uses. The cached
-  compile assumes the 135M share again.
+  (benchmarks/history/qlora_step_graphs_h200.md), 49 ms over 32 layers: the 1.5 ms a layer every row uses. The
+  cached compile assumes the 135M share again.
 """
 
 
