@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_type_hints
@@ -25,6 +27,20 @@ def demo_model_dir() -> Path:
     import resources
 
     return Path(resources.__file__).parent / "demo" / "model"
+
+
+def data_dir() -> Path:
+    """The user's TuneDeck data folder (``TUNEDECK_HOME`` overrides it, e.g. in tests)."""
+    override = os.environ.get("TUNEDECK_HOME")
+    if override:
+        return Path(override).expanduser()
+    if sys.platform == "win32":
+        base = os.environ.get("LOCALAPPDATA") or str(Path.home() / "AppData" / "Local")
+        return Path(base) / "TuneDeck"
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Application Support" / "TuneDeck"
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "tunedeck"
 
 
 def setting(default: Any, help: str, flag: str | None = None, choices: tuple[str, ...] | None = None) -> Any:
@@ -57,7 +73,12 @@ def _gpus_spec_ok(spec: str) -> bool:
 class ModelConfig:
     """Which base model to fine-tune and how to load it."""
 
-    name: str = setting(DEMO_MODEL, "base model: 'demo', a local folder, or a Hugging Face hub id", flag="--model")
+    name: str = setting(
+        DEMO_MODEL,
+        "base model: 'demo', a local folder, a Hugging Face hub id, or a GGUF model (a .gguf file, "
+        "ollama:NAME[:TAG] from Ollama's store, lmstudio:PUBLISHER/REPO[/FILE.gguf]; converted once)",
+        flag="--model",
+    )
     qlora: bool = setting(False, "load the base model in 4-bit NF4 (QLoRA) to save memory", flag="--qlora")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = setting(
         "auto", "compute dtype; auto picks bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPU"

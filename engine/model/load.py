@@ -24,6 +24,8 @@ import torch
 
 from engine.config import DEMO_MODEL, LoraConfig, ModelConfig, demo_model_dir
 from engine.errors import ModelLoadError
+from engine.model.gguf_import import find_converted
+from engine.model.local_sources import find_local_model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -40,13 +42,23 @@ class ModelSource:
     label: str
 
 
-def resolve_model(name: str) -> ModelSource:
-    """Map the user's model name to a source, with a clear error for folders that are not models."""
+def resolve_model(name: str, dtype: torch.dtype | None = None) -> ModelSource:
+    """Map the user's model name to a source, with a clear error for folders that are not models. A GGUF model
+    (a .gguf file, an Ollama or LM Studio model) is its converted folder, in ``dtype`` where there is one."""
     if name == DEMO_MODEL:
         folder = demo_model_dir()
         if not (folder / "config.json").exists():
             raise ModelLoadError(f"the built-in demo model is missing from {folder}", hint="reinstall TuneDeck")
         return ModelSource(str(folder), True, "demo")
+    local = find_local_model(name)
+    if local is not None:
+        converted = find_converted(local, dtype)
+        if converted is None:
+            raise ModelLoadError(
+                f"{local.name} has not been converted from GGUF yet",
+                hint="choose it on the Model page or start a run with it: its weights are converted once",
+            )
+        return ModelSource(str(converted), True, local.label)
     path = Path(name).expanduser()
     if path.exists():
         return ModelSource(str(path.resolve()), True, path.name)
@@ -156,7 +168,7 @@ def load_base_model(config: ModelConfig, device: torch.device, dtype: torch.dtyp
     """The frozen base model on ``device`` (4-bit NF4 with QLoRA)."""
     from transformers import AutoModelForCausalLM
 
-    source = resolve_model(config.name)
+    source = resolve_model(config.name, dtype)
     if source.is_local:
         _check_local_folder(Path(source.location), config.allow_pickle_weights)
     # use_safetensors=None: safetensors when present, else the .bin files the user allowed

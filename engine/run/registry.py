@@ -14,11 +14,9 @@ loop itself knows nothing of the registry.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import sqlite3
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -27,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.config import data_dir as data_dir  # re-exported: callers read the data folder from here
 from engine.errors import TuneDeckError
 
 DB_FILE = "runs.sqlite3"
@@ -73,20 +72,6 @@ SCHEMA_VERSION = len(MIGRATIONS)
 
 class RegistryError(TuneDeckError):
     """The registry cannot be opened or a run cannot be found."""
-
-
-def data_dir() -> Path:
-    """The user's TuneDeck data folder (``TUNEDECK_HOME`` overrides it, e.g. in tests)."""
-    override = os.environ.get("TUNEDECK_HOME")
-    if override:
-        return Path(override).expanduser()
-    if sys.platform == "win32":
-        base = os.environ.get("LOCALAPPDATA") or str(Path.home() / "AppData" / "Local")
-        return Path(base) / "TuneDeck"
-    if sys.platform == "darwin":
-        return Path.home() / "Library" / "Application Support" / "TuneDeck"
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(base) / "tunedeck"
 
 
 def default_db_path() -> Path:

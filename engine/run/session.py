@@ -23,6 +23,7 @@ from engine.errors import ConfigError
 from engine.events import Event, Notice, RunStarted, SpeedChanged
 from engine.hardware import allocator
 from engine.model.adapter import adapter_folder, adapter_lora, load_adapter_weights
+from engine.model.gguf_import import prepare_gguf_model
 from engine.model.load import add_lora, count_parameters, load_base_model, load_tokenizer, pick_device, pick_dtype
 from engine.model.quantized_experts import experts_notice
 from engine.run import checkpoint as ckpt
@@ -115,6 +116,7 @@ def start(
     config = yield from _fit_to_ranks(config, ranks, device, dtype)
     if config.training.method == "dpo" and ranks.distributed:
         raise ConfigError("DPO trains on one GPU", hint="pass --gpus 1")
+    yield from prepare_gguf_model(config.model.name, dtype, config.model.qlora)
     tokenizer = load_tokenizer(config.model)
     config = yield from resolve_rows(config, tokenizer, device, None if resuming or not ranks.is_main else run_dir)
     data = prepare_data(config.data, tokenizer, config.training.seed, config.training.method)
