@@ -1,8 +1,10 @@
-"""Model page: a gallery of popular models (and the demo), a local folder or a hub id, and what the planner says
-about the chosen one on this GPU.
+"""Model page: a gallery of popular models (and the demo), a GGUF model already on this computer (Ollama, LM
+Studio, a .gguf file), a local folder or a hub id, and what the planner says about the chosen one on this GPU.
 
 A gallery model other than the demo is a hub id: choosing it reads only its shape (built in, nothing is
-downloaded); its weights are downloaded when the run starts, and the page says how much.
+downloaded); its weights are downloaded when the run starts, and the page says how much. A GGUF model is
+converted once into a Hugging Face folder when it is chosen, with progress, and the page says what was
+dequantized from what.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from PySide6.QtWidgets import (
 
 from app.app_state import AppState
 from app.hardware_panel import SETTING_NAMES
+from app.local_models import LocalModels, convert_for_this_computer
 from app.model_gallery import ModelGallery, format_size
 from app.model_info import (
     ModelInfo,
@@ -38,6 +41,7 @@ from app.model_info import (
 )
 from app.worker import ErrorInfo, TaskRunner
 from engine.config import DEMO_MODEL
+from engine.model.local_sources import is_local_gguf_name
 
 VERDICT_COLOURS = {"fits": "#1b7f3b", "needs QLoRA": "#b26a00", "too big": "#b00020"}
 
@@ -54,15 +58,23 @@ class ModelPanel(QWidget):
         self.problem = ""
         """Why the last model could not be used ('' when none failed)."""
         self.from_gallery = QRadioButton("From the gallery (double-click a row to use it)")
+        self.on_disk = QRadioButton("A GGUF model on this computer (Ollama, LM Studio or a .gguf file)")
         self.folder = QRadioButton("Local folder")
         self.hub = QRadioButton("Hugging Face hub id")
         self.group = QButtonGroup(self)
-        for button in (self.from_gallery, self.folder, self.hub):
+        for button in (self.from_gallery, self.on_disk, self.folder, self.hub):
             self.group.addButton(button)
         self.from_gallery.setChecked(True)
         self.gallery = ModelGallery(tasks)
         self.gallery.table.itemSelectionChanged.connect(lambda: self.from_gallery.setChecked(True))
         self.gallery.picked.connect(self.choose)
+        self.local = LocalModels(tasks)
+        self.local.hide()
+        self.local.table.itemSelectionChanged.connect(lambda: self.on_disk.setChecked(True))
+        self.local.picked.connect(self._choose_on_disk)
+        self.on_disk.toggled.connect(self._show_on_disk)
+        self.conversions: dict[str, str] = {}
+        """GGUF model name -> what its conversion said (what was dequantized from what)."""
         self.folder_edit = QLineEdit(placeholderText="a folder with config.json and *.safetensors")
         self.folder_edit.textEdited.connect(lambda _: self.folder.setChecked(True))
         self.browse = QPushButton("Browse…")
@@ -80,6 +92,8 @@ class ModelPanel(QWidget):
         layout = QVBoxLayout(self)
         layout.addWidget(self.from_gallery)
         layout.addWidget(self.gallery)
+        layout.addWidget(self.on_disk)
+        layout.addWidget(self.local)
         grid = QGridLayout()
         grid.addWidget(self.folder, 1, 0)
         grid.addWidget(self.folder_edit, 1, 1)
@@ -97,6 +111,8 @@ class ModelPanel(QWidget):
         state.hardware_changed.connect(lambda: self.gallery.set_hardware(state.hardware))
 
     def selected_name(self) -> str:
+        if self.on_disk.isChecked():
+            return self.local.selected_name() or ""
         if self.folder.isChecked():
             return self.folder_edit.text().strip()
         if self.hub.isChecked():
@@ -110,7 +126,7 @@ class ModelPanel(QWidget):
             self.from_gallery.setChecked(True)
             self.gallery.select(name)
         if not name:
-            self.status.setText("Give a folder or a hub id first.")
+            self.status.setText("Pick a model, or give a folder or a hub id first.")
             return
         self.status.setText(f"Reading {name}…")
         self.problem = ""
@@ -121,8 +137,44 @@ class ModelPanel(QWidget):
             self.download.show()
             self.tasks.start(lambda report: download_model(name, report), lambda _: self._inspect(name),
                              self._show_error, on_progress=self._show_progress)  # fmt: skip
+        elif is_local_gguf_name(name):
+            self._convert(name)
         else:
             self._inspect(name)
+
+    def _show_on_disk(self, checked: bool) -> None:
+        self.local.setVisible(checked)
+        if checked and not self.local.models:
+            self.local.refresh()
+
+    def _choose_on_disk(self, name: str) -> None:
+        self.on_disk.setChecked(True)
+        self.choose(name)
+
+    def _convert(self, name: str) -> None:
+        """A GGUF model becomes a Hugging Face folder once (at once when it was converted before)."""
+        self.status.setText(f"Converting {name}…")
+        self.download.setValue(0)
+        self.download.show()
+        self.tasks.start(
+            lambda report: convert_for_this_computer(name, report),
+            lambda done: self._converted(name, done),
+            self._show_error,
+            on_progress=self._show_conversion,
+        )
+
+    def _converted(self, name: str, conversion: object) -> None:
+        self.conversions[name] = str(getattr(conversion, "message", lambda: "")())
+        self._inspect(name)
+
+    def _show_conversion(self, what: str, done: float, total: float | None) -> None:
+        if total:
+            self.download.setRange(0, 1000)
+            self.download.setValue(int(1000 * done / total))
+        else:
+            self.download.setRange(0, 0)
+        amount = f" {done:.0f} of {total:.0f} tensors" if total and what.startswith("dequantizing") else ""
+        self.status.setText(f"Converting {self.state.model_name}: {what}{amount}")
 
     def _inspect(self, name: str) -> None:
         self.download.hide()
@@ -161,8 +213,10 @@ class ModelPanel(QWidget):
             f"<tr><td><b>{SETTING_NAMES.get(key, key)}</b></td><td>{value}</td><td>{why}</td></tr>"
             for key, (value, why) in info.settings.items()
         )
+        converted = self.conversions.get(info.name)
         self.details.setHtml(
-            f"<p>Family: <b>{info.family}</b> · {format_params(info.total_params)} parameters · "
+            (f"<p>From GGUF: {converted}</p>" if converted else "")
+            + f"<p>Family: <b>{info.family}</b> · {format_params(info.total_params)} parameters · "
             f"{'mixture of experts' if info.is_moe else 'dense'}</p>"
             f"<p>Verdict for {verdict_target(info)}: <b style='color:{colour}'>{info.verdict}</b> — "
             f"{info.verdict_reason}</p>"
@@ -181,7 +235,7 @@ class ModelPanel(QWidget):
             return True, f"{info.name}: {info.verdict}"
         if self.problem:
             return False, f"Choose another model ({self.problem})"
-        if self.status.text().startswith(("Reading", "Downloading")):
+        if self.status.text().startswith(("Reading", "Downloading", "Converting")):
             return False, f"Reading {self.state.model_name}…"
         return False, "Choose a model (the demo is ready to try)"
 
