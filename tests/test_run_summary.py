@@ -191,3 +191,31 @@ def test_earlier_runs_become_measured_rows(tmp_path: Path) -> None:
 )
 def test_the_gpu_class_of_a_recorded_run(hardware: dict[str, object], expected: tuple[str, str]) -> None:
     assert gpu_class_of(hardware) == expected
+
+
+def test_the_command_line_lists_runs_in_the_same_words(tmp_path: Path) -> None:
+    import io
+
+    from engine.cli.runs import print_record, print_table
+    from engine.run.registry import Registry
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    with (folder / "metrics.jsonl").open("w", encoding="utf-8") as handle:
+        for n in (1, 2, 3):
+            record = step(n, memory=1.5).to_dict()
+            record.pop("kind")
+            handle.write(json.dumps(record) + "\n")
+    registry = Registry(tmp_path / "runs.sqlite3")
+    registry.upsert(folder, status="interrupted", message=STOPPED_MESSAGE, hardware={"device": "cpu"},
+                    tokens_per_s=1.0)  # fmt: skip
+    (record,) = registry.runs()
+    texts = describe(summary_of_folder(folder, "stopped", device="cpu"))
+    table, shown = io.StringIO(), io.StringIO()
+    print_table([record], table)
+    print_record(record, shown)
+    assert texts.speed == "2,000 tokens/s" and texts.peak == "1.50 GiB (process memory)"
+    assert texts.speed in table.getvalue() and texts.peak in table.getvalue(), table.getvalue()
+    assert table.getvalue().rstrip().endswith("stopped"), "the registry's 'interrupted' is a stop the user asked for"
+    assert "tokens/s:    2,000 (mean over its steps)" in shown.getvalue()
+    assert "peak memory: measured 1.50 GiB (process memory)" in shown.getvalue()

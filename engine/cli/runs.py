@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from engine.errors import TuneDeckError
 from engine.run.registry import Registry, RunRecord
+from engine.run.summary import describe, summary_of_record
 
 if TYPE_CHECKING:
     from engine.export import ExportProgress
@@ -39,39 +40,34 @@ def run_folder(ref: str, registry: Registry | None = None) -> Path:
 
 
 def print_table(records: list[RunRecord], out: TextIO) -> None:
-    header = ("ID", "NAME", "MODEL", "DATASET", "DATE", "STEPS", "LOSS", "TOK/S", "STATUS")
-    rows = [
-        (
-            r.id,
-            r.name,
-            Path(r.model).name or r.model,
-            Path(r.dataset).name,
-            _date(r.created),
-            f"{r.steps}/{r.total_steps}",
-            _fmt(r.final_loss),
-            _fmt(r.tokens_per_s, ",.0f"),
-            r.status + (" (resumable)" if r.resumable else ""),
-        )
-        for r in records
-    ]
+    """One line a run; speed, peak and status worded as the app's pages word them (engine.run.summary)."""
+    header = ("ID", "NAME", "MODEL", "DATASET", "DATE", "STEPS", "LOSS", "SPEED (MEAN)", "PEAK (MEASURED)", "STATUS")
+    rows = []
+    for r in records:
+        texts = describe(summary_of_record(r))
+        rows.append((r.id, r.name, Path(r.model).name or r.model, Path(r.dataset).name, _date(r.created),
+                     f"{r.steps}/{r.total_steps}", _fmt(r.final_loss), texts.speed or "-", texts.peak or "-",
+                     texts.state))  # fmt: skip
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip(), file=out)
 
 
 def print_record(record: RunRecord, out: TextIO) -> None:
+    texts = describe(summary_of_record(record))
     resume = f" (resume with: tunedeck train --resume {record.folder})" if record.resumable else ""
     lines = [
         f"id:          {record.id}",
         f"name:        {record.name}",
-        f"status:      {record.status}{resume}",
+        f"status:      {texts.state.removesuffix(' (resumable)')}{resume}",
         f"folder:      {record.folder}",
         f"model:       {record.model}",
         f"dataset:     {record.dataset}",
         f"created:     {_date(record.created)}   updated: {_date(record.updated)}",
         f"steps:       {record.steps} of {record.total_steps}",
         f"final loss:  {_fmt(record.final_loss)}   eval loss: {_fmt(record.eval_loss)}",
-        f"tokens/s:    {_fmt(record.tokens_per_s, ',.0f')}",
+        f"tokens/s:    {texts.speed.removesuffix(' tokens/s') or '-'} (mean over its steps)",
+        f"peak memory: measured {texts.peak or '-'}",
         f"hardware:    {json.dumps(record.hardware)}",
         f"speed:       {json.dumps(record.speed)}",
     ]
