@@ -26,6 +26,7 @@ from PySide6.QtCore import QPointF, QTimer
 from PySide6.QtWidgets import QGridLayout, QLabel, QWidget
 
 from app.theme import current_chart_colors, style_plot
+from engine.run.summary import format_gib, measured_kind
 
 GIB = 1 << 30
 REDRAW_MS = 80
@@ -110,7 +111,8 @@ class RunCharts(QWidget):
         self.speed_curve = self.speed.plot(antialias=False, pen=pg.mkPen("#17becf", width=2), name="tokens/s")
         self.step_peak = 0
         """The largest step peak so far (StepMetrics.memory_bytes: reserved GPU memory, or RSS on a CPU run)."""
-        self.peak_name = "largest step peak (reserved)"
+        self.peak_kind = measured_kind("cuda")
+        """What the step peak counts, in the words of the run's summary (engine.run.summary.measured_kind)."""
         self.peak_line = pg.InfiniteLine(
             angle=0,
             pen=pg.mkPen(PEAK_COLOR, style=pg.QtCore.Qt.PenStyle.DashLine),
@@ -254,7 +256,7 @@ class RunCharts(QWidget):
         self.memory.setTitle(
             "GPU memory in use on the card (driver) vs its total (GiB)" if on_gpu else "Process memory vs RAM (GiB)"
         )
-        self.peak_name = "largest step peak (reserved)" if on_gpu else "largest step peak (resident)"
+        self.peak_kind = measured_kind(device)
         self.gpu.setTitle("GPU utilisation % and temperature °C" if on_gpu else "GPU: none (this run is on the CPU)")
         self.gpu.plotItem.legend.setVisible(on_gpu)
 
@@ -290,7 +292,7 @@ class RunCharts(QWidget):
             lane.draw_memory()
         if self.step_peak:
             self.peak_line.setValue(self.step_peak / GIB)
-            self.peak_line.label.setFormat(f"{self.peak_name}: {self.step_peak / GIB:.2f} GiB")
+            self.peak_line.label.setFormat(f"largest step peak: {format_gib(self.step_peak)} ({self.peak_kind})")
             self.peak_line.show()
 
     def _draw_gpu(self) -> None:

@@ -80,7 +80,7 @@ def test_the_memory_chart_marks_the_largest_step_peak_as_reserved_memory(qtbot: 
         charts.add_step_peak(peak)
     charts.redraw_all()
     assert charts.peak_line.isVisible() and charts.peak_line.value() == 7.5
-    assert charts.peak_line.label.format == "largest step peak (reserved): 7.50 GiB"
+    assert charts.peak_line.label.format == "largest step peak: 7.50 GiB (GPU memory reserved)"
     assert "card (driver)" in charts.memory.getPlotItem().titleLabel.text
     charts.clear()
     charts.redraw_all()
