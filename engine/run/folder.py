@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 import traceback
 from datetime import datetime
@@ -68,7 +69,8 @@ def new_run_dir(config: RunConfig) -> Path:
 
 
 def _default_run_name(config: RunConfig) -> str:
-    model = Path(config.model.name).name or "model"
+    # an Ollama model's name has colons (ollama:smollm2:135m), which Windows refuses in a folder name
+    model = re.sub(r'[<>:"/\\|?*]+', "-", Path(config.model.name).name).strip("-. ") or "model"
     data = Path(config.data.path).stem or "data"
     return f"{datetime.now():%Y%m%d-%H%M%S}-{model}-{data}"
 
