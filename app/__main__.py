@@ -39,9 +39,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args:
             print("No display found, so no window: here is the command line.\n", file=sys.stderr)
         return cli_main(args)
+    prepare_window_process()
     from app.main_window import run_app
 
     return run_app([sys.argv[0], *args])
+
+
+def prepare_window_process() -> None:
+    """Before the window: Triton's LLVM loaded before anything (a GTK dialog, OpenGL) can load the system's, which
+    would make the first run's thread die in libLLVM (engine.crash_guard), and a crash log in the data folder."""
+    from engine.config import data_dir
+    from engine.crash_guard import enable_crash_log, preload_compiler_libraries
+
+    preload_compiler_libraries()
+    enable_crash_log(data_dir())
 
 
 if __name__ == "__main__":

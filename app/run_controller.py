@@ -7,6 +7,7 @@ the speed page see the same events in the same order.
 from __future__ import annotations
 
 import dataclasses
+import gc
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from PySide6.QtCore import QObject, Signal
 from app.worker import TelemetryBridge, TrainingWorker
 from engine.config import RunConfig, SpeedConfig
 from engine.events import RunFailed, RunFinished, RunPaused, RunResumed, RunStarted, SpeedChanged
+from engine.run.background import release_freed_memory
 
 IDLE, LOADING, RUNNING, PAUSED, STOPPING, FINISHED, FAILED = (
     "idle", "loading", "running", "paused", "stopping", "finished", "failed",
@@ -118,6 +120,8 @@ class RunController(QObject):
 
     def _on_worker_finished(self) -> None:
         self._stop_telemetry()
+        gc.collect()  # the run's model and optimizer sit in reference cycles; this is the GUI thread (app.gui_gc)
+        release_freed_memory()
         if self.active:  # the thread ended without a final event
             self._set_state(FAILED)
 

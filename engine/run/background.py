@@ -4,17 +4,24 @@ On a two-core machine torch's intra-op pool would take both cores and the window
 one core to the GUI (``torch.set_num_threads(cpu_count - 1)``, at least 1) and lowers its own thread's priority.
 Only the CPU pool is capped: on a GPU the work runs on the card and the cap costs nothing. Light on purpose (no
 torch at import): the window imports it at start-up.
+
+When a run ends, glibc keeps the heap its model, optimizer and data were freed into, so the window's process would
+stay as large as the largest run it has seen: :func:`release_freed_memory` hands that back to the system. Measured
+over 21 demo cycles of the window with pause, page switches and chats (tests/test_app_soak.py, two cores): resident
+memory 807 -> 1,030 MiB (+28%) without it, 764 -> 776 MiB (+1.6%) with it; the live Python objects grew by 47 a
+cycle either way (the new runs' rows), so the growth was freed heap, not a leak.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import sys
 import threading
 from typing import Any
 
-__all__ = ["lower_thread_priority", "open_run_history", "training_threads"]
+__all__ = ["lower_thread_priority", "open_run_history", "release_freed_memory", "training_threads"]
 
 
 def training_threads(cpu_count: int | None = None) -> int:
@@ -37,3 +44,16 @@ def open_run_history() -> Any:
         return Registry()
     except (RegistryError, OSError):
         return None
+
+
+def release_freed_memory() -> bool:
+    """Return the heap's free pages to the system (glibc's ``malloc_trim``); False where there is no such call.
+    Collect Python's cyclic garbage first, on the thread allowed to (the window's: app.gui_gc)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        trim = ctypes.CDLL(None).malloc_trim  # the process's own symbols, the C library's among them
+    except (OSError, AttributeError):  # musl and other C libraries have no malloc_trim
+        return False
+    trim(0)
+    return True
