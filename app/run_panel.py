@@ -94,6 +94,9 @@ class RunPanel(QWidget):
         self.status.setWordWrap(True)
         self.summary = QLabel("")
         self.summary.setWordWrap(True)
+        self.plan = QLabel("")
+        """Before Start: the plan's predicted peak and how long training takes on this machine."""
+        self.plan.setWordWrap(True)
         self.summary.setToolTip(
             "Memory measured during the run (GPU memory reserved, or the process's resident memory on a CPU run) "
             "beside the plan's prediction (the training's tensors alone)"
@@ -106,7 +109,7 @@ class RunPanel(QWidget):
         self.eta.setFixedWidth(120)
         # Fixed heights: a label that grows re-lays out the charts below it, and repainting them all at once
         # blocked the window for over 100 ms on a busy two-core machine.
-        for label, lines in ((self.status, 2), (self.summary, 2), (self.error, 2)):
+        for label, lines in ((self.plan, 1), (self.status, 2), (self.summary, 2), (self.error, 2)):
             label.setFixedHeight(label.fontMetrics().lineSpacing() * lines + 6)
         self.charts = RunCharts()
         self.gpu_selector = GpuSelector()
@@ -136,6 +139,7 @@ class RunPanel(QWidget):
         layout = QVBoxLayout(self)
         layout.addWidget(self.gpu_selector)
         layout.addLayout(buttons)
+        layout.addWidget(self.plan)
         layout.addWidget(self.status)
         layout.addWidget(self.summary)
         layout.addWidget(self.error)
@@ -245,18 +249,16 @@ class RunPanel(QWidget):
         self.progress.setFormat(f"step %v of %m · loss {event.loss:.3f}")
 
     def show_summary(self) -> None:
-        """The run's summary as every page words it; before the first run, the plan for the current settings."""
+        """The run's summary as every page words it, and while no run goes, the plan for the current settings."""
         run = self.state.run
-        if run.state == "idle":
-            peak, time = self.state.planned_peak, self.state.planned_time
-            parts = [f"predicted peak memory {format_gib(peak)}" if peak else "",
-                     describe_time(time, None, None, False) if time is not None else ""]  # fmt: skip
-            shown = " · ".join(part for part in parts if part)
-            self.summary.setText(f"Plan for these settings: {shown}" if shown else "")
-            return
-        self.summary.setText(describe(run).line())
+        self.summary.setText("" if run.state == "idle" else describe(run).line())
         left = run.estimate.left_s if run.estimate is not None and run.active else None
         self.eta.setText(f"{format_duration(left)} left" if left is not None else "")
+        peak, time = self.state.planned_peak, self.state.planned_time
+        parts = [f"predicted peak memory {format_gib(peak)}" if peak else "",
+                 describe_time(time, None, None, False) if time is not None else ""]  # fmt: skip
+        shown = " · ".join(part for part in parts if part)
+        self.plan.setText(f"Plan for the next run: {shown}" if shown and not run.active else "")
 
     def on_telemetry(self, event: object) -> None:
         from engine.hardware.telemetry import TelemetrySample, TelemetryWarning

@@ -40,8 +40,8 @@ def assert_pages_agree(window: Any, texts: RunTexts, run_dir: str) -> None:
 
 def test_every_page_shows_the_same_state_peak_and_speed_during_and_after_a_run(qtbot: Any, window: Any) -> None:
     prepare_demo(qtbot, window, max_steps=STEPS)
-    plan = window.run_panel.summary.text()
-    assert plan.startswith("Plan for these settings: predicted peak memory ") and " GiB" in plan, plan
+    plan = window.run_panel.plan.text()
+    assert plan.startswith("Plan for the next run: predicted peak memory ") and " GiB" in plan, plan
     assert "training time: known after the first steps" in plan, "no earlier run here, and no planner figure on a CPU"
     steps: list[StepMetrics] = []
     window.controller.run_event.connect(lambda e: steps.append(e) if isinstance(e, StepMetrics) else None)
@@ -78,3 +78,6 @@ def test_every_page_shows_the_same_state_peak_and_speed_during_and_after_a_run(q
     estimate = window.setup_panel.estimates["Demo"]
     qtbot.waitUntil(lambda: "(from 1 earlier run of this model here)" in estimate.text(), timeout=LOAD_TIMEOUT_MS)
     assert " · 60 steps · about " in estimate.text(), estimate.text()
+    plan = window.run_panel.plan.text()
+    assert plan.startswith("Plan for the next run: ") and "training takes about " in plan, plan
+    assert plan.endswith("(from 1 earlier run of this model here)"), plan
