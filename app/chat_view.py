@@ -33,6 +33,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.adapter_choice import AdapterChoice
 from app.worker import describe_error
 from engine.run.registry import Registry, RunRecord
 from engine.run.summary import RunSummary, describe, summary_of_record
@@ -41,21 +42,22 @@ SIDES = ("tuned", "base")
 
 
 class ModelLoader(QThread):
-    """Loads a run's adapter on its base model (``engine.model.chat.load_chat_model``)."""
+    """Loads a run's adapter (best or last) on its base model (``engine.model.chat.load_chat_model``)."""
 
     loaded = Signal(object)
     failed = Signal(str)
 
-    def __init__(self, folder: str, device: str = "auto") -> None:
+    def __init__(self, folder: str, device: str = "auto", adapter: str = "best") -> None:
         super().__init__()
         self.folder = folder
         self.device = device
+        self.adapter = adapter
 
     def run(self) -> None:
         try:
             from engine.model.chat import load_chat_model
 
-            self.loaded.emit(load_chat_model(self.folder, device=self.device))
+            self.loaded.emit(load_chat_model(self.folder, device=self.device, adapter=self.adapter))
         except Exception as err:
             info = describe_error(err)
             self.failed.emit(info.message + (f"\n{info.hint}" if info.hint else ""))
@@ -124,6 +126,7 @@ class ChatView(QWidget):
         self.runs = QComboBox()
         self.runs.setMinimumWidth(320)
         self.runs.currentIndexChanged.connect(lambda _index: self.show_run_info())
+        self.adapter = AdapterChoice()
         self.load_button = QPushButton("Load")
         self.load_button.clicked.connect(lambda: self.load_run(self.runs.currentData()))
         browse = QPushButton("Open run folder…")
@@ -131,6 +134,7 @@ class ChatView(QWidget):
         row = QHBoxLayout()
         row.addWidget(QLabel("Run:"))
         row.addWidget(self.runs, 1)
+        row.addWidget(self.adapter)
         row.addWidget(self.load_button)
         row.addWidget(browse)
         return row
@@ -222,6 +226,7 @@ class ChatView(QWidget):
     def show_run_info(self) -> None:
         """The chosen run's summary: the live one while the window runs it, else from its folder."""
         record = self.records.get(self.runs.currentData() or "")
+        self.adapter.show_run(record.folder if record is not None else None)
         if record is None:
             self.run_info.setText("")
             return
@@ -239,7 +244,9 @@ class ChatView(QWidget):
             return
         self.chat = None
         self.status.setText(f"loading {Path(folder).name}…")
-        self.loader = ModelLoader(str(folder), self.device)
+        if self.adapter.folder != Path(folder):  # a folder opened by hand: its own adapters, the best first
+            self.adapter.show_run(folder)
+        self.loader = ModelLoader(str(folder), self.device, self.adapter.which())
         self.loader.loaded.connect(self._loaded)
         self.loader.failed.connect(self._failed)
         self.loader.finished.connect(self._update_buttons)
@@ -249,7 +256,8 @@ class ChatView(QWidget):
     def _loaded(self, chat: Any) -> None:
         self.chat = chat
         self.clear()
-        self.status.setText(f"{chat.label} loaded on {chat.device}: the left pane answers with its adapter")
+        which = chat.adapter.describe() if chat.adapter is not None else "its adapter"
+        self.status.setText(f"{chat.label} loaded on {chat.device}: the left pane answers with {which}")
 
     def _failed(self, message: str) -> None:
         self.status.setText(f"error: {message}")

@@ -35,6 +35,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.adapter_choice import AdapterChoice
 from app.install_panel import InstallPanel
 from app.theme import ERROR_COLOR
 from app.worker import ErrorInfo, TaskRunner
@@ -84,18 +85,21 @@ def gguf_summary(folder: Path) -> str:
     return f"Tensor types: {types.summary()}. " + (f"Note: {advice}. " if advice else "")
 
 
-def export_job(kind: str, run_folder: Path, target: Path, option: str, overwrite: bool) -> Callable[[Report], Path]:
-    """A job for the background thread: runs the export and reports its stages through ``report``."""
+def export_job(
+    kind: str, run_folder: Path, target: Path, option: str, overwrite: bool, adapter: str = "best"
+) -> Callable[[Report], Path]:
+    """A job for the background thread: runs the export of the run's ``adapter`` (best or last) and reports its
+    stages through ``report``."""
 
     def job(report: Report) -> Path:
         import engine.export as export
 
         if kind == "adapter":
             report("Copying the adapter and its tokenizer…", 0, None)
-            return export.export_adapter(run_folder, target, overwrite=overwrite)
+            return export.export_adapter(run_folder, target, overwrite=overwrite, adapter=adapter)
         if kind == "merged":
             report(f"Loading the base model and merging the adapter ({option})…", 0, None)
-            return export.export_merged(run_folder, target, dtype=option, overwrite=overwrite)
+            return export.export_merged(run_folder, target, dtype=option, overwrite=overwrite, adapter=adapter)
         if kind == "gguf":
 
             def progress(event: Any) -> None:
@@ -103,7 +107,9 @@ def export_job(kind: str, run_folder: Path, target: Path, option: str, overwrite
                 report(event.message or event.stage, float(event.done), None if total is None else float(total))
 
             report("Preparing the GGUF export…", 0, None)
-            return export.export_gguf(run_folder, target, quant=option, overwrite=overwrite, on_progress=progress)
+            return export.export_gguf(
+                run_folder, target, quant=option, overwrite=overwrite, on_progress=progress, adapter=adapter
+            )
         raise ValueError(f"unknown export kind {kind!r}")
 
     return job
@@ -121,6 +127,8 @@ class ExportDialog(QDialog):
         self.result: Path | None = None  # type: ignore[assignment]
         self.quants = gguf_quants()
         self.kinds = {kind: QRadioButton(text) for kind, text in KINDS.items()}
+        self.adapter = AdapterChoice()
+        self.adapter.show_run(self.run_folder)
         self.dtype = QComboBox()
         self.dtype.addItems(MERGED_DTYPES)
         self.dtype.setCurrentText(run_dtype_or_default(self.run_folder))
@@ -171,6 +179,10 @@ class ExportDialog(QDialog):
         buttons.addWidget(self.close_button)
         layout = QVBoxLayout(self)
         layout.addWidget(QLabel(f"Run folder: {html.escape(str(self.run_folder))}"))
+        weights = QHBoxLayout()
+        weights.addWidget(QLabel("Weights:"))
+        weights.addWidget(self.adapter, 1)
+        layout.addLayout(weights)
         layout.addLayout(choices)
         layout.addLayout(folder)
         layout.addWidget(self.overwrite)
@@ -229,7 +241,8 @@ class ExportDialog(QDialog):
         self.export_button.setEnabled(False)
         self.close_button.setEnabled(False)
         self.progress.setRange(0, 0)  # busy until a stage reports its size
-        job = export_job(self.kind(), self.run_folder, Path(text), self.option(), self.overwrite.isChecked())
+        which = self.adapter.which()
+        job = export_job(self.kind(), self.run_folder, Path(text), self.option(), self.overwrite.isChecked(), which)
         self.tasks.start(job, self._done, self.show_error, self._progress)
 
     def _progress(self, what: str, done: float, total: Any) -> None:
@@ -253,7 +266,7 @@ class ExportDialog(QDialog):
 
             command = f"ollama create {model_slug(self.run_folder.name)} -f {folder / 'Modelfile'}"
             self.status.setText(f"Exported to {self.result}. {gguf_summary(folder)}For Ollama: {command}")
-            self.install.set_export(self.run_folder, folder)
+            self.install.set_export(self.run_folder, folder, self.adapter.which())
         self.open_button.setEnabled(True)
 
     def show_error(self, error: ErrorInfo) -> None:

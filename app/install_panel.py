@@ -39,6 +39,8 @@ class InstallPanel(QGroupBox):
         self.tasks = TaskRunner(self)
         self.run_folder: Path | None = None
         self.export_folder: Path | None = None
+        self.adapter = "best"
+        """Which of the run's adapters the export was made from (TuneDeck answers with the same)."""
         self.report: Any = None  # the last InstallReport (tests read it)
         self.buttons = {runtime: QPushButton(text) for runtime, text in RUNTIMES.items()}
         self.question = QLineEdit(DEFAULT_QUESTION)
@@ -78,9 +80,10 @@ class InstallPanel(QGroupBox):
         layout.addWidget(self.status)
         layout.addLayout(answers)
 
-    def set_export(self, run_folder: Path | None, export_folder: Path | None) -> None:
-        """The GGUF export to install (None: nothing to install yet, the buttons wait)."""
-        self.run_folder, self.export_folder = run_folder, export_folder
+    def set_export(self, run_folder: Path | None, export_folder: Path | None, adapter: str = "best") -> None:
+        """The GGUF export to install (None: nothing to install yet, the buttons wait), made from the run's
+        ``adapter`` (best or last: TuneDeck's own answer uses the same)."""
+        self.run_folder, self.export_folder, self.adapter = run_folder, export_folder, adapter
         ready = export_folder is not None and (export_folder / "Modelfile").exists()
         for button in self.buttons.values():
             button.setEnabled(ready)
@@ -95,6 +98,7 @@ class InstallPanel(QGroupBox):
         from engine.export.install import install_export
 
         run, folder, question = self.run_folder, self.export_folder, self.question.text().strip()
+        adapter = self.adapter
         for button in self.buttons.values():
             button.setEnabled(False)
         self.report = None
@@ -103,13 +107,14 @@ class InstallPanel(QGroupBox):
         self._show_answers(None)
 
         def job() -> Any:
-            return install_export(run, folder, runtime, **({"question": question} if question else {}))
+            asked = {"question": question} if question else {}
+            return install_export(run, folder, runtime, adapter=adapter, **asked)
 
         self.tasks.start(job, self._installed, self._failed)
 
     def _installed(self, report: Any) -> None:
         self.report = report
-        self.set_export(self.run_folder, self.export_folder)
+        self.set_export(self.run_folder, self.export_folder, self.adapter)
         lines = [html.escape(f"{report.runtime}: {sentence}", quote=False) for sentence in report.done]
         if report.problem:
             lines.append(html.escape(f"{report.runtime}: {report.problem}", quote=False))
@@ -128,7 +133,7 @@ class InstallPanel(QGroupBox):
             label.setVisible(asked)
 
     def _failed(self, error: ErrorInfo) -> None:
-        self.set_export(self.run_folder, self.export_folder)
+        self.set_export(self.run_folder, self.export_folder, self.adapter)
         hint = f" What to do: {error.hint}" if error.hint else ""
         self.status.setStyleSheet(f"color:{ERROR_COLOR}")
         self.status.setText(html.escape(f"The install failed: {error.message}.{hint}"))

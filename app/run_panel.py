@@ -35,8 +35,10 @@ from app.theme import ERROR_COLOR
 from app.worker import describe_error
 from engine.config import RunConfig
 from engine.events import (
+    BestAdapterKept,
     CheckpointSaved,
     EvalMetrics,
+    EvalRising,
     Notice,
     OomRecovered,
     RunFailed,
@@ -231,10 +233,16 @@ class RunPanel(QWidget):
             self.warnings.add(f"Step {event.step}: {event.message}")
         elif isinstance(event, CheckpointSaved):  # one line, updated: not a list growing every few steps
             self.warnings.add(f"Last checkpoint: step {event.step}", key="checkpoint")
+        elif isinstance(event, BestAdapterKept):
+            text = f"Best adapter so far: step {event.step} (held-out loss {event.eval_loss:.3f}), kept for Chat/Export"
+            self.warnings.add(text, key="best")
+        elif isinstance(event, EvalRising):
+            self.warnings.add(f"Step {event.step}: {event.message}", warning=True)
         elif isinstance(event, RunFinished):
-            what = "Stopped" if event.cancelled else "Finished"
+            what = "Stopped" if event.cancelled else "Stopped early" if event.stopped_early else "Finished"
             loss = f", last loss {event.final_loss:.3f}" if event.final_loss is not None else ""
-            self.status.setText(f"{what} at step {event.step}{loss}. Adapter: {event.adapter_dir}")
+            best = f" Best adapter: step {event.best_step} (used by Chat and Export)." if event.best_step else ""
+            self.status.setText(f"{what} at step {event.step}{loss}. Adapter: {event.adapter_dir}.{best}")
             self.ended_run = event.run_dir if Path(event.adapter_dir, "adapter_config.json").exists() else None
             self.export_button.setEnabled(self.ended_run is not None and not self.controller.active)
             self.eta.setText("")

@@ -195,6 +195,12 @@ class TrainingConfig:
     max_grad_norm: float = setting(1.0, "gradient clipping norm (0 disables clipping)")
     eval_every: int = setting(50, "evaluate every N steps (0: only at the end)")
     save_every: int = setting(50, "write a resumable checkpoint every N steps (0: only at the end)")
+    early_stop: int = setting(
+        0,
+        "end the run after N evaluations in a row without a lower held-out loss (0: off); needs held-out data "
+        "and eval_every; the best adapter is kept either way",
+        flag="--early-stop",
+    )
     seed: int = setting(42, "seed for data order, held-out split, LoRA init and dropout", flag="--seed")
     device: str = setting("auto", "'auto', 'cpu', 'cuda' or 'cuda:N'", flag="--device")
     max_bad_steps: int = setting(
@@ -224,6 +230,12 @@ class TrainingConfig:
         _require(self.max_grad_norm >= 0, "training.max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
         _require(self.eval_every >= 0, "training.eval_every", f"must be >= 0, got {self.eval_every}")
         _require(self.save_every >= 0, "training.save_every", f"must be >= 0, got {self.save_every}")
+        _require(self.early_stop >= 0, "training.early_stop", f"must be >= 0, got {self.early_stop}")
+        if self.early_stop and not self.eval_every:
+            raise ConfigError(
+                "training.early_stop: counts evaluations during the run, and eval_every is 0 (only at the end)",
+                hint="evaluate every few steps (--eval-every N), or leave --early-stop at 0",
+            )
         _require(
             self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
             "training.device",

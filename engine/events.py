@@ -83,6 +83,28 @@ class EvalMetrics(Event):
 
 
 @dataclass(frozen=True)
+class BestAdapterKept(Event):
+    """An evaluation brought the lowest held-out loss so far: the adapter as it is now goes to ``path``
+    (``adapter-best/``, written in the background)."""
+
+    step: int
+    eval_loss: float
+    path: str
+
+
+@dataclass(frozen=True)
+class EvalRising(Event):
+    """The held-out loss rose ``rises`` evaluations in a row: the model is likely overfitting its training data."""
+
+    step: int
+    eval_loss: float
+    rises: int
+    best_step: int
+    best_eval_loss: float
+    message: str
+
+
+@dataclass(frozen=True)
 class CheckpointSaved(Event):
     step: int
     path: str
@@ -97,6 +119,12 @@ class RunFinished(Event):
     eval_loss: float | None
     wall_time_s: float
     cancelled: bool = False
+    best_adapter_dir: str | None = None
+    """Runs with held-out data: the adapter of the lowest held-out loss, kept beside ``adapter_dir``."""
+    best_step: int | None = None
+    best_eval_loss: float | None = None
+    stopped_early: bool = False
+    """``training.early_stop`` evaluations in a row brought no lower held-out loss, so the run ended there."""
 
 
 @dataclass(frozen=True)

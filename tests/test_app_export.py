@@ -134,8 +134,9 @@ def test_gguf_exports_with_the_chosen_quant_and_reports_progress(
     calls: list[dict[str, Any]] = []
 
     def fake_export_gguf(run: Any, target: Any, *, quant: str = "q8_0", overwrite: bool = False,
-                         on_progress: Any = None) -> Path:  # fmt: skip
-        calls.append({"run": Path(run), "target": Path(target), "quant": quant, "overwrite": overwrite})
+                         on_progress: Any = None, adapter: str = "best") -> Path:  # fmt: skip
+        calls.append({"run": Path(run), "target": Path(target), "quant": quant, "overwrite": overwrite,
+                      "adapter": adapter})  # fmt: skip
         for done in range(4):
             on_progress(FakeProgress("tensors", done, 3, f"writing tensor {done} of 3"))
         Path(target).mkdir(parents=True)
@@ -154,7 +155,9 @@ def test_gguf_exports_with_the_chosen_quant_and_reports_progress(
     dialog.quant.setCurrentText("q4_k_m")
     assert dialog.target.text().endswith("gguf-q4_k_m")
     export(qtbot, dialog, "gguf", tmp_path / "gguf")
-    assert calls == [{"run": run_folder, "target": tmp_path / "gguf", "quant": "q4_k_m", "overwrite": False}]
+    assert calls == [
+        {"run": run_folder, "target": tmp_path / "gguf", "quant": "q4_k_m", "overwrite": False, "adapter": "best"}
+    ]
     assert dialog.result == tmp_path / "gguf" / "model-q4_k_m.gguf"
     assert dialog.export_folder() == tmp_path / "gguf"
     assert 1000 in seen, "the last tensor filled the bar"

@@ -9,8 +9,10 @@ from typing import Any, TextIO
 
 from engine.config import RunConfig
 from engine.events import (
+    BestAdapterKept,
     CheckpointSaved,
     EvalMetrics,
+    EvalRising,
     Event,
     Notice,
     OomRecovered,
@@ -53,8 +55,10 @@ class ProgressPrinter:
         elif isinstance(event, EvalMetrics):
             accuracy = "" if event.reward_accuracy is None else f", reward accuracy {event.reward_accuracy:.0%}"
             self.write(f"step {event.step}: eval loss {event.loss:.4f}{accuracy}")
-        elif isinstance(event, CheckpointSaved):
-            pass  # checkpoints are frequent; the final folder is reported at the end
+        elif isinstance(event, (CheckpointSaved, BestAdapterKept)):
+            pass  # frequent; the final folders are reported at the end
+        elif isinstance(event, EvalRising):
+            self.write(f"warning: step {event.step}: {event.message}")
         elif isinstance(event, Notice):
             self.write(f"note: {event.message}")
         elif isinstance(event, OomRecovered):
@@ -113,14 +117,24 @@ class ProgressPrinter:
         done = self.finished
         if done is None:
             return "the run ended without a result"
-        status = "stopped" if done.cancelled else "finished"
+        status = "stopped" if done.cancelled else "stopped early" if done.stopped_early else "finished"
         loss = f"{done.final_loss:.4f}" if done.final_loss is not None else "n/a"
         evaluation = f", eval loss {done.eval_loss:.4f}" if done.eval_loss is not None else ""
         memory = f"\n{peak_memory_line(self.device, self.peak_memory, self.driver_memory)}" if self.peak_memory else ""
         return (
             f"{status} at step {done.step} in {done.wall_time_s:.1f} s: train loss {loss}{evaluation}{memory}\n"
-            f"adapter: {done.adapter_dir}"
+            f"adapter: {done.adapter_dir}{best_adapter_line(done)}"
         )
+
+
+def best_adapter_line(done: RunFinished) -> str:
+    """Where the best adapter is and where it comes from ("" for a run without held-out data)."""
+    if done.best_adapter_dir is None or done.best_step is None or done.best_eval_loss is None:
+        return ""
+    return (
+        f"\nbest adapter (lowest eval loss, {done.best_eval_loss:.4f} at step {done.best_step}; what chat and "
+        f"export use unless given --last): {done.best_adapter_dir}"
+    )
 
 
 def peak_memory_line(device: str, peak: int, driver: int | None) -> str:

@@ -147,6 +147,11 @@ def chat_parser() -> argparse.ArgumentParser:
     parser.add_argument("run", metavar="RUN", help="run id, name or folder")
     parser.add_argument("--prompt", help="answer this one prompt and exit")
     parser.add_argument("--base", action="store_true", help="also answer as the base model, to compare")
+    parser.add_argument(
+        "--last",
+        action="store_true",
+        help="chat with the adapter the run ended with, not its best one (the lowest held-out loss; the default)",
+    )
     parser.add_argument("--temperature", type=float, default=0.7, help="0 for greedy decoding (default: 0.7)")
     parser.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling (default: 0.9)")
     parser.add_argument("--max-tokens", type=int, default=256, help="longest reply in tokens (default: 256)")
@@ -180,10 +185,12 @@ def chat_main(argv: list[str]) -> int:
     quiet_libraries()
     try:
         settings = GenerationSettings(args.temperature, args.top_p, args.max_tokens)
-        chat = load_chat_model(run_folder(args.run), device=args.device)
+        chat = load_chat_model(run_folder(args.run), device=args.device, adapter="last" if args.last else "best")
     except TuneDeckError as err:
         print(f"tunedeck chat: error: {err}", file=sys.stderr)
         return 1
+    if chat.adapter is not None:
+        print(f"tuned: {chat.adapter.describe()} of {chat.label}", file=sys.stderr)
     tuned: list[dict[str, str]] = []
     base: list[dict[str, str]] = []
     prompts: Iterator[str | None] = iter([args.prompt]) if args.prompt is not None else iter(_read_prompt, None)
@@ -248,6 +255,12 @@ def export_parser() -> argparse.ArgumentParser:
         "--question", default=None, metavar="TEXT", help="with --install, the question to ask the installed model"
     )
     parser.add_argument("--overwrite", action="store_true", help="replace DIR if it is not empty")
+    parser.add_argument(
+        "--last",
+        action="store_true",
+        help="export the adapter the run ended with instead of its best one (the lowest held-out loss; the "
+        "default where the run held examples out)",
+    )
     return parser
 
 
@@ -296,6 +309,7 @@ class _ExportPrinter:
 
 def export_main(argv: list[str]) -> int:
     from engine.export import export_adapter, export_gguf, export_merged, normalize_dtype
+    from engine.model.adapter import run_adapter
     from engine.quiet import quiet_libraries
 
     args = export_parser().parse_args(argv)
@@ -303,24 +317,29 @@ def export_main(argv: list[str]) -> int:
     if refused is not None:
         export_parser().error(refused)
     quiet_libraries()
+    which = "last" if args.last else "best"
     try:
         folder = run_folder(args.run)
+        chosen = run_adapter(folder, which)
         if args.gguf:
             printer = _ExportPrinter(sys.stderr)
-            target = export_gguf(folder, args.to, quant=args.gguf, overwrite=args.overwrite, on_progress=printer)
+            target = export_gguf(
+                folder, args.to, quant=args.gguf, overwrite=args.overwrite, on_progress=printer, adapter=which
+            )
         elif args.merged:
             dtype = normalize_dtype(args.dtype) if args.dtype else None
-            target = export_merged(folder, args.to, dtype=dtype, overwrite=args.overwrite)
+            target = export_merged(folder, args.to, dtype=dtype, overwrite=args.overwrite, adapter=which)
         else:
-            target = export_adapter(folder, args.to, overwrite=args.overwrite)
+            target = export_adapter(folder, args.to, overwrite=args.overwrite, adapter=which)
     except TuneDeckError as err:
         print(f"tunedeck export: error: {err}", file=sys.stderr)
         return 1
     what = f"GGUF model ({args.gguf}) and Modelfile" if args.gguf else "merged model" if args.merged else "adapter"
-    print(f"{what} written to {target} (see README.md there)")
+    source = f"; its weights are {chosen.describe()}" if chosen is not None else ""
+    print(f"{what} written to {target} (see README.md there){source}")
     if args.gguf:
         _print_tensor_types(target)
-    return _install(folder, target, args) if args.install else 0
+    return _install(folder, target, args, which) if args.install else 0
 
 
 def _print_tensor_types(target: Path) -> None:
@@ -334,14 +353,14 @@ def _print_tensor_types(target: Path) -> None:
         print(f"note: {advice}")
 
 
-def _install(run: Path, target: Path, args: argparse.Namespace) -> int:
+def _install(run: Path, target: Path, args: argparse.Namespace, adapter: str) -> int:
     """Install the export into each runtime asked for; 1 when one of them could not be installed."""
     from engine.export.install import DEFAULT_QUESTION, install_export
 
     status = 0
     for runtime in dict.fromkeys(args.install):
         try:
-            report = install_export(run, target, runtime, question=args.question or DEFAULT_QUESTION)
+            report = install_export(run, target, runtime, question=args.question or DEFAULT_QUESTION, adapter=adapter)
         except TuneDeckError as err:
             print(f"tunedeck export: error: {err}", file=sys.stderr)
             status = 1

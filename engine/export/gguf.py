@@ -25,7 +25,7 @@ from typing import Any
 
 from engine.errors import TuneDeckError
 from engine.export import gguf_families, gguf_types, gguf_vocab, modelfile
-from engine.export.merged import _commit, _prepare_target, _readme, merged_model
+from engine.export.merged import _commit, _prepare_target, _readme, _run_adapter, merged_model
 
 PYTHON_QUANTS = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
 LLAMA_CPP_QUANTS = ("q6_k", "q5_k_m", "q5_k_s", "q4_k_m", "q4_k_s", "q3_k_l", "q3_k_m", "q3_k_s", "q2_k")
@@ -214,7 +214,7 @@ llama-server -m {folder}/{gguf} --port 8080
 Import `{gguf}` (`lms import {folder}/{gguf}`, or copy it under LM Studio's models folder as
 `<publisher>/<model>/{gguf}`), then load it; the chat template comes from the file.
 
-Trained for {steps} steps; final training loss {loss}.
+Trained for {steps} steps; final training loss {loss}. {weights}
 """
 
 
@@ -224,12 +224,11 @@ def model_slug(name: str) -> str:
     return text or "model"
 
 
-def _check_family(run_folder: Path) -> None:
+def _check_family(run_folder: Path, adapter: str) -> None:
     """Refuse an unsupported family before the (slow) merge, when the base model's config can be read."""
     from engine.config import RunConfig
-    from engine.export.merged import _run_adapter
 
-    _run_adapter(run_folder)
+    _run_adapter(run_folder, adapter)
     try:
         from transformers import AutoConfig
 
@@ -322,8 +321,10 @@ def export_gguf(
     quant: str = "q8_0",
     overwrite: bool = False,
     on_progress: ProgressCallback | None = None,
+    adapter: str = "best",
 ) -> Path:
-    """Write the run's merged model to ``target`` as ``<name>.gguf`` with a Modelfile and README; returns ``target``.
+    """Write the run's model merged with ``adapter`` (best or last) to ``target`` as ``<name>.gguf`` with a Modelfile
+    and README; returns ``target``.
 
     Raises TuneDeckError for an unknown quantization, a family GGUF export does not support, a k-quant without
     llama-cpp-python, or a target folder that is not empty (unless ``overwrite``).
@@ -333,13 +334,13 @@ def export_gguf(
     report = on_progress or (lambda _: None)
     if quant in LLAMA_CPP_QUANTS:
         _llama_cpp()
-    _check_family(run_folder)
+    _check_family(run_folder, adapter)
     if target.exists() and any(target.iterdir()) and not overwrite:
         _prepare_target(target, overwrite)  # raises the usual "not empty" error before the slow merge
     report(ExportProgress("merging", 0, 1, "merging the adapter into the base model"))
     from engine.data.tokenize import ensure_chat_template
 
-    model, tokenizer = merged_model(run_folder, "float32")
+    model, tokenizer = merged_model(run_folder, "float32", adapter)
     ensure_chat_template(tokenizer)  # the ChatML fallback the run trained with, when the tokenizer has none
     gguf_families.check_config(gguf_families.family_for(model.config.model_type), model.config)
     report(ExportProgress("merging", 1, 1))
@@ -355,7 +356,8 @@ def export_gguf(
         (tmp / "Modelfile").write_text(modelfile.modelfile(path.name, fmt, stops), encoding="utf-8")
         advice = types.suggestion()
         extra = {"types": types.summary(), "advice": f"\n{advice[0].upper()}{advice[1:]}." if advice else ""}
-        readme = _readme(GGUF_README, run_folder, target, quant=quant, gguf=path.name, ollama=name, **extra)
+        chosen = _run_adapter(run_folder, adapter)
+        readme = _readme(GGUF_README, run_folder, target, chosen, quant=quant, gguf=path.name, ollama=name, **extra)
         (tmp / "README.md").write_text(readme, encoding="utf-8")
         report(ExportProgress("writing", 1, 1))
     except BaseException:

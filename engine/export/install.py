@@ -363,11 +363,12 @@ def install_lmstudio(
 # ------------------------------------------------------------------------------------------------------ both
 
 
-def tunedeck_answer(run_folder: str | Path, question: str) -> str:
-    """TuneDeck's own answer to ``question``: the run's model (base + adapter), greedy, as the Chat page runs it."""
+def tunedeck_answer(run_folder: str | Path, question: str, adapter: str = "best") -> str:
+    """TuneDeck's own answer to ``question``: the run's model (base + ``adapter``, best or last, as exported),
+    greedy, as the Chat page runs it."""
     from engine.model.chat import GenerationSettings, load_chat_model, reply
 
-    chat = load_chat_model(run_folder)
+    chat = load_chat_model(run_folder, adapter=adapter)
     settings = GenerationSettings(temperature=0.0, max_new_tokens=ANSWER_TOKENS)
     return reply(chat, [{"role": "user", "content": question}], settings).strip()
 
@@ -379,9 +380,10 @@ def install_export(
     *,
     name: str | None = None,
     question: str = DEFAULT_QUESTION,
+    adapter: str = "best",
 ) -> InstallReport:
     """Install the GGUF export in ``folder`` into ``runtime`` ("ollama" or "lmstudio"); where the installed model
-    answered, TuneDeck answers the same question beside it."""
+    answered, TuneDeck answers the same question beside it with the ``adapter`` the export was made from."""
     if runtime not in RUNTIMES:
         raise TuneDeckError(f"unknown runtime {runtime!r}", hint=f"use one of {', '.join(RUNTIMES)}")
     model_name = model_slug(name or Path(run_folder).name)
@@ -391,8 +393,8 @@ def install_export(
         report = install_lmstudio(folder, model_name, question=question)
     if report.answer is None:
         return report
-    return _with_tunedeck_answer(report, run_folder)
+    return _with_tunedeck_answer(report, run_folder, adapter)
 
 
-def _with_tunedeck_answer(report: InstallReport, run_folder: str | Path) -> InstallReport:
-    return dataclasses.replace(report, tunedeck_answer=tunedeck_answer(run_folder, report.question))
+def _with_tunedeck_answer(report: InstallReport, run_folder: str | Path, adapter: str) -> InstallReport:
+    return dataclasses.replace(report, tunedeck_answer=tunedeck_answer(run_folder, report.question, adapter))

@@ -1,8 +1,10 @@
 """Taking a fine-tune elsewhere: the adapter as it is, or a merged model with the adapter folded in.
 
-The adapter export is the run's ``adapter/`` folder (PEFT format with the tokenizer): small, and loaded on top of
-the same base model with plain peft. The merged export computes W + BA once (peft's ``merge_and_unload``) on a
-full-precision copy of the base, casts to the run's own compute dtype (or the one asked for) and saves
+The adapter export is the run's best adapter (``adapter-best/``, the weights of its lowest held-out loss) or,
+where it has none or when asked (``adapter="last"``), its final ``adapter/`` folder (PEFT format with the
+tokenizer): small, and loaded on top of the same base model with plain peft. The merged export computes W + BA
+once (peft's ``merge_and_unload``) on a full-precision copy of the base, casts to the run's own compute dtype (or
+the one asked for) and saves
 safetensors, so any tool that reads Hugging Face folders can use it without peft. A float32 run stays float32:
 rounding its merge to bfloat16 changed greedy answers on 5 of 30 prompts of a real 135M model. Merging is done
 in float32 even when the run trained on a 4-bit base, because folding into quantised weights would round the
@@ -20,6 +22,7 @@ from typing import Any
 
 from engine.config import RunConfig
 from engine.errors import TuneDeckError
+from engine.model.adapter import BEST_RECORD, RunAdapter, run_adapter
 
 EXPORT_DTYPES = ("bfloat16", "float16", "float32")
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -38,7 +41,7 @@ tokenizer = AutoTokenizer.from_pretrained("{folder}")
 ```
 
 With peft installed, `AutoModelForCausalLM.from_pretrained("{folder}")` also loads base + adapter in one call.
-Trained for {steps} steps; final training loss {loss}.
+Trained for {steps} steps; final training loss {loss}. {weights}
 """
 
 MERGED_README = """# {name}: merged model
@@ -53,7 +56,7 @@ model = AutoModelForCausalLM.from_pretrained("{folder}", dtype="auto")
 tokenizer = AutoTokenizer.from_pretrained("{folder}")
 ```
 
-Trained for {steps} steps; final training loss {loss}.
+Trained for {steps} steps; final training loss {loss}. {weights}
 """
 
 
@@ -82,9 +85,10 @@ def run_dtype(run_folder: str | Path) -> str:
     return "float32" if config.training.device == "cpu" else "bfloat16"
 
 
-def _run_adapter(run_folder: Path) -> Path:
-    adapter = run_folder / "adapter"
-    if not (adapter / "adapter_config.json").exists():
+def _run_adapter(run_folder: Path, which: str = "best") -> RunAdapter:
+    """The adapter to export: the best one (the last where the run kept none), or the last when asked."""
+    adapter = run_adapter(run_folder, which)
+    if adapter is None:
         raise TuneDeckError(
             f"{run_folder} has no finished adapter to export",
             hint="a run writes adapter/ when it finishes or is stopped; resume it first",
@@ -122,9 +126,9 @@ def _summary(run_folder: Path) -> tuple[int, str]:
     return 0, "n/a"
 
 
-def _readme(template: str, run_folder: Path, target: Path, **extra: str) -> str:
+def _readme(template: str, run_folder: Path, target: Path, adapter: RunAdapter, **extra: str) -> str:
     config = RunConfig.load(run_folder / "config.json")
-    base = json.loads((_run_adapter(run_folder) / "adapter_config.json").read_text())["base_model_name_or_path"]
+    base = json.loads((adapter.folder / "adapter_config.json").read_text())["base_model_name_or_path"]
     steps, loss = _summary(run_folder)
     return template.format(
         name=run_folder.name,
@@ -132,22 +136,26 @@ def _readme(template: str, run_folder: Path, target: Path, **extra: str) -> str:
         folder=target.resolve().as_posix(),
         steps=steps,
         loss=loss,
+        weights=f"These weights are {adapter.describe()}.",
         **extra,
     )
 
 
-def export_adapter(run_folder: str | Path, target: str | Path, *, overwrite: bool = False) -> Path:
-    """Copy the run's adapter (PEFT format + tokenizer) to ``target`` with a README."""
+def export_adapter(
+    run_folder: str | Path, target: str | Path, *, overwrite: bool = False, adapter: str = "best"
+) -> Path:
+    """Copy the run's ``adapter`` (best or last; PEFT format + tokenizer) to ``target`` with a README."""
     run_folder, target = Path(run_folder), Path(target)
-    adapter = _run_adapter(run_folder)
+    chosen = _run_adapter(run_folder, adapter)
     tmp = _prepare_target(target, overwrite)
-    shutil.copytree(adapter, tmp)
-    (tmp / "README.md").write_text(_readme(ADAPTER_README, run_folder, target), encoding="utf-8")
+    shutil.copytree(chosen.folder, tmp, ignore=shutil.ignore_patterns(BEST_RECORD))
+    (tmp / "README.md").write_text(_readme(ADAPTER_README, run_folder, target, chosen), encoding="utf-8")
     return _commit(tmp, target)
 
 
-def merged_model(run_folder: str | Path, dtype: str = "bfloat16") -> tuple[Any, Any]:
-    """(model, tokenizer): the run's base in float32 with its adapter merged in, cast to ``dtype``, on the CPU."""
+def merged_model(run_folder: str | Path, dtype: str = "bfloat16", adapter: str = "best") -> tuple[Any, Any]:
+    """(model, tokenizer): the run's base in float32 with its ``adapter`` (best or last) merged in, cast to
+    ``dtype``, on the CPU."""
     import torch
     from peft import PeftModel
     from transformers import AutoTokenizer
@@ -155,25 +163,33 @@ def merged_model(run_folder: str | Path, dtype: str = "bfloat16") -> tuple[Any, 
     from engine.model.load import DTYPES, load_base_model
 
     run_folder = Path(run_folder)
-    adapter = _run_adapter(run_folder)
+    chosen = _run_adapter(run_folder, adapter)
     config = RunConfig.load(run_folder / "config.json")
     model_config = dataclasses.replace(config.model, qlora=False)
     base = load_base_model(model_config, torch.device("cpu"), torch.float32)
-    merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+    merged = PeftModel.from_pretrained(base, str(chosen.folder)).merge_and_unload()
     merged = merged.to(DTYPES[normalize_dtype(dtype)])
     merged.config.use_cache = True  # training switched the cache off; users of the export will generate
-    return merged, AutoTokenizer.from_pretrained(str(adapter))
+    return merged, AutoTokenizer.from_pretrained(str(chosen.folder))
 
 
 def export_merged(
-    run_folder: str | Path, target: str | Path, *, dtype: str | None = None, overwrite: bool = False
+    run_folder: str | Path,
+    target: str | Path,
+    *,
+    dtype: str | None = None,
+    overwrite: bool = False,
+    adapter: str = "best",
 ) -> Path:
-    """Write the merged model (safetensors, ``dtype``; by default the run's own) with the tokenizer and a README."""
+    """Write the model merged with ``adapter`` (best or last) as safetensors in ``dtype`` (by default the run's
+    own) with the tokenizer and a README."""
     run_folder, target = Path(run_folder), Path(target)
     dtype = normalize_dtype(dtype) if dtype else run_dtype(run_folder)
-    model, tokenizer = merged_model(run_folder, dtype)
+    chosen = _run_adapter(run_folder, adapter)
+    model, tokenizer = merged_model(run_folder, dtype, adapter)
     tmp = _prepare_target(target, overwrite)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    (tmp / "README.md").write_text(_readme(MERGED_README, run_folder, target, dtype=dtype), encoding="utf-8")
+    readme = _readme(MERGED_README, run_folder, target, chosen, dtype=dtype)
+    (tmp / "README.md").write_text(readme, encoding="utf-8")
     return _commit(tmp, target)

@@ -4,12 +4,16 @@ A run folder holds its final adapter in ``adapter/`` (PEFT format); any PEFT LoR
 and ``adapter_model.safetensors``) works too. The new run takes the adapter's own rank, alpha, dropout and target
 modules, so its weights load into a LoRA of the same shape, and then trains them further (a DPO run after a
 supervised one, for instance). Only safetensors weights are read.
+
+A run with held-out data also keeps ``adapter-best/``, its weights at the lowest held-out loss: exports and chat
+take that one unless asked for the last (:func:`run_adapter`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -81,3 +85,55 @@ def load_adapter_weights(model: Any, folder: Path) -> int:
             hint="start from an adapter trained on the same base model",
         )
     return len(weights)
+
+
+LAST_ADAPTER = "adapter"
+"""A run folder's final adapter, written when the run ends (engine.run.folder.ADAPTER_DIR)."""
+BEST_ADAPTER = "adapter-best"
+"""The adapter of the run's lowest held-out loss so far, kept beside the last one (engine.run.best)."""
+BEST_RECORD = "best.json"
+"""Inside ``adapter-best/``: the step and held-out loss the kept weights come from (written with them)."""
+ADAPTER_CHOICES = ("best", "last")
+
+
+@dataclass(frozen=True)
+class RunAdapter:
+    """One of a run's adapters: the folder, which one it is, and for the best one where it comes from."""
+
+    folder: Path
+    which: str
+    """``best`` (the lowest held-out loss) or ``last`` (the weights the run ended with)."""
+    step: int | None = None
+    eval_loss: float | None = None
+
+    def describe(self) -> str:
+        """In words, e.g. ``the best adapter (step 40, held-out loss 0.787)`` or ``the last adapter``."""
+        if self.which == "last":
+            return "the last adapter"
+        loss = f", held-out loss {self.eval_loss:.3f}" if self.eval_loss is not None else ""
+        return f"the best adapter (step {self.step}{loss})"
+
+
+def best_adapter(run_folder: str | Path) -> RunAdapter | None:
+    """The run's kept best adapter, or None where it has none (no held-out split, or a run from before it was
+    kept)."""
+    folder = Path(run_folder) / BEST_ADAPTER
+    if not (folder / ADAPTER_CONFIG).is_file():
+        return None
+    try:
+        record = json.loads((folder / BEST_RECORD).read_text(encoding="utf-8"))
+        return RunAdapter(folder, "best", int(record["step"]), float(record["eval_loss"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return RunAdapter(folder, "best")
+
+
+def run_adapter(run_folder: str | Path, which: str = "best") -> RunAdapter | None:
+    """The adapter of a run that exports and chat use: ``best`` where the run kept one, else the last; ``last``
+    the weights the run ended with. None when the run has no adapter of that kind yet."""
+    if which not in ADAPTER_CHOICES:
+        raise ModelLoadError(f"unknown adapter {which!r}", hint=f"use one of {', '.join(ADAPTER_CHOICES)}")
+    best = best_adapter(run_folder) if which == "best" else None
+    if best is not None:
+        return best
+    last = Path(run_folder) / LAST_ADAPTER
+    return RunAdapter(last, "last") if (last / ADAPTER_CONFIG).is_file() else None

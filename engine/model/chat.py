@@ -22,8 +22,9 @@ import torch
 
 from engine.config import RunConfig
 from engine.errors import TuneDeckError
+from engine.model.adapter import LAST_ADAPTER, RunAdapter, run_adapter
 
-ADAPTER_DIR = "adapter"
+ADAPTER_DIR = LAST_ADAPTER
 
 
 @dataclass(frozen=True)
@@ -53,28 +54,31 @@ class ChatModel:
     label: str
     has_adapter: bool
     device: torch.device
+    adapter: RunAdapter | None = None
+    """Which of the run's adapters is loaded (the best by default); None for a bare model."""
 
 
 def adapter_dir(run_folder: str | Path) -> Path:
     return Path(run_folder) / ADAPTER_DIR
 
 
-def load_chat_model(run_folder: str | Path, device: str = "auto") -> ChatModel:
-    """The run's base model (from its config.json) with the run's final adapter, ready to generate."""
+def load_chat_model(run_folder: str | Path, device: str = "auto", adapter: str = "best") -> ChatModel:
+    """The run's base model (from its config.json) with the run's ``adapter`` loaded, ready to generate: ``best``
+    (the lowest held-out loss; the last where the run kept none) or ``last``."""
     from peft import PeftModel
 
     folder = Path(run_folder)
-    adapter = adapter_dir(folder)
-    if not (adapter / "adapter_config.json").exists():
+    chosen = run_adapter(folder, adapter)
+    if chosen is None:
         raise TuneDeckError(
             f"{folder} has no finished adapter ({ADAPTER_DIR}/adapter_config.json)",
             hint="a run writes its adapter when it finishes or is stopped; resume it to get one",
         )
     config = RunConfig.load(folder / "config.json")
-    base, tokenizer, torch_device = _load_base(config, device, tokenizer_folder=adapter)
-    model = PeftModel.from_pretrained(base, str(adapter))
+    base, tokenizer, torch_device = _load_base(config, device, tokenizer_folder=chosen.folder)
+    model = PeftModel.from_pretrained(base, str(chosen.folder))
     model.eval()
-    return ChatModel(model, tokenizer, folder.name, True, torch_device)
+    return ChatModel(model, tokenizer, folder.name, True, torch_device, chosen)
 
 
 def load_base_chat_model(model_name: str, device: str = "auto") -> ChatModel:

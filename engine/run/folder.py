@@ -1,9 +1,9 @@
 """A run's folder: the files it holds, creating it, reading its saved config, and writing logs and the adapter.
 
-Everything a user keeps lands here: ``config.json``, ``metrics.jsonl``, ``eval.jsonl``, ``checkpoints/`` and the
-final ``adapter/`` (PEFT format). The config and the adapter are written atomically and the logs one whole line
-at a time (engine.run.checkpoint), so a kill at any moment leaves a folder that a resume can read. A failed
-write raises an error that names the disk problem.
+Everything a user keeps lands here: ``config.json``, ``metrics.jsonl``, ``eval.jsonl``, ``checkpoints/``, the
+final ``adapter/`` (PEFT format) and, with held-out data, ``adapter-best/`` (engine.run.best). The config and
+the adapters are written atomically and the logs one whole line at a time (engine.run.checkpoint), so a kill at
+any moment leaves a folder that a resume can read. A failed write raises an error that names the disk problem.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 
 from engine.config import RunConfig
 from engine.errors import ConfigError
+from engine.model.adapter import BEST_ADAPTER
 from engine.redact import redact
 from engine.run import checkpoint as ckpt
 
@@ -30,6 +31,8 @@ EVAL_FILE = "eval.jsonl"
 MEMORY_FILE = "memory.jsonl"
 """What out-of-memory steps lowered and when it was tried again, one line per change (engine.run.guard)."""
 ADAPTER_DIR = "adapter"
+BEST_ADAPTER_DIR = BEST_ADAPTER
+"""The adapter of the lowest held-out loss, with ``best.json`` (its step and loss), beside ``adapter/``."""
 CHECKPOINT_DIR = "checkpoints"
 COMPUTE_FILE = "compute.json"
 """The dtype the run computed in (``auto`` resolved on its machine): a merged export keeps it (engine.export)."""

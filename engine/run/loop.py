@@ -20,8 +20,12 @@ import torch
 from engine.config import RunConfig
 from engine.errors import TuneDeckError
 from engine.events import (
+    BestAdapterKept,
     CheckpointSaved,
+    EvalMetrics,
+    EvalRising,
     Event,
+    Notice,
     RunFailed,
     RunFinished,
     RunPaused,
@@ -33,9 +37,11 @@ from engine.hardware import vram
 from engine.redact import known_tokens, redact_event
 from engine.run import checkpoint as ckpt
 from engine.run import guard
+from engine.run.best import BestAdapterWriter, host_copy
 from engine.run.control import RunControl
 from engine.run.folder import (
     ADAPTER_DIR,
+    BEST_ADAPTER_DIR,
     CHECKPOINT_DIR,
     EVAL_FILE,
     METRICS_FILE,
@@ -102,12 +108,21 @@ def on_one_gpu(config: RunConfig, gpus: list[int]) -> RunConfig:
 
 
 def _train(session: Session, control: RunControl) -> Iterator[Event]:
+    writer = BestAdapterWriter(session.run_dir) if session.ranks.is_main else None
+    try:
+        yield from _steps(session, control, writer)
+    finally:
+        if writer is not None:
+            writer.shutdown()
+
+
+def _steps(session: Session, control: RunControl, writer: BestAdapterWriter | None) -> Iterator[Event]:
     started = time.perf_counter()
-    while session.step + (session.in_flight is not None) < session.total_steps:
+    while session.step + (session.in_flight is not None) < session.total_steps and not session.eval_watch.stopping:
         control.sync()
         requested = control.take_speed_request()
         if control.stop_requested or control.paused or requested is not None:
-            yield from _reported(session, (yield from read_in_flight(session)))
+            yield from _reported(session, (yield from read_in_flight(session)), writer)
         if control.stop_requested:
             break
         if control.paused:
@@ -123,14 +138,16 @@ def _train(session: Session, control: RunControl) -> Iterator[Event]:
         session.ranks.inject_fault(session.step + 1)
         yield from climb_back(session)  # a setting lowered for memory, once good steps left room
         before = session.speed.state()
-        yield from _reported(session, (yield from train_step(session)))
+        yield from _reported(session, (yield from train_step(session)), writer)
         after = session.speed.state()
         if after != before:  # decided at the first batch or for longer rows, or step graphs' trial
             yield SpeedChanged(session.step, after)
         if session.in_flight is not None and _due(session, session.step + 1):
-            yield from _reported(session, (yield from read_in_flight(session)))  # evaluate and save its weights
-    yield from _reported(session, (yield from read_in_flight(session)))
-    yield from _finish(session, time.perf_counter() - started, cancelled=session.step < session.total_steps)
+            yield from _reported(session, (yield from read_in_flight(session)), writer)  # evaluate, save weights
+    yield from _reported(session, (yield from read_in_flight(session)), writer)
+    stopped_early = session.eval_watch.stopping
+    cancelled = session.step < session.total_steps and not stopped_early
+    yield from _finish(session, time.perf_counter() - started, cancelled, writer)
 
 
 def _due(session: Session, step: int) -> bool:
@@ -144,7 +161,7 @@ def _every(session: Session, step: int, setting: str) -> bool:
     return bool(every) and step % every == 0 and step < session.total_steps
 
 
-def _reported(session: Session, done: list[StepMetrics]) -> Iterator[Event]:
+def _reported(session: Session, done: list[StepMetrics], writer: BestAdapterWriter | None) -> Iterator[Event]:
     """Log and yield the metrics of steps read back, then evaluate and save where one of them is due."""
     for metrics in done:
         # the driver's view once per step, as it is read back (one NVML call; None where NVML cannot tell)
@@ -153,18 +170,46 @@ def _reported(session: Session, done: list[StepMetrics]) -> Iterator[Event]:
             append_jsonl(session.run_dir / METRICS_FILE, _metrics_record(metrics))
         yield metrics
         if _every(session, session.step, "eval_every"):
-            yield from evaluate(session)
+            yield from _evaluate(session, writer)
         if _every(session, session.step, "save_every"):
             yield _save_checkpoint(session)
 
 
-def _finish(session: Session, wall_time: float, cancelled: bool) -> Iterator[Event]:
-    if not cancelled:
-        yield from evaluate(session)
+def _evaluate(session: Session, writer: BestAdapterWriter | None) -> Iterator[Event]:
+    """Evaluate on the held-out rows; a new lowest loss keeps the adapter as the best, rises are reported."""
+    for event in evaluate(session):
+        yield event
+        if isinstance(event, EvalMetrics):
+            yield from _watch(session, event, writer)
+
+
+def _watch(session: Session, event: EvalMetrics, writer: BestAdapterWriter | None) -> Iterator[Event]:
+    watch = session.eval_watch
+    verdict = watch.observe(event.step, event.loss)
+    if verdict.improved:
+        gathered = session.ranks.full_trainable_state(session.model)  # a collective under FSDP2: every rank
+        if writer is not None:
+            weights = host_copy(session.model, gathered)
+            writer.write(session.model, session.tokenizer, weights, event.step, event.loss)
+        yield BestAdapterKept(event.step, event.loss, str(session.run_dir / BEST_ADAPTER_DIR))
+    if verdict.warn:
+        assert watch.best_step is not None and watch.best_loss is not None
+        message = watch.rising_message(event.step, event.loss)
+        yield EvalRising(event.step, event.loss, verdict.rises, watch.best_step, watch.best_loss, message)
+    if verdict.stop:
+        yield Notice(watch.stop_message())
+
+
+def _finish(session: Session, wall_time: float, cancelled: bool, writer: BestAdapterWriter | None) -> Iterator[Event]:
+    watch = session.eval_watch
+    if not cancelled and watch.last_step != session.step:  # an early stop has just evaluated this step
+        yield from _evaluate(session, writer)
     yield _save_checkpoint(session)
     adapter_dir = session.run_dir / ADAPTER_DIR
     gathered = session.ranks.full_trainable_state(session.model)
     if session.ranks.is_main:
+        assert writer is not None
+        writer.wait()  # the best adapter is on disk before the run says it finished
         try:
             save_adapter(session.model, session.tokenizer, adapter_dir, gathered)
         except OSError as err:
@@ -178,6 +223,10 @@ def _finish(session: Session, wall_time: float, cancelled: bool) -> Iterator[Eve
         eval_loss=session.last_eval,
         wall_time_s=wall_time,
         cancelled=cancelled,
+        best_adapter_dir=str(session.run_dir / BEST_ADAPTER_DIR) if watch.best_step is not None else None,
+        best_step=watch.best_step,
+        best_eval_loss=watch.best_loss,
+        stopped_early=watch.stopping,
     )
 
 

@@ -8,6 +8,7 @@ newest whole checkpoint when resuming (damaged ones are skipped with a notice).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import random
 from collections.abc import Generator, Iterator
@@ -28,6 +29,7 @@ from engine.model.load import add_lora, count_parameters, load_base_model, load_
 from engine.model.quantized_experts import experts_notice
 from engine.run import checkpoint as ckpt
 from engine.run import guard, readout
+from engine.run.best import EvalWatch
 from engine.run.folder import CHECKPOINT_DIR, EVAL_FILE, METRICS_FILE, truncate_log, write_compute
 from engine.run.optimizer import adamw
 from engine.run.preference import FUSED_LOSS_REFUSED, STEP_GRAPHS_REFUSED, PreferenceTraining
@@ -83,8 +85,11 @@ class Session:
     """With late readout: the step queued last, whose values the host has not read yet."""
     preference: PreferenceTraining | None = None
     """DPO runs (``training.method`` dpo): settings, reference log-probabilities and the step's rewards."""
+    eval_watch: EvalWatch = field(init=False)
+    """The held-out losses so far: where the best adapter comes from, rises in a row, early stopping."""
 
     def __post_init__(self) -> None:
+        self.eval_watch = EvalWatch(self.config.training.early_stop)
         self.schedule = RowSchedule(len(self.data.train_rows), self.config.training.seed)
         self.tokens_per_batch = self.config.data.tokens_per_batch
         self.non_finite = guard.NonFiniteCounter(self.config.training.max_bad_steps)
@@ -120,6 +125,7 @@ def start(
     tokenizer = load_tokenizer(config.model)
     config = yield from resolve_rows(config, tokenizer, device, None if resuming or not ranks.is_main else run_dir)
     data = prepare_data(config.data, tokenizer, config.training.seed, config.training.method)
+    _check_early_stop(config, data)
     for message in data.notices:
         yield Notice(message)
     if config.model.allow_pickle_weights:
@@ -174,6 +180,15 @@ def start(
     if note is not None:
         yield Notice(note)
     return session
+
+
+def _check_early_stop(config: RunConfig, data: PreparedData) -> None:
+    """Early stopping watches the held-out loss: a run without held-out examples is refused before loading."""
+    if config.training.early_stop and not data.eval:
+        raise ConfigError(
+            "--early-stop needs held-out examples to watch, and this run has none",
+            hint="hold some out (--eval-fraction 0.1, or --eval-path FILE), or leave --early-stop at 0",
+        )
 
 
 def _with_adapter(config: RunConfig, base: Any) -> Generator[Event, None, Any]:
@@ -306,6 +321,25 @@ def _restore(session: Session) -> Iterator[Event]:
     if session.ranks.is_main:
         truncate_log(session.run_dir / METRICS_FILE, session.step)
         truncate_log(session.run_dir / EVAL_FILE, session.step)
+    session.eval_watch = EvalWatch.resumed(
+        session.config.training.early_stop, _eval_losses(session.run_dir / EVAL_FILE, session.step), session.run_dir
+    )
+
+
+def _eval_losses(path: Path, last_step: int) -> list[tuple[int, float]]:
+    """(step, held-out loss) of each evaluation in ``eval.jsonl`` up to ``last_step`` (every rank reads the same,
+    whether or not the first has cut the log back yet)."""
+    losses = []
+    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
+    for line in lines:
+        try:
+            record = json.loads(line)
+            step, loss = int(record["step"]), float(record["eval_loss"])
+        except (ValueError, KeyError, TypeError):  # a torn last line
+            continue
+        if step <= last_step:
+            losses.append((step, loss))
+    return losses
 
 
 def _load_checkpoint(session: Session, checkpoint: Path) -> str | None:
