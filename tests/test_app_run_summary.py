@@ -69,6 +69,8 @@ def test_every_page_shows_the_same_state_peak_and_speed_during_and_after_a_run(q
     assert texts.state == "finished" and run.step == STEPS
     assert texts.time.startswith("estimated ") and ", training took " in texts.time, texts.time
     assert_pages_agree(window, texts, run.run_dir)  # the Runs page now reads the run's folder
+    recorded = Registry().find_folder(run.run_dir)
+    assert f"{recorded.tokens_per_s:,.0f} tokens/s" == texts.speed, "the run history keeps the same mean speed"
     chat = window.page("Chat")
     assert Path(chat.runs.currentData()) == Path(run.run_dir).resolve(), "Chat picks the run that just finished"
     line = chat.run_info.text()

@@ -50,6 +50,8 @@ class RunRecorder:
         self.run_id: str | None = None
         self._last_write = 0.0
         self._pending: dict[str, Any] = {}
+        self._steps: Any = None
+        """The run's summary over its steps (engine.run.summary): the speed written is its mean, as pages show it."""
 
     def _writer(self) -> dict[str, Any]:
         pid = os.getpid()
@@ -88,8 +90,15 @@ class RunRecorder:
 
         if isinstance(event, ev.RunStarted):
             self.started(event)
+            if event.start_step > 0:  # resumed: the mean speed counts the steps it logged before, as its folder does
+                from engine.run.summary import RunSummary, seeded
+
+                self._steps = seeded(RunSummary(), event.run_dir, event.start_step)
         elif isinstance(event, ev.StepMetrics):
-            self.write(steps=event.step, final_loss=event.loss, tokens_per_s=event.tokens_per_s)
+            from engine.run.summary import RunSummary, summarize
+
+            self._steps = summarize(self._steps or RunSummary(), event)
+            self.write(steps=event.step, final_loss=event.loss, tokens_per_s=self._steps.tokens_per_s)
         elif isinstance(event, ev.EvalMetrics):
             self.write(eval_loss=event.loss)
         elif isinstance(event, ev.SpeedChanged):
