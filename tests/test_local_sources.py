@@ -160,3 +160,35 @@ def test_a_run_of_an_ollama_model_gets_a_folder_name_every_file_system_takes(tmp
     )
     name = new_run_dir(config).name
     assert name.endswith("-ollama-smollm2-135m-chats") and not set(name) & set('<>:"/\\|?*')
+
+
+GUARDED_CONVERSION = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))  # should the check fail, this child runs out, not the host
+import torch
+from engine.errors import ModelLoadError
+from engine.model.gguf_import import convert
+from engine.model.local_sources import find_local_model
+try:
+    convert(find_local_model(sys.argv[1]), torch.float32)
+except ModelLoadError as err:
+    print(err)
+"""
+
+
+def test_a_file_lacking_most_of_its_model_is_refused_before_loading(tmp_path: Path) -> None:
+    """transformers would fill the missing shape metadata with Llama's defaults: a 7B model, 26 GB of float32."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    gguf_file = tiny_gguf(tmp_path / "half-a-model.gguf")
+    home = tmp_path / "home"
+    env = {**os.environ, "TUNEDECK_HOME": str(home)}
+    done = subprocess.run(
+        [sys.executable, "-c", GUARDED_CONVERSION, str(gguf_file)], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.search(r"holds 2,112 weights, but its metadata describes a model of [\d,]+", done.stdout), done.stdout
+    assert not list(home.glob("converted-models/*"))

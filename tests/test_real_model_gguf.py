@@ -243,7 +243,7 @@ def test_conversion_says_what_was_dequantized_and_is_reused(converted_once: dict
     assert conversion.what() == "Q4_1 → float32"
     assert "Q4_1 ×210" in conversion.message()
     stages = [what for what, _, _ in converted_once["progress"]]
-    assert stages[0] == "dequantizing Q4_1 → float32" and stages[-1] == "done"
+    assert stages[:2] == ["reading the GGUF metadata", "dequantizing Q4_1 → float32"] and stages[-1] == "done"
     assert "writing the converted folder" in stages
     config = json.loads((conversion.folder / "config.json").read_text())
     assert "quantization_config" not in config and config["model_type"] == "llama"

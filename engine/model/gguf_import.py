@@ -15,6 +15,7 @@ not train on bfloat16-rounded ones. The folder's ``tunedeck-source.json`` record
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import threading
@@ -57,7 +58,7 @@ class Conversion:
         """For the user: what was dequantized from what, and where the folder is."""
         again = "; QLoRA quantizes it again to 4-bit NF4" if qlora else ""
         if self.reused:
-            return f"{self.model.name}: its weights dequantized {self.what()} earlier, in {self.folder}{again}"
+            return f"{self.model.name}: GGUF weights dequantized {self.what()} (converted before, {self.folder}){again}"
         return (
             f"{self.model.name}: dequantized {self.what()} ({self.model.header.describe_types()}) in "
             f"{self.seconds:.0f} s into {self.folder}; later runs reuse it{again}"
@@ -104,7 +105,7 @@ def convert(model: LocalGguf, dtype: torch.dtype, report: Progress | None = None
     report = report or (lambda what, done, total: None)
     started = time.monotonic()
     target = folder_for(model, dtype)
-    partial = target.with_name(f"{target.name}.partial-{threading.get_ident()}")
+    partial = target.with_name(f"{target.name}.partial-{os.getpid()}-{threading.get_ident()}")
     shutil.rmtree(partial, ignore_errors=True)
     try:
         _write_folder(model, dtype, partial, report)
@@ -125,6 +126,8 @@ def _write_folder(model: LocalGguf, dtype: torch.dtype, folder: Path, report: Pr
 
     where, file = str(model.path.parent), model.path.name
     what = f"dequantizing {model.header.quantization} → {DTYPE_NAMES[dtype]}"
+    report("reading the GGUF metadata", 0, None)
+    _check_complete(model, where, file, dtype)
     report(what, 0, None)
     try:
         with _TensorProgress(what, report):
@@ -157,6 +160,33 @@ def _write_folder(model: LocalGguf, dtype: torch.dtype, folder: Path, report: Pr
         "converted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     (folder / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n", encoding="utf-8")
+
+
+def _check_complete(model: LocalGguf, where: str, file: str, dtype: torch.dtype) -> None:
+    """Refuse a file whose tensors are far fewer than the model its metadata describes, before loading it.
+
+    transformers fills metadata a file lacks with the family's defaults and weights it lacks with random values: a
+    2,000-weight llama file with no shape metadata became a 7B model, 21 GiB of float32, before anything failed.
+    The model is built on the meta device here (no memory) and its size compared with the file's.
+    """
+    from transformers import AutoConfig
+
+    from engine.model.moe_load import meta_model
+
+    try:
+        config = AutoConfig.from_pretrained(where, gguf_file=file)
+        expected = sum(param.numel() for param in meta_model(config, dtype).parameters())
+    except Exception as err:  # transformers raises ValueError, KeyError... for metadata it cannot map
+        raise ModelLoadError(
+            f"transformers cannot read the metadata of {model.name}: {str(err).splitlines()[0] if str(err) else err!r}",
+            hint=f"families transformers reads from GGUF: {', '.join(transformers_gguf_families())}",
+        ) from err
+    if expected > 1.1 * model.header.parameters:
+        raise ModelLoadError(
+            f"{model.name} holds {model.header.parameters:,} weights, but its metadata describes a model of "
+            f"{expected:,}: the file lacks part of the model",
+            hint="download it again, or convert it again with a current llama.cpp",
+        )
 
 
 class _TensorProgress:
