@@ -276,6 +276,24 @@ def test_a_run_from_the_ollama_model_trains_and_says_where_its_weights_came_from
     assert RunConfig.load(folder / "config.json").model.name == MODEL
 
 
+def test_qlora_quantizes_the_converted_weights_again(conversion: Conversion) -> None:
+    """A bfloat16 QLoRA base reads the float32 folder (no second conversion) and holds its linear layers in NF4."""
+    from transformers import AutoTokenizer
+
+    from engine.config import ModelConfig
+    from engine.model.load import load_base_model
+
+    base = load_base_model(ModelConfig(name=MODEL, qlora=True), torch.device("cpu"), torch.bfloat16)
+    four_bit = [name for name, param in base.named_parameters() if param.__class__.__name__ == "Params4bit"]
+    assert len(four_bit) == 30 * 7  # every projection of the 30 layers
+    assert base.name_or_path == str(conversion.folder)
+    tokenizer = AutoTokenizer.from_pretrained(conversion.folder)
+    ids = torch.tensor([tokenizer(chat_prompt(tokenizer, PROMPTS[0]), add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        answer = tokenizer.decode(base(ids).logits[0, -1].argmax())
+    assert answer.strip() == "The"  # "The capital of France is Paris.", as the float32 model starts
+
+
 # ------------------------------------------------------------------------------------------------ llama.cpp
 
 
