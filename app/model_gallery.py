@@ -34,6 +34,7 @@ MIN_VISIBLE_ROWS = 4
 """The gallery rows shown however small the window (the others scroll in the table)."""
 COLUMNS = ("Model", "Parameters", "Download", "Trains with", "Predicted peak", "Longest row", "About")
 """The peak is the plan's prediction for the model's default settings, never a measured figure."""
+CHECKPOINTING_WORDS = {"none": "no recompute", "standard": "recompute", "offloaded": "offloaded recompute"}
 
 
 def format_size(count: float, unit: str = "B") -> str:
@@ -48,7 +49,9 @@ def row_cells(row: Any) -> list[str]:
     from engine.hardware.planner import LONGEST_ROW_TOKENS
 
     fit = {"LoRA": row.lora, "QLoRA": row.qlora}.get(row.verdict)
-    memory = f"{fit.peak_bytes / GIB:.1f} of {fit.budget_bytes / GIB:.1f} GiB" if fit is not None else "—"
+    memory = "—" if fit is None else f"{fit.peak_bytes / GIB:.1f} of {fit.budget_bytes / GIB:.1f} GiB"
+    if fit is not None and fit.fits and fit.tokens:  # the row decides the peak: say which one it is for
+        memory += f" ({fit.tokens:,} tokens, {CHECKPOINTING_WORDS.get(fit.checkpointing, fit.checkpointing)})"
     longest = row.longest_tokens
     longest_text = "—" if longest is None else f"{longest:,} tokens" + ("+" if longest >= LONGEST_ROW_TOKENS else "")
     download = "ships with TuneDeck" if row.entry.is_demo else format_size(row.download_bytes)
@@ -165,6 +168,10 @@ class ModelGallery(QWidget):
                 lines.append(f"{way}: needs an NVIDIA GPU")
             else:
                 lines.append(f"{way}: {'fits' if fit.fits else 'does not fit'} — {fit.reason}")
+                if fit.fits and fit.memory:
+                    lines.append(f"    what fills it: {fit.memory}")
+        if row.lora is not None and row.qlora is None:  # a CPU plan: the budget is RAM, not memory in use
+            lines.append("Usable: the share of this computer's RAM planned for a run (the rest stays with the system)")
         return "\n".join(lines)
 
     def select(self, hub_id: str) -> None:

@@ -60,6 +60,14 @@ def longest_row_html(info: ModelInfo) -> str:
     return f"<p>Longest row that trains here: {reason}</p>" if reason else ""
 
 
+def memory_html(info: ModelInfo) -> str:
+    """A paragraph on what fills the predicted peak (weights, adapter, activations, loss) for the planned row, or ""
+    when the planner has no such figure: a small model that fits without recompute can plan more than a big one."""
+    plan = getattr(info.profile, "memory_plan", None)
+    reason = plan.reasons.get("memory") if plan is not None else None
+    return f"<p>What fills the memory: {reason}.</p>" if reason else ""
+
+
 def resident_layers_html(info: ModelInfo) -> str:
     """A paragraph on the layers that skip the recompute in this GPU's spare memory, or "" when there are none."""
     plan = getattr(info.profile, "memory_plan", None)

@@ -35,6 +35,7 @@ from app.model_info import (
     format_params,
     inspect_model,
     longest_row_html,
+    memory_html,
     plan_notes_html,
     resident_layers_html,
     verdict_target,
@@ -220,7 +221,7 @@ class ModelPanel(QWidget):
             f"{'mixture of experts' if info.is_moe else 'dense'}</p>"
             f"<p>Verdict for {verdict_target(info)}: <b style='color:{colour}'>{info.verdict}</b> — "
             f"{info.verdict_reason}</p>"
-            f"{longest_row_html(info)}{resident_layers_html(info)}{plan_notes_html(info)}"
+            f"{memory_html(info)}{longest_row_html(info)}{resident_layers_html(info)}{plan_notes_html(info)}"
             f"<p><b>Settings the planner would use</b></p><table cellpadding='3'>{rows}</table>"
         )
         self.state.set_model(info.name, info)

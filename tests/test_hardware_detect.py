@@ -142,10 +142,11 @@ def test_an_8b_qlora_plan_counts_the_switches_the_engine_turns_on_by_itself(card
 
 
 def test_a_plan_says_when_shorter_rows_would_train_markedly_faster() -> None:
-    """On a 24 GiB card the largest 8B QLoRA batch (16,384 tokens, MLPs in chunks) keeps no layer resident; rows of
-    4,096 tokens keep most of them (measured on the H200 under 24 GiB: 13,489 against 9,196 tokens/s,
-    benchmarks/history/qlora_train_h200.md). The plan keeps its choice and says how to get the shorter rows with the
-    same tokens per optimizer step; where the estimate gains less, or the user set the rows, it says nothing."""
+    """On a 24 GiB card the largest 8B QLoRA batch (16,384 tokens, unchunked as the engine runs it there) keeps 5
+    layers resident; rows of 4,096 tokens keep most of them (measured on the H200 under 24 GiB: 13,489 against 9,196
+    tokens/s with 4 resident, benchmarks/history/qlora_train_h200.md; the FLOP estimate says 1.3x). The plan keeps
+    its choice and says how to get the shorter rows with the same tokens per optimizer step; where the estimate gains
+    less, or the user set the rows, it says nothing."""
     shape = load_shape("llama-3.1-8b")
 
     def notes(card: str, **overrides: object) -> list[str]:
@@ -154,7 +155,7 @@ def test_a_plan_says_when_shorter_rows_would_train_markedly_faster() -> None:
         return [note for note in profile.notes if note.startswith("rows of")]
 
     (note,) = notes("RTX 4090")
-    assert note.startswith("rows of 4,096 tokens would train about 1.4x faster here (offloaded checkpointing, 2")
+    assert note.startswith("rows of 4,096 tokens would train about 1.3x faster here (offloaded checkpointing, 2")
     assert note.endswith(
         "with gradient accumulation 4 (--tokens-per-batch 4096 --grad-accum 4) each optimizer step still sees 16,384 "
         "tokens"

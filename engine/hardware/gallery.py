@@ -92,6 +92,11 @@ class Fit:
     budget_bytes: int
     longest_tokens: int | None
     reason: str
+    tokens: int | None = None
+    """The row the plan is for (the longest that fits its settings, up to 16,384 tokens)."""
+    checkpointing: str = "none"
+    memory: str = ""
+    """What fills the peak, and why (engine.hardware.planner: the plan's 'memory' reason)."""
 
 
 @dataclass(frozen=True)
@@ -126,7 +131,8 @@ def plan_fit(target: DeviceTarget, shape: ModelShape, qlora: bool, min_tokens: i
     if plan is None:
         return None
     reason = plan.reasons.get("fit") or plan.reasons.get("tokens_per_batch", "")
-    return Fit(plan.fits, plan.estimate.peak, plan.budget_bytes, plan.longest_tokens, reason)
+    return Fit(plan.fits, plan.estimate.peak, plan.budget_bytes, plan.longest_tokens, reason, plan.tokens,
+               plan.checkpointing, plan.reasons.get("memory", ""))  # fmt: skip
 
 
 def gallery_rows(target: DeviceTarget | HardwareInfo, min_tokens: int = 2048) -> list[GalleryRow]:

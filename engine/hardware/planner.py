@@ -70,6 +70,17 @@ is not worth it (measured on the H200, 8B QLoRA at 32k tokens with 4,096-token c
 18.8 -> 10.0 GiB peak)."""
 
 
+CHUNK_FREE_SHARE = 0.25
+"""Automatic chunking waits until memory is short: the engine chunks only where one layer's unchunked per-token work
+would take more than this share of the memory free after the weights and the adapter (engine.speed.chunked_mlp)."""
+
+
+def row_working_bytes(shape: ModelShape, tokens: int) -> int:
+    """What one layer's per-token modules hold for a whole row of ``tokens`` without chunking (as
+    :func:`chunk_tokens_for` counts a token)."""
+    return tokens * (10 * shape.intermediate_size + 8 * shape.hidden_size)
+
+
 def chunk_tokens_for(intermediate_size: int, hidden_size: int) -> int | None:
     """Tokens per chunk of the engine's chunked MLP, so that one chunk's working set stays near CHUNK_BYTES.
 
@@ -118,6 +129,10 @@ class TrainSetup:
     None: over whole rows."""
     chunk_min_tokens: int = 0
     """Only rows longer than this are chunked (the engine's automatic mode: CHUNK_MIN_ROW_TOKENS)."""
+    chunk_budget_bytes: int | None = None
+    """With automatic chunking (``chunk_min_tokens`` > 0), the memory budget of the engine's rule: a row is chunked
+    only where :func:`row_working_bytes` exceeds :data:`CHUNK_FREE_SHARE` of what the budget leaves after the
+    weights and the adapter. None: every row longer than ``chunk_min_tokens`` is chunked."""
     chunk_scope: ChunkScope = "all"
     """What runs in chunks: every per-token module (eager layers) or only the MLP (compiled layers)."""
     host_embedding: bool = False
@@ -161,6 +176,29 @@ class MemoryEstimate:
 
     def gib(self) -> float:
         return self.peak / GIB
+
+    def breakdown(self) -> list[tuple[str, int]]:
+        """What fills the peak, largest first; the parts add up to :attr:`peak`. Of the two moments a step peaks at
+        (module docstring), the one that decides it is listed."""
+        at_loss = self.activations + self.loss
+        moment = (
+            [("activations kept for backward", self.activations), ("loss and logits", self.loss)]
+            if at_loss >= self.recompute
+            else [("checkpointed layer inputs and one layer's recompute and gradients", self.recompute)]
+        )
+        parts = [
+            ("weights", self.weights),
+            ("LoRA adapter, its gradients and optimizer state", self.adapter),
+            *moment,
+            ("attention masks", self.attention_masks),
+            ("workspaces", self.overhead),
+        ]
+        return sorted(((name, size) for name, size in parts if size > 0), key=lambda part: -part[1])
+
+    def breakdown_text(self) -> str:
+        """The breakdown in words: "activations kept for backward 19.4 GiB, weights 1.1 GiB, ..."."""
+        shown = [(name, size) for name, size in self.breakdown() if size >= GIB // 20]  # what rounds to 0.0 is left out
+        return ", ".join(f"{name} {size / GIB:.1f} GiB" for name, size in shown)
 
 
 def effective_attention(setup: TrainSetup, compute_capability: tuple[int, int] | None) -> str:
@@ -399,7 +437,17 @@ def _layer_backward_bytes(shape: ModelShape, setup: TrainSetup) -> tuple[int, in
 def _chunks(shape: ModelShape, setup: TrainSetup) -> bool:
     """Whether the row runs its per-token modules in chunks (dense MLPs; MoE experts are never chunked)."""
     chunk = setup.chunk_tokens
-    return bool(chunk) and setup.tokens > max(chunk or 0, setup.chunk_min_tokens) and not shape.is_moe
+    if not chunk or setup.tokens <= max(chunk, setup.chunk_min_tokens) or shape.is_moe:
+        return False
+    if setup.chunk_budget_bytes is None or not setup.chunk_min_tokens:  # switched on, or no budget to weigh
+        return True
+    free = setup.chunk_budget_bytes - resident_weight_bytes(shape, setup) - adapter_bytes(shape, setup)
+    return row_working_bytes(shape, setup.tokens) > CHUNK_FREE_SHARE * free
+
+
+def resident_weight_bytes(shape: ModelShape, setup: TrainSetup) -> int:
+    """The base weights on the device: all of them but an input embedding table kept in host memory."""
+    return weight_bytes(shape, setup) - (host_embedding_bytes(shape, setup) if setup.host_embedding else 0)
 
 
 def _attention_backward_bytes(shape: ModelShape, setup: TrainSetup, backend: str) -> int:
@@ -539,7 +587,7 @@ def estimate_memory(
     final_norm = (4 * h + 4) * t
     loss = final_norm + loss_bytes(shape, setup)
     return MemoryEstimate(
-        weights=weight_bytes(shape, setup) - (host_embedding_bytes(shape, setup) if setup.host_embedding else 0),
+        weights=resident_weight_bytes(shape, setup),
         adapter=adapter_bytes(shape, setup),
         activations=activations,
         loss=loss,
@@ -773,6 +821,8 @@ def choose_memory_settings(
     ``preferred_tokens`` (recompute costs ~30% of step time); otherwise the mode that fits the largest batch.
     """
     base = base or TrainSetup()
+    if base.chunk_min_tokens and base.chunk_budget_bytes is None:  # automatic chunking weighs this budget
+        base = replace(base, chunk_budget_bytes=budget_bytes)
     max_tokens = max(max_tokens, min_tokens)
     options = [qlora] if qlora is not None else [False, True]
     for quantized in options:
@@ -794,6 +844,7 @@ def choose_memory_settings(
             resident = most_resident_layers(shape, setup, budget_bytes, compute_capability, margin) if on_gpu else 0
             setup = replace(setup, resident_layers=resident)
             reasons = _plan_reasons(shape, setup, estimate, budget_bytes, found, qlora is None, options)
+            reasons["memory"] = _memory_reason(shape, setup, estimate, can_offload, compute_capability)
             if resident:
                 reasons["resident_layers"] = _resident_reason(
                     shape, setup, estimate_memory(shape, setup, compute_capability)
@@ -875,6 +926,28 @@ def _plan_reasons(
     if setup.checkpointing != "none" and _chunks(shape, setup):
         tokens += f", with the MLPs in chunks of {setup.chunk_tokens:,} tokens"
     return {"qlora": qlora, "checkpointing": ckpt, "tokens_per_batch": tokens}
+
+
+def _memory_reason(
+    shape: ModelShape,
+    setup: TrainSetup,
+    estimate: MemoryEstimate,
+    can_offload: bool,
+    compute_capability: tuple[int, int] | None,
+) -> str:
+    """What fills the plan's peak, and why a smaller model may plan more: without checkpointing every layer keeps
+    its activations (the fastest way, taken while the row fits), so a model that fits that way can use more memory
+    than a larger one that must recompute."""
+    mode = "no recompute" if setup.checkpointing == "none" else f"{setup.checkpointing} checkpointing"
+    text = f"{estimate.gib():.1f} GiB for {setup.tokens:,}-token rows with {mode}: {estimate.breakdown_text()}"
+    if setup.checkpointing != "none":
+        return text
+    leanest: Checkpointing = "offloaded" if can_offload else "standard"
+    lean = estimate_memory(shape, replace(setup, checkpointing=leanest), compute_capability)
+    return (
+        f"{text}. Every layer keeps its activations for backward, the fastest way while they fit; with {leanest} "
+        f"checkpointing the same rows would need ~{lean.gib():.1f} GiB"
+    )
 
 
 def _resident_reason(shape: ModelShape, setup: TrainSetup, with_them: MemoryEstimate) -> str:

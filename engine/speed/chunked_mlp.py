@@ -55,8 +55,9 @@ __all__ = [
 CHUNK_TOKENS = 4096
 """Chunk size for a model whose configuration does not give the MLP's width."""
 AUTO_MIN_TOKENS = planner.CHUNK_MIN_ROW_TOKENS
-AUTO_FREE_SHARE = 0.25
-"""Automatic mode chunks only when one layer's unchunked per-token working set exceeds this share of free memory."""
+AUTO_FREE_SHARE = planner.CHUNK_FREE_SHARE
+"""Automatic mode chunks only when one layer's unchunked per-token working set exceeds this share of free memory
+(the planner plans rows by the same rule)."""
 LAYER_TARGETS = (
     "input_layernorm",
     "post_attention_layernorm",
