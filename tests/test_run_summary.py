@@ -62,6 +62,11 @@ ROWS = (
         ("another card of the class", "rtx-consumer", "RTX 4080", "demo", False, None,
          60 * (1024 / 50_000 + 1024 / 5_000) / 2 + 1, "measured"),
         ("no run of this model: the planner", "rtx-consumer", "RTX 4090", "qwen", False, 2048.0, 30.0, "planner"),
+        # no run here, but TuneDeck's own H200 rows of this model: 169 ms a 16,384-token step, scaled to 1,024 tokens
+        ("TuneDeck's rows of the GPU class", "hopper", "NVIDIA H200", "Qwen/Qwen3-0.6B", False, 1e9,
+         60 * 1024 / (16_384 / 0.169), "measured"),
+        ("the hub id names the shape", "hopper", "NVIDIA H100 80GB HBM3", "meta-llama/Llama-3.1-8B-Instruct", True,
+         None, 60 * 1024 / 12_897, "measured"),
         ("no run and no planner figure", "cpu", "", "qwen", False, None, None, "none"),
     ],
 )  # fmt: skip
@@ -73,6 +78,8 @@ def test_the_estimate_before_start_comes_from_runs_measured_here_first(
                             qlora=qlora, rows=ROWS, planner_tokens_per_s=planner)  # fmt: skip
     assert estimate.source == source, case
     assert estimate.seconds == (pytest.approx(expected_seconds) if expected_seconds is not None else None), case
+    if "TuneDeck" in case:
+        assert estimate.basis == "from TuneDeck's measured steps on this GPU class"
 
 
 def test_the_runs_own_pace_replaces_the_estimate_after_the_first_steps() -> None:

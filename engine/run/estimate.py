@@ -2,19 +2,23 @@
 
 Before Start the estimate comes from runs measured here: earlier runs of the same model on this GPU class (the same
 card first), their mean tokens/s over the steps they took plus what they spent beside the steps (evaluations,
-checkpoints, the final save). Without such a run it is the planner's throughput for the card (its rated tensor
-throughput at the utilisation measured on the H200), and on a CPU with no earlier run there is none until the run's
-first steps. Once steps are timed, the run's own recent pace replaces it, updated every step. When training ends,
-the first estimate the user saw is set beside the time it took. Pure functions on plain values; Qt-free.
+checkpoints, the final save). Without such a run, TuneDeck's own measured rows of the GPU class (:data:`MEASURED_ROWS`)
+stand in, then the planner's throughput for the card (its rated tensor throughput at the utilisation measured on the
+H200); on a CPU with no earlier run there is none until the run's first steps. Once steps are timed, the run's own
+recent pace replaces it, updated every step. When training ends, the first estimate the user saw is set beside the
+time it took. Pure functions on plain values; Qt-free.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from engine.hardware import gpus
 
 FIRST_STEPS = 3
 """Steps timed before the run's own pace replaces an estimate (the first step carries one-off warm-up)."""
@@ -34,6 +38,24 @@ class MeasuredRow:
     """Mean tokens/s over the run's steps."""
     overhead_s: float = 0.0
     """Time the run spent beside its steps (evaluations, checkpoints, the final save)."""
+    measured_by_tunedeck: bool = False
+    """A row of TuneDeck's benchmarks (:data:`MEASURED_ROWS`), not a run on this machine."""
+
+
+MEASURED_ROWS: tuple[MeasuredRow, ...] = (
+    MeasuredRow(gpus.HOPPER, "NVIDIA H200", "llama-3.2-1b", False, 16_384, 16_384 / 0.210, measured_by_tunedeck=True),
+    MeasuredRow(gpus.HOPPER, "NVIDIA H200", "qwen3-0.6b", False, 16_384, 16_384 / 0.169, measured_by_tunedeck=True),
+    MeasuredRow(gpus.HOPPER, "NVIDIA H200", "llama-3.1-8b", True, 4_096, 12_897.0, measured_by_tunedeck=True),
+)
+"""TuneDeck's measured steps on the H200 (shared/DESIGN.md, 2026-12-03): bf16 LoRA on one 16,384-token row at 210 and
+169 ms a step, and the 8B NF4 QLoRA row of 4,096 tokens at 12,897 tokens/s through ``tunedeck train``. Steps only:
+a run's evaluations and saves come on top."""
+
+
+def model_key(name: str) -> str:
+    """A model's name as the built-in shapes spell it ("meta-llama/Llama-3.1-8B-Instruct" -> "llama-3.1-8b")."""
+    key = re.sub(r"[^a-z0-9.]+", "-", name.rsplit("/", 1)[-1].lower()).strip("-")
+    return key.removeprefix("meta-").removesuffix("-instruct")
 
 
 @dataclass(frozen=True)
@@ -75,7 +97,9 @@ def before_start(
     """The training time of ``steps`` steps of ``tokens_per_step`` tokens, before the run starts."""
     if not steps:
         return TimeEstimate(None, "known once the dataset's size is", "none")
-    same_model = [row for row in rows if row.gpu_class == gpu_class and row.model == model]
+    key = model_key(model)
+    here = [row for row in rows if row.gpu_class == gpu_class and model_key(row.model) == key]
+    same_model = here or [row for row in MEASURED_ROWS if row.gpu_class == gpu_class and row.model == key]
     same_card = [row for row in same_model if row.gpu_name == gpu_name] or same_model
     matching = [row for row in same_card if row.qlora == qlora] or same_card
     if matching:
@@ -83,6 +107,8 @@ def before_start(
         # a step's time at the measured speed; an automatic row length (0) takes the measured runs' own
         step_s = statistics.median((tokens_per_step or row.tokens_per_batch) / row.tokens_per_s for row in chosen)
         overhead = statistics.median(row.overhead_s for row in chosen)
+        if not here:
+            return TimeEstimate(steps * step_s, "from TuneDeck's measured steps on this GPU class", "measured")
         runs = f"{len(chosen)} earlier run{'s' if len(chosen) > 1 else ''}"
         return TimeEstimate(steps * step_s + overhead, f"from {runs} of this model here", "measured")
     if planner_tokens_per_s and tokens_per_step:
