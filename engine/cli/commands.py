@@ -24,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("engine.hardware.cli:plan_main", "will a model fit on a GPU (this or any named one), and how"),
     "models": (
         "engine.cli.models:models_main",
-        "list the GGUF models in Ollama and LM Studio that a run can start from (--model NAME)",
+        "the GGUF models in Ollama and LM Studio to train from",
     ),
     "runs": ("engine.cli.runs:runs_main", "list, show, rename or delete past runs"),
     "chat": ("engine.cli.runs:chat_main", "chat with a run's fine-tuned model (and the base model beside it)"),
