@@ -67,7 +67,7 @@ def demo_accuracy(config: RunConfig, adapter_dir: Path | None) -> tuple[float, i
 
 
 def run_demo(config: RunConfig, control: RunControl, *, json_lines: bool = False) -> int:
-    from engine.cli.progress import run_events
+    from engine.cli.progress import print_report, run_events
 
     started = time.perf_counter()
     before, count = demo_accuracy(config, None)
@@ -82,4 +82,5 @@ def run_demo(config: RunConfig, control: RunControl, *, json_lines: bool = False
     Path(printer.finished.run_dir, "demo_result.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
     print(printer.summary())
     print(f"demo accuracy: before {before:.0%} -> after {after:.0%} ({count} held-out examples, {wall:.0f} s in all)")
+    print_report(Path(printer.finished.run_dir), json_lines)
     return 0

@@ -202,4 +202,23 @@ def run_with_progress(config: RunConfig, control: RunControl, *, resume: str | N
     printer = run_events(config, control, resume=resume, json_lines=json_lines)
     if not json_lines:
         print(printer.summary(), file=sys.stderr if printer.failed else sys.stdout)
+    if printer.finished is not None and not printer.failed:
+        print_report(Path(printer.finished.run_dir), json_lines)
     return 1 if printer.failed else 0
+
+
+def print_report(run_dir: Path, json_lines: bool) -> None:
+    """Measure the run's before/after report, write it beside the run and print it (with ``json_lines``, whose
+    stream holds only the run's events, it is only written: ``tunedeck report RUN --json`` prints it). A failure
+    to measure never fails the run that trained: it is reported, with the command to try again."""
+    from engine.run.report import build_report, write_report
+
+    try:
+        report = build_report(run_dir)
+        path = write_report(run_dir, report)
+    except Exception as err:  # the run's adapters are safe; the report can be made later
+        print(f"note: no before/after report ({type(err).__name__}: {err}); try: tunedeck report {run_dir}",
+              file=sys.stderr)  # fmt: skip
+        return
+    if not json_lines:
+        print(f"\n{report.markdown()}(written to {path})")

@@ -1,4 +1,4 @@
-"""``tunedeck runs``, ``tunedeck chat`` and ``tunedeck export``: past runs from the terminal.
+"""``tunedeck runs``, ``tunedeck chat``, ``tunedeck export`` and ``tunedeck report``: past runs from the terminal.
 
 RUN is a run folder or a run in the registry (its id, a unique id prefix, or its name). A folder works even when
 the registry has never seen it (a run copied from another machine), so chat and export need only the folder.
@@ -368,3 +368,41 @@ def _install(run: Path, target: Path, args: argparse.Namespace, adapter: str) ->
         print("\n".join(report.lines()))
         status = status or (0 if report.installed else 1)
     return status
+
+
+# ---------------------------------------------------------------------------------------------------- report
+
+
+def report_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tunedeck report",
+        description="Before and after: the base model and the run's adapters (best and last) side by side on the "
+        "run's held-out examples (loss and perplexity; DPO: the held-out pairs' loss and reward accuracy), and the "
+        "perplexity of a fixed public-domain English text, to see what the fine-tune forgot. Written to report.md "
+        "and report.json in the run folder when a run ends; printed from there, or measured now if it has none.",
+    )
+    parser.add_argument("run", metavar="RUN", help="run id, name or folder")
+    parser.add_argument("--again", action="store_true", help="measure again even if the run has a report")
+    parser.add_argument("--json", action="store_true", help="print report.json instead of the Markdown table")
+    parser.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N (default: the run's own)")
+    return parser
+
+
+def report_main(argv: list[str]) -> int:
+    from engine.quiet import quiet_libraries
+    from engine.run.report import build_report, read_report, write_report
+
+    args = report_parser().parse_args(argv)
+    quiet_libraries()
+    try:
+        folder = run_folder(args.run)
+        report = None if args.again else read_report(folder)
+        if report is None:
+            print(f"measuring the base model and the adapters of {folder.name}...", file=sys.stderr)
+            report = build_report(folder, device=args.device)
+            write_report(folder, report)
+    except TuneDeckError as err:
+        print(f"tunedeck report: error: {err}", file=sys.stderr)
+        return 1
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.markdown(), end="" if not args.json else "\n")
+    return 0

@@ -1,0 +1,103 @@
+"""The before/after report: base and tuned side by side on the run's held-out examples and on the general text,
+measured apart from the training loop and held to what the loop itself measured; written beside the run when
+``tunedeck train`` ends, printed by ``tunedeck report``."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import test_best_adapter
+from helpers import write_jsonl
+from test_best_adapter import config, finished
+
+from engine.cli.progress import run_with_progress
+from engine.cli.runs import report_main
+from engine.run.control import RunControl
+from engine.run.report import REPORT_JSON, REPORT_MD, build_report, general_text_files, read_report, write_report
+from engine.train import run
+
+fitting_model = test_best_adapter.fitting_model  # the fixtures: a tiny model LoRA fits fast, and its overfit run
+overfit = test_best_adapter.overfit
+
+
+def evaluations(run_dir: Path) -> dict[int, dict[str, float]]:
+    return {r["step"]: r for r in map(json.loads, (run_dir / "eval.jsonl").read_text().splitlines())}
+
+
+def test_the_report_holds_base_best_and_last_to_the_runs_own_evaluations(overfit: tuple[list[Any], Path]) -> None:
+    _, run_dir = overfit
+    report = build_report(run_dir)
+    base, best, last = report.models
+    done = finished(overfit[0])
+    assert best.label == f"best adapter (step {done.best_step})" and last.label == f"last adapter (step {done.step})"
+    recorded = evaluations(run_dir)
+    assert best.held_out_loss == pytest.approx(recorded[done.best_step]["eval_loss"], rel=1e-4)
+    assert last.held_out_loss == pytest.approx(recorded[done.step]["eval_loss"], rel=1e-4)
+    assert best.held_out_perplexity == pytest.approx(math.exp(best.held_out_loss))
+    assert base.held_out_loss is not None and abs(base.held_out_loss - best.held_out_loss) > 0.1
+    assert report.held_out_examples == 8 and report.general_tokens > 2000
+    assert all(m.general_perplexity > 1 for m in report.models)
+    assert len({round(m.general_perplexity, 3) for m in report.models}) == 3  # the adapters changed how it reads
+    table = report.markdown()
+    assert "| | base model | best adapter" in table and "general-text perplexity (forgetting)" in table
+
+
+def test_tunedeck_report_prints_the_written_report_and_measures_a_run_without_one(
+    overfit: tuple[list[Any], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, run_dir = overfit
+    for name in (REPORT_JSON, REPORT_MD):
+        (run_dir / name).unlink(missing_ok=True)
+    assert report_main([str(run_dir)]) == 0
+    measured = capsys.readouterr().out
+    assert measured.startswith(f"# Before and after: {run_dir.name}") and (run_dir / REPORT_MD).read_text() == measured
+    saved = read_report(run_dir)
+    assert saved is not None
+    write_report(run_dir, type(saved)(**{**saved.__dict__, "run": "as written"}))  # printed from the file now
+    assert report_main([str(run_dir), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["run"] == "as written"
+
+
+def test_a_dpo_report_scores_the_held_out_pairs(fitting_model: Path, tmp_path: Path) -> None:
+    pairs = [{"prompt": f"say {i}: ", "chosen": "number one", "rejected": "the fox"} for i in range(6)]
+    train = write_jsonl(tmp_path / "pairs.jsonl", pairs)
+    held_out = write_jsonl(tmp_path / "held-out-pairs.jsonl", pairs[:4])
+    settings = config(fitting_model, tmp_path, method="dpo", max_steps=4, eval_every=2, learning_rate=5e-3)
+    raw = settings.to_dict()
+    raw["data"].update(path=str(train), eval_path=str(held_out))
+    done = finished(list(run(type(settings).from_dict(raw))))
+    report = build_report(done.run_dir)
+    base, best = report.models[:2]
+    recorded = evaluations(Path(done.run_dir))[done.best_step]
+    assert best.held_out_loss == pytest.approx(recorded["eval_loss"], rel=1e-4)
+    assert best.reward_accuracy == pytest.approx(recorded["reward_accuracy"])
+    assert base.held_out_loss == pytest.approx(math.log(2)) and base.reward_accuracy == 0.0
+    assert "held-out reward accuracy" in report.markdown()
+
+
+def test_tunedeck_train_writes_and_prints_the_report_when_a_run_ends(
+    fitting_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    settings = config(fitting_model, tmp_path, max_steps=2)
+    assert run_with_progress(settings, RunControl(), resume=None, json_lines=False) == 0
+    out = capsys.readouterr().out
+    run_dir = tmp_path / "runs" / "run"
+    assert "# Before and after: run" in out and (run_dir / REPORT_MD).exists() and (run_dir / REPORT_JSON).exists()
+
+
+def test_the_general_text_is_a_few_thousand_tokens_of_english() -> None:
+    files = general_text_files()
+    assert len(files) >= 2
+    words = sum(len(path.read_text(encoding="utf-8").split()) for path in files)
+    assert 2000 < words < 6000
+
+
+def test_a_best_adapter_from_the_last_step_is_one_column(fitting_model: Path, tmp_path: Path) -> None:
+    done = finished(list(run(config(fitting_model, tmp_path, max_steps=2, eval_every=0))))
+    assert done.best_step == 2
+    report = build_report(done.run_dir)
+    assert [m.label for m in report.models] == ["base model", "best and last adapter (step 2)"]
