@@ -29,7 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "runs": ("engine.cli.runs:runs_main", "list, show, rename or delete past runs"),
     "chat": ("engine.cli.runs:chat_main", "chat with a run's fine-tuned model (and the base model beside it)"),
     "export": ("engine.cli.runs:export_main", "export a run's adapter, or a merged model with --merged"),
-    "report": ("engine.cli.runs:report_main", "a run's before/after report: held-out loss and what it forgot"),
+    "report": ("engine.cli.runs:report_main", "base vs tuned on held-out data, and what it forgot"),
     "setup": (
         "engine.setup.commands:setup_main",
         "detect the GPU and driver, install the matching torch build, check or repair the environment",
