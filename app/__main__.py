@@ -46,8 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def prepare_window_process() -> None:
-    """Before the window: Triton's LLVM loaded before anything (a GTK dialog, OpenGL) can load the system's, which
-    would make the first run's thread die in libLLVM (engine.crash_guard), and a crash log in the data folder."""
+    """Before the window: Triton's LLVM loaded before any OpenGL use can load the system's, which would make the
+    first run's thread die in libLLVM (engine.crash_guard), and a crash log in the data folder."""
     from engine.config import data_dir
     from engine.crash_guard import enable_crash_log, preload_compiler_libraries
 

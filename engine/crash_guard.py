@@ -1,17 +1,17 @@
 """Keeping native crashes away from the window, and leaving a trace when one happens anyway.
 
-**Two LLVMs in one process.** Triton's native library (``triton/_C/libtriton.so``, loaded by the first
-``import torch._inductor``, which every run's compile cache set-up makes) carries its own copy of LLVM with its
-symbols exported. Mesa's OpenGL drivers link the system's ``libLLVM`` and are opened with ``RTLD_GLOBAL``, so once
-anything in the process has touched OpenGL on Linux (a desktop's GTK file dialog, a style, llvmpipe under Xvfb),
-those LLVM symbols come first in the global scope. Triton loaded after that binds its own static initialisers to
-the system's LLVM of another version, and the process dies with a segmentation fault in ``libLLVM``'s
-``cl::Option::addArgument``, on the thread that imported it: the window's ``TrainingWorker`` at Start. Seen here
-(Debian 12, Mesa 22.3 with LLVM 15, Triton 3.9): an import on a QThread after an llvmpipe GL context crashed in 5 of
-5 tries and in none of 5 with this preload; it depends on what touched OpenGL before the first Start, hence "not
-every try". Loading Triton's library first, privately
-(``RTLD_LOCAL``) and with every symbol bound at once (``RTLD_NOW``), binds it to its own LLVM for good; the later
-import finds it loaded. It costs about 65 ms at start-up and needs no torch import.
+**Two LLVMs in one process.** Triton's native library (``triton/_C/libtriton.so``, loaded by the first import of
+``torch._dynamo`` or ``torch._inductor``, which loading a transformers model or a run's compile cache makes) carries
+its own copy of LLVM with its symbols exported. Mesa's OpenGL drivers link the system's ``libLLVM`` and are opened
+with ``RTLD_GLOBAL``, so once anything in the process has made an OpenGL context on Linux (a platform plugin, theme
+or dialog may; under Xvfb it is llvmpipe), those LLVM symbols come first in the global scope. Triton loaded after
+that binds its own static initialisers to the system's LLVM of another version, and the process dies with a
+segmentation fault in ``libLLVM``'s ``cl::Option::addArgument``, on the thread that imported it: the window's
+``TrainingWorker`` at Start. Seen here (Debian 12, Mesa 22.3 with LLVM 15, Triton 3.9): an import on a QThread after
+an llvmpipe GL context crashed in 5 of 5 tries and in none of 5 with this preload, and a window's Start crashed the
+same way; it depends on what made a GL context before the first Start, hence "not every try". Loading Triton's
+library first, privately (``RTLD_LOCAL``) and with every symbol bound at once (``RTLD_NOW``), binds it to its own
+LLVM for good; the later import finds it loaded. It costs about 65 ms at start-up and needs no torch import.
 
 **A trace of any crash.** :func:`enable_crash_log` points :mod:`faulthandler` at ``crash.log`` in the data
 folder: a fatal signal in any thread writes every Python thread's stack there before the process ends.

@@ -8,7 +8,8 @@ failed test with its signal and the crash log, not a dead test session.
   Start with compiled kernels trains in a window started as ``tunedeck`` starts it; the same Start without Triton's
   library loaded first dies with a segmentation fault in the run's thread, which shows the test can fail.
 
-Set QT_QPA_PLATFORM=xcb and run under ``xvfb-run`` for a real X server; the default is offscreen.
+Set QT_QPA_PLATFORM=xcb and run under ``xvfb-run`` for a real X server, where the LLVM comes from a real OpenGL
+context (llvmpipe); the default is offscreen.
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ HANG_S = 3600
 """Bounds a hang of the whole child; every wait inside it is for a condition."""
 SOAK_CYCLES = 20
 RSS_TOLERANCE = 0.10
+
+
+def load_llvm_as_a_desktop_does() -> str:
+    """Under an X server, a real OpenGL context (Mesa loads its LLVM); offscreen, the system's LLVM loaded directly."""
+    return "--gl-context" if os.environ.get("QT_QPA_PLATFORM") == "xcb" else "--system-llvm"
 
 
 def run_window(folder: Path, *flags: str) -> subprocess.CompletedProcess[str]:
@@ -75,14 +81,14 @@ needs_llvm_pair = pytest.mark.skipif(
 
 @needs_llvm_pair
 def test_a_start_after_the_system_llvm_loaded_trains_with_compiled_kernels(tmp_path: Path) -> None:
-    proc = run_window(tmp_path, "--as-app", "--system-llvm", "--compile", "--cycles", "1")
+    proc = run_window(tmp_path, "--as-app", load_llvm_as_a_desktop_does(), "--compile", "--cycles", "1")
     assert proc.returncode == 0, ending(proc, tmp_path)
     assert len(measurements(proc)) == 1, proc.stdout
 
 
 @needs_llvm_pair
 def test_the_same_start_without_triton_loaded_first_dies_in_the_run_thread(tmp_path: Path) -> None:
-    proc = run_window(tmp_path, "--system-llvm", "--cycles", "1")
+    proc = run_window(tmp_path, load_llvm_as_a_desktop_does(), "--cycles", "1")
     if proc.returncode == 0:
         pytest.skip("this Triton build no longer clashes with the system's LLVM")
     assert proc.returncode == -signal.SIGSEGV, ending(proc, tmp_path)

@@ -2,7 +2,8 @@
 crash is a failed test rather than a dead test session.
 
 It starts the window as ``tunedeck`` does (``--as-app``: what app.__main__ does before the window), optionally loads
-the system's LLVM the way Mesa's OpenGL driver does (``--system-llvm``), prepares the demo, and then runs cycles:
+the system's LLVM the way Mesa's OpenGL driver does (``--system-llvm``) or makes an OpenGL context current
+(``--gl-context``, under an X server), prepares the demo, and then runs cycles:
 Start, Pause, every page shown, Resume, Stop, and a chat with the stopped run every ``--chat-every`` cycles. Each
 measurement is printed as one JSON line: ``{"cycle": n, "rss": bytes, "width": px, "height": px}`` after each cycle
 (the GUI thread's garbage collected first), then ``{"done": true}``. Waits are for conditions, bounded only against
@@ -70,6 +71,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--compile", action="store_true", help="fused kernels on (torch.compile on the worker)")
     parser.add_argument("--as-app", action="store_true", help="prepare the process as tunedeck does")
     parser.add_argument("--system-llvm", action="store_true", help="load the system's LLVM as Mesa's GL does")
+    parser.add_argument("--gl-context", action="store_true", help="make an OpenGL context current (an X server)")
     parser.add_argument("--folder", type=Path, required=True)
     args = parser.parse_args(argv)
     os.environ["TUNEDECK_HOME"] = str(args.folder / "home")
@@ -92,6 +94,7 @@ def main(argv: list[str]) -> int:
 
     app = QApplication([sys.argv[0]])
     collect_on_gui_thread(app)
+    gl = open_gl_context() if args.gl_context else None  # noqa: F841 (kept current for the whole session)
     window = MainWindow(
         detect_on_show=False, settings=QSettings(str(args.folder / "window.ini"), QSettings.Format.IniFormat)
     )
@@ -121,6 +124,17 @@ def tear_down(app: Any, window: Any) -> None:
     window.deleteLater()
     app.sendPostedEvents(None, QEvent.Type.DeferredDelete.value)
     gc.collect()
+
+
+def open_gl_context() -> Any:
+    """An OpenGL context made current, as a desktop's GL use would: on Mesa (llvmpipe under Xvfb) it loads the
+    system's LLVM into the process."""
+    from PySide6.QtGui import QOffscreenSurface, QOpenGLContext
+
+    context, surface = QOpenGLContext(), QOffscreenSurface()
+    surface.create()
+    assert context.create() and context.makeCurrent(surface), "no OpenGL here"
+    return context, surface
 
 
 def prepare_demo(app: Any, window: Any, *, compile_on: bool) -> None:
