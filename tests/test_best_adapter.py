@@ -249,3 +249,10 @@ def test_the_command_line_warns_names_the_best_adapter_and_exports_the_last_when
     assert "; its weights are the last adapter" in capsys.readouterr().out
     last = load_file(run_dir / "adapter" / "adapter_model.safetensors")
     assert same_weights(load_file(tmp_path / "last" / "adapter_model.safetensors"), last)
+
+
+def test_a_resumed_watch_replays_the_logged_evaluations(tmp_path: Path) -> None:
+    stopped = EvalWatch.resumed(2, [(2, 3.0), (4, 2.0), (6, 2.5), (8, 2.6)], tmp_path)
+    assert stopped.stopping and (stopped.best_step, stopped.best_loss, stopped.rises) == (4, 2.0, 2)
+    going = EvalWatch.resumed(3, [(2, 3.0), (4, 2.0), (6, 2.5), (8, 2.6)], tmp_path)
+    assert not going.stopping and going.observe(10, 2.7).warn  # the third rise in a row, counted across the resume

@@ -87,7 +87,6 @@ class EvalWatch:
             return watch
         if watch.best_loss is None or kept.eval_loss < watch.best_loss:
             watch.best_step, watch.best_loss = kept.step, kept.eval_loss
-        watch.stopping = False
         return watch
 
     def rising_message(self, step: int, loss: float) -> str:
