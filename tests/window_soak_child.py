@@ -109,21 +109,20 @@ def main(argv: list[str]) -> int:
         size = window.size()
         print(json.dumps({"cycle": cycle, "rss": resident_bytes(), "width": size.width(), "height": size.height()}))
         sys.stdout.flush()
-    window.close()
     print(json.dumps({"done": True}))
     sys.stdout.flush()
-    tear_down(app, window)
+    tear_down(window)
     return 0
 
 
-def tear_down(app: Any, window: Any) -> None:
-    """Delete the window while the application lives: left to the interpreter's exit (the GUI thread's collector
-    holds cyclic garbage until it runs), PySide destroys it after its platform window and aborts."""
-    from PySide6.QtCore import QEvent
+def tear_down(window: Any) -> None:
+    """End as ``tunedeck`` ends (app.__main__.delete_windows): left to the interpreter's exit, the window was
+    destroyed after its platform window and the process aborted."""
+    from app.__main__ import delete_windows
 
-    window.deleteLater()
-    app.sendPostedEvents(None, QEvent.Type.DeferredDelete.value)
-    gc.collect()
+    window.close()
+    del window
+    delete_windows()
 
 
 def open_gl_context() -> Any:
