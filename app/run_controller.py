@@ -7,7 +7,7 @@ the speed page see the same events in the same order.
 from __future__ import annotations
 
 import dataclasses
-import gc
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -120,8 +120,9 @@ class RunController(QObject):
 
     def _on_worker_finished(self) -> None:
         self._stop_telemetry()
-        gc.collect()  # the run's model and optimizer sit in reference cycles; this is the GUI thread (app.gui_gc)
-        release_freed_memory()
+        # off the GUI thread: a full collection and a trim of a large heap each took over 100 ms of it (the window's
+        # run test holds the GUI thread to 100 ms of work between two ticks); Python's collector stays on app.gui_gc
+        threading.Thread(target=release_freed_memory, name="release-freed-memory", daemon=True).start()
         if self.active:  # the thread ended without a final event
             self._set_state(FAILED)
 

@@ -8,8 +8,8 @@ torch at import): the window imports it at start-up.
 When a run ends, glibc keeps the heap its model, optimizer and data were freed into, so the window's process would
 stay as large as the largest run it has seen: :func:`release_freed_memory` hands that back to the system. Measured
 over 21 demo cycles of the window with pause, page switches and chats (tests/test_app_soak.py, two cores): resident
-memory 807 -> 1,030 MiB (+28%) without it, 764 -> 776 MiB (+1.6%) with it; the live Python objects grew by 47 a
-cycle either way (the new runs' rows), so the growth was freed heap, not a leak.
+memory 807 -> 1,030 MiB (+28%) without it, 764 -> 770 MiB (+0.8%) with it (from a thread of its own); the live
+Python objects grew by 47 a cycle either way (the new runs' rows), so the growth was freed heap, not a leak.
 """
 
 from __future__ import annotations
