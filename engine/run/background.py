@@ -47,8 +47,8 @@ def open_run_history() -> Any:
 
 
 def release_freed_memory() -> bool:
-    """Return the heap's free pages to the system (glibc's ``malloc_trim``); False where there is no such call.
-    Collect Python's cyclic garbage first, on the thread allowed to (the window's: app.gui_gc)."""
+    """Return the heap's free pages to the system (glibc's ``malloc_trim``); False where there is no such call. Any
+    thread may call it (ctypes lets go of the GIL); what waits for Python's cyclic collector is freed later."""
     if not sys.platform.startswith("linux"):
         return False
     try:
