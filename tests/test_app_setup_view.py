@@ -49,7 +49,7 @@ for index, name in enumerate(packages):
     os.makedirs(os.path.join(cache, name), exist_ok=True)
     print("Prepared " + name, flush=True)
     waited = 0.0
-    while seen and index == 0 and not os.path.exists(seen) and waited < 120:  # the window showed a package land
+    while seen and index == 0 and not os.path.exists(seen) and waited < 60:  # the window showed a package land
         time.sleep(0.05)
         waited += 0.05
 print("Installed 3 packages", flush=True)

@@ -71,6 +71,7 @@ def run_uv(
     assert process.stdout is not None
     threading.Thread(target=_pump, args=(process.stdout, lines), daemon=True).start()
     total, done = 0, 0
+    reported = (0, 0)
     tail: list[str] = []
     while True:
         if cancel is not None and cancel.cancelled:
@@ -91,15 +92,15 @@ def run_uv(
         elif line:
             tail = [*tail[-19:], line]
             yield OutputLine(line)
-        now = min(len(_archives(cache_dir) - before), total)
-        if now != done:
-            done = now
+        done = min(len(_archives(cache_dir) - before), total)
+        if done < total and (done, total) != reported:  # all done is said once uv has ended: it installs last
+            reported = (done, total)
             yield Progress(done, total, "packages")
     code = process.wait()
     if code != 0:
         errors = [text for text in tail if text.startswith(("error", "  ", "hint", "Caused by"))] or tail[-5:]
         yield SetupFailed(f"uv exited with code {code}", "\n".join(errors))
         return False
-    if total and done < total:
+    if total:
         yield Progress(total, total, "packages")
     return True
