@@ -1,10 +1,10 @@
 """TuneDeck's training engine: headless, Qt-free, usable from the app, the command line or a script.
 
 The folders are the layers. Each may import only layers listed above it, so dependencies run one way
-(tests/test_layering.py keeps it so):
+(tests/test_engine_layers.py keeps it so):
 
-1. errors, events, quiet, redact, demo: the error type, the events every long job reports, library noise,
-   token redaction, the built-in demo task;
+1. errors, events, quiet, redact, demo, crash_guard: the error type, the events every long job reports, library
+   noise, token redaction, the built-in demo task, native crashes kept from the window (and logged);
 2. config: the one typed config tree (``from engine.config import RunConfig``);
 3. data (files, tokenizing, packing), hardware (GPU detection, memory planner, telemetry), setup (installing
    torch, repairing the environment);

@@ -16,7 +16,7 @@ import pytest
 ENGINE = Path(__file__).resolve().parent.parent / "engine"
 
 LAYERS: list[set[str]] = [
-    {"errors", "events", "quiet", "redact", "demo"},
+    {"errors", "events", "quiet", "redact", "demo", "crash_guard"},
     {"config"},
     {"data", "hardware", "setup"},
     {"model", "speed"},

@@ -374,7 +374,7 @@ def test_permission_denied_on_a_checkpoint_file_stops_with_where(
     assert not (tmp_path / "run" / "error.log").exists()  # a user-facing error, not a crash
 
 
-def test_full_disk_for_the_training_log_and_the_final_adapter(
+def test_full_disk_for_the_training_log_and_the_best_and_final_adapters(
     tiny_model_dir: Path, chat_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     real_open = Path.open
@@ -396,11 +396,25 @@ def test_full_disk_for_the_training_log_and_the_final_adapter(
 
     from peft import PeftModel
 
+    real_save = PeftModel.save_pretrained
+    # the first evaluation's best adapter is the first adapter written
     monkeypatch.setattr(PeftModel, "save_pretrained", refuse)
     (failed,) = failures(list(run(make_config(tiny_model_dir, chat_file, tmp_path / "b"))))
     run_dir = tmp_path / "b" / "run"
-    assert failed.message == f"the disk is full: cannot write the final adapter to {run_dir / 'adapter'}"
+    assert failed.message == f"the disk is full: cannot write the best adapter to {run_dir / 'adapter-best'}"
     assert sorted(p.name for p in run_dir.iterdir() if "adapter" in p.name) == []  # nothing half-written
+    assert ckpt.checkpoint_problem(ckpt.list_checkpoints(run_dir / "checkpoints")[-1]) is None
+
+    def refuse_the_final_adapter(self, folder, **kwargs):
+        if "adapter-best" in str(folder):
+            return real_save(self, folder, **kwargs)
+        return refuse(self, folder, **kwargs)
+
+    monkeypatch.setattr(PeftModel, "save_pretrained", refuse_the_final_adapter)
+    (failed,) = failures(list(run(make_config(tiny_model_dir, chat_file, tmp_path / "c"))))
+    run_dir = tmp_path / "c" / "run"
+    assert failed.message == f"the disk is full: cannot write the final adapter to {run_dir / 'adapter'}"
+    assert sorted(p.name for p in run_dir.iterdir() if "adapter" in p.name) == ["adapter-best"]
     assert ckpt.checkpoint_problem(ckpt.list_checkpoints(run_dir / "checkpoints")[-1]) is None
 
 

@@ -81,6 +81,7 @@ def _default_run_name(config: RunConfig) -> str:
 def write_compute(run_dir: Path, dtype: torch.dtype, device: torch.device) -> None:
     record = {"dtype": str(dtype).removeprefix("torch."), "device": device.type}
     try:
+        run_dir.mkdir(parents=True, exist_ok=True)
         ckpt.write_text_atomic(run_dir / COMPUTE_FILE, json.dumps(record) + "\n")
     except OSError as err:
         raise ckpt.write_error(err, "run folder", run_dir) from err
