@@ -182,13 +182,16 @@ def test_concurrent_writers_do_not_corrupt_or_lock(tmp_path: Path) -> None:
     assert integrity(db) == "ok"
 
 
-def test_recorded_run_keeps_events_and_writes_summary(tiny_model_dir: Path, chat_file: Path, tmp_path: Path) -> None:
+def test_recorded_run_keeps_events_and_writes_summary(
+    tiny_model_dir: Path, chat_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # both runs train with the same threads, however busy the machine is
     registry = Registry(tmp_path / "runs.db")
     plain = tiny_config(tiny_model_dir, chat_file, tmp_path / "plain")
     watched = tiny_config(tiny_model_dir, chat_file, tmp_path / "watched")
-    expected = [type(e).__name__ for e in run(plain)]
+    expected = [(type(e).__name__, getattr(e, "message", "")) for e in run(plain)]
     events = list(recorded(run(watched), registry, name="my first run"))
-    assert [type(e).__name__ for e in events] == expected
+    assert [(type(e).__name__, getattr(e, "message", "")) for e in events] == expected
     finished = events[-1]
     assert isinstance(finished, RunFinished)
     (record,) = registry.runs()

@@ -15,7 +15,7 @@ import torch
 from engine.config import RunConfig
 from engine.errors import ConfigError
 from engine.hardware import gpus
-from engine.hardware.cpu_threads import cpu_threads
+from engine.hardware.cpu_threads import _busy_seconds, busy_cores, cpu_threads
 from engine.hardware.planner import GIB
 from engine.hardware.profile import DeviceTarget, build_profile
 from engine.hardware.recipes import apply_recipe, estimate_recipe, find_recipe
@@ -145,9 +145,9 @@ def test_a_gpu_run_resolves_to_the_defaults_without_reading_the_data(tmp_path: P
     assert (saved["max_seq_len"], saved["tokens_per_batch"]) == (GPU_MAX_SEQ_LEN, GPU_TOKENS_PER_BATCH)
 
 
-# (given threads, cores, load average, threads to train with, lowered)
+# (given threads, cores, cores others keep busy, threads to train with, lowered)
 THREAD_CASES = [
-    (2, 2, 0.2, 2, False),  # an idle machine (the run's own start-up is in the load)
+    (2, 2, 0.2, 2, False),  # an idle machine
     (2, 2, 1.0, 1, True),  # one core busy elsewhere
     (2, 2, 6.5, 1, True),  # a crowded machine: never fewer than one
     (16, 16, 4.0, 12, True),
@@ -160,7 +160,39 @@ def test_cpu_threads_leave_busy_cores_alone(given: int, cores: int, load: float,
     chosen, why = cpu_threads(given, cores, load)
     assert chosen == threads and (why is not None) == lowered
     if why is not None:
-        assert f"{threads} CPU thread" in why and f"load average {load:.1f}" in why
+        assert f"{threads} CPU thread" in why and f"about {load:.1f} of {cores} cores busy" in why
+
+
+def test_busy_cores_leave_out_this_process_own_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over 2 s the machine was busy for 5 CPU-seconds, 3 of them this process's (an earlier run's threads, say):
+    others keep 1 core busy."""
+    from engine.hardware import cpu_threads as module
+
+    machine, own, clock = iter([100.0, 105.0]), iter([10.0, 13.0]), iter([50.0, 52.0])
+    monkeypatch.setattr(module, "PROC_STAT", Path(__file__))  # exists: the /proc/stat path is taken
+    monkeypatch.setattr(module, "_machine_busy", lambda ticks: next(machine))
+    monkeypatch.setattr(module.time, "process_time", lambda: next(own))
+    monkeypatch.setattr(module.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(module.time, "sleep", lambda seconds: None)
+    assert busy_cores() == pytest.approx(1.0)
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads Linux's /proc/stat")
+def test_busy_cores_count_a_program_that_keeps_a_core_busy() -> None:
+    code = "import time\nprint('spinning', flush=True)\nend = time.monotonic() + 600\nwhile time.monotonic() < end: 0"
+    other = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout is not None and other.stdout.readline().strip() == "spinning"
+        theirs = busy_cores(sample_s=1.0)
+    finally:
+        other.kill()
+        other.wait()
+    assert theirs is not None and theirs >= 0.5, theirs
+
+
+def test_busy_cores_read_the_proc_stat_busy_fields() -> None:
+    line = "cpu  100 20 30 1000 50 5 5 10 7 0"  # guest (7) is inside user
+    assert _busy_seconds(line, 100) == pytest.approx((100 + 20 + 30 + 5 + 5 + 10) / 100)
 
 
 def tunedeck(*args: str) -> subprocess.CompletedProcess[str]:

@@ -24,7 +24,7 @@ from engine.data.files import load_examples
 from engine.data.packing import TokenizedPair
 from engine.data.tokenize import ensure_chat_template, tokenize_examples
 from engine.events import Event, Notice
-from engine.hardware.cpu_threads import cpu_threads
+from engine.hardware.cpu_threads import busy_cores, cpu_threads
 from engine.hardware.row_lengths import RowLengths, choose_row_lengths
 from engine.hardware.shapes import ModelShape
 from engine.run import checkpoint as ckpt
@@ -74,9 +74,9 @@ def resolve_rows(
 def use_free_cores() -> str | None:
     """Train with the cores other programs leave free (engine.hardware.cpu_threads); why, where fewer. A thread
     count the user set (OMP_NUM_THREADS) is kept."""
-    if "OMP_NUM_THREADS" in os.environ or not hasattr(os, "getloadavg"):
+    if "OMP_NUM_THREADS" in os.environ or (busy := busy_cores()) is None:
         return None
-    threads, why = cpu_threads(torch.get_num_threads(), os.cpu_count() or 1, os.getloadavg()[0])
+    threads, why = cpu_threads(torch.get_num_threads(), os.cpu_count() or 1, busy)
     torch.set_num_threads(threads)
     return why
 
