@@ -325,24 +325,12 @@ def _checked_text(value: Any, where: str) -> str:
 
 
 def _messages(row: dict[str, Any], key: str, role_key: str, content_key: str, roles: dict[str, str]) -> Conversation:
-    raw = row.get(key)
-    if raw is None:
+    if row.get(key) is None:
         raise _RowError(key, "missing")
-    if not isinstance(raw, list) or not raw:
-        raise _RowError(key, "must be a non-empty list of messages")
-    messages = []
-    for number, item in enumerate(raw, start=1):
-        where = f"{key}[{number}]"
-        if not isinstance(item, dict):
-            raise _RowError(where, f"must be an object, got {type(item).__name__}")
-        role, content = item.get(role_key), item.get(content_key)
-        if not isinstance(role, str) or role not in roles:
-            shown = repr(role[:40]) if isinstance(role, str) else f"of type {type(role).__name__}"
-            raise _RowError(f"{where}.{role_key}", f"unknown role {shown}; expected one of {', '.join(roles)}")
-        messages.append(Message(roles[role], _checked_text(content, f"{where}.{content_key}")))
+    messages = _turns(row, key, roles, role_key, content_key)
     if not any(m.role == "assistant" for m in messages):
         raise _RowError(key, "has no assistant message to learn from")
-    return Conversation(tuple(messages))
+    return Conversation(messages)
 
 
 def _from_messages(row: dict[str, Any]) -> Conversation:
@@ -421,7 +409,10 @@ def _chat_pair(row: dict[str, Any]) -> PreferencePair:
     return PreferencePair(prompt, chosen, rejected)
 
 
-def _turns(row: dict[str, Any], key: str, roles: dict[str, str]) -> tuple[Message, ...]:
+def _turns(
+    row: dict[str, Any], key: str, roles: dict[str, str], role_key: str = "role", content_key: str = "content"
+) -> tuple[Message, ...]:
+    """``row[key]``'s messages, their roles mapped through ``roles``; a bad one is named by its place."""
     raw = row.get(key)
     if not isinstance(raw, list) or not raw:
         raise _RowError(key, "must be a non-empty list of messages")
@@ -430,11 +421,11 @@ def _turns(row: dict[str, Any], key: str, roles: dict[str, str]) -> tuple[Messag
         where = f"{key}[{number}]"
         if not isinstance(item, dict):
             raise _RowError(where, f"must be an object, got {type(item).__name__}")
-        role = item.get("role")
+        role = item.get(role_key)
         if not isinstance(role, str) or role not in roles:
             shown = repr(role[:40]) if isinstance(role, str) else f"of type {type(role).__name__}"
-            raise _RowError(f"{where}.role", f"unknown role {shown}; expected one of {', '.join(roles)}")
-        messages.append(Message(roles[role], _checked_text(item.get("content"), f"{where}.content")))
+            raise _RowError(f"{where}.{role_key}", f"unknown role {shown}; expected one of {', '.join(roles)}")
+        messages.append(Message(roles[role], _checked_text(item.get(content_key), f"{where}.{content_key}")))
     return tuple(messages)
 
 
