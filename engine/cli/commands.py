@@ -30,6 +30,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "chat": ("engine.cli.runs:chat_main", "chat with a run's fine-tuned model (and the base model beside it)"),
     "export": ("engine.cli.runs:export_main", "export a run's adapter, or a merged model with --merged"),
     "report": ("engine.cli.runs:report_main", "base vs tuned on held-out data, and what it forgot"),
+    "preferences": (
+        "engine.cli.preferences:preferences_main",
+        "the better answers picked in the app's chat: list, export as DPO data, or train on them",
+    ),
     "setup": (
         "engine.setup.commands:setup_main",
         "detect the GPU and driver, install the matching torch build, check or repair the environment",
