@@ -16,8 +16,18 @@ from test_best_adapter import config, finished
 
 from engine.cli.progress import run_with_progress
 from engine.cli.runs import report_main
+from engine.data.packing import IGNORE_INDEX, TokenizedExample
 from engine.run.control import RunControl
-from engine.run.report import REPORT_JSON, REPORT_MD, build_report, general_text_files, read_report, write_report
+from engine.run.report import (
+    REPORT_JSON,
+    REPORT_MD,
+    build_report,
+    general_text_files,
+    read_report,
+    report_after_run,
+    write_report,
+)
+from engine.run.short_answers import ShortAnswer, exact_match, normalize_answer, short_answers, token_f1
 from engine.train import run
 
 fitting_model = test_best_adapter.fitting_model  # the fixtures: a tiny model LoRA fits fast, and its overfit run
@@ -101,3 +111,97 @@ def test_a_best_adapter_from_the_last_step_is_one_column(fitting_model: Path, tm
     assert done.best_step == 2
     report = build_report(done.run_dir)
     assert [m.label for m in report.models] == ["base model", "best and last adapter (step 2)"]
+
+
+@pytest.mark.parametrize(
+    ("prediction", "reference", "normalized", "em", "f1"),
+    [
+        ("The Cat!", "cat", "cat", 1.0, 1.0),
+        ("  Paris  ", "paris.", "paris", 1.0, 1.0),
+        ("New\tYork,  city", "new york city", "new york city", 1.0, 1.0),
+        ("number one", "number two", "number one", 0.0, 0.5),
+        ("red blue", "blue red", "red blue", 0.0, 1.0),
+        ("red red blue", "red blue", "red red blue", 0.0, 0.8),
+        ("", "paris", "", 0.0, 0.0),
+        ("the", "", "", 1.0, 1.0),  # no words on either side once articles go: the same empty answer
+        ("2021-03-12", "20210312", "20210312", 1.0, 1.0),
+    ],
+)
+def test_exact_match_and_token_f1_normalise_as_squad_does(
+    prediction: str, reference: str, normalized: str, em: float, f1: float
+) -> None:
+    assert normalize_answer(prediction) == normalized
+    assert exact_match(prediction, reference) == em
+    assert token_f1(prediction, reference) == pytest.approx(f1)
+
+
+def example(prompt: int, *answers: int, all_tokens: bool = False) -> TokenizedExample:
+    """A document of ``prompt`` untrained tokens, then for each of ``answers`` that many learned tokens and one
+    untrained one (a multi-turn chat) -- every token learned with ``all_tokens``."""
+    ids, labels = list(range(prompt)), [IGNORE_INDEX] * prompt
+    for length in answers:
+        ids += [7] * length + [9]
+        labels += [7] * length + [IGNORE_INDEX]
+    return TokenizedExample(tuple(ids), tuple(ids if all_tokens else labels))
+
+
+@pytest.mark.parametrize(
+    ("held_out", "limit", "answers", "note"),
+    [
+        ([], 30, [], "no held-out examples"),
+        ([example(3, 2, all_tokens=True)], 30, [], "trained on all tokens"),
+        ([example(3, 33)], 30, [], "none of the 1 held-out answers is 32 tokens or shorter"),
+        ([example(3, 4), example(2, 33), example(5, 32)], 30, [(3, 4), (5, 32)], "2 held-out examples"),
+        ([example(3, 4, 2)], 30, [(8, 2)], "1 held-out examples"),  # the last turn; earlier turns are prompt
+        ([example(1, 1)] * 5, 3, [(1, 1)] * 3, "the first 3 of 5 held-out examples"),
+    ],
+)
+def test_short_answers_are_the_last_learned_run_after_a_prompt(
+    held_out: list[TokenizedExample], limit: int, answers: list[tuple[int, int]], note: str
+) -> None:
+    chosen, said = short_answers(held_out, limit=limit)
+    assert [(len(a.prompt), len(a.answer)) for a in chosen] == answers and note in said
+    assert all(isinstance(a, ShortAnswer) and set(a.answer) == {7} for a in chosen)
+
+
+def test_a_run_that_learned_its_answers_says_them_and_the_base_model_does_not(
+    fitting_model: Path, tmp_path: Path
+) -> None:
+    settings = config(fitting_model, tmp_path, data={"eval_path": str(tmp_path / "train.jsonl")})
+    done = finished(list(run(settings)))
+    report = build_report(done.run_dir)
+    base, tuned = report.models[0], report.models[-1]
+    assert report.answers_scored == 8 and "8 held-out examples" in report.answers_note
+    assert tuned.exact_match == 1.0 and tuned.token_f1 == 1.0  # "number one", as trained
+    assert base.exact_match is not None and base.token_f1 is not None and base.token_f1 < 1.0
+    table = report.markdown()
+    assert "| short answers: exact match |" in table and "| 100% |" in table
+    assert "| short answers: token F1 |" in table and "Exact match and token F1: scored on 8 held-out examples" in table
+    assert read_report(Path(done.run_dir)) is None  # build_report only measures; write_report writes
+    write_report(done.run_dir, report)
+    assert read_report(Path(done.run_dir)) == report
+
+
+def test_a_run_without_short_answers_says_why_it_has_no_exact_match(fitting_model: Path, tmp_path: Path) -> None:
+    long_answer = "the quick brown fox jumps over the lazy dog " * 4
+    settings = config(
+        fitting_model, tmp_path, max_steps=2, eval_every=0, data={"max_seq_len": 128, "tokens_per_batch": 256}
+    )
+    held_out = write_jsonl(
+        tmp_path / "long.jsonl",
+        [{"messages": [{"role": "user", "content": "say it"}, {"role": "assistant", "content": long_answer}]}] * 3,
+    )
+    raw = settings.to_dict()
+    raw["data"].update(eval_path=str(held_out))
+    report = build_report(finished(list(run(type(settings).from_dict(raw)))).run_dir)
+    assert report.answers_scored == 0
+    assert "not scored: none of the 3 held-out answers is 32 tokens or shorter" in report.answers_note
+    assert all(m.exact_match is None and m.token_f1 is None for m in report.models)
+    table = report.markdown()
+    assert "exact match |" not in table and "Exact match and token F1: not scored: none of the 3" in table
+
+
+def test_the_report_after_a_run_never_raises_and_says_how_to_try_again(tmp_path: Path) -> None:
+    outcome = report_after_run(tmp_path / "not-a-run")
+    assert outcome.report is None and outcome.path is None
+    assert outcome.note is not None and f"try: tunedeck report {tmp_path / 'not-a-run'}" in outcome.note

@@ -211,14 +211,10 @@ def print_report(run_dir: Path, json_lines: bool) -> None:
     """Measure the run's before/after report, write it beside the run and print it (with ``json_lines``, whose
     stream holds only the run's events, it is only written: ``tunedeck report RUN --json`` prints it). A failure
     to measure never fails the run that trained: it is reported, with the command to try again."""
-    from engine.run.report import build_report, write_report
+    from engine.run.report import report_after_run
 
-    try:
-        report = build_report(run_dir)
-        path = write_report(run_dir, report)
-    except Exception as err:  # the run's adapters are safe; the report can be made later
-        print(f"note: no before/after report ({type(err).__name__}: {err}); try: tunedeck report {run_dir}",
-              file=sys.stderr)  # fmt: skip
-        return
-    if not json_lines:
-        print(f"\n{report.markdown()}(written to {path})")
+    outcome = report_after_run(run_dir)
+    if outcome.report is None:
+        print(f"note: {outcome.note}", file=sys.stderr)
+    elif not json_lines:
+        print(f"\n{outcome.report.markdown()}(written to {outcome.path})")

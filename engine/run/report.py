@@ -31,6 +31,7 @@ from engine.model.load import load_base_model, load_tokenizer, pick_device, pick
 from engine.run import checkpoint as ckpt
 from engine.run.folder import load_run_config
 from engine.run.preference import document_log_probs, pair_losses
+from engine.run.short_answers import ShortAnswer, answer_scores, short_answers
 
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
@@ -60,6 +61,10 @@ class ModelScores:
     """DPO: the share of held-out pairs whose chosen answer gets the higher reward (None for SFT)."""
     general_perplexity: float
     """Perplexity of the general-English text (the forgetting check)."""
+    exact_match: float | None = None
+    """SFT: the share of short held-out answers the model says exactly (SQuAD-normalised; None when not scored)."""
+    token_f1: float | None = None
+    """SFT: the mean token F1 of its replies against the short held-out answers (None when not scored)."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,10 @@ class RunReport:
     held_out_tokens: int
     general_tokens: int
     models: list[ModelScores]
+    answers_scored: int = 0
+    """How many short held-out answers exact match and token F1 were measured on (0: not scored)."""
+    answers_note: str = ""
+    """Which answers were scored, or why none were."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -90,6 +99,9 @@ class RunReport:
         ]  # fmt: skip
         if pairs:
             rows.append(("held-out reward accuracy", [_share(m.reward_accuracy) for m in self.models]))
+        if self.answers_scored:
+            rows.append(("short answers: exact match", [_share(m.exact_match) for m in self.models]))
+            rows.append(("short answers: token F1", [_share(m.token_f1) for m in self.models]))
         rows.append(("general-text perplexity (forgetting)", [_num(m.general_perplexity, ".2f") for m in self.models]))
         lines = [
             f"# Before and after: {self.run}",
@@ -101,6 +113,7 @@ class RunReport:
             "|---|" + "---:|" * len(self.models),
             *(f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows),
             "",
+            *([f"Exact match and token F1: {self.answers_note}.", ""] if self.answers_note else []),
             *self._verdict(),
         ]
         return "\n".join(lines) + "\n"
@@ -243,14 +256,40 @@ def build_report(run_dir: str | Path, device: str | None = None) -> RunReport:
     for name, adapter in zip(names[1:], adapters[1:], strict=True):
         model.load_adapter(str(adapter.folder), adapter_name=name)
     model.eval()
+    answers, note = _short_answers(config, data.eval)
     columns = [_scores(model, "base model", data.eval, general, config, torch_device, adapter_on=False)]
+    columns[0] = _with_answers(columns[0], model, tokenizer, answers, torch_device, adapter_on=False)
     for name, adapter in zip(names, adapters, strict=True):
         model.set_adapter(name)
-        columns.append(_scores(model, _label(adapter, last_step), data.eval, general, config, torch_device))
+        scores = _scores(model, _label(adapter, last_step), data.eval, general, config, torch_device)
+        columns.append(_with_answers(scores, model, tokenizer, answers, torch_device))
     held_out_tokens = sum(len(item) for item in data.eval)
     return RunReport(
-        run_dir.name, config.training.method, len(data.eval), held_out_tokens, sum(len(g) for g in general), columns
-    )
+        run_dir.name, config.training.method, len(data.eval), held_out_tokens, sum(len(g) for g in general), columns,
+        len(answers), note,
+    )  # fmt: skip
+
+
+def _short_answers(config: RunConfig, held_out: Sequence[TokenizedExample]) -> tuple[list[ShortAnswer], str]:
+    if config.training.method == "dpo":
+        return [], "not scored: a preference run is judged by its reward accuracy"
+    return short_answers(held_out)
+
+
+def _with_answers(
+    scores: ModelScores,
+    model: Any,
+    tokenizer: Any,
+    answers: Sequence[ShortAnswer],
+    device: torch.device,
+    adapter_on: bool = True,
+) -> ModelScores:
+    """``scores`` with the exact match and token F1 of the model's replies to the short answers' prompts."""
+    if not answers:
+        return scores
+    with _adapter(model, adapter_on):
+        measured = answer_scores(model, tokenizer, answers, device)
+    return dataclasses.replace(scores, exact_match=measured.exact_match, token_f1=measured.token_f1)
 
 
 def _scores(
@@ -293,3 +332,26 @@ def read_report(run_dir: str | Path) -> RunReport | None:
         return RunReport.from_dict(json.loads((Path(run_dir) / REPORT_JSON).read_text(encoding="utf-8")))
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+@dataclass(frozen=True)
+class ReportOutcome:
+    """What measuring a finished run's report gave: the report and its Markdown file, or a note saying why not."""
+
+    report: RunReport | None
+    path: Path | None
+    note: str | None
+    """Why there is no report, with the command that tries again (None when there is one)."""
+
+
+def report_after_run(run_dir: str | Path, device: str | None = None) -> ReportOutcome:
+    """Measure a run's before/after report and write it into its folder, whoever started the run (``tunedeck
+    train``, the app). Never raises for a failure to measure: the run's adapters are safe and the report can be made
+    later, so the failure comes back as a note with the command to retry."""
+    run_dir = Path(run_dir)
+    try:
+        report = build_report(run_dir, device)
+        return ReportOutcome(report, write_report(run_dir, report), None)
+    except Exception as err:  # any failure: the report is an extra, never the run's end
+        note = f"no before/after report ({type(err).__name__}: {err}); try: tunedeck report {run_dir}"
+        return ReportOutcome(None, None, note)
