@@ -21,7 +21,9 @@ from engine.run.control import RunControl
 from engine.run.report import (
     REPORT_JSON,
     REPORT_MD,
+    ModelScores,
     build_report,
+    forgetting_line,
     general_text_files,
     read_report,
     report_after_run,
@@ -205,3 +207,17 @@ def test_the_report_after_a_run_never_raises_and_says_how_to_try_again(tmp_path:
     outcome = report_after_run(tmp_path / "not-a-run")
     assert outcome.report is None and outcome.path is None
     assert outcome.note is not None and f"try: tunedeck report {tmp_path / 'not-a-run'}" in outcome.note
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "line"),
+    [
+        (18.2, 19.0, "general English perplexity: 18.2 → 19.0 (+4%): little forgotten"),
+        (20.0, 18.0, "general English perplexity: 20.0 → 18.0 (-10%): nothing forgotten"),
+        (20.0, 26.0, "general English perplexity: 20.0 → 26.0 (+30%): some forgotten"),
+        (20.0, 60.0, "general English perplexity: 20.0 → 60.0 (+200%): much forgotten"),
+    ],
+)
+def test_the_forgetting_check_is_said_in_words(before: float, after: float, line: str) -> None:
+    base, tuned = (ModelScores("m", None, None, None, value) for value in (before, after))
+    assert forgetting_line(base, tuned) == line

@@ -125,9 +125,22 @@ class RunReport:
             if tuned.held_out_loss is not None and base.held_out_loss is not None:
                 change = "lower (better)" if tuned.held_out_loss < base.held_out_loss else "higher (worse)"
                 lines.append(f"* {tuned.label}: held-out loss {change} than the base model's.")
-            drift = tuned.general_perplexity / base.general_perplexity - 1
-            lines.append(f"* {tuned.label}: general-text perplexity {drift:+.1%} against the base model's.")
+            lines.append(f"* {tuned.label}: {forgetting_line(base, tuned)}.")
         return lines
+
+
+FORGETTING_WORDS = ((0.0, "nothing forgotten"), (0.10, "little forgotten"), (0.50, "some forgotten"))
+"""Up to each rise of the general-English perplexity over the base model's, these words; above the last, much."""
+
+
+def forgetting_line(base: ModelScores, tuned: ModelScores) -> str:
+    """The forgetting check in words: "general English perplexity: 18.2 → 19.0 (+4%): little forgotten"."""
+    drift = tuned.general_perplexity / base.general_perplexity - 1
+    words = next((text for limit, text in FORGETTING_WORDS if drift <= limit), "much forgotten")
+    return (
+        f"general English perplexity: {base.general_perplexity:.1f} → {tuned.general_perplexity:.1f} "
+        f"({drift:+.0%}): {words}"
+    )
 
 
 def _num(value: float | None, spec: str = ".4f") -> str:
