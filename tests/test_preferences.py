@@ -14,17 +14,10 @@ import pytest
 from test_chat import train_tiny_run
 
 from engine.data.files import load_examples
-from engine.data.preferences import (
-    DPO_EPOCHS,
-    MIN_PAIRS,
-    PreferenceError,
-    PreferenceStore,
-    model_key,
-    saved_models,
-    train_on_preferences,
-)
+from engine.data.preferences import MIN_PAIRS, PreferenceError, PreferenceStore, model_key, saved_models
 from engine.events import Notice, RunFailed, RunFinished, StepMetrics
 from engine.model.adapter import run_adapter
+from engine.run.preference_run import DPO_EPOCHS, train_on_preferences
 from engine.train import run
 
 

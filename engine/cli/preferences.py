@@ -10,7 +10,7 @@ import argparse
 import datetime as dt
 import sys
 
-from engine.data.preferences import PreferenceStore, saved_models, train_on_preferences
+from engine.data.preferences import PreferenceStore, saved_models
 from engine.errors import TuneDeckError
 
 
@@ -107,6 +107,7 @@ def _train(args: argparse.Namespace) -> int:
     from engine.cli.runs import run_folder
     from engine.cli.train import _with_stop_on_interrupt
     from engine.quiet import quiet_libraries
+    from engine.run.preference_run import train_on_preferences
 
     quiet_libraries()
     config = train_on_preferences(run_folder(args.run), "last" if args.last else "best")

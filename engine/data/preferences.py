@@ -1,5 +1,4 @@
-"""Preference pairs a user saves while chatting: a store per base model, its export as DPO data, and the run
-config that trains on them.
+"""Preference pairs a user saves while chatting: a store per base model, and its export as DPO data.
 
 Comparing two answers to one prompt and keeping the better one is the cheapest preference data there is, so the
 chat saves each judgement as a pair here, in the user's data folder (``preferences/<model key>.jsonl``). Pairs
@@ -12,7 +11,8 @@ a crash can at most tear the last line: reading skips a line that is not a whole
 and the next append starts on a fresh line, so no earlier pair is lost. Removing a pair (undo) rewrites the
 file atomically. ``export`` writes the pairs in the chat shape ``tunedeck train --method dpo`` reads (a
 ``prompt`` message list, ``chosen`` and ``rejected`` assistant turns), and every pair is checked by that same
-reader when it is added. Nothing here imports torch.
+reader when it is added. Nothing here imports torch. The DPO run that trains on the pairs is built in
+engine.run.preference_run.
 """
 
 from __future__ import annotations
@@ -26,28 +26,16 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from engine.config import DataConfig, DpoConfig, OutputConfig, RunConfig, TrainingConfig, data_dir
+from engine.config import RunConfig, data_dir
 from engine.data.files import iter_row_problems
 from engine.errors import TuneDeckError
 
 PREFERENCES_DIR = "preferences"
-SNAPSHOTS_DIR = "snapshots"
-"""Under the preferences folder: the frozen copy of the pairs each "train on my preferences" run reads, a folder
-each holding ``SNAPSHOT_FILE``."""
-SNAPSHOT_FILE = "preferences.jsonl"
 MIN_PAIRS = 4
 """Fewest pairs a DPO run is started on: fewer teach the model little beyond noise."""
-HELD_OUT_FROM = 20
-"""From this many pairs on, the DPO run holds the default share out to measure reward accuracy; below it every
-pair trains (a held-out split of a handful of pairs measures nothing)."""
-DPO_LEARNING_RATE = 5e-5
-DPO_EPOCHS = 3.0
-"""A few pairs make a few steps: three passes over them, at a quarter of the supervised default learning rate
-(DPO moves a model already tuned on the task), with no warm-up that would take up most of the run."""
 
 
 class PreferenceError(TuneDeckError):
@@ -135,6 +123,20 @@ class StoredPairs:
 
     pairs: list[SavedPair]
     skipped: list[str]
+
+
+def last_exchange(
+    first: Sequence[dict[str, str]], second: Sequence[dict[str, str]]
+) -> tuple[list[dict[str, str]], str, str]:
+    """The conversation two chat histories share and each one's last answer to it: what a pair is made of. A
+    PreferenceError says why two histories make no pair (an answer missing, or answers to different talks)."""
+    if not first or not second or first[-1]["role"] != "assistant":
+        raise PreferenceError("ask for two answers to pick the better one")
+    if second[-1]["role"] != "assistant":
+        raise PreferenceError("only one answer came: ask again for two")
+    if list(first[:-1]) != list(second[:-1]):
+        raise PreferenceError("the two answers reply to different conversations: pick after each pair, or start anew")
+    return [dict(m) for m in first[:-1]], first[-1]["content"], second[-1]["content"]
 
 
 class PreferenceStore:
@@ -268,9 +270,6 @@ def saved_models(folder: Path | None = None) -> list[tuple[str, int]]:
     return sorted((pairs[0].model, len(pairs)) for pairs in counts if pairs)
 
 
-# ------------------------------------------------------------------------------------------ training on them
-
-
 def _run_config(run_folder: Path) -> RunConfig:
     path = run_folder / "config.json"
     if not path.is_file():
@@ -284,50 +283,3 @@ def missing_pairs(count: int) -> str | None:
         return None
     more = MIN_PAIRS - count
     return f"save at least {MIN_PAIRS} preferences first ({more} more)"
-
-
-def preference_run_config(run_folder: str | Path, data: str | Path, pairs: int, adapter: str = "best") -> RunConfig:
-    """A DPO run on ``data`` (``pairs`` exported pairs) that starts from the run's ``adapter`` (best or last) on
-    its base model: the run's model, LoRA, speed and device settings, DPO's default beta and loss, a few passes
-    at a modest learning rate (``DPO_LEARNING_RATE``, ``DPO_EPOCHS``), written beside the run's folder."""
-    from engine.model.adapter import run_adapter
-
-    folder = Path(run_folder)
-    source = _run_config(folder)
-    chosen = run_adapter(folder, adapter)
-    if chosen is None:
-        raise PreferenceError(
-            f"{folder.name} has no adapter yet", hint="a run writes its adapter when it finishes or is stopped"
-        )
-    defaults = TrainingConfig()
-    training = TrainingConfig(
-        method="dpo", epochs=DPO_EPOCHS, learning_rate=DPO_LEARNING_RATE, warmup_steps=0,
-        seed=source.training.seed, device=source.training.device, gpus=source.training.gpus,
-        parallel=source.training.parallel, optimizer=source.training.optimizer,
-        eval_every=defaults.eval_every, save_every=defaults.save_every,
-    )  # fmt: skip
-    held_out = DataConfig().eval_fraction if pairs >= HELD_OUT_FROM else 0.0
-    return RunConfig(
-        model=dataclasses.replace(source.model, adapter=str(chosen.folder)),
-        data=DataConfig(path=str(data), format="preference", eval_fraction=held_out),
-        lora=source.lora,
-        training=training,
-        speed=source.speed,
-        dpo=DpoConfig(),
-        output=OutputConfig(dir=str(folder.parent), keep_checkpoints=source.output.keep_checkpoints),
-    )
-
-
-def train_on_preferences(run_folder: str | Path, adapter: str = "best", folder: Path | None = None) -> RunConfig:
-    """The config of "train on my preferences": the pairs saved for the run's base model, frozen into a snapshot
-    file (later pairs do not change what this run read), and a DPO run from the run's adapter on them. Refused
-    with fewer than ``MIN_PAIRS`` pairs, saying how many more are needed."""
-    store = PreferenceStore.for_run(run_folder, folder)
-    count = store.count()
-    short = missing_pairs(count)
-    if short is not None:
-        raise PreferenceError(f"{count} preferences saved for {store.label}: {short}")
-    # named preferences.jsonl, so the run's default name reads <time>-<model>-preferences
-    snapshot = store.folder / SNAPSHOTS_DIR / f"{store.path.stem}-{datetime.now():%Y%m%d-%H%M%S-%f}" / SNAPSHOT_FILE
-    store.export(snapshot)
-    return preference_run_config(run_folder, snapshot, count, adapter)
