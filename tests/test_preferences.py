@@ -14,7 +14,14 @@ import pytest
 from test_chat import train_tiny_run
 
 from engine.data.files import load_examples
-from engine.data.preferences import MIN_PAIRS, PreferenceError, PreferenceStore, model_key, saved_models
+from engine.data.preferences import (
+    MIN_PAIRS,
+    PreferenceError,
+    PreferenceStore,
+    last_exchange,
+    model_key,
+    saved_models,
+)
 from engine.events import Notice, RunFailed, RunFinished, StepMetrics
 from engine.model.adapter import run_adapter
 from engine.run.preference_run import DPO_EPOCHS, train_on_preferences
@@ -141,6 +148,25 @@ def test_the_export_is_dpo_data_the_engine_reads(home: Path, tmp_path: Path) -> 
     last = examples[-1]
     assert [m.content for m in last.prompt] == ["say 9", "number 9", "say 10"]  # type: ignore[union-attr]
     assert [(m.role, m.content) for m in last.chosen] == [("assistant", "number 10")]  # type: ignore[union-attr]
+
+
+def test_two_chat_histories_make_a_pair_only_when_they_answer_the_same_talk() -> None:
+    said = [*ask(1), {"role": "assistant", "content": "number 1"}]
+    assert last_exchange(said, [*ask(1), {"role": "assistant", "content": "fox"}]) == (ask(1), "number 1", "fox")
+    went_on = [*said, *ask(2)]
+    assert (
+        last_exchange(
+            [*went_on, {"role": "assistant", "content": "a"}], [*went_on, {"role": "assistant", "content": "b"}]
+        )[0]
+        == went_on
+    )
+    for first, second, words in [
+        ([], [], "ask for two answers"),
+        (said, ask(1), "only one answer"),  # the second reply was stopped before it began
+        (said, [*ask(3), {"role": "assistant", "content": "x"}], "different conversations"),
+    ]:
+        with pytest.raises(PreferenceError, match=words):
+            last_exchange(first, second)
 
 
 def test_training_needs_a_few_pairs_and_says_how_many_more(home: Path, run_folder: Path) -> None:
