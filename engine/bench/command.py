@@ -1,8 +1,8 @@
 """``tunedeck bench``: the 16-bit rows (:mod:`engine.bench.speed`) or, by its first flag, another benchmark.
 
-``--app-path`` (:mod:`engine.bench.app_path`), ``--qlora`` (:mod:`engine.bench.qlora`) and ``--long-context``
-(:mod:`engine.bench.long_context`) each take their own options; the modules they name import the 16-bit bench's
-helpers, never the other way round.
+``--app-path`` (:mod:`engine.bench.app_path`), ``--qlora`` (:mod:`engine.bench.qlora`), ``--long-context``
+(:mod:`engine.bench.long_context`) and ``--dpo`` (:mod:`engine.bench.dpo`; ``tunedeck bench dpo`` too) each take
+their own options; the modules they name import the 16-bit bench's helpers, never the other way round.
 """
 
 from __future__ import annotations
@@ -31,10 +31,17 @@ def _long_context(argv: list[str]) -> int:
     return main(argv)
 
 
+def _dpo(argv: list[str]) -> int:
+    from engine.bench.dpo import main
+
+    return main(argv)
+
+
 MODES: dict[str, Callable[[list[str]], int]] = {
     "--app-path": _app_path,
     "--qlora": _qlora,
     "--long-context": _long_context,
+    "--dpo": _dpo,
 }
 """A flag that picks another benchmark, and how it is run with the rest of the arguments."""
 
@@ -42,6 +49,8 @@ MODES: dict[str, Callable[[list[str]], int]] = {
 def main(argv: list[str] | None = None) -> int:
     set_at_process_start()  # as the app and the CLI do: the bench measures what users get
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] and f"--{argv[0]}" in MODES:  # a benchmark named as a word: ``tunedeck bench dpo``
+        argv = [f"--{argv[0]}", *argv[1:]]
     for flag, run in MODES.items():
         if flag in argv:
             return run([arg for arg in argv if arg != flag])

@@ -22,10 +22,18 @@ WORDS = ("alpha", "river", "stone", "light", "seven", "under", "green", "table",
 
 
 def shape_config(shape: str, tiny: bool = False) -> Any:
-    """The shape's transformers config, with the demo tokenizer's special tokens; ``tiny``: 2 narrow layers."""
-    from engine.bench.qlora import model_config
+    """The shape's transformers config (the 4-bit bench's 7-8B shapes or the 16-bit bench's small dense ones), with
+    the demo tokenizer's special tokens; ``tiny``: 2 narrow layers."""
+    from transformers import AutoConfig
 
-    config = model_config(shape)
+    from engine.bench.qlora import SHAPES, model_config
+    from engine.bench.speed import DENSE_SHAPES
+
+    if shape in SHAPES:
+        config = model_config(shape)
+    else:
+        settings = dict(DENSE_SHAPES[shape])
+        config = AutoConfig.for_model(settings.pop("model_type"), **settings)
     config.eos_token_id, config.bos_token_id, config.pad_token_id = 2, None, 3
     config.dtype = "bfloat16"
     if tiny:
@@ -60,6 +68,8 @@ def build_model_folder(shape: str, folder: Path, tiny: bool = False, shard_bytes
         shard.clear()
 
     for name, size in shapes.items():
+        if name == "lm_head.weight" and getattr(config, "tie_word_embeddings", False):
+            continue  # the embedding's own tensor once loaded, as in the real model's files
         if len(size) == 1:
             shard[name] = torch.ones(size, dtype=torch.bfloat16)
         else:
