@@ -26,21 +26,21 @@ from PySide6.QtWidgets import (
 )
 
 from app.app_state import AppState
-from app.data_panel import DataPanel
-from app.export_panel import ExportDialog
-from app.gui_gc import collect_on_gui_thread
-from app.guide import GuideBar, GuidedPage
-from app.hardware_panel import HardwarePanel
+from app.background.gui_gc import collect_on_gui_thread
+from app.background.run_controller import FAILED, FINISHED, RunController
+from app.background.worker import TaskRunner, describe_error
 from app.icon import app_icon
-from app.model_panel import ModelPanel
-from app.page_header import Page
-from app.run_controller import FAILED, FINISHED, RunController
-from app.run_panel import RunPanel
-from app.setup_panel import SetupPanel
-from app.setup_view import SetupView, torch_missing
-from app.speed_panel import SpeedPanel
+from app.pages.data import DataPanel
+from app.pages.export import ExportDialog
+from app.pages.gpu_setup import SetupView, torch_missing
+from app.pages.hardware import HardwarePanel
+from app.pages.model import ModelPanel
+from app.pages.recipe import SetupPanel
+from app.pages.run import RunPanel
+from app.pages.speed import SpeedPanel
 from app.theme import apply_look, style_plots, system_is_dark
-from app.worker import TaskRunner, describe_error
+from app.widgets.guide import GuideBar, GuidedPage
+from app.widgets.page_header import Page
 from engine.hardware.allocator import set_at_process_start
 from engine.run.estimate import MeasuredRow
 from engine.run.registry import Registry
@@ -236,7 +236,7 @@ class MainWindow(QMainWindow):
 def optional_pages() -> list[tuple[str, QWidget]]:
     """The run history and chat pages, when their modules are present."""
     found: list[tuple[str, QWidget]] = []
-    for title, module, cls in (("Runs", "app.runs_view", "RunsView"), ("Chat", "app.chat_view", "ChatView")):
+    for title, module, cls in (("Runs", "app.pages.runs", "RunsView"), ("Chat", "app.pages.chat", "ChatView")):
         try:
             widget_type = getattr(__import__(module, fromlist=[cls]), cls)
         except (ImportError, AttributeError):

@@ -66,7 +66,7 @@ def _run(config: RunConfig, control: RunControl | None, resume: str | Path | Non
 
 
 def run_beside_window(config: RunConfig, control: RunControl, resume: str | Path | None = None) -> Iterator[Event]:
-    """:func:`run` as the window's training thread runs it (app.worker): the CPU shared with the GUI thread
+    """:func:`run` as the window's training thread runs it (app.background.worker): the CPU shared with the GUI thread
     (engine.run.background), libraries' chatter quieted, and every event recorded in the run history so the Runs
     page lists the run. Qt-free, so a benchmark takes the window's path in the same order without a window."""
     import torch

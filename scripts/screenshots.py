@@ -98,7 +98,7 @@ def fresh_workdir(workdir: Path) -> None:
 
 def run_the_demo(app: Any, window: Any) -> str:
     """Start on the guide bar once the demo is ready, and wait for the run to finish; returns its folder."""
-    from app import run_controller as rc
+    from app.background import run_controller as rc
 
     guide = window.guide
     wait_for(app, guide.start_button.isEnabled, "the demo to be ready (machine, model, dataset, recipe)")

@@ -110,8 +110,8 @@ if HAS_QT:
 
     @pytest.fixture(scope="session")
     def qapp(qapp: Any) -> Any:
-        """pytest-qt's application, collecting garbage on its GUI thread only, as the app does (app.gui_gc)."""
-        from app.gui_gc import collect_on_gui_thread
+        """pytest-qt's QApplication, collecting garbage on its GUI thread only, as app.background.gui_gc does."""
+        from app.background.gui_gc import collect_on_gui_thread
 
         collect_on_gui_thread(qapp)
         return qapp

@@ -24,7 +24,7 @@ def finished_run(registry: Registry, folder: Path) -> None:
 
 
 def test_chat_selects_a_run_as_soon_as_it_finishes(qtbot: Any, tmp_path: Path) -> None:
-    from app.chat_view import ChatView
+    from app.pages.chat import ChatView
 
     registry = Registry(tmp_path / "runs.db")
     finished_run(registry, tmp_path / "older")
@@ -42,7 +42,7 @@ def test_chat_selects_a_run_as_soon_as_it_finishes(qtbot: Any, tmp_path: Path) -
 def test_open_folder_says_where_the_folder_is_when_no_file_manager_opens_it(
     qtbot: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from app.export_panel import ExportDialog
+    from app.pages.export import ExportDialog
 
     monkeypatch.setattr(QDesktopServices, "openUrl", lambda url: False)  # no file manager set up
     dialog = ExportDialog(tmp_path, "run")

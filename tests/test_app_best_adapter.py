@@ -45,7 +45,7 @@ def weights(folder: Path) -> Any:
 def test_the_export_dialog_exports_the_best_adapter_unless_the_last_is_chosen(
     qtbot: Any, tmp_path: Path, overfit: tuple[list[Any], Path]
 ) -> None:
-    from app.export_panel import ExportDialog
+    from app.pages.export import ExportDialog
 
     _, run_dir = overfit
     dialog = ExportDialog(run_dir, "overfit")
@@ -67,7 +67,7 @@ def test_the_export_dialog_exports_the_best_adapter_unless_the_last_is_chosen(
 def test_the_chat_page_loads_the_best_adapter_unless_the_last_is_chosen(
     qtbot: Any, tmp_path: Path, overfit: tuple[list[Any], Path]
 ) -> None:
-    from app.chat_view import ChatView
+    from app.pages.chat import ChatView
 
     _, run_dir = overfit
     registry = Registry(tmp_path / "runs.db")
@@ -94,7 +94,7 @@ def test_a_run_without_a_best_adapter_offers_only_the_last(
 ) -> None:
     import shutil
 
-    from app.adapter_choice import AdapterChoice
+    from app.widgets.adapter_choice import AdapterChoice
 
     _, run_dir = overfit
     folder = tmp_path / "run"

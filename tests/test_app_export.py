@@ -30,7 +30,7 @@ def run_folder(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 @pytest.fixture
 def dialog(qtbot: Any, run_folder: Path) -> Any:
-    from app.export_panel import ExportDialog
+    from app.pages.export import ExportDialog
 
     widget = ExportDialog(run_folder, "tiny run")
     qtbot.addWidget(widget)
@@ -51,7 +51,7 @@ def test_the_adapter_exports_and_its_folder_opens(
     qtbot: Any, dialog: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     opened: list[str] = []
-    monkeypatch.setattr("app.export_panel.QDesktopServices.openUrl", lambda url: opened.append(url.toLocalFile()))
+    monkeypatch.setattr("app.pages.export.QDesktopServices.openUrl", lambda url: opened.append(url.toLocalFile()))
     assert dialog.target.text() == str(dialog.run_folder / "exports" / "adapter")
     assert not dialog.open_button.isEnabled()
     export(qtbot, dialog, "adapter", tmp_path / "my adapter")
@@ -93,7 +93,7 @@ def test_a_folder_in_use_is_refused_clearly_until_replacing_is_ticked(qtbot: Any
 
 
 def test_a_run_without_an_adapter_fails_with_what_to_do(qtbot: Any, tmp_path: Path) -> None:
-    from app.export_panel import ExportDialog
+    from app.pages.export import ExportDialog
 
     empty = tmp_path / "unfinished run"
     empty.mkdir()
@@ -105,12 +105,12 @@ def test_a_run_without_an_adapter_fails_with_what_to_do(qtbot: Any, tmp_path: Pa
 
 
 def test_gguf_is_offered_only_when_the_engine_has_it(dialog: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from app.export_panel import gguf_quants
+    from app.pages.export import gguf_quants
 
     if hasattr(engine.export, "export_gguf"):
         monkeypatch.delattr(engine.export, "export_gguf")
     assert gguf_quants() == ()
-    from app.export_panel import ExportDialog
+    from app.pages.export import ExportDialog
 
     without = ExportDialog(dialog.run_folder)
     assert not without.kinds["gguf"].isEnabled()
@@ -129,7 +129,7 @@ class FakeProgress:
 def test_gguf_exports_with_the_chosen_quant_and_reports_progress(
     qtbot: Any, run_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from app.export_panel import ExportDialog
+    from app.pages.export import ExportDialog
 
     calls: list[dict[str, Any]] = []
 
@@ -166,7 +166,7 @@ def test_gguf_exports_with_the_chosen_quant_and_reports_progress(
 
 
 def test_the_runs_page_exports_the_selected_run(qtbot: Any, run_folder: Path, tmp_path: Path) -> None:
-    from app.runs_view import RunsView
+    from app.pages.runs import RunsView
 
     registry = Registry(tmp_path / "runs.db")
     registry.upsert(run_folder, name="tiny run", status="finished", model="tiny-llama")
@@ -196,7 +196,7 @@ def test_gguf_through_the_engine_writes_the_file_and_its_modelfile(
 
 
 def test_a_missing_package_is_named_with_how_to_install_it() -> None:
-    from app.worker import describe_error
+    from app.background.worker import describe_error
 
     info = describe_error(ModuleNotFoundError("No module named 'gguf.constants'", name="gguf.constants"))
     assert info.message == "a package TuneDeck needs is not installed: gguf" and "pip install gguf" in info.hint

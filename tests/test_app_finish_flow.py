@@ -10,7 +10,7 @@ from typing import Any
 from app_demo import LOAD_TIMEOUT_MS, prepare_demo
 from app_finish import chat_with, export_from_runs
 
-from app import run_controller as rc
+from app.background import run_controller as rc
 from engine.events import RunFinished
 
 pytest_plugins = ["app_fixtures"]

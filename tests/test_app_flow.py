@@ -11,7 +11,7 @@ from typing import Any
 from app_demo import LOAD_TIMEOUT_MS, prepare_demo
 from PySide6.QtCore import QTimer
 
-from app import run_controller as rc
+from app.background import run_controller as rc
 from engine.events import RunFinished, SpeedChanged, StepMetrics
 
 pytest_plugins = ["app_fixtures"]  # the window fixture and the dangling-QThread guard

@@ -20,7 +20,7 @@ def machine(*memories_gib: int) -> Any:
 
 
 def test_gpu_selector_offers_every_card_and_sets_the_run(qtbot: Any) -> None:
-    from app.gpu_selector import GpuSelector
+    from app.widgets.gpu_selector import GpuSelector
     from engine.config import RunConfig
 
     selector = GpuSelector()
@@ -38,7 +38,7 @@ def test_gpu_selector_offers_every_card_and_sets_the_run(qtbot: Any) -> None:
 
 
 def test_gpu_selector_advises_fsdp_when_the_model_does_not_fit_one_card(qtbot: Any) -> None:
-    from app.gpu_selector import GpuSelector
+    from app.widgets.gpu_selector import GpuSelector
     from engine.config import RunConfig
 
     selector = GpuSelector()
@@ -50,7 +50,7 @@ def test_gpu_selector_advises_fsdp_when_the_model_does_not_fit_one_card(qtbot: A
 
 
 def test_one_card_or_none_needs_no_choice(qtbot: Any) -> None:
-    from app.gpu_selector import GpuSelector
+    from app.widgets.gpu_selector import GpuSelector
 
     selector = GpuSelector()
     qtbot.addWidget(selector)
@@ -61,7 +61,7 @@ def test_one_card_or_none_needs_no_choice(qtbot: Any) -> None:
 
 
 def test_each_gpu_gets_its_own_lane(qtbot: Any) -> None:
-    from app.run_charts import RunCharts
+    from app.widgets.run_charts import RunCharts
     from engine.hardware.telemetry import TelemetrySample
 
     charts = RunCharts()
@@ -89,8 +89,8 @@ def test_two_gpu_run_view_screenshot(qtbot: Any) -> None:
 
     from PySide6.QtWidgets import QVBoxLayout, QWidget
 
-    from app.gpu_selector import GpuSelector
-    from app.run_charts import RunCharts
+    from app.widgets.gpu_selector import GpuSelector
+    from app.widgets.run_charts import RunCharts
     from engine.config import RunConfig
     from engine.hardware.telemetry import TelemetrySample
 

@@ -10,7 +10,7 @@ pytest_plugins = ["app_fixtures"]
 
 
 def test_the_form_speaks_plain_words_in_one_label_column(qtbot: Any) -> None:
-    from app.config_form import MAIN_FIELDS, ConfigForm
+    from app.widgets.config_form import MAIN_FIELDS, ConfigForm
 
     form = ConfigForm(frozenset({"model.name", "data.path"}))
     qtbot.addWidget(form)
@@ -34,7 +34,7 @@ def test_the_form_speaks_plain_words_in_one_label_column(qtbot: Any) -> None:
 def test_each_recipe_shows_the_planners_memory_and_time_on_this_card(qtbot: Any) -> None:
     from app.app_state import AppState
     from app.model_info import ModelInfo
-    from app.setup_panel import SetupPanel
+    from app.pages.recipe import SetupPanel
     from engine.hardware import gpus
     from engine.hardware.profile import DeviceTarget
     from engine.hardware.shapes import load_shape
@@ -59,8 +59,8 @@ def test_each_recipe_shows_the_planners_memory_and_time_on_this_card(qtbot: Any)
 
 
 def test_the_gallery_plans_for_a_card_picked_from_the_table(qtbot: Any) -> None:
-    from app.model_gallery import COLUMNS, VERDICT_TEXT, ModelGallery
-    from app.worker import TaskRunner
+    from app.background.worker import TaskRunner
+    from app.widgets.model_gallery import COLUMNS, VERDICT_TEXT, ModelGallery
     from engine.hardware import gpus
     from engine.hardware.gallery import gallery_rows
     from engine.hardware.profile import DeviceTarget
@@ -91,7 +91,7 @@ def test_the_guide_names_what_is_missing(qtbot: Any, window: Any) -> None:
 def test_the_demo_runs_to_the_end_in_three_clicks(qtbot: Any, window: Any) -> None:
     from pathlib import Path
 
-    from app import run_controller as rc
+    from app.background import run_controller as rc
     from engine.events import RunFinished
 
     finished: list[RunFinished] = []
@@ -126,7 +126,7 @@ def test_the_demo_runs_to_the_end_in_three_clicks(qtbot: Any, window: Any) -> No
 def test_only_the_latest_dataset_load_reports(qtbot: Any, window: Any, tmp_path: Any) -> None:
     from PySide6.QtWidgets import QApplication
 
-    from app.data_panel import demo_data_file
+    from app.pages.data import demo_data_file
 
     (tmp_path / "broken.jsonl").write_text("{not json\n", encoding="utf-8")
     panel = window.data_panel
@@ -148,7 +148,7 @@ def test_two_datasets_read_at_once_on_a_fresh_start(tmp_path: Any) -> None:
     code = (
         "import threading\n"
         "from app.dataset_report import analyze_dataset\n"
-        "from app.data_panel import demo_data_file\n"
+        "from app.pages.data import demo_data_file\n"
         "errors = []\n"
         "def read():\n"
         "    try:\n"

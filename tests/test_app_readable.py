@@ -51,7 +51,7 @@ def assert_readable(histogram: Any, look: str) -> None:
 
 
 def load_demo_data(qtbot: Any, win: Any) -> Any:
-    from app.data_panel import demo_data_file
+    from app.pages.data import demo_data_file
 
     win.resize(LAPTOP)
     win.show_page("Dataset")
@@ -151,7 +151,7 @@ def test_the_ready_line_says_the_run_trains_on_this_computers_cpu(qtbot: Any) ->
     from PySide6.QtCore import QObject, Signal
 
     from app.app_state import AppState
-    from app.guide import GuideBar
+    from app.widgets.guide import GuideBar
     from engine.hardware import gpus
     from engine.hardware.profile import DeviceTarget
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from app_demo import LOAD_TIMEOUT_MS, prepare_demo
 
-from app import run_controller as rc
+from app.background import run_controller as rc
 from engine.events import StepMetrics
 from engine.run.registry import Registry
 from engine.run.summary import RunTexts, describe, summary_of_record
@@ -21,7 +21,7 @@ STEPS = 12
 
 def runs_row(window: Any, run_dir: str) -> dict[str, str]:
     """The Runs page's row of the run, column title -> text, after the page read the history again."""
-    from app.runs_view import COLUMNS
+    from app.pages.runs import COLUMNS
 
     runs = window.page("Runs")
     runs.refresh()

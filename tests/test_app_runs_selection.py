@@ -22,7 +22,7 @@ def add_run(registry: Registry, folder: Path, name: str) -> str:
 
 @pytest.fixture
 def view(qtbot: Any, tmp_path: Path) -> Any:
-    from app.runs_view import RunsView
+    from app.pages.runs import RunsView
 
     registry = Registry(tmp_path / "runs.db")
     for name in ("first", "second", "third", "fourth"):

@@ -20,8 +20,8 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QImage
 from PySide6.QtWidgets import QApplication, QWidget
 
-from app import run_controller as rc
-from app.ab_compare import ALL
+from app.background import run_controller as rc
+from app.background.ab_compare import ALL
 from engine.events import RunFinished, StepMetrics
 
 pytest_plugins = ["app_fixtures"]

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 from PySide6.QtCore import Qt
 
-from app.setup_view import STEPS, SetupView, overall_progress
-from app.worker import TaskRunner
+from app.background.worker import TaskRunner
+from app.pages.gpu_setup import STEPS, SetupView, overall_progress
 from engine.setup import environment
 from engine.setup.cancel import CancelToken
 from engine.setup.environment import InstallLayout

@@ -7,9 +7,9 @@ from typing import Any
 import pyqtgraph as pg
 import pytest
 
-from app import run_controller as rc
-from app.ab_compare import ALL, SPEED_SWITCHES, Measurement, switch_settings
-from app.switch_words import describe_plan, describe_state
+from app.background import run_controller as rc
+from app.background.ab_compare import ALL, SPEED_SWITCHES, Measurement, switch_settings
+from app.widgets.switch_words import describe_plan, describe_state
 from engine.config import SpeedConfig
 from engine.events import SpeedChanged, StepMetrics
 
@@ -66,7 +66,7 @@ def bars(chart: Any) -> list[Any]:
 
 
 def test_the_chart_draws_a_bar_and_whisker_per_measured_switch(qtbot: Any) -> None:
-    from app.compare_chart import CompareChart
+    from app.widgets.compare_chart import CompareChart
 
     chart = CompareChart()
     qtbot.addWidget(chart)

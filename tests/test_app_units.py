@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from app_demo import LOAD_TIMEOUT_MS
 
-from app.ab_compare import ABCompare, nothing_to_do, switch_settings
-from app.worker import describe_error, training_threads
+from app.background.ab_compare import ABCompare, nothing_to_do, switch_settings
+from app.background.worker import describe_error, training_threads
 from engine.config import SpeedConfig
 from engine.errors import ConfigError, DataError
 
@@ -121,7 +121,7 @@ def test_errors_become_messages_with_hints() -> None:
 
 def test_config_form_round_trips_recipes_and_names_bad_values(qtbot: Any) -> None:
     from app.app_state import AppState
-    from app.setup_panel import SetupPanel, recipe_config
+    from app.pages.recipe import SetupPanel, recipe_config
     from engine.hardware.recipes import RECIPES
 
     state = AppState()
@@ -165,7 +165,7 @@ def test_bad_rows_are_listed_and_missing_models_explained(qtbot: Any, window: An
 
 
 def test_a_failing_run_shows_a_message_not_a_traceback(qtbot: Any, window: Any, tmp_path: Path) -> None:
-    from app import run_controller as rc
+    from app.background import run_controller as rc
 
     window.state.model_name = str(tmp_path / "missing-model")
     window.state.data_path = str(tmp_path / "missing.jsonl")
@@ -213,7 +213,7 @@ def test_app_modules_do_not_import_torch(tmp_path: Path) -> None:
         """
         import importlib, pkgutil, sys
         import app
-        names = [m.name for m in pkgutil.iter_modules(app.__path__, "app.") if m.name != "app.__main__"]
+        names = [m.name for m in pkgutil.walk_packages(app.__path__, "app.") if m.name != "app.__main__"]
         for name in names:
             importlib.import_module(name)
         heavy = sorted(m for m in ("torch", "transformers", "peft", "bitsandbytes", "datasets") if m in sys.modules)
@@ -291,7 +291,7 @@ def test_telemetry_warnings_and_samples_reach_the_run_page(qtbot: Any, window: A
 def test_the_planner_warns_on_setup_before_a_run_that_will_not_fit(qtbot: Any) -> None:
     from app.app_state import AppState
     from app.model_info import ModelInfo
-    from app.setup_panel import SetupPanel
+    from app.pages.recipe import SetupPanel
     from engine.hardware import gpus
     from engine.hardware.profile import DeviceTarget
     from engine.hardware.shapes import load_shape
@@ -459,7 +459,7 @@ def test_a_switch_the_engine_cannot_apply_is_reported_not_measured() -> None:
 
 
 def test_the_demo_data_button_finds_the_demo_dataset() -> None:
-    from app.data_panel import demo_data_file
+    from app.pages.data import demo_data_file
     from engine.demo import DEMO_TRAIN_FILE
 
     assert demo_data_file() == Path(DEMO_TRAIN_FILE) and demo_data_file().exists()

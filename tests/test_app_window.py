@@ -13,7 +13,7 @@ from PySide6.QtGui import QGuiApplication, QPalette
 from PySide6.QtWidgets import QApplication, QLabel
 from test_chat import train_tiny_run
 
-from app import run_controller as rc
+from app.background import run_controller as rc
 from engine.events import CheckpointSaved, Notice
 from engine.run.registry import Registry
 
@@ -59,7 +59,7 @@ def test_the_default_settings_location_is_never_the_users_in_tests() -> None:
 
 
 def test_every_page_has_the_same_header(window: Any) -> None:
-    from app.page_header import Page
+    from app.widgets.page_header import Page
 
     for index, title in enumerate(window.page_titles()):
         page = window.pages.widget(index)

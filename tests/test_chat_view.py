@@ -22,7 +22,7 @@ def run_folder(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 @pytest.fixture
 def view(qtbot: Any, run_folder: Path, tmp_path: Path) -> Any:
-    from app.chat_view import ChatView
+    from app.pages.chat import ChatView
 
     registry = Registry(tmp_path / "runs.db")
     registry.upsert(run_folder, name="tiny chat run", status="finished", model="tiny-llama")

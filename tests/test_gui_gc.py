@@ -6,7 +6,7 @@ import gc
 import weakref
 from typing import Any
 
-from app.gui_gc import collect_on_gui_thread
+from app.background.gui_gc import collect_on_gui_thread
 
 
 class Node:
@@ -36,7 +36,7 @@ def test_due_garbage_is_collected_by_the_timer_check(qapp: Any) -> None:
 def test_stopping_gives_collection_back_to_python() -> None:
     from PySide6.QtCore import QObject
 
-    from app.gui_gc import GuiThreadCollector
+    from app.background.gui_gc import GuiThreadCollector
 
     was_enabled = gc.isenabled()
     owner = QObject()

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from PySide6.QtCore import QPointF
 
-from app.run_charts import nearest_mark
+from app.widgets.run_charts import nearest_mark
 
 pytest_plugins = ["app_fixtures"]
 
@@ -32,7 +32,7 @@ def test_the_nearest_change_within_a_few_pixels(step: float, steps_per_px: float
 def test_a_compare_s_dense_marks_are_lines_and_pointing_names_one(qtbot: Any) -> None:
     import pyqtgraph as pg
 
-    from app.run_charts import RunCharts
+    from app.widgets.run_charts import RunCharts
 
     charts = RunCharts()
     qtbot.addWidget(charts)
@@ -70,7 +70,7 @@ def test_a_compare_s_dense_marks_are_lines_and_pointing_names_one(qtbot: Any) ->
 
 
 def test_the_memory_chart_marks_the_largest_step_peak_as_reserved_memory(qtbot: Any) -> None:
-    from app.run_charts import RunCharts
+    from app.widgets.run_charts import RunCharts
     from engine.run.summary import RunSummary, describe
 
     charts = RunCharts()

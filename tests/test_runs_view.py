@@ -53,7 +53,7 @@ def registry(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 @pytest.fixture
 def view(qtbot: Any, registry: Registry) -> Any:
-    from app.runs_view import RunsView
+    from app.pages.runs import RunsView
 
     widget = RunsView(registry)
     widget.resize(1100, 750)
@@ -63,7 +63,7 @@ def view(qtbot: Any, registry: Registry) -> Any:
 
 
 def cell(view: Any, row: int, column: str) -> str:
-    from app.runs_view import COLUMNS
+    from app.pages.runs import COLUMNS
 
     return view.table.item(row, COLUMNS.index(column)).text()
 
@@ -82,7 +82,7 @@ def test_table_shows_every_run_with_its_summary(view: Any, registry: Registry) -
 
 
 def test_selected_runs_overlay_train_and_eval_curves(view: Any, registry: Registry) -> None:
-    from app.runs_view import read_curves
+    from app.pages.runs import read_curves
 
     finished = [r for r in registry.runs() if r.status == "finished"]
     view.select_runs([r.id for r in finished])
@@ -113,7 +113,7 @@ def test_resume_emits_the_interrupted_run_folder(view: Any, qtbot: Any, registry
 
 
 def test_rename_and_delete_with_confirmation(qtbot: Any, tmp_path: Path) -> None:
-    from app.runs_view import RunsView
+    from app.pages.runs import RunsView
 
     registry = Registry(tmp_path / "runs.db")
     folder = tmp_path / "run"

@@ -89,7 +89,7 @@ def main(argv: list[str]) -> int:
     from PySide6.QtCore import QSettings
     from PySide6.QtWidgets import QApplication
 
-    from app.gui_gc import collect_on_gui_thread
+    from app.background.gui_gc import collect_on_gui_thread
     from app.main_window import MainWindow
 
     app = QApplication([sys.argv[0]])
@@ -155,7 +155,7 @@ def prepare_demo(app: Any, window: Any, *, compile_on: bool) -> None:
 
 def one_cycle(app: Any, window: Any, *, pause: bool) -> str:
     """Start, (pause, every page, resume,) stop; returns the run's folder."""
-    from app import run_controller as rc
+    from app.background import run_controller as rc
     from engine.events import RunFinished, RunStarted
 
     win = window

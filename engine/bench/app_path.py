@@ -7,7 +7,7 @@ environment (no ``PYTORCH_CUDA_ALLOC_CONF``), each in a fresh process, in the or
 - ``cli``: ``tunedeck train``: the allocator setting at process start, then the command (engine.cli).
 - ``app``: the window: the allocator setting at process start (app.__main__), hardware detection and the device
   profile (the window detects when it is shown), then the training worker's run (engine.train.run_beside_window,
-  the Qt-free body of app.worker.TrainingWorker) on a thread of its own, stopped as the Stop button stops it.
+  the Qt-free body of app.background.worker.TrainingWorker) on a thread of its own, stopped as the Stop button stops it.
 - ``app-oom``: the window's path with a real CUDA out-of-memory error in step 2 (a tensor takes the memory left
   under the cap while the step runs and goes when it fails), to show what a shortage costs the rest of the run.
 - ``app-cuda-first``: the window's path with CUDA started before the allocator setting (any launcher that touches
@@ -64,7 +64,7 @@ def cap_memory(cap_gib: float | None) -> None:
 
 
 def detect_like_the_window() -> None:
-    """What the window runs when it is first shown: hardware detection and the device profile (app.hardware_panel)."""
+    """What the window runs when it is first shown: hardware detection and the device profile (app.pages.hardware)."""
     from engine.hardware.detect import detect_hardware
     from engine.hardware.profile import build_profile
 
@@ -124,7 +124,7 @@ def window_config(train: list[str]) -> Any:
 
 
 def drive_window_run(config: Any, steps: int) -> int:
-    """app.worker.TrainingWorker.run without Qt: every event printed as the CLI's --json prints it."""
+    """app.background.worker.TrainingWorker.run without Qt: every event printed as the CLI's --json prints it."""
     from engine.events import RunFailed, StepMetrics
     from engine.run.control import RunControl
     from engine.train import run_beside_window

@@ -21,11 +21,11 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.ab_compare import ALL, ON_OFF_SWITCHES, SWITCHES, TITLES, ABCompare, Measurement, nothing_to_do
 from app.app_state import AppState
-from app.compare_chart import CompareChart
-from app.run_controller import LOADING, RUNNING, RunController
-from app.switch_words import describe_plan, describe_state
+from app.background.ab_compare import ALL, ON_OFF_SWITCHES, SWITCHES, TITLES, ABCompare, Measurement, nothing_to_do
+from app.background.run_controller import LOADING, RUNNING, RunController
+from app.widgets.compare_chart import CompareChart
+from app.widgets.switch_words import describe_plan, describe_state
 from engine.config import SpeedConfig
 from engine.events import RunFailed, RunFinished, SpeedChanged, StepMetrics
 

@@ -33,8 +33,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.adapter_choice import AdapterChoice
-from app.worker import describe_error
+from app.background.worker import describe_error
+from app.widgets.adapter_choice import AdapterChoice
 from engine.run.registry import Registry, RunRecord
 from engine.run.summary import RunSummary, describe, summary_of_record
 

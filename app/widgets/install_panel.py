@@ -23,8 +23,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.background.worker import ErrorInfo, TaskRunner
 from app.theme import ERROR_COLOR
-from app.worker import ErrorInfo, TaskRunner
 
 RUNTIMES = {"ollama": "Install in Ollama", "lmstudio": "Install in LM Studio"}
 

@@ -14,7 +14,7 @@ import pyqtgraph as pg
 from PySide6.QtGui import QFontMetrics
 from PySide6.QtWidgets import QWidget
 
-from app.ab_compare import Measurement
+from app.background.ab_compare import Measurement
 from app.theme import ERROR_COLOR, current_chart_colors, style_plot
 
 FASTER_COLOR = "#2ca02c"

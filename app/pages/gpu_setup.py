@@ -24,7 +24,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.worker import ErrorInfo, TaskRunner, describe_error
+from app.background.worker import ErrorInfo, TaskRunner, describe_error
 from engine.setup import environment
 from engine.setup.cancel import CancelToken
 from engine.setup.environment import BASE_INSTALL_BYTES, InstallLayout

@@ -13,7 +13,7 @@ from typing import Any
 
 from PySide6.QtCore import QObject, Signal
 
-from app.worker import TelemetryBridge, TrainingWorker
+from app.background.worker import TelemetryBridge, TrainingWorker
 from engine.config import RunConfig, SpeedConfig
 from engine.events import RunFailed, RunFinished, RunPaused, RunResumed, RunStarted, SpeedChanged
 from engine.run.background import release_freed_memory
@@ -121,7 +121,8 @@ class RunController(QObject):
     def _on_worker_finished(self) -> None:
         self._stop_telemetry()
         # off the GUI thread: a full collection and a trim of a large heap each took over 100 ms of it (the window's
-        # run test holds the GUI thread to 100 ms of work between two ticks); Python's collector stays on app.gui_gc
+        # run test holds the GUI thread to 100 ms of work between two ticks); Python's collector stays on
+        # app.background.gui_gc
         threading.Thread(target=release_freed_memory, name="release-freed-memory", daemon=True).start()
         if self.active:  # the thread ended without a final event
             self._set_state(FAILED)

@@ -26,9 +26,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.app_state import AppState
-from app.hardware_panel import SETTING_NAMES
-from app.local_models import LocalModels, convert_for_this_computer
-from app.model_gallery import ModelGallery, format_size
+from app.background.worker import ErrorInfo, TaskRunner
 from app.model_info import (
     ModelInfo,
     download_model,
@@ -40,7 +38,9 @@ from app.model_info import (
     resident_layers_html,
     verdict_target,
 )
-from app.worker import ErrorInfo, TaskRunner
+from app.pages.hardware import SETTING_NAMES
+from app.widgets.local_models import LocalModels, convert_for_this_computer
+from app.widgets.model_gallery import ModelGallery, format_size
 from engine.config import DEMO_MODEL
 from engine.model.local_sources import is_local_gguf_name
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.ab_compare import ON_OFF_SWITCHES
+from app.background.ab_compare import ON_OFF_SWITCHES
 
 CHECKPOINT_WORDS = {"none": "no checkpointing", "standard": "standard recompute", "offloaded": "offloaded"}
 

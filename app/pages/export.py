@@ -35,10 +35,10 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.adapter_choice import AdapterChoice
-from app.install_panel import InstallPanel
+from app.background.worker import ErrorInfo, TaskRunner
 from app.theme import ERROR_COLOR
-from app.worker import ErrorInfo, TaskRunner
+from app.widgets.adapter_choice import AdapterChoice
+from app.widgets.install_panel import InstallPanel
 
 Report = Callable[[str, float, float | None], None]
 MERGED_DTYPES = ("bfloat16", "float16", "float32")

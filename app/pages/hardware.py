@@ -11,7 +11,7 @@ from typing import Any
 from PySide6.QtWidgets import QHeaderView, QLabel, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget
 
 from app.app_state import AppState
-from app.worker import ErrorInfo, TaskRunner
+from app.background.worker import ErrorInfo, TaskRunner
 
 GIB = 1 << 30
 SETTING_NAMES = {

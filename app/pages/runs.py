@@ -33,7 +33,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.export_panel import ExportDialog
+from app.pages.export import ExportDialog
 from app.theme import current_chart_colors, style_plot
 from engine.errors import TuneDeckError
 from engine.run.registry import Registry, RunRecord

@@ -24,15 +24,15 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app import run_controller as rc
 from app.app_state import AppState
-from app.export_panel import ExportDialog
-from app.gpu_selector import GpuSelector
-from app.notices import NoticeList
-from app.run_charts import RunCharts
-from app.setup_panel import fit_warning
+from app.background import run_controller as rc
+from app.background.worker import describe_error
+from app.pages.export import ExportDialog
+from app.pages.recipe import fit_warning
 from app.theme import ERROR_COLOR
-from app.worker import describe_error
+from app.widgets.gpu_selector import GpuSelector
+from app.widgets.notices import NoticeList
+from app.widgets.run_charts import RunCharts
 from engine.config import RunConfig
 from engine.events import (
     BestAdapterKept,

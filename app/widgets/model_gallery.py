@@ -22,8 +22,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.background.worker import ErrorInfo, TaskRunner
 from app.model_info import format_params
-from app.worker import ErrorInfo, TaskRunner
 from engine.config import DEMO_MODEL
 
 GIB = 1 << 30

@@ -23,9 +23,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.model_gallery import format_size
+from app.background.worker import ErrorInfo, TaskRunner
 from app.model_info import format_params
-from app.worker import ErrorInfo, TaskRunner
+from app.widgets.model_gallery import format_size
 
 COLUMNS = ("Model", "From", "Size", "Quantization", "Family", "Parameters")
 ORIGINS = {"ollama": "Ollama", "lmstudio": "LM Studio", "file": "file"}
