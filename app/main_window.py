@@ -36,6 +36,7 @@ from app.pages.gpu_setup import SetupView, torch_missing
 from app.pages.hardware import HardwarePanel
 from app.pages.model import ModelPanel
 from app.pages.recipe import SetupPanel
+from app.pages.report import ReportPage
 from app.pages.run import RunPanel
 from app.pages.speed import SpeedPanel
 from app.theme import apply_look, style_plots, system_is_dark
@@ -67,8 +68,8 @@ def app_settings() -> QSettings:
 
 
 class MainWindow(QMainWindow):
-    """Pages: This computer, Model, Dataset, Recipe, Run, Speed, GPU setup (and Runs, Chat when installed), under
-    the guide bar (Model → Data → Recipe → Start)."""
+    """Pages: This computer, Model, Dataset, Recipe, Run, Speed, Report, GPU setup (and Runs, Chat when installed),
+    under the guide bar (Model → Data → Recipe → Start)."""
 
     def __init__(self, *, detect_on_show: bool = True, settings: QSettings | None = None) -> None:
         super().__init__()
@@ -90,6 +91,7 @@ class MainWindow(QMainWindow):
         self.run_panel = RunPanel(self.state, self.controller, self.setup_panel.build_config)
         self.speed_panel = SpeedPanel(self.state, self.controller)
         self.setup_view = SetupView(self.tasks)
+        self.report_page = ReportPage(self.tasks)
         self.pages = QStackedWidget()
         self.nav = QListWidget()
         self.nav.setFixedWidth(170)
@@ -103,12 +105,16 @@ class MainWindow(QMainWindow):
             ("Recipe", self.setup_panel),
             ("Run", self.run_panel),
             ("Speed", self.speed_panel),
+            ("Report", self.report_page),
             ("GPU setup", self.setup_view),
         ]
         for title, page in [*pages, *optional_pages()]:
             self.add_page(title, page)
             if hasattr(page, "resume_requested"):  # the Runs page: resume a stopped run here
                 page.resume_requested.connect(self.run_panel.resume_run)
+            if hasattr(page, "report_requested"):  # the Runs page: any run's before/after report
+                page.report_requested.connect(self.open_report)
+        self._follow_reports()
         self.controller.state_changed.connect(self._run_ended)
         self.state.run_changed.connect(self._show_live_run)
         self.load_measured_runs()
@@ -139,6 +145,19 @@ class MainWindow(QMainWindow):
             QTimer.singleShot(0, self.setup_view.refresh)
             if not needs_torch:
                 QTimer.singleShot(0, self.hardware_panel.detect)
+
+    def _follow_reports(self) -> None:
+        """A run that ends here gets its before/after report in the background; the Run page says where it is."""
+        self.controller.run_over.connect(self.report_page.build)
+        self.report_page.building.connect(self.run_panel.report_building)
+        self.report_page.ready.connect(self.run_panel.report_ready)
+        self.report_page.failed.connect(self.run_panel.report_failed)
+        self.run_panel.open_report_requested.connect(self.open_report)
+
+    def open_report(self, folder: str) -> None:
+        """The Report page with ``folder``'s report (measured first where the run has none)."""
+        self.report_page.open_run(folder)
+        self.show_page("Report")
 
     def add_page(self, title: str, page: QWidget) -> None:
         self.nav.addItem(title)

@@ -29,6 +29,9 @@ class RunController(QObject):
     run_event = Signal(object)
     telemetry = Signal(object)
     state_changed = Signal(str)
+    run_over = Signal(str)
+    """A run's thread has ended after it finished (not stopped by the user) with an adapter: its folder. The run's
+    before/after report is measured then, once the run's model has gone."""
 
     def __init__(self, parent: QObject | None = None, *, telemetry_nvml: Any = ...) -> None:
         super().__init__(parent)
@@ -39,6 +42,8 @@ class RunController(QObject):
         self.last_step = 0
         self._telemetry_nvml = telemetry_nvml
         self._telemetry: TelemetryBridge | None = None
+        self.ended: RunFinished | None = None
+        """How the last run ended (None while it goes, or when it failed)."""
 
     @property
     def active(self) -> bool:
@@ -49,7 +54,7 @@ class RunController(QObject):
         if self.active:
             raise RuntimeError("a run is already going")
         self.config = config
-        self.speed_state, self.last_step = {}, 0
+        self.speed_state, self.last_step, self.ended = {}, 0, None
         self._retire_worker()
         self.worker = TrainingWorker(config, resume)
         self.worker.run_event.connect(self._on_event)
@@ -110,6 +115,7 @@ class RunController(QObject):
         elif isinstance(event, SpeedChanged):
             self.speed_state = event.state
         elif isinstance(event, RunFinished):
+            self.ended = event
             self._set_state(FINISHED)
         elif isinstance(event, RunFailed):
             self._set_state(FAILED)
@@ -126,6 +132,9 @@ class RunController(QObject):
         threading.Thread(target=release_freed_memory, name="release-freed-memory", daemon=True).start()
         if self.active:  # the thread ended without a final event
             self._set_state(FAILED)
+        ended = self.ended
+        if ended is not None and not ended.cancelled and Path(ended.adapter_dir, "adapter_config.json").exists():
+            self.run_over.emit(ended.run_dir)  # a stopped run gets its report from the Runs page, on request
 
     def _stop_telemetry(self) -> None:
         if self._telemetry is not None:

@@ -75,6 +75,8 @@ class RunPanel(QWidget):
     """Controls, progress and charts of the current run."""
 
     start_requested = Signal()
+    open_report_requested = Signal(str)
+    """Open report: the Report page for the run that just ended (its folder)."""
 
     def __init__(self, state: AppState, controller: rc.RunController, build_config: Callable[[], RunConfig]) -> None:
         super().__init__()
@@ -92,6 +94,12 @@ class RunPanel(QWidget):
         self.export_button.clicked.connect(self.export_run)
         self.ended_run: str | None = None
         """The folder of the last run that ended with an adapter (what Export… exports)."""
+        self.report_status = QLabel("")
+        """Where the before/after report of the run that just ended is: being built, written, or why not."""
+        self.open_report_button = QPushButton("Open report")
+        self.open_report_button.setToolTip("Base model and tuned side by side on the run's held-out examples")
+        self.open_report_button.clicked.connect(lambda: self.open_report_requested.emit(self.ended_run or ""))
+        self.open_report_button.hide()
         self.status = QLabel("Ready: choose a model and a dataset, then Start.")
         self.status.setWordWrap(True)
         self.summary = QLabel("")
@@ -134,6 +142,8 @@ class RunPanel(QWidget):
         for button in (self.start_button, self.pause_button, self.resume_button, self.stop_button):
             buttons.addWidget(button)
         buttons.addStretch(1)
+        buttons.addWidget(self.report_status)
+        buttons.addWidget(self.open_report_button)
         buttons.addWidget(self.export_button)
         progress = QHBoxLayout()
         progress.addWidget(self.progress, 1)
@@ -180,6 +190,8 @@ class RunPanel(QWidget):
         self.charts.clear()
         self.speed_state = {}
         self.progress.setValue(0)
+        self.report_status.setText("")
+        self.open_report_button.hide()
 
     def resume_run(self, folder: str) -> None:
         """Continue a stopped run from its last checkpoint (the Runs page asks for this)."""
@@ -249,6 +261,23 @@ class RunPanel(QWidget):
         elif isinstance(event, RunFailed):
             self.show_error(event.message, event.hint)
             self.status.setText(f"The run stopped at step {event.step}.")
+
+    def report_building(self, folder: str) -> None:
+        """The before/after report of ``folder`` is being measured (said only for the run that just ended here)."""
+        if folder == self.ended_run:
+            self.report_status.setText("Building the before/after report…")
+            self.open_report_button.hide()
+
+    def report_ready(self, folder: str) -> None:
+        if folder == self.ended_run:
+            self.report_status.setText(f"Before/after report: {Path(folder, 'report.md')}")
+            self.open_report_button.show()
+
+    def report_failed(self, folder: str, note: str) -> None:
+        if folder == self.ended_run:
+            shown = note if len(note) <= 80 else note[:79] + "…"  # the whole note in the tooltip: a row of buttons
+            self.report_status.setText(f"No before/after report: {shown}")
+            self.report_status.setToolTip(note)
 
     def _on_step(self, event: StepMetrics) -> None:
         self.charts.add_step(event.step, event.loss, event.tokens_per_s)

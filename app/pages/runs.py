@@ -1,11 +1,12 @@
-"""The runs page: past runs in a table, their loss curves overlaid, and resume, export, rename and delete.
+"""The runs page: past runs in a table, their loss curves overlaid, and resume, report, export, rename and delete.
 
 Rows come from the run registry; curves from each run folder's ``metrics.jsonl`` and ``eval.jsonl``, so a run
 still training shows its newest steps on the next refresh (every few seconds). Selecting several runs draws them
 on one chart in distinct colours (train as lines, eval as dashed lines with dots): the way to see which settings
-worked. Resuming emits ``resume_requested(folder)`` for the main window; Export opens the export dialog for the
-selected run. A run's state, mean speed and measured peak memory are its summary (engine.run.summary) read from its
-folder's step log, worded as every page words them; the run going on in this window shows its live summary.
+worked. Resuming emits ``resume_requested(folder)`` for the main window, Report ``report_requested(folder)`` (the
+Report page shows the run's before/after report); Export opens the export dialog for the selected run. A run's
+state, mean speed and measured peak memory are its summary (engine.run.summary) read from its folder's step log,
+worded as every page words them; the run going on in this window shows its live summary.
 """
 
 from __future__ import annotations
@@ -102,6 +103,8 @@ class RunsView(QWidget):
     """Table of runs above an overlay chart of the selected runs' loss curves, with the run actions."""
 
     resume_requested = Signal(str)
+    report_requested = Signal(str)
+    """Report: the before/after report of the selected run (its folder), measured first where it has none."""
 
     def __init__(self, registry: Registry | None = None, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -152,16 +155,23 @@ class RunsView(QWidget):
         self.resume_button = QPushButton("Resume")
         self.export_button = QPushButton("Export…")
         self.export_button.setToolTip("The adapter, a merged model or a GGUF file, in a folder of your choice")
+        self.report_button = QPushButton("Report")
+        self.report_button.setToolTip(
+            "Base model and tuned side by side on the run's held-out examples, and what it forgot (measured first "
+            "where the run has no report)"
+        )
         self.rename_button = QPushButton("Rename…")
         self.delete_button = QPushButton("Delete…")
         refresh = QPushButton("Refresh")
         self.resume_button.clicked.connect(self.resume_selected)
         self.export_button.clicked.connect(self.export_selected)
+        self.report_button.clicked.connect(self.report_selected)
         self.rename_button.clicked.connect(lambda: self.rename_selected())
         self.delete_button.clicked.connect(lambda: self.delete_selected())
         refresh.clicked.connect(self.refresh)
         row = QHBoxLayout()
-        for button in (self.resume_button, self.export_button, self.rename_button, self.delete_button):
+        for button in (self.resume_button, self.export_button, self.report_button, self.rename_button,
+                       self.delete_button):  # fmt: skip
             row.addWidget(button)
         row.addStretch(1)
         row.addWidget(refresh)
@@ -239,6 +249,7 @@ class RunsView(QWidget):
         selected = self.selected_records()
         self.resume_button.setEnabled(len(selected) == 1 and selected[0].resumable)
         self.export_button.setEnabled(len(selected) == 1 and has_adapter(selected[0]))
+        self.report_button.setEnabled(len(selected) == 1 and has_adapter(selected[0]))
         self.rename_button.setEnabled(len(selected) == 1)
         self.delete_button.setEnabled(len(selected) == 1)
         self.draw(selected)
@@ -270,6 +281,11 @@ class RunsView(QWidget):
         selected = self.selected_records()
         if len(selected) == 1 and selected[0].resumable:
             self.resume_requested.emit(selected[0].folder)
+
+    def report_selected(self) -> None:
+        selected = self.selected_records()
+        if len(selected) == 1 and has_adapter(selected[0]):
+            self.report_requested.emit(selected[0].folder)
 
     def export_selected(self) -> ExportDialog | None:
         """Open the export dialog for the selected run (it works in the background; the window stays usable)."""

@@ -16,6 +16,7 @@ PAGE_TEXT = {
     "Recipe": "How long and how hard to train, in plain words, with its memory and time on this card.",
     "Run": "Start, pause and stop the run, and watch its loss, speed and memory live.",
     "Speed": "Each speed optimization, whether it is on here and why; flip one live or measure them.",
+    "Report": "Did the fine-tune help, and what did it forget? Base model and tuned side by side on held-out examples.",
     "GPU setup": "Install or repair the torch build that matches this computer's GPU.",
     "Runs": "Every run so far: compare their loss curves, resume a stopped one, export a finished one.",
     "Chat": "Talk to a fine-tuned model, with the base model's answer to the same prompt beside it.",
