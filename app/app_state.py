@@ -37,10 +37,10 @@ class AppState(QObject):
         """engine.hardware.profile.Profile for the machine (and the model, once one is inspected)."""
         self.model_name: str = DEMO_MODEL
         self.model_info: Any = None
-        """app.model_info.ModelInfo of the chosen model, or None while it is being inspected."""
+        """engine.model.info.ModelInfo of the chosen model, or None while it is being inspected."""
         self.data_path: str = ""
         self.data_report: Any = None
-        """app.dataset_report.DatasetReport of the chosen dataset."""
+        """engine.run.data_report.DatasetReport of the chosen dataset."""
         self.run = RunSummary()
         """The run going on, or the last one this session (idle before the first)."""
         self.planned_peak: int | None = None

@@ -33,11 +33,11 @@ def test_the_form_speaks_plain_words_in_one_label_column(qtbot: Any) -> None:
 
 def test_each_recipe_shows_the_planners_memory_and_time_on_this_card(qtbot: Any) -> None:
     from app.app_state import AppState
-    from app.model_info import ModelInfo
     from app.pages.recipe import SetupPanel
     from engine.hardware import gpus
     from engine.hardware.profile import DeviceTarget
     from engine.hardware.shapes import load_shape
+    from engine.model.info import ModelInfo
 
     state = AppState()
     panel = SetupPanel(state)
@@ -147,7 +147,7 @@ def test_two_datasets_read_at_once_on_a_fresh_start(tmp_path: Any) -> None:
 
     code = (
         "import threading\n"
-        "from app.dataset_report import analyze_dataset\n"
+        "from engine.run.data_report import analyze_dataset\n"
         "from app.pages.data import demo_data_file\n"
         "errors = []\n"
         "def read():\n"

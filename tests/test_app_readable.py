@@ -116,9 +116,9 @@ def fits(label_text: str, metrics: QFontMetrics, width: int, height: int) -> boo
 
 def test_the_guide_names_this_computers_cpu_and_every_text_fits_at_1366(qtbot: Any, window: Any) -> None:
     """On a machine without a GPU, a model too big for it: the guide says CPU, never GPU, and nothing is clipped."""
-    from app.model_info import ModelInfo, verdict_of
     from engine.hardware.profile import build_profile
     from engine.hardware.shapes import load_shape
+    from engine.model.info import ModelInfo, verdict_of
 
     window.resize(LAPTOP)
     machine = cpu_machine()

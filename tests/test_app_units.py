@@ -259,7 +259,7 @@ def test_a_hub_model_that_is_not_cached_offline_gets_a_clear_message(
 
 
 def test_download_progress_is_forwarded() -> None:
-    from app.model_info import progress_bar_class
+    from engine.model.hub import progress_bar_class
 
     seen: list[tuple[str, float, float | None]] = []
     bar = progress_bar_class(lambda *args: seen.append(args))(total=2048, desc="model.safetensors")
@@ -290,11 +290,11 @@ def test_telemetry_warnings_and_samples_reach_the_run_page(qtbot: Any, window: A
 
 def test_the_planner_warns_on_setup_before_a_run_that_will_not_fit(qtbot: Any) -> None:
     from app.app_state import AppState
-    from app.model_info import ModelInfo
     from app.pages.recipe import SetupPanel
     from engine.hardware import gpus
     from engine.hardware.profile import DeviceTarget
     from engine.hardware.shapes import load_shape
+    from engine.model.info import ModelInfo
 
     state = AppState()
     panel = SetupPanel(state)
@@ -404,7 +404,8 @@ def test_an_error_in_a_slot_is_shown_in_the_window(window: Any, monkeypatch: pyt
 def test_the_verdict_names_the_gpu_or_the_computer() -> None:
     from types import SimpleNamespace
 
-    from app.model_info import ModelInfo, verdict_target
+    from app.widgets.model_words import verdict_target
+    from engine.model.info import ModelInfo
 
     def info(profile: object) -> ModelInfo:
         return ModelInfo("m", "llama", 1, False, "fits", "", profile=profile)
@@ -418,10 +419,11 @@ def test_the_verdict_names_the_gpu_or_the_computer() -> None:
 
 
 def test_the_model_page_names_the_layers_that_skip_the_recompute_on_this_gpu() -> None:
-    from app.model_info import ModelInfo, resident_layers_html
+    from app.widgets.model_words import resident_layers_html
     from engine.hardware import gpus
     from engine.hardware.profile import DeviceTarget, build_profile
     from engine.hardware.shapes import load_shape
+    from engine.model.info import ModelInfo
 
     card = DeviceTarget.from_spec(gpus.find_gpu("NVIDIA GeForce RTX 4090"))  # type: ignore[arg-type]
     shape = load_shape("llama-3.1-8b")
@@ -434,10 +436,11 @@ def test_the_model_page_names_the_layers_that_skip_the_recompute_on_this_gpu() -
 
 
 def test_the_model_page_shows_the_plans_notes() -> None:
-    from app.model_info import ModelInfo, plan_notes_html
+    from app.widgets.model_words import plan_notes_html
     from engine.hardware import gpus
     from engine.hardware.profile import DeviceTarget, build_profile
     from engine.hardware.shapes import load_shape
+    from engine.model.info import ModelInfo
 
     card = DeviceTarget.from_spec(gpus.find_gpu("NVIDIA GeForce RTX 4090"))  # type: ignore[arg-type]
     profile = build_profile(card, load_shape("llama-3.1-8b"), overrides={"qlora": True}, lora_rank=32)

@@ -105,7 +105,7 @@ def test_bad_rows_are_named_by_row_and_field(tmp_path: Path, row: dict[str, Any]
 
 
 def test_the_data_page_previews_pairs_and_lists_bad_rows(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from app.dataset_report import analyze_dataset
+    from engine.run.data_report import analyze_dataset
 
     rows = [*TEXT_ROWS[:3], {"prompt": "q", "chosen": "a"}, {"prompt": "q", "chosen": "a", "rejected": "a"}]
     report = analyze_dataset(str(write_jsonl(tmp_path / "p.jsonl", rows)), str(tiny_model_dir))

@@ -106,9 +106,10 @@ def test_planning_every_model_for_every_card_reads_configs_only() -> None:
 
 
 def test_the_gallery_and_the_model_page_show_the_row_and_what_fills_it(rtx_4090: object) -> None:
-    from app.model_info import ModelInfo, memory_html
     from app.widgets.model_gallery import COLUMNS, row_cells
+    from app.widgets.model_words import memory_html
     from engine.hardware.gallery import gallery_rows
+    from engine.model.info import ModelInfo
 
     rows = {row.entry.key: row for row in gallery_rows(rtx_4090)}  # type: ignore[arg-type]
     memory = COLUMNS.index("Predicted peak")

@@ -28,9 +28,9 @@ from PySide6.QtWidgets import (
 
 from app.app_state import AppState
 from app.background.worker import ErrorInfo, TaskRunner
-from app.dataset_report import NO_TOKENIZER, DatasetReport, analyze_dataset
 from app.theme import current_chart_colors, style_plot
 from engine.config import DEMO_MODEL, DataConfig
+from engine.run.data_report import NO_TOKENIZER, DatasetReport, analyze_dataset
 
 TRAINED_STYLE = "background:#c8f0d0;color:#0b3d17"
 PROMPT_STYLE = "color:#777"

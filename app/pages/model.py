@@ -27,21 +27,20 @@ from PySide6.QtWidgets import (
 
 from app.app_state import AppState
 from app.background.worker import ErrorInfo, TaskRunner
-from app.model_info import (
-    ModelInfo,
-    download_model,
+from app.pages.hardware import SETTING_NAMES
+from app.widgets.local_models import LocalModels, convert_for_this_computer
+from app.widgets.model_gallery import ModelGallery, format_size
+from app.widgets.model_words import (
     format_params,
-    inspect_model,
     longest_row_html,
     memory_html,
     plan_notes_html,
     resident_layers_html,
     verdict_target,
 )
-from app.pages.hardware import SETTING_NAMES
-from app.widgets.local_models import LocalModels, convert_for_this_computer
-from app.widgets.model_gallery import ModelGallery, format_size
 from engine.config import DEMO_MODEL
+from engine.model.hub import download_model
+from engine.model.info import ModelInfo, inspect_model
 from engine.model.local_sources import is_local_gguf_name
 
 VERDICT_COLOURS = {"fits": "#1b7f3b", "needs QLoRA": "#b26a00", "too big": "#b00020"}

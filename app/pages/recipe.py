@@ -22,8 +22,8 @@ from PySide6.QtWidgets import (
 )
 
 from app.app_state import AppState
-from app.model_info import machine_name
 from app.widgets.config_form import ConfigForm
+from app.widgets.model_words import machine_name
 from engine.config import DEMO_MODEL, DataConfig, RunConfig
 from engine.errors import TuneDeckError
 from engine.hardware.recipes import (

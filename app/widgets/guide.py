@@ -17,7 +17,7 @@ from PySide6.QtCore import QEvent, QRect, QSize, Qt, Signal
 from PySide6.QtGui import QFontMetrics, QPalette, QResizeEvent
 from PySide6.QtWidgets import QApplication, QFrame, QHBoxLayout, QLabel, QPushButton, QSizePolicy
 
-from app.model_info import machine_name
+from app.widgets.model_words import machine_name
 from engine.run.summary import describe
 
 STEP_COLOURS = {False: ("#1e7a3a", "#8a5a00"), True: ("#6fd08c", "#e8b04f")}

@@ -24,8 +24,8 @@ from PySide6.QtWidgets import (
 )
 
 from app.background.worker import ErrorInfo, TaskRunner
-from app.model_info import format_params
 from app.widgets.model_gallery import format_size
+from app.widgets.model_words import format_params
 
 COLUMNS = ("Model", "From", "Size", "Quantization", "Family", "Parameters")
 ORIGINS = {"ollama": "Ollama", "lmstudio": "LM Studio", "file": "file"}

@@ -23,7 +23,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.background.worker import ErrorInfo, TaskRunner
-from app.model_info import format_params
+from app.widgets.model_words import format_params
 from engine.config import DEMO_MODEL
 
 GIB = 1 << 30

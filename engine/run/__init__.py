@@ -8,7 +8,9 @@
 - engine.run.control, engine.run.schedule: stop/pause/speed requests between steps; the learning-rate schedule;
 - engine.run.ranks: this process's share of a step among the ranks of a multi-GPU run (a no-op alone);
 - engine.run.registry, engine.run.recorder: the run history (one SQLite index of every run), kept up to date
-  from a run's events.
+  from a run's events;
+- engine.run.data_report: what a dataset gives a run with a model before it starts (format, bad rows, lengths,
+  packing, a preview of the trained tokens).
 
 The public entry point is :func:`engine.train.run`, which also starts multi-GPU runs (engine.distributed).
 """
