@@ -5,7 +5,7 @@ within a packed row. A row that holds one document needs no document mask, so it
 instead; this script times the candidates on such rows, each fed the grouped K/V a GQA model has:
 
 * ``flash_varlen``: the engine's packed-row kernel (:func:`engine.speed.metadata_cache.grouped_flash_attention`);
-* ``cudnn``: cuDNN's fused kernel, as the ``cudnn_attention`` switch runs it
+* ``cudnn``: cuDNN's fused kernel, as ``--attention-backend auto`` (Hopper) or ``cudnn`` runs it
   (:func:`engine.speed.metadata_cache.cudnn_causal_attention`);
 * ``sdpa``: ``scaled_dot_product_attention`` with the kernel SDPA picks by itself;
 * ``cudnn_ragged``: cuDNN's packed (ragged) mode through torch's private op, checked and timed, not used.

@@ -47,13 +47,22 @@ CAPPED = (
 """``tunedeck train`` in a process whose allocator is capped to ``argv[1]`` GiB."""
 
 
+CHOICES = {"fp8_base": ("all", "off")}
+"""Switches set by value: (the value ``+x`` gives, the value ``-x`` gives)."""
+
+
 def switch_flags(variant: str) -> list[str]:
     """The ``tunedeck train`` flags of a variant: none for ``auto``; each ``-x_y`` tail gives ``--no-x-y``, each
-    ``+x_y`` tail ``--x-y`` and each ``+x_y=value`` tail ``--x-y value`` (``auto+fp8_base+fp8_scope=recompute``)."""
+    ``+x_y`` tail ``--x-y`` and each ``+x_y=value`` tail ``--x-y value`` (``auto+fp8_base=recompute``); a switch
+    set by value (:data:`CHOICES`) takes its on or off value."""
     flags: list[str] = []
     for sign, switch in re.findall(r"([+-])([^+-]+)", variant[len("auto") :]):
-        name, _, value = switch.replace("_", "-").partition("=")
-        flags += [f"--no-{name}"] if sign == "-" else [f"--{name}", *([value] if value else [])]
+        key, _, value = switch.partition("=")
+        name = key.replace("_", "-")
+        if key in CHOICES and not value:
+            flags += [f"--{name}", CHOICES[key][0 if sign == "+" else 1]]
+        else:
+            flags += [f"--no-{name}"] if sign == "-" else [f"--{name}", *([value] if value else [])]
     return flags
 
 
@@ -207,14 +216,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="SWITCH",
-        help="also run each row with this speed switch off (e.g. cudnn_attention), right after the automatic run",
+        help="also run each row with this speed switch off (e.g. fp8_base), right after the automatic run",
     )
     parser.add_argument(
         "--on",
         action="append",
         default=[],
         metavar="SWITCH",
-        help="also run each row with this speed switch on (e.g. keep_attention), right after the automatic run",
+        help="also run each row with this speed switch on (e.g. step_graphs), right after the automatic run",
     )
     parser.add_argument("--tiny", action="store_true", help="two narrow layers of each shape (a dry run)")
     parser.add_argument("--gpu", help="the GPU's name for a report rebuilt from logs (default: this machine's)")

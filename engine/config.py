@@ -254,22 +254,20 @@ class SpeedConfig:
     )
     checkpointing: Literal["auto", "none", "standard", "offloaded"] = setting(
         "auto",
-        "activation checkpointing: none, standard recompute, or offloaded to host memory",
+        "activation checkpointing: none, standard recompute, or offloaded to host memory (whose recompute skips "
+        "frozen projections whose outputs nobody reads; exact)",
         flag="--checkpointing",
     )
     moe_routing: Literal["auto", "stock", "bincount", "sync-free"] = setting(
         "auto", "how MoE layers group tokens by expert", flag="--moe-routing"
     )
-    attention_backend: Literal["auto", "varlen", "flash_attn", "flex", "sdpa"] = setting(
-        "auto", "attention kernel used when the metadata cache is on", flag="--attention-backend"
-    )
-    cudnn_attention: bool | None = setting(
-        None,
-        "run a row that holds one document through cuDNN's fused causal attention kernel; off, such a row runs "
-        "through the packed rows' kernel (FlashAttention-2's varlen kernel on NVIDIA GPUs), which packed rows always "
-        "use (automatic: on for Hopper GPUs, where it measured 1.6x FlashAttention-2's kernel; elsewhere the causal "
-        "kernel SDPA picks; turn it on to try it on another GPU)",
-        flag="--cudnn-attention",
+    attention_backend: Literal["auto", "cudnn", "varlen", "flash_attn", "flex", "sdpa"] = setting(
+        "auto",
+        "attention kernel when the metadata cache is on: auto picks the best kernel for packed rows "
+        "(FlashAttention-2's varlen kernel on NVIDIA GPUs) and, on Hopper GPUs, cuDNN's fused causal kernel for a row "
+        "that holds one document (1.6x FlashAttention-2's on the H200); cudnn runs such rows through cuDNN on any GPU; "
+        "a named kernel serves every row",
+        flag="--attention-backend",
     )
     fused_loss: bool | None = setting(
         None,
@@ -292,15 +290,9 @@ class SpeedConfig:
     lora_16bit: bool | None = setting(
         None,
         "run the LoRA adapters in the model's 16-bit dtype with float32 master weights, instead of peft's float32 "
-        "copies of every adapted input (automatic: on for bf16/fp16 models)",
+        "copies of every adapted input, with one LoRA A product for each group of projections that read the same "
+        "input (q/k/v, gate/up) (automatic: on for bf16/fp16 models)",
         flag="--lora-16bit",
-    )
-    lora_groups: bool | None = setting(
-        None,
-        "on the 16-bit LoRA path, compute one LoRA A product for each group of adapted projections that read the same "
-        "input (q/k/v, gate/up) instead of one per projection; the same sums in another order (automatic: on "
-        "with the 16-bit LoRA path)",
-        flag="--lora-groups",
     )
     fused_kernels: bool | None = setting(
         None,
@@ -308,31 +300,11 @@ class SpeedConfig:
         "with triton, off on CPU)",
         flag="--fused-kernels",
     )
-    lean_recompute: bool | None = setting(
-        None,
-        "skip frozen projections whose outputs nobody reads when offloaded checkpointing recomputes a layer "
-        "(automatic: on under offloaded checkpointing; exact)",
-        flag="--lean-recompute",
-    )
     dequant_once: bool | None = setting(
         None,
         "dequantize each 4-bit weight once per recompute and reuse it for its gradient (automatic: on under "
         "offloaded checkpointing when one layer's 16-bit weights fit easily)",
         flag="--dequant-once",
-    )
-    four_bit_kernel: bool | None = setting(
-        None,
-        "decode 4-bit (NF4) weights in one Triton kernel and multiply them with cuBLAS directly, instead of "
-        "bitsandbytes' two dequantize kernels and Python per call; the same weights and products (automatic: on for "
-        "NVIDIA GPUs with triton under offloaded checkpointing with dequantize-once and whole-row MLPs)",
-        flag="--four-bit-kernel",
-    )
-    keep_attention: bool | None = setting(
-        None,
-        "under offloaded checkpointing, keep what each layer's attention saves for backward in host memory, so "
-        "backward recomputes only the MLPs (automatic: off, it measured no faster on the H200; turn it on to try "
-        "it on your GPU)",
-        flag="--keep-attention",
     )
     resident_layers: bool | None = setting(
         None,
@@ -340,21 +312,14 @@ class SpeedConfig:
         "recompute (automatic: on for GPUs, sized by the memory planner; the same gradients, less time)",
         flag="--resident-layers",
     )
-    fp8_base: bool | None = setting(
-        None,
+    fp8_base: Literal["auto", "off", "recompute", "all"] = setting(
+        "auto",
         "multiply by the frozen base weights in fp8 (e4m3, per-row scales) on GPUs with fp8 tensor cores (RTX 40/50, "
-        "Hopper, Blackwell, GB10): faster, with about 4 percent rounding error per product against 0.2 percent in bf16 "
-        "(automatic: on for a dense model's 4-bit base under offloaded checkpointing, in the recompute scope, where "
-        "losses measured within bf16 noise; off elsewhere)",
+        "Hopper, Blackwell, GB10), with about 4 percent rounding error per product against 0.2 percent in bf16: "
+        "recompute (the forward pass and its loss stay 16-bit; fp8 in offloaded checkpointing's recompute and the "
+        "input gradients: 20-step losses of 8B QLoRA within 2.4e-4 of bf16), all (every product: faster, 2.9e-3) "
+        "or off (automatic: recompute for a dense model's 4-bit base under offloaded checkpointing, off elsewhere)",
         flag="--fp8-base",
-    )
-    fp8_scope: Literal["all", "recompute"] = setting(
-        "all",
-        "where fp8 products run when --fp8-base is switched on (automatic fp8 always uses recompute): all (forward, "
-        "recompute and input gradients) or recompute "
-        "(the forward pass and its loss stay 16-bit; fp8 only in offloaded checkpointing's recompute and the input "
-        "gradients: 20-step losses of 8B QLoRA within 2.4e-4 of bf16 instead of 2.9e-3)",
-        flag="--fp8-scope",
     )
     step_graphs: bool | None = setting(
         None,
@@ -370,7 +335,7 @@ class SpeedConfig:
         """Stock transformers and peft: every switch off, step graphs included, none left automatic; then
         ``changes`` (e.g. ``checkpointing="standard"``, peft's documented recompute for QLoRA)."""
         off: dict[str, Any] = {f.name: False for f in dataclasses.fields(cls) if f.default is None}
-        return cls(**{**off, "checkpointing": "none", "moe_routing": "stock", **changes})
+        return cls(**{**off, "checkpointing": "none", "moe_routing": "stock", "fp8_base": "off", **changes})
 
 
 @dataclass
@@ -456,9 +421,32 @@ class RunConfig:
             raise ConfigError(f"{path}: {err.message}", err.hint) from err
 
 
+REMOVED_SPEED_SETTINGS = ("lora_groups", "lean_recompute", "four_bit_kernel", "keep_attention")
+"""Speed settings of earlier versions whose work is now always part of another setting, or gone
+(docs/speed_switch_gains.md): a saved ``config.json`` that names them still loads, without them."""
+
+
+def upgrade_speed_section(raw: dict[str, Any]) -> dict[str, Any]:
+    """An older ``speed`` section in today's keys: removed settings dropped, ``cudnn_attention`` folded into
+    ``attention_backend`` and ``fp8_scope`` into ``fp8_base`` (a saved run resumes, lists and chats as before)."""
+    speed = {key: value for key, value in raw.items() if key not in REMOVED_SPEED_SETTINGS}
+    cudnn = speed.pop("cudnn_attention", None)
+    if cudnn is True:
+        speed["attention_backend"] = "cudnn"
+    elif cudnn is False and speed.get("attention_backend", "auto") in ("auto", "cudnn"):
+        speed["attention_backend"] = "varlen"  # one-document rows on the packed rows' kernel, as switched off
+    scope = speed.pop("fp8_scope", None)
+    fp8 = speed.get("fp8_base", "auto")
+    if fp8 is None or fp8 is False or fp8 is True:
+        speed["fp8_base"] = {None: "auto", False: "off", True: scope if scope == "recompute" else "all"}[fp8]
+    return speed
+
+
 def _section_from_dict(section: str, section_type: type, raw: Any) -> Any:
     if not isinstance(raw, dict):
         raise ConfigError(f"config section '{section}' must be an object, got {type(raw).__name__}")
+    if section == "speed":
+        raw = upgrade_speed_section(raw)
     hints = get_type_hints(section_type)
     names = {f.name for f in dataclasses.fields(section_type)}
     unknown = sorted(set(raw) - names)

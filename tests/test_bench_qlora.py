@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from engine.bench.qlora import AUTO, LAYER_REGIONS, loss_agreement, markdown, set_variant, variant_settings
+from engine.bench.qlora import AUTO, loss_agreement, markdown, set_variant, variant_settings
 from engine.config import SpeedConfig
 
 REPORT = Path(__file__).resolve().parents[1] / "benchmarks" / "history" / "qlora_fp8_h200.json"
@@ -21,8 +21,8 @@ def test_variants_turn_one_switch_off_or_on() -> None:
     assert variant_settings("auto") == AUTO
     assert variant_settings("auto-fused_kernels").fused_kernels is False
     on = variant_settings("auto+fp8_base")
-    assert on.fp8_base is True and on.fused_kernels is None  # everything else stays automatic
-    assert variant_settings("auto+keep_attention").keep_attention is True
+    assert on.fp8_base == "all" and on.fused_kernels is None  # everything else stays automatic
+    assert variant_settings("auto-whole_row").attention_backend == "varlen"  # no cuDNN for one-document rows
     assert variant_settings("stock").fused_kernels is False
 
 
@@ -33,40 +33,32 @@ def test_the_stock_row_is_stock_with_step_graphs_off() -> None:
     assert stock.step_graphs is False and stock.checkpointing == "standard" and stock.moe_routing == "stock"
     switches = [f.name for f in dataclasses.fields(SpeedConfig) if f.default is None]
     assert {name: getattr(stock, name) for name in switches} == dict.fromkeys(switches, False)
-    assert "step_graphs" in switches and "resident_layers" in switches
+    assert "step_graphs" in switches and "resident_layers" in switches and stock.fp8_base == "off"
 
 
 def test_bench_knobs_are_set_and_cleared_with_their_variant() -> None:
-    """``auto+layer_regions`` is the automatic switches with whole-layer compiled regions; ``auto-kept_share=X``
-    fixes kept attention's share; ``+fp8_recompute_only`` sets the fp8 scope to the recompute; the next variant
-    clears each."""
+    """``auto-resident=N`` fixes the resident layers' count; ``+fp8_recompute_only`` keeps fp8 to the recompute; the
+    next variant clears each."""
     applied: list[SpeedConfig] = []
-    controller = SimpleNamespace(
-        kept_share_override=None,
-        resident_override=None,
-        region_compiler=SimpleNamespace(whole_layers=False),
-        apply=applied.append,
-    )
-    set_variant(controller, LAYER_REGIONS)
-    assert controller.region_compiler.whole_layers and applied[-1] == AUTO
-    set_variant(controller, "auto-kept_share=0.5")
-    assert controller.kept_share_override == 0.5 and not controller.region_compiler.whole_layers
-    assert applied[-1].keep_attention is True
+    controller = SimpleNamespace(resident_override=None, apply=applied.append)
     set_variant(controller, "auto-resident=12")
-    assert controller.resident_override == 12 and controller.kept_share_override is None
-    assert applied[-1].resident_layers is True
+    assert controller.resident_override == 12 and applied[-1].resident_layers is True
     set_variant(controller, "auto-resident_layers")
     assert controller.resident_override is None and applied[-1].resident_layers is False
     set_variant(controller, "auto+fp8_base+step_graphs+fp8_recompute_only+read_late")
-    assert applied[-1].fp8_scope == "recompute" and applied[-1].fp8_base and applied[-1].step_graphs
+    assert applied[-1].fp8_base == "recompute" and applied[-1].step_graphs
+    set_variant(controller, "auto+fp8_base")
+    assert applied[-1].fp8_base == "all"
     set_variant(controller, "auto-fp8_base")  # the 16-bit products where fp8 would be automatic
-    assert applied[-1].fp8_base is False
+    assert applied[-1].fp8_base == "off"
     set_variant(controller, "stock")
-    assert controller.kept_share_override is None and applied[-1].fused_kernels is False
-    assert applied[-1].fp8_scope == "all" and applied[-1].fp8_base is False
+    assert controller.resident_override is None and applied[-1].fused_kernels is False
+    assert applied[-1].fp8_base == "off"
 
 
-@pytest.mark.parametrize("variant", ["auto+fused_kernels", "auto+nonsense", "auto-keep_attention"])
+@pytest.mark.parametrize(
+    "variant", ["auto+fused_kernels", "auto+nonsense", "auto+keep_attention", "auto-lora_groups", "auto+layer_regions"]
+)
 def test_a_variant_that_switches_nothing_is_refused(variant: str) -> None:
     with pytest.raises(ValueError, match="unknown variant"):
         variant_settings(variant)
@@ -78,7 +70,7 @@ def test_each_compared_variant_gets_its_loss_agreement() -> None:
     auto, fp8 = loss_agreement(record, "auto"), loss_agreement(record, "auto+fp8_base")
     assert auto is not None and fp8 is not None
     assert fp8 > auto  # the fp8 products' rounding shows in the losses
-    assert loss_agreement(record, "auto+keep_attention") is None  # not run: no number rather than a wrong one
+    assert loss_agreement(record, "auto+step_graphs") is None  # not run: no number rather than a wrong one
     text = markdown(report)
     assert f"| llama-3.1-8b | auto+fp8_base | 20 | {fp8:.2e} |" in text
     assert f"| llama-3.1-8b | auto | 20 | {auto:.2e} |" in text
@@ -120,7 +112,7 @@ def test_step_graph_rows_show_their_reserved_pool_and_their_losses_against_auto(
 
 def test_variants_may_switch_several_switches_on() -> None:
     both = variant_settings("auto+fp8_base+step_graphs")
-    assert both.fp8_base is True and both.step_graphs is True and both.fused_kernels is None
+    assert both.fp8_base == "all" and both.step_graphs is True and both.fused_kernels is None
     with pytest.raises(ValueError, match="unknown variant"):
         variant_settings("auto+fp8_base+nonsense")
 
@@ -178,7 +170,7 @@ def test_variant_tails_choose_the_optimizer_and_how_values_are_read() -> None:
     assert split_tails("auto+fp8_base+read_late") == ("auto+fp8_base", {"read_late"})
     assert split_tails("auto+foreach_adamw+read_immediate") == ("auto", {"foreach_adamw", "read_immediate"})
     assert optimizer_choice("auto+step_graphs+foreach_adamw") == "foreach"
-    assert variant_settings("auto+fp8_base+read_late").fp8_base is True
+    assert variant_settings("auto+fp8_base+read_late").fp8_base == "all"
     with pytest.raises(ValueError, match="fused AdamW"):
         variant_settings("auto+foreach_adamw+read_late")
 

@@ -80,22 +80,24 @@ def test_report_rebuilt_from_logs_sorts_runs_and_tables_them(bench: ModuleType, 
     assert "| llama-3.1-8b | 4,096 | 24.0 | auto | 11,703 | 1.00 | 350 | 8.0 | 25 | on | 10.00 -> -1.000 | 0 |" in table
     trying = events([4096 / 0.35] * 12, 0).replace('"automatic: on"', '"automatic: trying; ..."')
     (logs / "llama-3.1-8b_16384_8.0gib.log").write_text(trying)
-    (logs / "llama-3.1-8b_4096_8.0gib_auto-cudnn_attention.log").write_text(events([4096 / 0.42] * 12, 0))
+    (logs / "llama-3.1-8b_4096_8.0gib_auto-fused_kernels.log").write_text(events([4096 / 0.42] * 12, 0))
     assert bench.main(["--from-logs", str(logs), "--out", str(out)]) == 0
     table = out.with_suffix(".md").read_text()
     assert "| 16,384 | 8.0 | auto | 11,703 | 1.00 | 350 | 8.0 | 0 | no verdict |" in table
     # A switched-off run follows its automatic one, timed against it.
     rows = [line for line in table.splitlines() if "| 4,096 | 8.0 |" in line]
     got = [row.split(" | ")[3:6] for row in rows]
-    assert got == [["auto", "11,703", "1.00"], ["auto-cudnn_attention", "9,752", "0.83"]]
+    assert got == [["auto", "11,703", "1.00"], ["auto-fused_kernels", "9,752", "0.83"]]
 
 
 def test_variants_become_switch_flags(bench: ModuleType) -> None:
     assert bench.switch_flags("auto") == []
-    assert bench.switch_flags("auto-cudnn_attention") == ["--no-cudnn-attention"]
-    assert bench.switch_flags("auto+lora_groups") == ["--lora-groups"]
-    assert bench.switch_flags("auto+fp8_base+fp8_scope=recompute-lora_groups") == [
-        "--fp8-base", "--fp8-scope", "recompute", "--no-lora-groups"
+    assert bench.switch_flags("auto-fused_kernels") == ["--no-fused-kernels"]
+    assert bench.switch_flags("auto+step_graphs") == ["--step-graphs"]
+    assert bench.switch_flags("auto-fp8_base") == ["--fp8-base", "off"]
+    assert bench.switch_flags("auto+fp8_base") == ["--fp8-base", "all"]
+    assert bench.switch_flags("auto+fp8_base=recompute-dequant_once") == [
+        "--fp8-base", "recompute", "--no-dequant-once"
     ]  # fmt: skip
 
 

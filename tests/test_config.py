@@ -87,3 +87,80 @@ def test_deeply_nested_or_unreadable_config_file(tmp_path: Path) -> None:
     wrong.write_text(json.dumps({"lora": {"rank": -1}}))
     with pytest.raises(ConfigError, match=r"wrong\.json: lora\.rank"):
         RunConfig.load(wrong)
+
+
+OLDER_SPEED = {
+    "metadata_cache": None,
+    "checkpointing": "auto",
+    "moe_routing": "auto",
+    "attention_backend": "auto",
+    "cudnn_attention": None,
+    "fused_loss": None,
+    "chunked_mlp": None,
+    "host_embedding": None,
+    "lora_16bit": None,
+    "lora_groups": None,
+    "fused_kernels": None,
+    "lean_recompute": None,
+    "dequant_once": None,
+    "four_bit_kernel": None,
+    "keep_attention": None,
+    "resident_layers": None,
+    "fp8_base": None,
+    "fp8_scope": "all",
+    "step_graphs": None,
+}
+"""A run folder's ``speed`` section as versions with 19 speed settings saved it."""
+
+
+@pytest.mark.parametrize(
+    ("saved", "attention_backend", "fp8_base"),
+    [
+        ({}, "auto", "auto"),
+        ({"cudnn_attention": True}, "cudnn", "auto"),
+        ({"cudnn_attention": False}, "varlen", "auto"),
+        ({"cudnn_attention": False, "attention_backend": "flex"}, "flex", "auto"),
+        ({"cudnn_attention": None, "attention_backend": "sdpa"}, "sdpa", "auto"),
+        ({"fp8_base": False}, "auto", "off"),
+        ({"fp8_base": True}, "auto", "all"),
+        ({"fp8_base": True, "fp8_scope": "recompute"}, "auto", "recompute"),
+        ({"fp8_base": None, "fp8_scope": "recompute"}, "auto", "auto"),
+        (
+            {"lora_groups": False, "lean_recompute": False, "four_bit_kernel": True, "keep_attention": True},
+            "auto",
+            "auto",
+        ),
+    ],
+)
+def test_an_older_run_folder_s_speed_settings_load(
+    tmp_path: Path, saved: dict, attention_backend: str, fp8_base: str
+) -> None:
+    """Removed settings are dropped without an error; the merged ones map onto the settings that took them over."""
+    raw = RunConfig().to_dict()
+    raw["speed"] = {**OLDER_SPEED, **saved}
+    (tmp_path / "config.json").write_text(json.dumps(raw), encoding="utf-8")
+    loaded = RunConfig.load(tmp_path / "config.json")
+    assert (loaded.speed.attention_backend, loaded.speed.fp8_base) == (attention_backend, fp8_base)
+    assert set(loaded.to_dict()["speed"]) == {"metadata_cache", "checkpointing", "moe_routing", "attention_backend",
+                                              "fused_loss", "chunked_mlp", "host_embedding", "lora_16bit",
+                                              "fused_kernels", "dequant_once", "resident_layers", "fp8_base",
+                                              "step_graphs"}  # fmt: skip
+
+
+def test_an_older_run_folder_resumes_with_its_own_settings(tmp_path: Path) -> None:
+    """``tunedeck train --resume`` reads the folder's config.json; the app's run list and chat load it the same way
+    (RunConfig.load)."""
+    raw = RunConfig().to_dict()
+    raw["speed"] = {**OLDER_SPEED, "lora_16bit": False, "fp8_base": True, "fp8_scope": "recompute"}
+    raw["data"]["path"] = "chats.jsonl"
+    (tmp_path / "config.json").write_text(json.dumps(raw), encoding="utf-8")
+    from engine.cli.train import train_config
+
+    config = train_config(train_parser().parse_args(["--resume", str(tmp_path)]))
+    assert config.speed.lora_16bit is False and config.speed.fp8_base == "recompute"
+    assert config.data.path == "chats.jsonl"
+
+
+def test_a_speed_key_no_version_had_is_still_an_error() -> None:
+    with pytest.raises(ConfigError, match="unknown key"):
+        RunConfig.from_dict({"speed": {"lora_grups": True}})

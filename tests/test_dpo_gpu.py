@@ -39,7 +39,6 @@ SWITCHES_ON = SpeedConfig(
     metadata_cache=True,
     checkpointing="offloaded",
     lora_16bit=True,
-    lora_groups=True,
     fused_kernels=True,
     resident_layers=False,
 )

@@ -1,10 +1,10 @@
-"""4-bit weights decoded in one pass against bitsandbytes: to 16 bits bit for bit, to e4m3 against dequantize-then-cast.
+"""4-bit weights decoded to e4m3 in one pass against bitsandbytes' dequantize-then-cast.
 
 Triton's interpreter runs the kernel here on the CPU. Its casts are not the GPU's: to 16 bits it truncates; to e4m3
 it rounds ties away from zero, and where rounding up should carry into the next power of two (125.6 to 128) it drops
-the carry (64). So these tests allow one 16-bit or e4m3 step, or that halving, on a few values, and check layouts,
-scales and the projection's gradients; a swapped code, a wrong block scale or layout moves values much further.
-The GPU tests (tests/test_speed_gpu.py) require bitsandbytes' bits.
+the carry (64). So these tests allow one e4m3 step, or that halving, on a few values, and check layouts, scales and
+the projection's gradients; a swapped code, a wrong block scale or layout moves values much further. The GPU tests
+(tests/test_speed_gpu.py) check the GPU's bits.
 """
 
 from __future__ import annotations
@@ -92,101 +92,10 @@ INTERPRETED = textwrap.dedent(
             state.offset.reshape(1).float(), state.code, 256, True)
     torch.library.opcheck(four_bit_weights.four_bit_to_e4m3,
                           (*args, scale.reshape(1), 64, 512, 64, torch.bfloat16, True, True))
-    torch.library.opcheck(four_bit_weights.four_bit_to_16bit, (*args, 64, 512, 64, torch.bfloat16, 1))
     results["opcheck"] = True
-
-    # 16-bit: bitsandbytes' dequantize_4bit bit for bit
-    results["sixteen_bit"] = []
-    for seed, (nested, dtype) in enumerate([(True, torch.bfloat16), (False, torch.bfloat16), (True, torch.float16)]):
-        packed, state, dense = quantized(64, 1024, nested, dtype, 20 + seed)
-        got = four_bit_weights.sixteen_bit_from_4bit(packed, state, dtype)
-        step = dense.float().abs() * (2.0**-7 if dtype == torch.bfloat16 else 2.0**-10)
-        results["sixteen_bit"].append({
-            "shape": list(got.shape), "dtype": str(got.dtype),
-            "beyond_one_step": int(((got.float() - dense.float()).abs() > step).sum()),
-        })
     print(json.dumps(results))
     """
 )
-
-
-TRAINING = textwrap.dedent(
-    """
-    import json, sys
-    import torch
-    sys.path.insert(0, "tests")
-    from speed_models import grads, packed_batch, step, tiny_config
-    from engine.bench.long_context import build_quantized_model, with_lora
-    from engine.config import SpeedConfig
-    from engine.speed import SpeedController, four_bit_weights
-
-    from types import SimpleNamespace
-    covers = four_bit_weights.covers_16bit
-    on_cpu = lambda state: covers(SimpleNamespace(**{**vars(state), "absmax": SimpleNamespace(is_cuda=True)}))
-    four_bit_weights.covers_16bit = on_cpu  # CPU tensors: the kernel runs under the interpreter
-    calls = [0]
-    decode = four_bit_weights.sixteen_bit_from_4bit
-    def counted(*args):
-        calls[0] += 1
-        return decode(*args)
-    four_bit_weights.sixteen_bit_from_4bit = counted
-
-    torch.manual_seed(0)
-    config = tiny_config(
-        "llama", hidden_size=512, head_dim=64, num_attention_heads=8, intermediate_size=1024, vocab_size=256
-    )
-    model = with_lora(build_quantized_model(config, torch.device("cpu")), "tunedeck")
-    model.train()
-    for name, param in model.named_parameters():  # LoRA B starts at zero: make every adapter's gradient count
-        if "lora_B" in name:
-            torch.nn.init.normal_(param, std=0.02)
-    settings = SpeedConfig(metadata_cache=True, checkpointing="offloaded", lean_recompute=True, dequant_once=True)
-    controller = SpeedController(model, settings, torch.device("cpu"))
-    batch = packed_batch((40, 30, 20))
-    results = {}
-    for on in (False, True):
-        controller.lean.switch(True, True, one_kernel=on)
-        model.zero_grad(set_to_none=True)
-        loss, _ = step(model, controller.model_inputs(batch), batch)
-        results[on] = float(loss), grads(model)
-    (loss_off, grads_off), (loss_on, grads_on) = results[False], results[True]
-    worst = max(float((grads_on[k] - grads_off[k]).norm() / grads_off[k].norm()) for k in grads_off)
-
-    # what a compiled region saves for backward (inductor's partitioner) when dequantize-once does not keep it
-    four_bit_weights.sixteen_bit_from_4bit = decode  # the counter's side effect would keep Dynamo out
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-    from engine.speed.lean_recompute import _Decoded
-    import bitsandbytes.functional as bnb
-    weight = (torch.randn(64, 1024) * 0.02).to(torch.bfloat16)
-    packed, state = bnb.quantize_4bit(weight, blocksize=64, quant_type="nf4", compress_statistics=True)
-    saved = {}
-    def forward_graph(gm, inputs):
-        outputs = [node for node in gm.graph.nodes if node.op == "output"][0].args[0]
-        saved["forward"] = [list(out.meta["val"].shape) for out in outputs[1:] if "val" in out.meta]
-        return make_boxed_func(gm.forward)
-    def backward_graph(gm, inputs):
-        saved["backward"] = [str(node.target) for node in gm.graph.nodes if node.op == "call_function"]
-        return make_boxed_func(gm.forward)
-    backend = aot_autograd(fw_compiler=forward_graph, bw_compiler=backward_graph,
-                           partition_fn=min_cut_rematerialization_partition)
-    def project(x):
-        return _Decoded.apply(x, packed, state, None, False, True)
-    leaf = torch.randn(5, 1024, dtype=torch.bfloat16, requires_grad=True)
-    torch.compile(project, backend=backend)(leaf).float().sum().backward()
-    print(json.dumps({"losses": [loss_off, loss_on], "worst_grad": worst, "calls": calls[0],
-                      "one_kernel": controller.lean.one_kernel_projections(), "grads": len(grads_off),
-                      "saved": saved}))
-    """
-)
-"""A 4-bit model trained one step with offloaded checkpointing, dequantize-once and lean recompute, its weights
-decoded by bitsandbytes and then by the one-pass kernel (under Triton's interpreter)."""
-
-
-@functools.cache
-def interpreted_training() -> dict[str, object]:
-    return _interpret(TRAINING)
 
 
 @functools.cache
@@ -228,34 +137,6 @@ def test_the_projection_gives_the_two_pass_products_and_gradients() -> None:
     for out_error, grad_error in results["projection"]:  # type: ignore[union-attr]
         # the interpreter's halved values on a few weights (about 0.1); a wrong weight layout or scale gives ~1
         assert out_error < 0.2 and grad_error < 0.2
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case", range(3))
-def test_sixteen_bit_weights_are_bitsandbytes_dequantize_bit_for_bit(case: int) -> None:
-    got = interpreted()["sixteen_bit"][case]  # type: ignore[index]
-    assert got["shape"] == [64, 1024]
-    assert got["dtype"] == ["torch.bfloat16", "torch.bfloat16", "torch.float16"][case]
-    assert got["beyond_one_step"] == 0  # the interpreter truncates to 16 bits; the GPU test requires every bit
-
-
-@pytest.mark.slow
-def test_a_4bit_model_trains_on_the_kernels_weights_as_on_bitsandbytes() -> None:
-    got = interpreted_training()
-    assert got["one_kernel"] == 14 and got["calls"] >= 14 * 2  # every projection of 2 layers, in two passes or more
-    loss_off, loss_on = got["losses"]  # type: ignore[misc]
-    assert abs(loss_on - loss_off) <= 1e-3 * abs(loss_off)
-    # the interpreter truncates each weight to 16 bits (one step, ~0.4%); a wrong weight moves gradients by ~1
-    assert 0.0 <= got["worst_grad"] < 0.05, got  # type: ignore[operator]
-
-
-@pytest.mark.slow
-def test_compiled_regions_decode_again_for_backward_instead_of_keeping_the_weight() -> None:
-    """Inductor's partitioner must not fold backward's decode into the forward's: that would keep every 16-bit
-    weight alive from its forward to its backward (out of memory at 16,384 tokens under 8 GiB)."""
-    saved = interpreted_training()["saved"]
-    assert saved["forward"] and [64, 1024] not in saved["forward"], saved  # type: ignore[index]
-    assert "tunedeck.four_bit_to_16bit.default" in saved["backward"], saved  # type: ignore[index]
 
 
 @pytest.mark.slow

@@ -31,7 +31,7 @@ from engine.speed.lean_recompute import FrozenProjection
 CPU = torch.device("cpu")
 UNAVAILABLE = fp8_base.unavailable_reason
 PLAIN = SpeedConfig(
-    metadata_cache=True, checkpointing="none", lean_recompute=False, dequant_once=False, fp8_base=False
+    metadata_cache=True, checkpointing="none", dequant_once=False, fp8_base="off"
 )  # the 16-bit references: fp8 is automatic for a 4-bit base under offloaded checkpointing
 OFFLOADED = dataclasses.replace(PLAIN, checkpointing="offloaded")
 FP8_ERROR = 0.25
@@ -129,7 +129,7 @@ def test_bf16_lora_model_trains_with_fp8_products(checkpointing: str, monkeypatc
     settings = dataclasses.replace(PLAIN, checkpointing=checkpointing)
     loss_ref, grads_ref, _ = run(model, settings)
     scaled_mm = _count_scaled_mm(monkeypatch)
-    loss, grads_fp8, controller = run(model, dataclasses.replace(settings, fp8_base=True))
+    loss, grads_fp8, controller = run(model, dataclasses.replace(settings, fp8_base="all"))
     state = controller.state()["fp8_base"]
     assert state["on"] and "e4m3" in state["reason"]
     layers = model.base_model.model.config.num_hidden_layers
@@ -142,11 +142,12 @@ def test_bf16_lora_model_trains_with_fp8_products(checkpointing: str, monkeypatc
 
 def test_qlora_fp8_with_lean_recompute_and_dequantize_once(tiny_dir: Path) -> None:
     model = tiny_qlora_model(tiny_dir)
-    lean = dataclasses.replace(OFFLOADED, lean_recompute=True, dequant_once=True)
+    lean = dataclasses.replace(OFFLOADED, dequant_once=True)
     loss_ref, grads_ref, _ = run(model, lean)
-    loss, grads_fp8, controller = run(model, dataclasses.replace(lean, fp8_base=True))
+    loss, grads_fp8, controller = run(model, dataclasses.replace(lean, fp8_base="all"))
     state = controller.state()
-    assert state["fp8_base"]["on"] and state["lean_recompute"]["on"] and state["dequant_once"]["on"]
+    assert state["fp8_base"]["on"] and state["dequant_once"]["on"]
+    assert any(wrapper.skip_unread and wrapper.output_unread for _, _, wrapper in controller.lean.installed)
     assert abs(float(loss - loss_ref)) / float(loss_ref) < 0.02
     assert worst_gradient_error(grads_fp8, grads_ref) < FP8_ERROR
     controller.apply(lean)  # off again: the 16-bit products, bit for bit
@@ -155,29 +156,28 @@ def test_qlora_fp8_with_lean_recompute_and_dequantize_once(tiny_dir: Path) -> No
     assert all(torch.equal(grads_back[name], grads_ref[name]) for name in grads_ref)
 
 
-def test_fp8_in_the_recompute_keeps_the_16bit_loss_switched_on_or_automatic(
+def test_fp8_in_the_recompute_keeps_the_16bit_loss_asked_for_or_automatic(
     tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``fp8_scope="recompute"``: the loss is the 16-bit path's bit for bit, the gradients carry fp8 rounding from
-    the recompute and the input gradients (fewer products than fp8 everywhere). Left automatic, a 4-bit base under
-    offloaded checkpointing runs the same products, even where the scope says ``all`` (it applies when the switch
-    is on)."""
+    """``fp8_base="recompute"``: the loss is the 16-bit path's bit for bit, the gradients carry fp8 rounding from
+    the recompute and the input gradients (fewer products than fp8 everywhere, ``all``). Left automatic, a 4-bit
+    base under offloaded checkpointing runs the same products."""
     model = tiny_qlora_model(tiny_dir)
-    lean = dataclasses.replace(OFFLOADED, lean_recompute=True, dequant_once=True)
+    lean = dataclasses.replace(OFFLOADED, dequant_once=True)
     loss_ref, grads_ref, _ = run(model, lean)
     scaled_mm = _count_scaled_mm(monkeypatch)
-    loss, grads_fp8, controller = run(model, dataclasses.replace(lean, fp8_base=True, fp8_scope="recompute"))
+    loss, grads_fp8, controller = run(model, dataclasses.replace(lean, fp8_base="recompute"))
     state = controller.state()["fp8_base"]
     assert state["on"] and "loss stay 16-bit" in state["reason"]
     assert scaled_mm[0] > 0 and torch.equal(loss, loss_ref)
     assert 0 < worst_gradient_error(grads_fp8, grads_ref) < FP8_ERROR
     products_in_recompute = scaled_mm[0]
-    loss, grads_auto, controller = run(model, dataclasses.replace(lean, fp8_base=None, fp8_scope="all"))
+    loss, grads_auto, controller = run(model, dataclasses.replace(lean, fp8_base="auto"))
     state = controller.state()["fp8_base"]
     assert state["on"] and state["reason"].startswith("automatic:") and "loss stay 16-bit" in state["reason"]
     assert scaled_mm[0] == 2 * products_in_recompute and torch.equal(loss, loss_ref)
     assert all(torch.equal(grads_auto[name], grads_fp8[name]) for name in grads_fp8)
-    run(model, dataclasses.replace(lean, fp8_base=True))
+    run(model, dataclasses.replace(lean, fp8_base="all"))
     assert scaled_mm[0] - 2 * products_in_recompute > products_in_recompute  # fp8 everywhere adds the forward's
 
 
@@ -188,7 +188,7 @@ def test_automatic_fp8_leaves_a_qlora_run_without_offloaded_recompute_in_16_bits
     model = tiny_qlora_model(tiny_dir)
     settings = dataclasses.replace(PLAIN, checkpointing=checkpointing)
     loss_ref, grads_ref, _ = run(model, settings)
-    loss, grads_auto, controller = run(model, dataclasses.replace(settings, fp8_base=None))
+    loss, grads_auto, controller = run(model, dataclasses.replace(settings, fp8_base="auto"))
     state = controller.state()["fp8_base"]
     assert not state["on"] and "offloaded checkpointing" in state["reason"]
     assert torch.equal(loss, loss_ref) and all(torch.equal(grads_auto[k], grads_ref[k]) for k in grads_ref)
@@ -196,7 +196,7 @@ def test_automatic_fp8_leaves_a_qlora_run_without_offloaded_recompute_in_16_bits
 
 def test_automatic_fp8_leaves_a_16bit_base_in_16_bits() -> None:
     model = mixed_precision_lora_model("llama")
-    _, _, controller = run(model, dataclasses.replace(OFFLOADED, fp8_base=None))
+    _, _, controller = run(model, dataclasses.replace(OFFLOADED, fp8_base="auto"))
     state = controller.state()["fp8_base"]
     assert not state["on"] and "4-bit (QLoRA) base" in state["reason"]
 
@@ -204,7 +204,7 @@ def test_automatic_fp8_leaves_a_16bit_base_in_16_bits() -> None:
 def test_fp8_in_the_recompute_only_needs_offloaded_checkpointing() -> None:
     model = mixed_precision_lora_model("llama")
     loss_ref, grads_ref, _ = run(model, PLAIN)
-    loss, grads, controller = run(model, dataclasses.replace(PLAIN, fp8_base=True, fp8_scope="recompute"))
+    loss, grads, controller = run(model, dataclasses.replace(PLAIN, fp8_base="recompute"))
     state = controller.state()["fp8_base"]
     assert not state["on"] and "offloaded checkpointing" in state["reason"]
     assert torch.equal(loss, loss_ref) and all(torch.equal(grads[k], grads_ref[k]) for k in grads_ref)
@@ -215,10 +215,10 @@ def test_a_wrong_weight_scale_is_caught() -> None:
     first, whose scale also quantizes the weight) double most of every frozen projection's output."""
     model = mixed_precision_lora_model("llama")
     _, grads_ref, _ = run(model, PLAIN)
-    _, _, controller = run(model, dataclasses.replace(PLAIN, fp8_base=True))
+    _, _, controller = run(model, dataclasses.replace(PLAIN, fp8_base="all"))
     for _, _, wrapper in controller.lean.installed:
         wrapper.fp8_columns[0][:, 1:].mul_(2.0)
-    _, grads_wrong, _ = run(model, dataclasses.replace(PLAIN, fp8_base=True))
+    _, grads_wrong, _ = run(model, dataclasses.replace(PLAIN, fp8_base="all"))
     assert not worst_gradient_error(grads_wrong, grads_ref) < FP8_ERROR
 
 
@@ -226,7 +226,7 @@ def test_switching_off_puts_the_library_modules_back() -> None:
     model = mixed_precision_lora_model("llama")
     names = [name for name, _ in model.named_parameters()]
     saved = list(model.state_dict())
-    _, _, controller = run(model, dataclasses.replace(PLAIN, fp8_base=True))
+    _, _, controller = run(model, dataclasses.replace(PLAIN, fp8_base="all"))
     assert any(isinstance(m, FrozenProjection) for m in model.modules())
     assert [name for name, _ in model.named_parameters()] == names
     assert list(model.state_dict()) == saved  # the weight scales are never saved
@@ -237,7 +237,7 @@ def test_switching_off_puts_the_library_modules_back() -> None:
 
 def test_widths_that_are_not_multiples_of_16_keep_the_16_bit_path() -> None:
     model = mixed_precision_lora_model("llama", intermediate_size=120)
-    _, _, controller = run(model, dataclasses.replace(PLAIN, fp8_base=True))
+    _, _, controller = run(model, dataclasses.replace(PLAIN, fp8_base="all"))
     done, one_pass, total = controller.lean.fp8_projections()
     assert one_pass == 0  # the one-pass kernel runs on NVIDIA GPUs only
     layers = model.base_model.model.config.num_hidden_layers
@@ -245,19 +245,17 @@ def test_widths_that_are_not_multiples_of_16_keep_the_16_bit_path() -> None:
     assert "not multiples of 16" in controller.state()["fp8_base"]["reason"]
 
 
-@pytest.mark.parametrize("whole_layers", [False, True])
-def test_compiled_regions_take_the_fp8_products_without_graph_breaks(tiny_dir: Path, whole_layers: bool) -> None:
-    """Compiled per child or per whole layer, 4-bit, under offloaded checkpointing with lean recompute."""
+def test_compiled_regions_take_the_fp8_products_without_graph_breaks(tiny_dir: Path) -> None:
+    """Compiled per child, 4-bit, under offloaded checkpointing (whose recompute skips unread outputs)."""
     from torch._dynamo.utils import counters
 
     model = tiny_qlora_model(tiny_dir)
-    settings = dataclasses.replace(OFFLOADED, lean_recompute=True, dequant_once=True, fp8_base=True)
+    settings = dataclasses.replace(OFFLOADED, dequant_once=True, fp8_base="all")
     _, grads_eager, _ = run(model, settings)
     torch._dynamo.reset()
     counters.clear()
     controller = SpeedController(model, settings, CPU)
     controller.region_compiler.backend = "aot_eager"
-    controller.region_compiler.whole_layers = whole_layers
     controller.apply(dataclasses.replace(settings, fused_kernels=True))
     batch = packed_batch((40, 30, 20))
     step(model, controller.model_inputs(batch), batch)
@@ -300,30 +298,30 @@ def test_automatic_resolution_by_gpu_and_run(
 ) -> None:
     """Automatic fp8 is for QLoRA's offloaded recompute on GPUs with fp8 tensor cores, always in that scope."""
     fake_gpu(monkeypatch, capability)
-    got, reason = fp8_base.resolve(None, torch.device("cuda"), 14, checkpointing, four_bit, experts)
+    got, reason = fp8_base.resolve("auto", torch.device("cuda"), 14, checkpointing, four_bit, experts)
     assert got is on and ("e4m3" in reason) is on
     assert reason.startswith("automatic:") or f"sm{capability[0]}{capability[1]}" in reason
-    assert fp8_base.automatic_scope(None, "all") == "recompute"
-    assert fp8_base.automatic_scope(True, "all") == "all"
+    assert fp8_base.scope_of("auto") == fp8_base.scope_of("recompute") == "recompute"
+    assert fp8_base.scope_of("all") == "all"
 
 
 @pytest.mark.parametrize(
     ("requested", "device", "capability", "on", "words"),
     [
-        (None, "cuda", (9, 0), False, "automatic: off"),
-        (False, "cuda", (9, 0), False, "switched off"),
-        (True, "cuda", (8, 6), False, "sm86"),
-        (None, "cuda", (8, 6), False, "sm86"),
-        (True, "cuda", (7, 5), False, "sm75"),
-        (True, "cuda", (8, 9), True, "fp8 tensor cores"),
-        (True, "cuda", (12, 1), True, "fp8 tensor cores"),
-        (True, "mps", None, False, "NVIDIA"),
-        (True, "cpu", None, False, "only emulate"),
+        ("auto", "cuda", (9, 0), False, "automatic: off"),
+        ("off", "cuda", (9, 0), False, "switched off"),
+        ("recompute", "cuda", (8, 6), False, "sm86"),
+        ("auto", "cuda", (8, 6), False, "sm86"),
+        ("all", "cuda", (7, 5), False, "sm75"),
+        ("all", "cuda", (8, 9), True, "fp8 tensor cores"),
+        ("all", "cuda", (12, 1), True, "fp8 tensor cores"),
+        ("all", "mps", None, False, "NVIDIA"),
+        ("all", "cpu", None, False, "only emulate"),
     ],
 )
 def test_resolution_by_gpu(
     monkeypatch: pytest.MonkeyPatch,
-    requested: bool | None,
+    requested: str,
     device: str,
     capability: tuple[int, int] | None,
     on: bool,
@@ -342,7 +340,7 @@ def test_a_torch_without_row_scaled_fp8_says_so(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(fp8_base, "unavailable_reason", UNAVAILABLE)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _device=None: (9, 0))
     monkeypatch.setattr(fp8_base, "_PROBED", {"cuda": problem})
-    on, reason = fp8_base.resolve(True, torch.device("cuda"), frozen=14)
+    on, reason = fp8_base.resolve("all", torch.device("cuda"), frozen=14)
     assert not on and "cannot multiply fp8" in reason and "not supported" in reason
 
 
@@ -366,7 +364,7 @@ def test_moe_routers_and_experts_keep_their_precision() -> None:
     """fp8 acts on linear projections only: a MoE layer's router (its own module) keeps choosing experts from
     16-bit logits, and the 3-D experts keep their path."""
     model = mixed_precision_lora_model("qwen3_moe")
-    _, _, controller = run(model, dataclasses.replace(PLAIN, fp8_base=True))
+    _, _, controller = run(model, dataclasses.replace(PLAIN, fp8_base="all"))
     wrapped = {name for name, module in model.named_modules() if isinstance(module, FrozenProjection)}
     assert wrapped and all(".self_attn." in name for name in wrapped)
     assert controller.state()["fp8_base"]["on"]
@@ -377,15 +375,15 @@ def test_automatic_fp8_with_chunked_mlps_keeps_the_16bit_loss(tiny_dir: Path) ->
     and so the loss, in 16 bits, with fp8 rounding only in the gradients."""
     model = tiny_qlora_model(tiny_dir)
     batch = packed_batch((40, 30, 20))
-    chunked = dataclasses.replace(OFFLOADED, lean_recompute=True, dequant_once=True, chunked_mlp=True)
-    controller = SpeedController(model, dataclasses.replace(chunked, fp8_base=False), CPU)
+    chunked = dataclasses.replace(OFFLOADED, dequant_once=True, chunked_mlp=True)
+    controller = SpeedController(model, dataclasses.replace(chunked, fp8_base="off"), CPU)
     results = {}
-    for fp8 in (False, None):
+    for fp8 in ("off", "auto"):
         controller.apply(dataclasses.replace(chunked, fp8_base=fp8))
         controller.chunked.install(16)  # chunks of 16 of the batch's 90 tokens
         state = controller.state()
-        assert state["chunked_mlp"]["on"] and state["fp8_base"]["on"] is (fp8 is None), state["fp8_base"]
+        assert state["chunked_mlp"]["on"] and state["fp8_base"]["on"] is (fp8 == "auto"), state["fp8_base"]
         loss, _ = step(model, controller.model_inputs(batch), batch)
         results[fp8] = loss, grads(model)
-    (loss_ref, grads_ref), (loss, grads_auto) = results[False], results[None]
+    (loss_ref, grads_ref), (loss, grads_auto) = results["off"], results["auto"]
     assert torch.equal(loss, loss_ref) and 0 < worst_gradient_error(grads_auto, grads_ref) < FP8_ERROR

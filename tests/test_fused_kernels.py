@@ -7,7 +7,6 @@ Inductor compiles slowly on CPU (~15 s a model), so only the equivalence tests u
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import pytest
@@ -206,57 +205,3 @@ def test_cuda_attention_backends_compile_once_and_match_eager(backend: str) -> N
     assert counters["stats"]["unique_graphs"] == graphs, "a new row length recompiled"
     assert graphs > 0 and graph_breaks() == 0, dict(counters["graph_break"])
     assert losses[True] == pytest.approx(losses[False], rel=2e-2)
-
-
-@pytest.mark.parametrize("checkpointing", ["none", "standard", "offloaded"])
-def test_whole_layer_regions_trace_without_breaks_and_match_eager(checkpointing: str) -> None:
-    """Each decoder layer as one region (norms and residual adds inside): no graph break, no new graph from step to
-    step, the eager gradients; under checkpointing the checkpoint function runs the compiled inner forward, so it
-    stays outside the graph."""
-    settings = SpeedConfig(metadata_cache=True, checkpointing=checkpointing, fused_kernels=True)
-    model, reference_model = tiny_lora_model("qwen3"), tiny_lora_model("qwen3")
-    counter = CompileCounter()
-    ctl = SpeedController(model, dataclasses.replace(settings, fused_kernels=False), torch.device("cpu"))
-    ctl.offloader.min_offload_bytes = 0
-    ctl.region_compiler = fused_kernels.RegionCompiler(backend=counter, whole_layers=True)
-    ctl.apply(settings)
-    reference = controller(reference_model, dataclasses.replace(settings, fused_kernels=False))
-    reference.offloader.min_offload_bytes = 0
-    layers = fused_kernels.decoder_layers(ctl.hf_model)
-    assert fused_kernels.compile_regions(ctl.hf_model, whole_layers=True) == layers
-    frames = frames_matching_eager(model, ctl, reference_model, reference, counter, LENGTHS[:3])
-    assert frames[0] > 0 and frames[-1] == frames[0], f"graphs per step: {frames}"
-    assert graph_breaks() == 0, dict(counters["graph_break"])
-    inner = type(layers[0]).forward.__wrapped__  # the layer's own forward, below transformers' checkpoint call
-    assert (inner in ctl.region_compiler._compiled) is (checkpointing != "none")  # compiled through the checkpoint
-    ctl.region_compiler.whole_layers = False
-    ctl.apply(settings)  # back to the children: nothing of the layers is compiled whole any more
-    assert all(layer._compiled_call_impl is None for layer in layers)
-    assert all(region._compiled_call_impl is not None for region in fused_kernels.compile_regions(ctl.hf_model))
-
-
-def test_a_layer_with_chunked_modules_keeps_child_regions() -> None:
-    settings = SpeedConfig(metadata_cache=True, checkpointing="standard", chunked_mlp=True, fused_kernels=False)
-    ctl = controller(tiny_lora_model("llama"), settings)
-    regions = fused_kernels.compile_regions(ctl.hf_model, whole_layers=True)
-    layers = fused_kernels.decoder_layers(ctl.hf_model)
-    assert regions and not any(region in layers for region in regions)
-    assert regions == fused_kernels.compile_regions(ctl.hf_model, whole_layers=False)
-
-
-def test_whole_layers_follow_a_checkpointing_change() -> None:
-    """Without checkpointing a whole layer's own call is compiled; once checkpointing is on, its call is eager again
-    and the checkpoint function runs its compiled inner forward."""
-    settings = SpeedConfig(metadata_cache=True, checkpointing="none", fused_kernels=True)
-    ctl = SpeedController(
-        tiny_lora_model("llama"), dataclasses.replace(settings, fused_kernels=False), torch.device("cpu")
-    )
-    ctl.region_compiler = fused_kernels.RegionCompiler(backend=CompileCounter(), whole_layers=True)
-    ctl.apply(settings)
-    layers = fused_kernels.decoder_layers(ctl.hf_model)
-    assert all(layer._compiled_call_impl is not None for layer in layers)
-    ctl.apply(dataclasses.replace(settings, checkpointing="offloaded"))
-    assert all(layer._compiled_call_impl is None for layer in layers)
-    forward = functools.partial(type(layers[0]).forward.__wrapped__, layers[0])
-    assert ctl.region_compiler.layer_function(forward) is not forward
-    assert ctl.region_compiler.layer_function(print) is print  # anything else runs as given

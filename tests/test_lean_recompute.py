@@ -1,4 +1,7 @@
-"""Lean recompute: skipped unread outputs and dequantize-once give the full recompute's gradients."""
+"""Lean recompute: skipped unread outputs and dequantize-once give the full recompute's gradients.
+
+Skipping unread outputs is part of offloaded checkpointing (no setting of its own): the full recompute these tests
+compare it with is the same controller with the stand-ins taken out (``lean.switch(False, False)``)."""
 
 from __future__ import annotations
 
@@ -24,13 +27,11 @@ from engine.speed import SpeedController
 from engine.speed.lean_recompute import (
     FrozenProjection,
     dequant_once_resolve,
-    four_bit_kernel_resolve,
     frozen_projections,
     layer_dequant_bytes,
-    lean_recompute_resolve,
 )
 
-OFF = SpeedConfig(metadata_cache=True, checkpointing="offloaded", lean_recompute=False, dequant_once=False)
+OFF = SpeedConfig(metadata_cache=True, checkpointing="offloaded", dequant_once=False)
 CPU = torch.device("cpu")
 
 
@@ -41,9 +42,14 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def run(model: Any, settings: SpeedConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor], SpeedController]:
+def run(
+    model: Any, settings: SpeedConfig, full_recompute: bool = False
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], SpeedController]:
+    """One step; ``full_recompute``: the offloaded recompute runs every frozen projection (no stand-ins)."""
     batch = packed_batch((40, 30, 20))
     controller = SpeedController(model, settings, CPU)
+    if full_recompute:
+        controller.lean.switch(False, False)
     model.zero_grad(set_to_none=True)
     loss, _ = step(model, controller.model_inputs(batch), batch)
     return loss.detach(), grads(model), controller
@@ -60,10 +66,10 @@ def count_base_calls(model: Any, unread: bool) -> list[int]:
 
 def test_skipped_down_projection_gives_the_full_recompute_gradients_exactly() -> None:
     model = mixed_precision_lora_model("llama")
-    loss_full, grads_full, _ = run(model, OFF)
+    loss_full, grads_full, _ = run(model, OFF, full_recompute=True)
     calls = count_base_calls(model, unread=True)
-    loss_lean, grads_lean, controller = run(model, dataclasses.replace(OFF, lean_recompute=True))
-    assert controller.state()["lean_recompute"]["on"]
+    loss_lean, grads_lean, controller = run(model, OFF)
+    assert controller.lean.installed and all(wrapper.skip_unread for _, _, wrapper in controller.lean.installed)
     assert torch.equal(loss_lean, loss_full)
     assert all(torch.equal(grads_lean[name], grads_full[name]) for name in grads_full)
     layers = model.base_model.model.config.num_hidden_layers
@@ -74,8 +80,8 @@ def test_marking_a_read_output_unread_changes_the_gradients() -> None:
     """The check above can fail: skipping the output of a projection that the recompute reads (the up projection
     feeds the SwiGLU product) corrupts the gradients."""
     model = mixed_precision_lora_model("llama")
-    _, grads_full, _ = run(model, OFF)
-    _, _, controller = run(model, dataclasses.replace(OFF, lean_recompute=True))
+    _, grads_full, _ = run(model, OFF, full_recompute=True)
+    _, _, controller = run(model, OFF)
     for layer in model.base_model.model.model.layers:
         up = layer.mlp.up_proj
         wrong = FrozenProjection(up.base_layer, controller.offloader.recompute, output_unread=True)
@@ -99,16 +105,15 @@ def test_only_the_mlp_down_projection_is_unread() -> None:
 
 def test_qlora_dequantize_once_and_skip_match_the_library_path(tiny_dir: Path) -> None:
     model = tiny_qlora_model(tiny_dir)
-    loss_full, grads_full, _ = run(model, OFF)
+    loss_full, grads_full, _ = run(model, OFF, full_recompute=True)
     assert layer_dequant_bytes(model) > 0
-    on = dataclasses.replace(OFF, lean_recompute=True, dequant_once=True)
+    on = dataclasses.replace(OFF, dequant_once=True)
     loss_lean, grads_lean, controller = run(model, on)
-    state = controller.state()
-    assert state["lean_recompute"]["on"] and state["dequant_once"]["on"]
+    assert controller.state()["dequant_once"]["on"]
     assert all(isinstance(w, FrozenProjection) for _, _, w in controller.lean.installed)
     assert torch.allclose(loss_lean, loss_full, rtol=1e-6)
     assert max_relative_error(grads_lean, grads_full) <= 1e-2  # the same bf16 matmuls, possibly other kernels
-    controller.apply(OFF)  # switching off puts bitsandbytes' modules back
+    controller.apply(dataclasses.replace(OFF, checkpointing="standard"))  # puts bitsandbytes' modules back
     assert not controller.lean.installed
     assert not any(isinstance(m, FrozenProjection) for m in model.modules())
 
@@ -116,7 +121,7 @@ def test_qlora_dequantize_once_and_skip_match_the_library_path(tiny_dir: Path) -
 def test_parameter_names_do_not_change_while_installed(tiny_dir: Path) -> None:
     model = tiny_qlora_model(tiny_dir)
     before = [name for name, _ in model.named_parameters()]
-    controller = SpeedController(model, dataclasses.replace(OFF, lean_recompute=True, dequant_once=True), CPU)
+    controller = SpeedController(model, dataclasses.replace(OFF, dequant_once=True), CPU)
     assert controller.lean.installed
     assert [name for name, _ in model.named_parameters()] == before
 
@@ -124,19 +129,10 @@ def test_parameter_names_do_not_change_while_installed(tiny_dir: Path) -> None:
 def test_outside_the_recompute_the_library_path_runs() -> None:
     """Without checkpointing (or with torch's own) the stand-ins are never installed, or stay inactive."""
     model = mixed_precision_lora_model("llama")
-    _, _, controller = run(model, dataclasses.replace(OFF, checkpointing="none", lean_recompute=None))
-    assert not controller.state()["lean_recompute"]["on"] and not controller.lean.installed
-    _, _, controller = run(model, dataclasses.replace(OFF, checkpointing="standard", lean_recompute=True))
+    _, _, controller = run(model, dataclasses.replace(OFF, checkpointing="none"))
     assert not controller.lean.installed
-
-
-@pytest.mark.parametrize(
-    ("requested", "checkpointing", "on"),
-    [(None, "offloaded", True), (True, "offloaded", True), (False, "offloaded", False), (None, "standard", False),
-     (None, "none", False)],
-)  # fmt: skip
-def test_lean_recompute_resolution(requested: bool | None, checkpointing: str, on: bool) -> None:
-    assert lean_recompute_resolve(requested, checkpointing)[0] is on
+    _, _, controller = run(model, dataclasses.replace(OFF, checkpointing="standard"))
+    assert not controller.lean.installed
 
 
 @pytest.mark.parametrize(
@@ -148,64 +144,12 @@ def test_dequant_once_resolution(requested: bool | None, extra: int, free: int |
     assert dequant_once_resolve(requested, "offloaded", extra, free)[0] is on
 
 
-@pytest.mark.parametrize(
-    ("requested", "device", "covered", "on", "reason"),
-    [(None, "cuda", True, True, "automatic: 14 of 14 4-bit weights decoded in one kernel"),
-     (True, "cuda", True, True, "switched on; 14 of 14"),
-     (False, "cuda", True, False, "switched off: bitsandbytes'"),
-     (None, "cpu", True, False, "runs on NVIDIA GPUs"),
-     (None, "cuda", False, False, "no 4-bit weight here has a format or shape"),
-     (None, "cuda-unmeasured", True, False, "automatic: off; on only under offloaded checkpointing"),
-     (True, "cuda-unmeasured", True, True, "switched on; 14 of 14")],
-)  # fmt: skip
-def test_four_bit_kernel_resolution(
-    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch, requested: bool | None, device: str, covered: bool, on: bool,
-    reason: str,
-) -> None:  # fmt: skip
-    from engine.speed import four_bit_weights
-
-    monkeypatch.setattr(four_bit_weights, "covers_16bit", lambda state: covered)
-    measured = not device.endswith("-unmeasured")
-    where = torch.device(device.removesuffix("-unmeasured"))
-    got, why = four_bit_kernel_resolve(requested, where, tiny_qlora_model(tiny_dir), measured=measured)
-    assert got is on and reason in why, why
-
-
-def test_the_4bit_kernel_is_chosen_after_the_first_long_row_chunks_its_mlps(
-    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Automatic checkpointing turns on with the first long row, and so do chunked MLPs: the 4-bit kernel, automatic
-    only with whole-row MLPs, is decided after the chunks, not from the state before them."""
-    from engine.hardware.planner import CHUNK_MIN_ROW_TOKENS
-    from engine.speed import lean_recompute
-
-    monkeypatch.setattr(
-        lean_recompute, "four_bit_kernel_resolve", lambda requested, device, model, measured=True: (measured, "spy")
-    )  # fmt: skip
-    controller = SpeedController(tiny_qlora_model(tiny_dir), SpeedConfig(metadata_cache=True), CPU)
-    monkeypatch.setattr(controller, "_resolve_checkpointing", lambda requested: ("offloaded", "a GPU short of memory"))
-    assert not controller.state()["chunked_mlp"]["on"]
-    controller.model_inputs(packed_batch((CHUNK_MIN_ROW_TOKENS + 8,)))
-    state = controller.state()
-    assert state["checkpointing"]["mode"] == "offloaded" and state["chunked_mlp"]["on"], state["chunked_mlp"]
-    assert not state["four_bit_kernel"]["on"] and controller.lean.one_kernel_projections() == 0
-
-
-def test_four_bit_kernel_needs_4bit_weights_and_is_off_on_the_cpu(tiny_dir: Path) -> None:
-    assert four_bit_kernel_resolve(None, torch.device("cuda"), mixed_precision_lora_model("llama")) == (
-        False, "no 4-bit projections"
-    )  # fmt: skip
-    _, _, controller = run(tiny_qlora_model(tiny_dir), SpeedConfig(metadata_cache=True))
-    assert controller.state()["four_bit_kernel"]["on"] is False
-    assert controller.lean.one_kernel_projections() == 0
-
-
 def test_compiled_regions_guard_on_the_recompute_flag_without_graph_breaks(tiny_dir: Path) -> None:
     """The flag is read inside compiled regions: flipping it must recompile (one graph per value), not break."""
     from torch._dynamo.utils import counters
 
     model = tiny_qlora_model(tiny_dir)
-    settings = dataclasses.replace(OFF, lean_recompute=True, dequant_once=True)
+    settings = dataclasses.replace(OFF, dequant_once=True)
     _, grads_eager, _ = run(model, settings)
     torch._dynamo.reset()
     counters.clear()

@@ -1,4 +1,7 @@
-"""One LoRA A product per group of projections reading the same input: the same outputs and gradients."""
+"""One LoRA A product per group of projections reading the same input: the same outputs and gradients.
+
+The groups are part of the 16-bit LoRA path (``lora_16bit``): its off switch is that setting's, and these tests
+compare the grouped products with one product per adapter on the same 16-bit path."""
 
 from __future__ import annotations
 
@@ -15,7 +18,9 @@ from engine.speed import SpeedController, lora_groups
 from engine.speed.lora_16bit import Lora16Bit, adapted_layers
 
 CPU = torch.device("cpu")
-PLAIN = SpeedConfig(metadata_cache=True, checkpointing="none", fused_kernels=False, lora_16bit=True)
+PLAIN = SpeedConfig(metadata_cache=True, checkpointing="none", fused_kernels=False, lora_16bit=False)
+"""The controller leaves the adapters alone: each test installs the 16-bit path (in float32, so both sides are
+exact) and the groups itself."""
 
 
 def run(model: Any, lengths: tuple[int, ...] = (30, 18)) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -75,40 +80,28 @@ def test_groups_need_every_member_adapted_without_dropout() -> None:
     assert all(layers[0].self_attn.q_proj not in group.members for group in found)
 
 
-@pytest.mark.parametrize(
-    ("requested", "sixteen_bit", "on", "words"),
-    [
-        (None, True, True, "automatic: one A product per group"),
-        (None, False, False, "needs the 16-bit LoRA path"),
-        (True, True, True, "switched on"),
-        (True, False, False, "needs the 16-bit LoRA path"),
-        (False, True, False, "switched off"),
-    ],
-)
-def test_resolution(requested: bool | None, sixteen_bit: bool, on: bool, words: str) -> None:
-    got, why = lora_groups.resolve(requested, sixteen_bit)
-    assert (got, why.startswith(words)) == (on, True), why
-
-
-def test_the_controller_groups_a_16bit_model_and_ungroups_it_when_switched_off() -> None:
+def test_the_16bit_lora_path_groups_and_ungroups_with_its_switch() -> None:
     model = mixed_precision_lora_model("llama")
     settings = dataclasses.replace(PLAIN, lora_16bit=None)
-    ctl = SpeedController(model, dataclasses.replace(settings, lora_groups=True), CPU)
-    state = ctl.state()["lora_groups"]
-    assert state["on"] and state["reason"].endswith("; 4 groups"), state
+    ctl = SpeedController(model, settings, CPU)
+    state = ctl.state()["lora_16bit"]
+    assert state["on"] and state["groups"] == 4, state
+    assert state["reason"].endswith("; one A product for each of 4 groups of projections reading the same input")
     first = list(ctl.lora_groups.groups)
-    ctl.apply(dataclasses.replace(settings, lora_groups=True, fused_loss=False))
+    ctl.apply(dataclasses.replace(settings, fused_loss=False))
     assert ctl.lora_groups.groups == first  # the same groups: compiled regions keep their graphs
-    ctl.apply(settings)
-    assert ctl.state()["lora_groups"]["on"] and ctl.lora_groups.groups == first  # automatic: on, the same groups
-    ctl.apply(dataclasses.replace(settings, lora_groups=False))
-    assert ctl.state()["lora_groups"]["on"] is False
+    ctl.apply(dataclasses.replace(settings, lora_16bit=False))
+    assert ctl.state()["lora_16bit"] == {
+        "on": False,
+        "reason": "switched off: peft's float32 adapter path (float32 copies of each adapted input)",
+        "groups": 0,
+    }
     assert not any(hasattr(module, lora_groups.GROUP_ATTR) for module in model.modules())
-    ctl.apply(dataclasses.replace(settings, lora_16bit=False, lora_groups=True))
-    assert ctl.state()["lora_groups"] == {"on": False, "reason": "needs the 16-bit LoRA path (--lora-16bit)"}
+    ctl.apply(settings)
+    assert ctl.state()["lora_16bit"]["groups"] == 4
     dropped = mixed_precision_lora_model("llama", dropout=0.1)  # no group can skip its members' dropout
-    state = SpeedController(dropped, dataclasses.replace(settings, lora_groups=True), CPU).state()["lora_groups"]
-    assert state == {"on": False, "reason": "no group of adapted projections reading the same input (q/k/v, gate/up)"}
+    state = SpeedController(dropped, settings, CPU).state()["lora_16bit"]
+    assert state["on"] and state["groups"] == 0, state
 
 
 def test_compiled_regions_share_the_product_without_graph_breaks() -> None:
@@ -116,7 +109,9 @@ def test_compiled_regions_share_the_product_without_graph_breaks() -> None:
     state as a side effect and leaves it clear; the gradients are the eager ones."""
     model = tiny_lora_model("llama")
     Lora16Bit(model).install()
-    settings = dataclasses.replace(PLAIN, lora_16bit=True, lora_groups=True)
+    groups = lora_groups.LoraGroups()
+    assert groups.install(model, adapted_layers(model)) == 4
+    settings = PLAIN
     batch = packed_batch((30, 18))
     eager = SpeedController(model, settings, CPU)
     step(model, eager.model_inputs(batch), batch)
@@ -130,7 +125,7 @@ def test_compiled_regions_share_the_product_without_graph_breaks() -> None:
         step(model, ctl.model_inputs(batch), batch)
         assert not counters["graph_break"], dict(counters["graph_break"])
         assert max_relative_error(grads(model), want) <= 1e-5
-        assert all(group.input is None for group in ctl.lora_groups.groups)
+        assert all(group.input is None for group in groups.groups)
     finally:
         ctl.apply(settings)
         torch._dynamo.reset()

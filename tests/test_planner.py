@@ -405,6 +405,8 @@ def test_qlora_bench_rows_are_predicted_within_10_percent_above(
     rows = [row for record in data["models"] for row in record["rows"] if row["ok"] and row["variant"] != "stock"]
     # step graphs keep a memory pool the planner does not count (their allocated peak is lower, reserved higher)
     rows = [row for row in rows if not row["state"].get("step_graphs", {}).get("on")]
+    # kept attention (its attention tensors in host memory) measured no faster and went: the planner no longer has it
+    rows = [row for row in rows if not row["state"].get("keep_attention", {}).get("on")]
     assert len(rows) >= least_rows and {row["state"]["dequant_once"]["on"] for row in rows} == dequant_once
     for row in rows:
         _, _, predicted = qlora_row_plan(row["model"], row)

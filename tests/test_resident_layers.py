@@ -125,10 +125,8 @@ def test_automatic_on_the_cpu_keeps_every_layer_checkpointed() -> None:
     assert not state["on"] and "GPU's free memory" in state["reason"]
 
 
-def test_kept_attention_and_chunks_leave_no_layer_resident() -> None:
+def test_chunks_leave_no_layer_resident() -> None:
     model = four_layer_model()
-    _, _, controller = run(model, dataclasses.replace(RESIDENT, keep_attention=True), resident=2)
-    assert controller.resident_layers == 0 and "kept attention" in controller.state()["resident_layers"]["reason"]
     _, _, controller = run(model, dataclasses.replace(RESIDENT, chunked_mlp=True), resident=2)
     assert controller.resident_layers == 0 and "chunks" in controller.state()["resident_layers"]["reason"]
 

@@ -106,8 +106,8 @@ def test_sliding_window_varlen_matches_mask() -> None:
 def test_offloaded_gradients_equal_standard_on_gpu() -> None:
     model = bf16_model("llama")
     # every layer checkpoints: resident layers (automatic) would keep a tiny model's activations on the GPU and
-    # neither path would recompute or send anything to the host; kept attention stays off (whole layers recompute)
-    standard = SpeedConfig(metadata_cache=True, checkpointing="standard", keep_attention=False, resident_layers=False)
+    # neither path would recompute or send anything to the host
+    standard = SpeedConfig(metadata_cache=True, checkpointing="standard", resident_layers=False)
     ctl = SpeedController(model, standard, CUDA)
     ctl.offloader.min_offload_bytes = 0
     torch.manual_seed(0)
@@ -120,30 +120,6 @@ def test_offloaded_gradients_equal_standard_on_gpu() -> None:
     assert ctl.offloader.pinned_bytes > 0
     got = grads(model)
     assert all(torch.allclose(got[k], ref[k], rtol=1e-2, atol=1e-5) for k in ref)
-
-
-@pytest.mark.parametrize("share", [1.0, 0.5])
-def test_kept_attention_gradients_follow_whole_layer_recompute_on_gpu(share: float) -> None:
-    """Saved tensors go to pinned host memory on a side stream and come back a layer ahead: the gradients of
-    recomputing whole layers, on the second step too (reused host buffers), with no host sync."""
-    model = bf16_model("llama")
-    # whole layers recompute in the reference (resident layers, automatic, would keep a tiny model's activations)
-    whole = SpeedConfig(metadata_cache=True, checkpointing="offloaded", keep_attention=False, resident_layers=False)
-    ctl = SpeedController(model, whole, CUDA)
-    ctl.offloader.min_offload_bytes = ctl.offloader.min_saved_bytes = 0
-    run_step(model, ctl)
-    ref = grads(model)
-    ctl.kept_share_override = share
-    ctl.apply(dataclasses.replace(whole, keep_attention=True))
-    assert ctl.state()["keep_attention"]["on"]
-    for _ in range(2):
-        with no_host_sync():
-            run_step(model, ctl)
-    assert ctl.offloader.saved_host_bytes() > 0
-    got = grads(model)
-    # bf16 noise, not equality: the whole-layer path's output comes from its no-grad forward, whose attention kernel
-    # rounds differently from the kept layer's forward with grad (measured on the H200: 1.1e-3 at most)
-    assert max(relative_error(got[k], ref[k]) for k in ref) < 5e-3
 
 
 def test_training_step_with_everything_on_makes_no_sync() -> None:
@@ -263,27 +239,6 @@ def test_4bit_weights_reach_e4m3_in_one_pass_with_the_two_pass_bits_on_gpu(
             assert differ <= 1e-4, (rows_out, transposed_out, differ)
 
 
-@pytest.mark.parametrize("shape", [(14336, 4096), (4096, 14336), (1024, 4096), (4096, 12288)])
-@pytest.mark.parametrize(("nested", "dtype"), [(True, torch.bfloat16), (False, torch.bfloat16), (True, torch.float16)])
-def test_4bit_weights_reach_16_bits_in_one_kernel_with_bitsandbytes_bits_on_gpu(
-    shape: tuple[int, int], nested: bool, dtype: torch.dtype
-) -> None:
-    """At Llama-3.1-8B and Qwen3-8B projection shapes: every bit of bitsandbytes' ``dequantize_4bit``."""
-    from bitsandbytes.functional import dequantize_4bit, quantize_4bit
-
-    from engine.speed.four_bit_weights import covers_16bit, sixteen_bit_from_4bit
-
-    g = torch.Generator(device=CUDA).manual_seed(shape[1])
-    weight = (torch.randn(shape, device=CUDA, generator=g) * 0.02).to(dtype)
-    packed, state = quantize_4bit(weight, blocksize=64, quant_type="nf4", compress_statistics=nested)
-    assert covers_16bit(state)
-    want = dequantize_4bit(packed, state)
-    got = sixteen_bit_from_4bit(packed, state, dtype)
-    assert got.dtype == want.dtype == dtype and got.shape == want.shape
-    differ = int((got.view(torch.int16) != want.view(torch.int16)).sum())
-    assert differ == 0, f"{differ} of {got.numel()} weights differ"
-
-
 def tiny_4bit_model() -> torch.nn.Module:
     """A two-layer Llama in NF4 on the GPU with LoRA whose B factors are nonzero (every adapter gets a gradient)."""
     from speed_models import tiny_config
@@ -300,60 +255,14 @@ def tiny_4bit_model() -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize(
-    "settings",
-    [
-        SpeedConfig(metadata_cache=True, checkpointing="none", fused_kernels=False),
-        SpeedConfig(
-            metadata_cache=True,
-            checkpointing="offloaded",
-            fused_kernels=False,
-            dequant_once=False,
-            fp8_base=False,
-            resident_layers=False,
-        ),
-        SpeedConfig(
-            metadata_cache=True,
-            checkpointing="offloaded",
-            fused_kernels=True,
-            dequant_once=True,
-            fp8_base=False,
-            resident_layers=False,
-        ),
-    ],
-    ids=["plain", "offloaded", "offloaded-compiled-dequant-once"],
-)
-def test_the_4bit_kernel_trains_with_bitsandbytes_products_and_gradients_on_gpu(settings: SpeedConfig) -> None:
-    """A 4-bit model's logits are the same bits, and its LoRA gradients the same within summation order, whether
-    bitsandbytes or the one-pass kernel decodes its weights: in plain training, in offloaded checkpointing's
-    forward, recompute and backward, and in compiled regions with dequantize-once keeping the decoded weights.
-    Under offloaded checkpointing every layer recomputes (resident layers off: a tiny model's would all fit)."""
-    model = tiny_4bit_model()
-    ctl = SpeedController(model, dataclasses.replace(settings, four_bit_kernel=False), CUDA)
-    ctl.offloader.min_offload_bytes = ctl.offloader.min_saved_bytes = 0
-    results = {}
-    for on in (False, True):
-        ctl.apply(dataclasses.replace(settings, four_bit_kernel=on))
-        assert ctl.state()["four_bit_kernel"]["on"] is on, ctl.state()["four_bit_kernel"]
-        assert (ctl.lean.one_kernel_projections() > 0) is on
-        results[on] = run_step(model, ctl), grads(model)
-        model.zero_grad(set_to_none=True)
-    (logits_off, grads_off), (logits_on, grads_on) = results[False], results[True]
-    assert torch.equal(logits_on, logits_off), relative_error(logits_on, logits_off)
-    assert grads_on.keys() == grads_off.keys() and grads_on
-    # the same products; autograd may sum a layer input's gradient contributions in another order (H200: 1.6e-4)
-    worst = max(relative_error(grads_on[key], grads_off[key]) for key in grads_off)
-    assert worst < 2e-3, worst
-
-
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two NVIDIA GPUs")
 def test_both_triton_kernels_run_on_their_tensors_gpu_while_another_is_current() -> None:
     """A run on ``cuda:1`` in a process whose current GPU is ``cuda:0`` (``--gpus 1`` style): the loss kernel and
-    the 4-bit decode kernel (to e4m3 and to 16 bits) give what they give with ``cuda:1`` current."""
+    the 4-bit decode kernel (to e4m3) give what they give with ``cuda:1`` current."""
     from bitsandbytes.functional import quantize_4bit
 
     from engine.speed import loss_kernel
-    from engine.speed.four_bit_weights import e4m3_from_4bit, sixteen_bit_from_4bit
+    from engine.speed.four_bit_weights import e4m3_from_4bit
     from engine.speed.fp8_base import weight_scale
     from engine.speed.fused_loss import IGNORE_INDEX
 
@@ -370,8 +279,7 @@ def test_both_triton_kernels_run_on_their_tensors_gpu_while_another_is_current()
         loss, grad = loss_kernel.softmax_cross_entropy_grad(logits, labels, 0.5, ignore_index=IGNORE_INDEX)
         rows, columns = e4m3_from_4bit(packed, state, scale, torch.bfloat16, True, True)
         assert rows is not None and columns is not None
-        dense = sixteen_bit_from_4bit(packed, state, torch.bfloat16)
-        return loss, grad, rows.view(torch.uint8), columns.view(torch.uint8), dense
+        return loss, grad, rows.view(torch.uint8), columns.view(torch.uint8)
 
     with torch.cuda.device(second):
         want = both()
@@ -427,18 +335,19 @@ def test_cudnn_attention_trains_one_document_rows_within_bf16_noise_on_gpu(monke
     monkeypatch.setattr(metadata_cache, "cudnn_causal_attention", counted)
     model = bf16_model("llama", head_dim=64)
     stock = SpeedConfig(metadata_cache=False, checkpointing="none")
-    fast = SpeedConfig(metadata_cache=True, checkpointing="none", cudnn_attention=True)
+    fast = SpeedConfig(metadata_cache=True, checkpointing="none", attention_backend="cudnn")
     ctl = within_bf16_noise(model, stock, fast, lengths=(1000,))
     assert ctl.state()["cudnn_attention"]["on"] and calls
 
 
 def test_lora_groups_train_within_bf16_noise_on_gpu() -> None:
-    """One A product per q/k/v and gate/up group, compiled regions and all: no noisier than the stock path."""
+    """One A product per q/k/v and gate/up group (the 16-bit LoRA path), compiled regions and all: no noisier than
+    the stock path."""
     model = bf16_model("llama")
     stock = SpeedConfig(metadata_cache=False, checkpointing="none")
-    fast = SpeedConfig(metadata_cache=True, checkpointing="none", lora_groups=True)
+    fast = SpeedConfig(metadata_cache=True, checkpointing="none", lora_16bit=True)
     ctl = within_bf16_noise(model, stock, fast)
-    assert ctl.state()["lora_groups"]["on"], ctl.state()["lora_groups"]
+    assert ctl.state()["lora_16bit"]["groups"] > 0, ctl.state()["lora_16bit"]
 
 
 @pytest.mark.parametrize("window", [None, 96])
@@ -474,10 +383,10 @@ def test_fp8_base_products_on_tensor_cores_follow_bf16_with_no_sync(checkpointin
     # every layer recomputes under offloaded checkpointing (resident layers, automatic, would keep a tiny model's)
     base = SpeedConfig(metadata_cache=True, checkpointing=checkpointing, resident_layers=False)
     ctl = SpeedController(model, base, CUDA)
-    ctl.offloader.min_offload_bytes = ctl.offloader.min_saved_bytes = 0
+    ctl.offloader.min_offload_bytes = 0
     ref_logits = run_step(model, ctl)
     ref = grads(model)
-    ctl.apply(dataclasses.replace(base, fp8_base=True))
+    ctl.apply(dataclasses.replace(base, fp8_base="all"))
     assert ctl.state()["fp8_base"]["on"], ctl.state()["fp8_base"]
     run_step(model, ctl)
     with no_host_sync():
@@ -503,10 +412,10 @@ def test_fp8_weights_from_4bit_codes_in_one_pass_train_as_the_two_pass_weights_o
     model.train()
     # every layer recomputes (resident layers, automatic, would keep a tiny model's activations on a roomy GPU)
     settings = SpeedConfig(
-        metadata_cache=True, checkpointing="offloaded", fp8_base=True, fused_kernels=True, resident_layers=False
+        metadata_cache=True, checkpointing="offloaded", fp8_base="all", fused_kernels=True, resident_layers=False
     )
     ctl = SpeedController(model, settings, CUDA)
-    ctl.offloader.min_offload_bytes = ctl.offloader.min_saved_bytes = 0
+    ctl.offloader.min_offload_bytes = 0
     _, one_pass, _ = ctl.lean.fp8_projections()
     assert one_pass > 0 and "in one pass" in ctl.state()["fp8_base"]["reason"], ctl.state()["fp8_base"]
     results = {}
@@ -535,13 +444,13 @@ def test_fp8_only_in_the_recompute_keeps_the_16bit_forward_on_gpu() -> None:
     # every layer recomputes: resident layers (automatic) would keep a tiny model's activations and skip it
     base = SpeedConfig(metadata_cache=True, checkpointing="offloaded", resident_layers=False)
     ctl = SpeedController(model, base, CUDA)
-    ctl.offloader.min_offload_bytes = ctl.offloader.min_saved_bytes = 0
+    ctl.offloader.min_offload_bytes = 0
     ref_logits = run_step(model, ctl)
     ref = grads(model)
     model.zero_grad(set_to_none=True)
     errors = {}
     for scope in ("all", "recompute"):
-        ctl.apply(dataclasses.replace(base, fp8_base=True, fp8_scope=scope))
+        ctl.apply(dataclasses.replace(base, fp8_base=scope))
         assert ctl.state()["fp8_base"]["on"], ctl.state()["fp8_base"]
         logits = run_step(model, ctl)
         got = grads(model)
@@ -562,12 +471,12 @@ def test_automatic_fp8_keeps_a_qlora_step_16bit_forward_on_gpu() -> None:
     rounding of them, with no host sync."""
     model = tiny_4bit_model()
     # every layer recomputes (resident layers, automatic, could keep a tiny model's activations on a roomy GPU)
-    sixteen = SpeedConfig(metadata_cache=True, checkpointing="offloaded", resident_layers=False, fp8_base=False)
+    sixteen = SpeedConfig(metadata_cache=True, checkpointing="offloaded", resident_layers=False, fp8_base="off")
     ctl = SpeedController(model, sixteen, CUDA)
-    ctl.offloader.min_offload_bytes = ctl.offloader.min_saved_bytes = 0
+    ctl.offloader.min_offload_bytes = 0
     ref_logits, ref = run_step(model, ctl), grads(model)
     model.zero_grad(set_to_none=True)
-    ctl.apply(dataclasses.replace(sixteen, fp8_base=None))
+    ctl.apply(dataclasses.replace(sixteen, fp8_base="auto"))
     state = ctl.state()["fp8_base"]
     assert state["on"] and state["reason"].startswith("automatic:") and "loss stay 16-bit" in state["reason"], state
     run_step(model, ctl)  # the first fp8 step casts each weight once
@@ -600,7 +509,7 @@ def nf4_model() -> torch.nn.Module:
 def graphed_training(kind: str, settings: SpeedConfig) -> tuple[list[float], dict[str, torch.Tensor], SpeedController]:
     model = nf4_model() if kind == "nf4" else bf16_lora_with_float32_adapters()
     ctl = SpeedController(model, settings, CUDA)
-    ctl.offloader.min_offload_bytes = ctl.offloader.min_saved_bytes = 0
+    ctl.offloader.min_offload_bytes = 0
     trainable = [p for p in model.parameters() if p.requires_grad]
     start = [p.detach().clone() for p in trainable]
     optimizer = torch.optim.AdamW(trainable, lr=1e-3)

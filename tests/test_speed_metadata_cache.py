@@ -246,21 +246,21 @@ BF16 = torch.bfloat16
 
 
 @pytest.mark.parametrize(
-    ("requested", "capability", "on", "words"),
+    ("backend", "capability", "on", "words"),
     [
-        (None, (9, 0), True, "automatic: a one-document row runs through cuDNN"),  # H100, H200
-        (None, (8, 9), False, "automatic: off on sm_8x"),  # RTX 40-series: not measured
-        (None, (12, 0), False, "automatic: off on sm_12x"),  # RTX 50-series
-        (None, (12, 1), False, "automatic: off on sm_12x"),  # GB10 (DGX Spark)
-        (True, (8, 6), True, "switched on"),
-        (False, (9, 0), False, "switched off"),
+        ("auto", (9, 0), True, "automatic: a one-document row runs through cuDNN"),  # H100, H200
+        ("auto", (8, 9), False, "automatic: off on sm_8x"),  # RTX 40-series: not measured
+        ("auto", (12, 0), False, "automatic: off on sm_12x"),  # RTX 50-series
+        ("auto", (12, 1), False, "automatic: off on sm_12x"),  # GB10 (DGX Spark)
+        ("cudnn", (8, 6), True, "asked for"),
+        ("varlen", (9, 0), False, "every row takes the varlen kernel"),
     ],
 )
 def test_cudnn_attention_is_automatic_on_hopper_and_on_request_elsewhere(
-    requested: bool | None, capability: tuple[int, int], on: bool, words: str
+    backend: str, capability: tuple[int, int], on: bool, words: str
 ) -> None:
     problem = metadata_cache.cudnn_problem("cuda", BF16, capability, 128, has_cudnn=True)
-    got, why = metadata_cache.resolve_cudnn(requested, problem, capability)
+    got, why = metadata_cache.resolve_cudnn(backend, problem, capability)
     assert (got, why.startswith(words)) == (on, True), why
 
 
@@ -282,7 +282,7 @@ def test_cudnn_attention_names_what_it_cannot_serve(
     problem = metadata_cache.cudnn_problem(device, dtype, capability, head_dim, has_cudnn)
     assert problem is None if words is None else words in problem, problem
     # Even a request cannot turn it on where it cannot run.
-    assert metadata_cache.resolve_cudnn(True, problem, capability)[0] is (problem is None)
+    assert metadata_cache.resolve_cudnn("cudnn", problem, capability)[0] is (problem is None)
 
 
 def test_cudnn_attention_serves_only_whole_rows_without_dropout(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -319,19 +319,16 @@ def test_cudnn_attention_reports_why_it_is_off_on_the_cpu() -> None:
     model = tiny_lora_model("llama")
     ctl = SpeedController(model, SpeedConfig(metadata_cache=True, checkpointing="none"), torch.device("cpu"))
     assert ctl.state()["cudnn_attention"] == {"on": False, "reason": "cuDNN attention needs a CUDA GPU"}
-    ctl.apply(SpeedConfig(metadata_cache=False, checkpointing="none", cudnn_attention=False))
-    assert ctl.state()["cudnn_attention"]["reason"].startswith("switched off")
+    ctl.apply(SpeedConfig(metadata_cache=False, checkpointing="none", attention_backend="cudnn"))
+    assert ctl.state()["cudnn_attention"]["reason"].startswith("needs the metadata cache")
     ctl.apply(SpeedConfig(metadata_cache=True, checkpointing="none", attention_backend="flex"))
-    assert ctl.state()["cudnn_attention"] == {
-        "on": False,
-        "reason": "automatic: off, every row takes the flex kernel asked for",
-    }
+    assert ctl.state()["cudnn_attention"] == {"on": False, "reason": "every row takes the flex kernel asked for"}
 
 
-def test_cudnn_attention_off_runs_a_one_document_row_through_the_packed_kernel(causal: list[bool]) -> None:
-    """Switched off, a one-document row takes the packed rows' kernel, so on and off compare the two kernels;
-    automatic where cuDNN is not used, it keeps the whole-row causal path; switched on, it is asked for even with an
-    explicitly requested packed backend. The results agree."""
+def test_a_named_kernel_runs_a_one_document_row_through_the_packed_kernel(causal: list[bool]) -> None:
+    """With a kernel named (varlen, sdpa, ...), a one-document row takes the packed rows' kernel, so auto against a
+    named kernel compares cuDNN's (or SDPA's causal) kernel with the packed one; auto, where cuDNN is not used,
+    keeps the whole-row causal path, and so does cudnn asked for where it cannot run. The results agree."""
     model = tiny_lora_model("llama")
     one = packed_batch((40,))
     auto = SpeedConfig(metadata_cache=True, checkpointing="none")
@@ -339,8 +336,8 @@ def test_cudnn_attention_off_runs_a_one_document_row_through_the_packed_kernel(c
     results = {}
     for name, settings in {
         "auto": auto,
-        "off": dataclasses.replace(auto, cudnn_attention=False),
-        "on, sdpa asked for": dataclasses.replace(auto, cudnn_attention=True, attention_backend="sdpa"),
+        "sdpa asked for": dataclasses.replace(auto, attention_backend="sdpa"),
+        "cudnn asked for": dataclasses.replace(auto, attention_backend="cudnn"),
     }.items():
         ctl.apply(settings)
         meta = ctl.model_inputs(one)[metadata_cache.METADATA_KWARG]

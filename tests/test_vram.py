@@ -234,8 +234,8 @@ def stock_rows() -> dict[str, SpeedConfig]:
 @pytest.mark.parametrize("name", ["speed", "speed+standard_ckpt", "qlora", "long_context", "multi_gpu"])
 def test_every_bench_s_stock_row_has_every_switch_off_step_graphs_included(name: str) -> None:
     stock = stock_rows()[name]
-    assert "step_graphs" in SWITCHES and "resident_layers" in SWITCHES and "lean_recompute" in SWITCHES
-    assert stock.step_graphs is False
+    assert "step_graphs" in SWITCHES and "resident_layers" in SWITCHES and "dequant_once" in SWITCHES
+    assert stock.step_graphs is False and stock.fp8_base == "off"
     assert {switch: getattr(stock, switch) for switch in SWITCHES} == dict.fromkeys(SWITCHES, False)
     assert stock.moe_routing == "stock" and stock.checkpointing in ("none", "standard")
 

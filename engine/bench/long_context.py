@@ -204,7 +204,7 @@ def build_quantized_model(config: Any, device: torch.device, dtype: torch.dtype 
 
 
 MEMORY_SWITCHES = ("metadata_cache", "fused_loss", "chunked_mlp", "host_embedding", "lora_16bit")
-"""The switches the tunedeck variant turns on; the others (fused kernels, lean recompute, dequantize-once) are
+"""The switches the tunedeck variant turns on; the others (fused kernels, dequantize-once, fp8 products) are
 left automatic, as a run sets them."""
 
 

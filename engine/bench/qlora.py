@@ -15,12 +15,12 @@ Variants, timed one after another in the same process on the same rows:
 * ``auto``: TuneDeck with every switch automatic, as ``tunedeck train --qlora`` runs;
 * ``auto-X``: automatic with switch X off, which tells what each switch is worth;
 * ``auto+X``: automatic with switch X on, for the switches that are off unless switched on or on only in some
-  settings (fp8 base matmuls everywhere, kept attention, step graphs; ``auto+X+Y`` switches on both);
-  ``auto+layer_regions``: automatic with the fused kernels compiled per decoder layer instead of per child (fewer
-  compiled calls, each with its host-side cost);
+  settings (fp8 base matmuls everywhere, step graphs; ``auto+X+Y`` switches on both);
   a ``+foreach_adamw`` tail on any TuneDeck variant updates with the foreach AdamW instead of the fused one;
-  a ``+fp8_recompute_only`` tail on an fp8-base variant runs it with ``--fp8-scope recompute`` (the forward pass
-  in 16 bits, fp8 products only in the offloaded recompute and the input gradients).
+  a ``+fp8_recompute_only`` tail on an fp8-base variant runs it with ``--fp8-base recompute`` (the forward pass
+  in 16 bits, fp8 products only in the offloaded recompute and the input gradients);
+  ``auto-whole_row``: the varlen kernel asked for by name, so a one-document row runs through it instead of
+  cuDNN's (what cuDNN's kernel is worth).
 
 How a row reads each step's loss and gradient norm: not at all by default (the GPU's work alone); with a
 ``+read_immediate`` tail (or ``--as-trainer`` for every row) on the host before the update, as ``tunedeck train
@@ -82,40 +82,29 @@ STOCK = SpeedConfig.stock(checkpointing="standard")
 """peft's documented QLoRA: standard checkpointing and every TuneDeck switch off, step graphs included (left
 automatic, they went on trial in the stock rows)."""
 ABLATED = (
-    "fused_kernels", "lean_recompute", "dequant_once", "four_bit_kernel", "host_embedding", "fused_loss",
-    "metadata_cache", "step_graphs", "resident_layers", "cudnn_attention", "lora_groups", "fp8_base",
+    "fused_kernels", "dequant_once", "host_embedding", "fused_loss", "metadata_cache", "step_graphs", "resident_layers",
+    "fp8_base",
 )  # fmt: skip
 """Switches whose worth ``auto-X`` measures (each turned off alone)."""
 WHOLE_ROW = "whole_row"
-"""``auto-whole_row``: the varlen kernel asked for explicitly, so a one-document row does not take SDPA's causal
-path (engine.speed.metadata_cache.PackedAttentionMetadata.whole_row_causal)."""
+"""``auto-whole_row``: the varlen kernel asked for by name, so a one-document row takes neither cuDNN's kernel nor
+SDPA's causal path (engine.speed.metadata_cache.PackedAttentionMetadata.whole_row_causal)."""
 
 
-SWITCHED_ON = ("fp8_base", "keep_attention", "step_graphs")
-"""Switches off unless switched on, whose worth ``auto+X`` measures (X switched on over the automatic choices)."""
-LAYER_REGIONS = "auto+layer_regions"
-"""Automatic, with the fused kernels compiled per decoder layer instead of per child
-(engine.speed.fused_kernels.RegionCompiler.whole_layers): fewer compiled calls per step."""
+SWITCHED_ON: dict[str, Any] = {"fp8_base": "all", "step_graphs": True}
+"""Switches off unless switched on, whose worth ``auto+X`` measures (X switched on over the automatic choices), and
+the value that switches each on (fp8 everywhere)."""
 FOREACH_ADAMW = "foreach_adamw"
 """A bench knob as a variant's ``+foreach_adamw`` tail: the row's AdamW is the foreach one, not the fused one
 (engine.run.optimizer), to measure both."""
 READ_IMMEDIATE, READ_LATE = "read_immediate", "read_late"
 """Bench knobs as a variant's tail: each step's values read on the host before the update, or one step late."""
 FP8_RECOMPUTE_ONLY = "fp8_recompute_only"
-"""A tail on an fp8-base variant: ``--fp8-scope recompute``, the forward pass (the loss) stays in 16 bits, fp8
+"""A tail on an fp8-base variant: ``--fp8-base recompute``, the forward pass (the loss) stays in 16 bits, fp8
 products only in the offloaded recompute and the input gradients."""
 TAILS = (FOREACH_ADAMW, READ_IMMEDIATE, READ_LATE, FP8_RECOMPUTE_ONLY)
-KEPT_SHARE = "auto-kept_share="
-"""``auto-kept_share=X``: kept attention switched on, on a fixed share X of the layers (not the one chosen from the
-GPU)."""
-
-
 RESIDENT = "auto-resident="
 """``auto-resident=N``: automatic, with exactly N layers resident (not the count the planner fits)."""
-
-
-def kept_share_of(variant: str) -> float | None:
-    return float(variant.removeprefix(KEPT_SHARE)) if variant.startswith(KEPT_SHARE) else None
 
 
 def resident_of(variant: str) -> int | None:
@@ -153,41 +142,36 @@ def variant_settings(variant: str) -> SpeedConfig:
     if {FOREACH_ADAMW, READ_LATE} <= tails:
         raise ValueError(f"variant {variant!r}: +read_late needs the fused AdamW (it skips bad steps on the GPU)")
     settings = _switch_settings(variant)
-    return dataclasses.replace(settings, fp8_scope="recompute") if FP8_RECOMPUTE_ONLY in tails else settings
+    return dataclasses.replace(settings, fp8_base="recompute") if FP8_RECOMPUTE_ONLY in tails else settings
 
 
 def _switch_settings(variant: str) -> SpeedConfig:
     if variant == "stock":
         return STOCK
-    if variant in ("auto", LAYER_REGIONS):
+    if variant == "auto":
         return AUTO
-    if variant.startswith(KEPT_SHARE):
-        return dataclasses.replace(AUTO, keep_attention=True)
     if variant.startswith(RESIDENT):
         return dataclasses.replace(AUTO, resident_layers=True)
     if variant.startswith("auto+"):
         switches = variant.removeprefix("auto+").split("+")
         unknown = [s for s in switches if s not in SWITCHED_ON]
         if unknown:
-            raise ValueError(f"unknown variant {variant!r}: auto+SWITCH[+SWITCH] takes SWITCH in {SWITCHED_ON}")
-        switched_on: dict[str, Any] = dict.fromkeys(switches, True)
+            raise ValueError(f"unknown variant {variant!r}: auto+SWITCH[+SWITCH] takes SWITCH in {tuple(SWITCHED_ON)}")
+        switched_on: dict[str, Any] = {switch: SWITCHED_ON[switch] for switch in switches}
         return dataclasses.replace(AUTO, **switched_on)
     switch = variant.removeprefix("auto-")
     if switch == WHOLE_ROW:
         return dataclasses.replace(AUTO, attention_backend="varlen")
     if switch not in ABLATED:
         raise ValueError(f"unknown variant {variant!r}: stock, auto or auto-SWITCH with SWITCH in {ABLATED}")
-    switched_off: dict[str, Any] = {switch: False}
+    switched_off: dict[str, Any] = {switch: "off" if switch == "fp8_base" else False}
     return dataclasses.replace(AUTO, **switched_off)
 
 
 def set_variant(controller: Any, variant: str) -> None:
-    """Apply ``variant``'s switches (its tails' too) and the bench's own knobs (a fixed kept share, whole-layer
-    regions)."""
-    base = split_tails(variant)[0]
-    controller.kept_share_override = kept_share_of(base)
-    controller.resident_override = resident_of(base)
-    controller.region_compiler.whole_layers = base == LAYER_REGIONS
+    """Apply ``variant``'s switches (its tails' too) and the bench's own knob (a fixed number of resident
+    layers)."""
+    controller.resident_override = resident_of(split_tails(variant)[0])
     controller.apply(variant_settings(variant))
 
 
@@ -411,11 +395,10 @@ def markdown(report: dict[str, Any]) -> str:
         "checkpointing, sdpa; every TuneDeck switch off, step graphs included); `auto` = TuneDeck with every switch",
         "automatic; `auto-X` = automatic with X off;",
         "`auto+X` = automatic with X switched on (fp8_base: frozen-weight products in fp8; step_graphs: each",
-        "micro-batch replayed from a CUDA graph; layer_regions: fused kernels compiled per decoder layer instead of",
-        "per child; `auto+X+Y`: both; a `+foreach_adamw` tail: the foreach AdamW instead of the fused one; "
+        "micro-batch replayed from a CUDA graph; `auto+X+Y`: both; a `+foreach_adamw` tail: the foreach AdamW",
+        "instead of the fused one; "
         "`+read_immediate` / `+read_late` tails: each step's loss and gradient norm read on the host before the "
         "update / one step late, as `tunedeck train` does);",
-        "`auto-kept_share=X` = automatic with kept attention switched on for a share X of the layers;",
         "`auto-resident=N` = automatic with exactly N layers resident (`auto` sizes that count to the memory).",
         "Median of the",
         "timed steps after warm-up (compiles done, automatic step graphs' trial decided). Host ms: how long the host",

@@ -67,8 +67,8 @@ MOE_SHAPES: dict[str, dict[str, Any]] = {
 
 STOCK = SpeedConfig.stock()
 """Every switch off, step graphs included: none is left automatic (automatic step graphs went on trial here, and
-automatic resident layers and lean recompute under checkpointing), so each variant below runs exactly the switches
-its name says."""
+automatic resident layers under checkpointing), so each variant below runs exactly the switches its name says
+(offloaded checkpointing's recompute skips unread frozen projections in every row that offloads)."""
 ALL_ON: dict[str, Any] = dict(metadata_cache=True, fused_loss=True, lora_16bit=True, fused_kernels=True)
 """The throughput switches (the chunked MLP is for long rows on small cards: off here, as in stock)."""
 # Variants of the dense runs: stock, each switch alone, all on; without and with checkpointing.

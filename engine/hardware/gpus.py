@@ -26,7 +26,7 @@ CUDNN_ATTENTION_MAJORS = (9,)
 default: Hopper, measured on the H200 (one 4,096-token row, 32 query and 8 K/V heads of 128: 1.23 against 2.03 ms
 forward + backward per layer for FlashAttention-2's varlen kernel; 16,384 tokens: 14.8 against 24.3 ms;
 benchmarks/attention_kernels_h200.md). Other cards are not measured: there such a row takes the causal kernel SDPA
-picks unless the switch is on (``--cudnn-attention``)."""
+picks unless asked for (``--attention-backend cudnn``)."""
 
 CLASS_LABELS = {
     RTX_CONSUMER: "RTX consumer",

@@ -140,9 +140,6 @@ class TrainSetup:
     dequant_once: bool = False
     """4-bit weights dequantized once per recompute and kept for backward (engine.speed.lean_recompute): one
     layer's 16-bit projections, but the MLP's down projection, are alive while it recomputes and runs backward."""
-    keep_attention: bool = False
-    """Layers keep what they save in host memory and only MLPs recompute (engine.speed.kept_attention): two layers'
-    saved tensors are on the GPU in backward, the one running and the one arriving."""
     resident_layers: int = 0
     """Under checkpointing, this many layers keep their activations on the GPU and skip the recompute
     (engine.speed.resident_layers)."""
@@ -241,16 +238,6 @@ def weight_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     return (quantized + other) * setup.dtype_bytes
 
 
-KEPT_PER_TOKEN_HIDDEN = 7
-"""Tensors of hidden width a layer saves per token under kept attention: both norms' inputs and outputs, q, the
-attention output, and one more for q/k norms or odd layouts."""
-
-
-def kept_layer_bytes(hidden: int, kv_dim: int, tokens: int, act: int) -> int:
-    """What one decoder layer saves for backward under kept attention (its attention block and its MLP's input)."""
-    return tokens * (KEPT_PER_TOKEN_HIDDEN * hidden + 2 * kv_dim) * act
-
-
 def experts_rerun_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     """Per token: 4-bit experts run their forward again inside backward to get the input gradient
     (engine.model.quantized_experts): one layer's routed activations exist there, and their gradients while
@@ -283,7 +270,6 @@ def setup_from_speed_state(
         lora_16bit=on("lora_16bit"),
         host_embedding=on("host_embedding"),
         dequant_once=on("dequant_once"),
-        keep_attention=on("keep_attention"),
         resident_layers=int(state.get("resident_layers", {}).get("layers", 0)),
         attention=cache.get("backend") if cache.get("on") else "sdpa",  # type: ignore[arg-type]
         chunk_tokens=chunk_tokens_for(shape.intermediate_size, shape.hidden_size) if on("chunked_mlp") else None,
@@ -517,7 +503,7 @@ def _mask_bytes(shape: ModelShape, setup: TrainSetup, backend: str) -> tuple[int
 
 def keeps_layer(index: int, share: float) -> bool:
     """Whether layer ``index`` (from the bottom) is one of the ``share`` of layers that keep what they save (resident
-    layers, kept attention): spread evenly, so they alternate with layers that only keep their input. The top layer
+    layers): spread evenly, so they alternate with layers that only keep their input. The top layer
     is always one of them."""
     return int((index + 1) * share + 1e-9) > int(index * share + 1e-9)
 
@@ -581,8 +567,6 @@ def estimate_memory(
         recompute = activations - freed + working + layer_mask + copies + hidden_grads * t
         recompute += dequantized_layer_bytes(shape, setup) + dequantized_experts_bytes(shape, setup)
         recompute += experts_rerun_bytes(shape, setup) * t
-        if setup.keep_attention and setup.checkpointing == "offloaded":
-            recompute += 2 * kept_layer_bytes(h, shape.kv_dim, t, act)
         recompute = max(recompute, top_resident)
     final_norm = (4 * h + 4) * t
     loss = final_norm + loss_bytes(shape, setup)

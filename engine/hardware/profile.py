@@ -319,9 +319,9 @@ def fp8_note(target: DeviceTarget) -> str | None:
     if not target.is_gpu or target.assumed or target.compute_capability is None or target.compute_capability < (8, 9):
         return None
     return (
-        f"{target.label} has fp8 tensor cores: --fp8-base runs the frozen base weights' products in fp8, faster "
-        "where the GPU sets the pace, at fp8 rounding (automatic in a QLoRA run's recompute and input gradients, "
-        "the forward pass kept 16-bit; everywhere when switched on)"
+        f"{target.label} has fp8 tensor cores: --fp8-base all runs the frozen base weights' products in fp8, "
+        "faster where the GPU sets the pace, at fp8 rounding (automatic in a QLoRA run's recompute and input "
+        "gradients, --fp8-base recompute, the forward pass kept 16-bit)"
     )
 
 
@@ -347,6 +347,8 @@ def _memory_plan(
         budget = int(memory * 0.6)  # leave the operating system and the data pipeline their share
     dtype_bytes = 4 if choices["dtype"].value == "float32" else 2
     attention = choices["attention_backend"].value
+    if attention == "cudnn":  # cuDNN serves rows of one document; packed rows take the automatic kernel
+        attention = choose_attention(target, choices["dtype"].value).value
     chunked = overrides.get("chunked_mlp")
     base = TrainSetup(
         lora_rank=lora_rank,

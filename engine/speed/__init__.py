@@ -6,9 +6,10 @@ Each optimization lives in its own module with a pure core, a fallback and a doc
 :mod:`engine.speed.resident_layers` (the layers spare GPU memory holds skip the recompute),
 :mod:`engine.speed.moe_routing` (experts on sorted token slices), :mod:`engine.speed.fused_loss` (the loss
 and its gradient from the hidden states in chunks, never the full logits), :mod:`engine.speed.lora_16bit` (LoRA
-adapters computed in the model's 16-bit dtype; :mod:`engine.speed.lora_groups` shares one A product per group of
-projections reading the same input) and :mod:`engine.speed.fused_kernels` (each layer's small per-token
-operations fused by a regional torch.compile). They plug into transformers through
+adapters computed in the model's 16-bit dtype, sharing one A product per group of projections reading the same input
+through :mod:`engine.speed.lora_groups`), :mod:`engine.speed.lean_recompute` (frozen projections an offloaded
+recompute skips, 4-bit weights dequantized once, fp8 products) and :mod:`engine.speed.fused_kernels` (each layer's
+small per-token operations fused by a regional torch.compile). They plug into transformers through
 its registries (attention functions, experts implementations, the gradient-checkpointing function), so switching is
 a change of registered name or checkpoint function: no model reload, no reassigned library method. The fused
 loss is the training loop's call to :meth:`SpeedController.loss` instead of the model's own forward, and
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -28,17 +28,14 @@ import torch
 from engine.config import SpeedConfig
 from engine.data.model_inputs import stock_model_inputs
 from engine.data.packing import PackedBatch
-from engine.hardware.planner import keeps_layer
 from engine.hardware.shapes import ModelShape
 from engine.speed import (
     chunked_mlp,
     fp8_base,
     fused_kernels,
     fused_loss,
-    kept_attention,
     lean_recompute,
     lora_16bit,
-    lora_groups,
     metadata_cache,
     moe_routing,
     offloaded_checkpoint,
@@ -125,7 +122,6 @@ class SpeedController:
         self.offloader = ActivationOffloader(
             self.device,
             min_offload_bytes=0 if self.device.type == "cpu" else offloaded_checkpoint.MIN_OFFLOAD_BYTES,
-            min_saved_bytes=0 if self.device.type == "cpu" else offloaded_checkpoint.MIN_SAVED_BYTES,
         )
         self.settings = settings
         self._state: dict[str, dict[str, Any]] = {}
@@ -143,12 +139,9 @@ class SpeedController:
         self.lora_16bit = Lora16Bit(model)
         self.lora_groups = LoraGroups()
         self.lean = lean_recompute.LeanRecompute(self.hf_model, self.offloader.recompute)
-        self._rotary_hook: Any = None
         self.graphs = step_graphs.StepGraphs(self.device, self._trainable, reset=self.offloader.forget_events)
         self._graphs_refused: str | None = None
         self._fused_loss_refused: str | None = None
-        self.kept_share_override: float | None = None
-        """A fixed share of layers for kept attention (the bench's sweep); None: chosen from the GPU."""
         self.residency = resident_layers.LayerResidency()
         self.resident_override: int | None = None
         """A fixed number of resident layers where the switch is on (tests, benches); None: what the planner fits."""
@@ -171,11 +164,9 @@ class SpeedController:
         self._apply_moe_routing(settings)
         self._apply_fused_loss(settings)
         self._apply_checkpointing(settings.checkpointing, reason=None)
-        self._apply_keep_attention(settings)
         self._apply_chunked_mlp(settings)
         self._apply_host_embedding(settings)
         self._apply_lora_16bit(settings)
-        self._apply_lora_groups(settings)
         self._apply_lean_recompute(settings)
         self._apply_fused_kernels(settings)
         self._apply_resident_layers(settings)
@@ -209,11 +200,11 @@ class SpeedController:
             head_dim = ModelShape.from_config(self.hf_model.config).head_dim
             has_cudnn = torch.backends.cudnn.is_available()
             problem = metadata_cache.cudnn_problem(self.device.type, self.dtype, capability, head_dim, has_cudnn)
-        requested, backend = settings.cudnn_attention, settings.attention_backend
-        on, reason = metadata_cache.resolve_cudnn(requested, problem, capability, backend)
+        backend = settings.attention_backend
+        on, reason = metadata_cache.resolve_cudnn(backend, problem, capability)
         self._cudnn = on
         # a one-document row skips the document mask: for cuDNN, or automatically for the kernel SDPA picks
-        self._whole_row = requested is True or (requested is None and backend == "auto")
+        self._whole_row = backend in ("auto", "cudnn")
         self._state["cudnn_attention"] = {"on": on, "reason": reason}
 
     def _apply_moe_routing(self, settings: SpeedConfig) -> None:
@@ -262,36 +253,9 @@ class SpeedController:
         if on:
             compiled, _ = self._resolve_fused_kernels(settings)
             self.chunked.install(mlp_only=compiled)
-        elif self.offloader.keeps_saved:
-            self.chunked.install_units()  # the MLPs keep only their inputs and recompute in backward
         else:
             self.chunked.remove()
         self._state["chunked_mlp"] = {"on": on, "reason": reason}
-
-    def _apply_keep_attention(self, settings: SpeedConfig) -> None:
-        mode = self._checkpointing or "none"
-        tokens = max(self._longest_tokens, 1)
-        layer = kept_attention.layer_saved_bytes(self.hf_model.config, tokens, self.dtype.itemsize)
-        layers = len(fused_kernels.decoder_layers(self.hf_model))
-        offloader = self.offloader
-        pinned_left = offloader.pinned_budget - offloader.pinned_bytes + offloader.saved_host_bytes()
-        free = free_device_memory(self.device) if self.device.type == "cuda" else None
-        on, reason = kept_attention.resolve(
-            settings.keep_attention, mode, self.device,
-            step_bytes=layer * layers, layer_bytes=layer, pinned_left=pinned_left, free_bytes=free,
-        )  # fmt: skip
-        share = self._kept_share(tokens, layer) if on else 1.0
-        if on and share < 1.0:
-            kept = sum(keeps_layer(i, share) for i in range(layers))
-            reason += f"; {kept} of {layers} layers (the host link would slow the others' forward pass)"
-        offloader.kept_share = share
-        offloader.keep_saved(on, self.model)
-        if on and self._rotary_hook is None:
-            self._rotary_hook = kept_attention.resident_rotary(self.hf_model, offloader.keep_resident)
-        elif not on and self._rotary_hook is not None:
-            self._rotary_hook.remove()
-            self._rotary_hook = None
-        self._state["keep_attention"] = {"on": on, "reason": reason}
 
     def _apply_host_embedding(self, settings: SpeedConfig) -> None:
         usable = usable_device_memory(self.device) if self.device.type == "cuda" else None
@@ -302,42 +266,32 @@ class SpeedController:
     def _apply_lora_16bit(self, settings: SpeedConfig) -> None:
         on, reason = lora_16bit.resolve(settings.lora_16bit, self.model, self.dtype)
         self.lora_16bit.switch(on)
-        self._state["lora_16bit"] = {"on": on, "reason": reason}
-
-    def _apply_lora_groups(self, settings: SpeedConfig) -> None:
-        on, reason = lora_groups.resolve(settings.lora_groups, self.lora_16bit.on)
-        count = self.lora_groups.install(self.model, adapted_layers(self.model)) if on else 0
-        if count:
-            reason += f"; {count} groups"
+        # the 16-bit path shares one LoRA A product per group of projections reading the same input
+        groups = self.lora_groups.install(self.model, adapted_layers(self.model)) if on else 0
+        if groups:
+            reason += f"; one A product for each of {groups} groups of projections reading the same input"
         else:
             self.lora_groups.remove()
-            if on:
-                on, reason = False, "no group of adapted projections reading the same input (q/k/v, gate/up)"
-        self._state["lora_groups"] = {"on": on, "reason": reason}
+        self._state["lora_16bit"] = {"on": on, "reason": reason, "groups": groups}
 
     def _apply_lean_recompute(self, settings: SpeedConfig) -> None:
         mode = self._checkpointing or "none"
-        skip, skip_reason = lean_recompute.lean_recompute_resolve(settings.lean_recompute, mode)
+        skip = mode == "offloaded"  # exact: part of offloaded checkpointing's recompute
         extra = lean_recompute.layer_dequant_bytes(self.hf_model)
         free = free_device_memory(self.device) if self.device.type == "cuda" else None
         once, once_reason = lean_recompute.dequant_once_resolve(settings.dequant_once, mode, extra, free)
         frozen = sum(1 for _ in lean_recompute.frozen_projections(self.hf_model, every=True))
         experts = moe_routing.has_routable_experts(self.hf_model)
         fp8, fp8_reason = fp8_base.resolve(settings.fp8_base, self.device, frozen, mode, extra > 0, experts)
-        scope = fp8_base.automatic_scope(settings.fp8_base, settings.fp8_scope)
+        scope = fp8_base.scope_of(settings.fp8_base)
         fp8, fp8_reason = fp8_base.scoped(fp8, fp8_reason, scope, mode)
         compiled, _ = self._resolve_fused_kernels(settings)
-        kernel, kernel_reason = lean_recompute.four_bit_kernel_resolve(
-            settings.four_bit_kernel, self.device, self.hf_model, measured=once and not self._chunked
-        )
         self.lean.fp8_in_forward = scope != "recompute"
-        self.lean.switch(skip, once, fp8, one_pass=compiled, one_kernel=kernel)
+        self.lean.switch(skip, once, fp8, one_pass=compiled)
         if fp8:
             fp8_reason += fp8_coverage(*self.lean.fp8_projections())
-        self._state["lean_recompute"] = {"on": skip, "reason": skip_reason}
         self._state["dequant_once"] = {"on": once, "reason": once_reason}
-        self._state["four_bit_kernel"] = {"on": kernel, "reason": kernel_reason}
-        self._state["fp8_base"] = {"on": fp8, "reason": fp8_reason}
+        self._state["fp8_base"] = {"on": fp8, "scope": scope if fp8 else None, "reason": fp8_reason}
 
     def _apply_resident_layers(self, settings: SpeedConfig) -> None:
         total = len(fused_kernels.decoder_layers(self.hf_model))
@@ -354,8 +308,6 @@ class SpeedController:
     def _resident_blocker(self) -> str | None:
         if self._resident_refused is not None:
             return self._resident_refused
-        if self.offloader.keeps_saved:
-            return "kept attention is on"
         if self._chunked:
             return "the row needs its MLPs in chunks: no spare memory"
         if self.resident_override is None and self.device.type != "cuda":
@@ -451,19 +403,6 @@ class SpeedController:
     def _trainable(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
-    def _kept_share(self, tokens: int, layer_bytes: int) -> float:
-        if self.kept_share_override is not None:
-            return self.kept_share_override
-        if self.device.type != "cuda":
-            return 1.0
-        flops = kept_attention.device_flops_per_s(self.device)
-        if flops is None:
-            return 1.0
-        link = kept_attention.host_link_bytes_per_s(self.device)
-        return kept_attention.kept_share(
-            layer_bytes, kept_attention.layer_forward_flops(self.hf_model.config, tokens), link, flops
-        )
-
     def _apply_checkpointing(self, requested: str, reason: str | None) -> None:
         mode, why = self._resolve_checkpointing(requested)
         reason = reason or why
@@ -473,17 +412,9 @@ class SpeedController:
             else:
                 fn = self.offloader.checkpoint if mode == "offloaded" else offloaded_checkpoint.standard_checkpoint
                 fn = self.residency.wrap(fn)
-                self.hf_model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=self._through(fn))
+                self.hf_model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=fn)
             self._checkpointing = mode
         self._state["checkpointing"] = {"mode": mode, "reason": reason}
-
-    def _through(self, checkpoint: Callable[..., Any]) -> Callable[..., Any]:
-        """``checkpoint`` running each layer's compiled inner forward where whole layers are compiled."""
-
-        def run(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-            return checkpoint(self.region_compiler.layer_function(function), *args, **kwargs)
-
-        return run
 
     def _resolve_checkpointing(self, requested: str) -> tuple[str, str]:
         integrated = offloaded_checkpoint.offload_unsupported_reason(self.device)
@@ -519,12 +450,10 @@ class SpeedController:
             self._longest_tokens = tokens
         if not (checkpointing or longer):
             return
-        chunked = self._chunked
-        self._apply_keep_attention(self.settings)  # each of these depends on checkpointing and the longest row
-        self._apply_chunked_mlp(self.settings)
-        if checkpointing or self._chunked != chunked:
-            self._apply_lean_recompute(self.settings)  # the 4-bit kernel's choice depends on checkpointing and chunks
-        self._apply_fused_kernels(self.settings)  # whole-layer regions depend on checkpointing and chunks
+        self._apply_chunked_mlp(self.settings)  # each of these depends on checkpointing and the longest row
+        if checkpointing:
+            self._apply_lean_recompute(self.settings)
+        self._apply_fused_kernels(self.settings)  # the compiled regions depend on the chunks
         self._apply_resident_layers(self.settings)
         self.graphs.clear()
         if longer and self.graphs.on and self._graphs_memory_bound(self.settings):

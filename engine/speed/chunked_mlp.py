@@ -29,7 +29,6 @@ layer class finds their children but not the q/k/v/o layers themselves; the trai
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -160,9 +159,7 @@ class _ChunkedRun(torch.autograd.Function):
 class TokenChunked(StandIn):
     """Stands in for a per-token module and runs it over chunks of the sequence (names unchanged: :class:`StandIn`).
 
-    ``flag`` is the offloader's: while it is set, an offloaded layer is recomputing. As a ``unit`` (kept attention:
-    :meth:`ChunkedModules.install_units`) it runs the whole row as one chunk but still keeps only its input, so
-    backward recomputes it while the rest of the layer keeps what it saved.
+    ``flag`` is the offloader's: while it is set, an offloaded layer is recomputing.
     """
 
     def __init__(
@@ -171,7 +168,6 @@ class TokenChunked(StandIn):
         chunk_tokens: int,
         feeds_residual_only: bool = False,
         flag: RecomputeFlag | None = None,
-        unit: bool = False,
     ) -> None:
         super().__init__(wrapped)
         self.chunk_tokens = chunk_tokens
@@ -179,22 +175,18 @@ class TokenChunked(StandIn):
         """The output goes straight into the layer's residual sum (a Llama-style MLP): an offloaded layer's
         recompute may skip computing it."""
         self.flag = flag or RecomputeFlag()
-        self.unit = unit
 
     def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         length = hidden.shape[-2] if hidden.dim() >= 2 else 0
-        one_chunk = length <= self.chunk_tokens and not self.unit
+        one_chunk = length <= self.chunk_tokens
         if args or kwargs or not torch.is_grad_enabled() or length == 0 or one_chunk:
             return chunked_call(self.wrapped, hidden, self.chunk_tokens, *args, **kwargs)
         params = [p for p in self.wrapped.parameters() if p.requires_grad]
         discard = self.feeds_residual_only and self.flag.active
-        chunk = length if self.unit else self.chunk_tokens
         # torch leaves Function.apply unannotated
-        return _ChunkedRun.apply(self.wrapped, chunk, discard, self.flag, hidden, *params)  # type: ignore[no-untyped-call]
+        return _ChunkedRun.apply(self.wrapped, self.chunk_tokens, discard, self.flag, hidden, *params)  # type: ignore[no-untyped-call]
 
     def extra_repr(self) -> str:
-        if self.unit:
-            return f"{type(self.wrapped).__name__} recomputed in backward"
         return f"{type(self.wrapped).__name__} in chunks of {self.chunk_tokens} tokens"
 
 
@@ -247,21 +239,9 @@ class ChunkedModules:
     flag: RecomputeFlag = field(default_factory=RecomputeFlag)
     """The offloader's recompute flag (the speed controller passes it), read by every stand-in."""
 
-    units: bool = False
-    """What is installed are whole-row recompute units (kept attention), not chunks."""
-
     @property
     def on(self) -> bool:
-        return bool(self.installed) and not self.units
-
-    def install_units(self) -> int:
-        """Wrap every dense MLP as a whole-row recompute unit (kept attention); returns how many."""
-        if self.installed and not self.units:
-            self.remove()
-        if not self.installed:
-            self._wrap(sys.maxsize, mlp_only=True, unit=True)
-        self.units = True
-        return len(self.installed)
+        return bool(self.installed)
 
     def install(self, chunk_tokens: int | None = None, mlp_only: bool = False) -> int:
         """Wrap every per-token module, or only the MLPs (or update the chunk size); returns how many are chunked.
@@ -275,22 +255,22 @@ class ChunkedModules:
         if chunk_tokens:
             self.chunk_tokens = chunk_tokens
         chunk_tokens = self.chunk_tokens or choose_chunk_tokens(getattr(self.hf_model, "config", None))
-        if self.installed and (mlp_only != self.mlp_only or self.units):
+        if self.installed and mlp_only != self.mlp_only:
             self.remove()
         if self.installed:
             for _, _, wrapper in self.installed:
                 wrapper.chunk_tokens = chunk_tokens
             return len(self.installed)
         self.mlp_only = mlp_only
-        self._wrap(chunk_tokens, mlp_only, unit=False)
+        self._wrap(chunk_tokens, mlp_only)
         return len(self.installed)
 
-    def _wrap(self, chunk_tokens: int, mlp_only: bool, unit: bool) -> None:
+    def _wrap(self, chunk_tokens: int, mlp_only: bool) -> None:
         for parent, name, module in list(per_token_targets(self.hf_model, mlp_only)):
             if isinstance(module, TokenChunked):  # left behind by an earlier controller
                 module = module.wrapped
             residual_only = name == "mlp" and feeds_residual_only(parent)
-            wrapper = TokenChunked(module, chunk_tokens, feeds_residual_only=residual_only, flag=self.flag, unit=unit)
+            wrapper = TokenChunked(module, chunk_tokens, feeds_residual_only=residual_only, flag=self.flag)
             parent._modules[name] = wrapper
             self.installed.append((parent, name, wrapper))
 
@@ -299,7 +279,6 @@ class ChunkedModules:
         for parent, name, wrapper in self.installed:
             parent._modules[name] = wrapper.wrapped
         self.installed.clear()
-        self.units = False
 
 
 def row_working_bytes(config: Any, tokens: int) -> int:

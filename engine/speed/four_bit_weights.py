@@ -1,25 +1,21 @@
-"""Frozen 4-bit weights decoded in one kernel: to e4m3 for the fp8-base switch, to 16 bits for the 4-bit kernel.
+"""Frozen 4-bit weights decoded to e4m3 in one kernel, for the fp8-base switch.
 
 Why: bitsandbytes turns an NF4 weight back into numbers in two kernels (its double-quantized block scales first,
-then the codes), and a QLoRA step decodes every weight at least twice. Here one Triton kernel reads the packed codes
-and block scales once and writes the whole weight. On the H200 (Llama-3.1-8B shape, 4,096 tokens, 8 GiB cap) a
-step's 448 16-bit decodes took 12 ms of GPU time against 17 ms (benchmarks/history/qlora_four_bit_kernel_h200.md).
-On the host the custom op costs a little more per call than bitsandbytes' Python (86 against 65 us there), so the
-gain shows where step graphs take the host out of the step. Floating-point contraction is off in the kernel: a fused
-multiply-add in the double-quantized scale rounded about one weight in a million differently from bitsandbytes.
+then the codes), and fp8 products then need a cast and a transposed copy on top. Here one Triton kernel reads the
+packed codes and block scales once and writes the whole weight in e4m3. Floating-point contraction is off in the
+kernel: a fused multiply-add in the double-quantized scale rounded about one weight in a million differently from
+bitsandbytes.
 
-* **16-bit** (:func:`sixteen_bit_from_4bit`, the 4-bit kernel switch of :mod:`engine.speed.lean_recompute`): each
-  code's table value times its block's float32 scale (a double-quantized scale is its 8-bit code's value times its
-  group's scale plus the stored offset), rounded to the model's 16-bit dtype: bitsandbytes' own arithmetic, so the
-  weight is bit for bit its ``dequantize_4bit`` (GPU test), and the projection's products and gradients are the
-  library path's.
-* **e4m3** (:func:`e4m3_from_4bit`, for ``--fp8-base``): the 16-bit value times the reciprocal of the weight's one
-  e4m3 scale, clamped to e4m3's range and rounded to nearest, written row-major (forward), transposed (the input
-  gradient), or both from the same read. Against bitsandbytes' dequantize, a cast and a transposed copy: the
-  two-pass path's bits except for about 2 in a million weights, one e4m3 step apart (it divides by the scale where
-  this multiplies by its reciprocal). Measured on the H200 (Llama-3.1-8B shape, ``--fp8-base --step-graphs``): the
-  448 conversions of a step took 17.9 ms against about 37 ms, and the step went from 320 to 294 ms
-  (benchmarks/qlora_one_pass_h200.md).
+Each code's table value times its block's float32 scale (a double-quantized scale is its 8-bit code's value times its
+group's scale plus the stored offset) is rounded to the model's 16-bit dtype, bitsandbytes' own arithmetic, then
+(:func:`e4m3_from_4bit`) times the reciprocal of the weight's one e4m3 scale, clamped to e4m3's range and rounded to
+nearest, written row-major (forward), transposed (the input gradient), or both from the same read. Against
+bitsandbytes' dequantize, a cast and a transposed copy: the two-pass path's bits except for about 2 in a million
+weights, one e4m3 step apart (it divides by the scale where this multiplies by its reciprocal). Measured on the H200
+(Llama-3.1-8B shape, fp8 everywhere with step graphs): the 448 conversions of a step took 17.9 ms against about
+37 ms, and the step went from 320 to 294 ms (benchmarks/qlora_one_pass_h200.md). A 16-bit decode by the same kernel
+(bitsandbytes' bits, 12 against 17 ms a step) measured 1.3% of a whole step and went
+(docs/speed_switch_gains.md).
 
 The kernel covers bitsandbytes' 2-D NF4 weights (plain or double-quantized block scales) whose rows hold whole
 blocks and whose widths are multiples of the tiles; anything else (FP4, not checked against bitsandbytes on a GPU),
@@ -31,18 +27,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, cast
+from typing import Any
 
 import torch
 
 __all__ = [
     "TILES",
     "covers",
-    "covers_16bit",
     "e4m3_from_4bit",
-    "four_bit_to_16bit",
     "four_bit_to_e4m3",
-    "sixteen_bit_from_4bit",
 ]
 
 E4M3 = torch.float8_e4m3fn
@@ -51,8 +44,7 @@ TILES = {(True, False): (16, 256, 4), (False, True): (64, 64, 4), (True, True): 
 """(rows, packed bytes, warps) per program for each (row-major, transposed) pair of outputs, the fastest measured
 on the H200 (14,336 x 4,096 NF4: 0.045, 0.050 and 0.083 ms against 0.118 ms for bitsandbytes' kernel and the cast
 alone). A transposed store is contiguous along the tile's rows, so its tile is tall. Writing both layouts from a
-tall tile gave wrong transposed values with Triton 3.6, so both come from the wide tile (GPU test). A 16-bit
-weight is written row-major from the same wide tile."""
+tall tile gave wrong transposed values with Triton 3.6, so both come from the wide tile (GPU test)."""
 
 
 def covers(quant_state: Any) -> bool:
@@ -72,12 +64,6 @@ def covers(quant_state: Any) -> bool:
     widest = 2 * max(tile[1] for tile in TILES.values())
     tallest = max(tile[0] for tile in TILES.values())
     return columns % widest == 0 and rows % tallest == 0 and _triton_available()
-
-
-def covers_16bit(quant_state: Any) -> bool:
-    """Whether :func:`sixteen_bit_from_4bit` handles this weight: :func:`covers` it, and it was quantized from a
-    16-bit dtype (its values round to that dtype, as bitsandbytes' dequantize does)."""
-    return getattr(quant_state, "dtype", None) in (torch.float16, torch.bfloat16) and covers(quant_state)
 
 
 @functools.cache
@@ -105,16 +91,6 @@ def e4m3_from_4bit(
         transposed_out,
     )  # fmt: skip
     return (forward if rows_out else None), (backward if transposed_out else None)
-
-
-def sixteen_bit_from_4bit(packed: torch.Tensor, quant_state: Any, dtype: torch.dtype, use: int = 0) -> torch.Tensor:
-    """The (out, in) weight of a covered 4-bit weight in ``dtype`` (float16 or bfloat16): bitsandbytes'
-    ``dequantize_4bit`` bit for bit, in one kernel. ``use``: see :func:`four_bit_to_16bit`."""
-    codes, rows, columns, blocksize = _codes(packed, quant_state)
-    # a torch.library custom op: its __call__ is typed as returning Any
-    return cast(
-        torch.Tensor, four_bit_to_16bit(codes, *_block_scales(quant_state), rows, columns, blocksize, dtype, use)
-    )
 
 
 def _codes(packed: torch.Tensor, quant_state: Any) -> tuple[torch.Tensor, int, int, int]:
@@ -189,55 +165,6 @@ def _(
     transposed_out: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _outputs(packed.device, rows, columns, rows_out, transposed_out)
-
-
-@torch.library.custom_op("tunedeck::four_bit_to_16bit", mutates_args=())
-def four_bit_to_16bit(
-    packed: torch.Tensor,
-    absmax: torch.Tensor,
-    absmax2: torch.Tensor,
-    code2: torch.Tensor,
-    offset: torch.Tensor,
-    table: torch.Tensor,
-    group: int,
-    nested: bool,
-    rows: int,
-    columns: int,
-    blocksize: int,
-    dtype: torch.dtype,
-    use: int,
-) -> torch.Tensor:
-    """The (rows, columns) weight packed as 4-bit codes in ``dtype`` (arguments as :func:`four_bit_to_e4m3`).
-
-    ``use`` (0: a forward product, 1: an input gradient) changes nothing here, but it keeps compiled graphs from
-    merging a backward's decode with its forward's: the merged weight would be saved for backward, so a layer's
-    16-bit weights would stay alive from its forward to its backward (measured: out of memory on a 16,384-token
-    8B row under 8 GiB)."""
-    out = torch.empty((rows, columns), dtype=dtype, device=packed.device)
-    _launch(
-        packed, absmax, absmax2, code2, offset, table, group, nested, absmax, out, out, rows, columns, blocksize,
-        dtype, to_e4m3=False, rows_out=True, transposed_out=False,
-    )  # fmt: skip
-    return out
-
-
-@four_bit_to_16bit.register_fake
-def _(
-    packed: torch.Tensor,
-    absmax: torch.Tensor,
-    absmax2: torch.Tensor,
-    code2: torch.Tensor,
-    offset: torch.Tensor,
-    table: torch.Tensor,
-    group: int,
-    nested: bool,
-    rows: int,
-    columns: int,
-    blocksize: int,
-    dtype: torch.dtype,
-    use: int,
-) -> torch.Tensor:
-    return torch.empty((rows, columns), dtype=dtype, device=packed.device)
 
 
 def _launch(
@@ -331,16 +258,11 @@ def _kernel() -> Any:
     return four_bit_decode_kernel
 
 
-def dense_weight(
-    weight: torch.Tensor, quant_state: Any, dtype: torch.dtype, one_kernel: bool = False, use: int = 0
-) -> torch.Tensor:
-    """The (out, in) weight in ``dtype``: dequantized from 4 bits when there is a quantization state, by the one-pass
-    kernel (:func:`sixteen_bit_from_4bit`, the same bits) when ``one_kernel``;
-    ``use`` 1 for an input gradient's weight (never merged with the forward's in compiled graphs)."""
+def dense_weight(weight: torch.Tensor, quant_state: Any, dtype: torch.dtype) -> torch.Tensor:
+    """The (out, in) weight in ``dtype``: dequantized by bitsandbytes from 4 bits when there is a quantization
+    state."""
     if quant_state is None:
         return weight.to(dtype)
-    if one_kernel:
-        return sixteen_bit_from_4bit(weight, quant_state, quant_state.dtype, use).to(dtype)
     from bitsandbytes.functional import dequantize_4bit
 
     return dequantize_4bit(weight, quant_state).to(dtype)

@@ -1,4 +1,4 @@
-"""Frozen base weights multiplied in fp8 (e4m3) on GPUs with fp8 tensor cores: ``--fp8-base``.
+"""Frozen base weights multiplied in fp8 (e4m3) on GPUs with fp8 tensor cores: ``--fp8-base all|recompute``.
 
 Why: in 4-bit (QLoRA) fine-tuning of a 7-8B model the products with the frozen base weights are most of the
 step: forward, the checkpointed recompute and the input gradients of backward. Profiled on the H200 (Llama-3.1-8B
@@ -21,7 +21,7 @@ adapters stay in 16/32 bits, but with fp8 in the forward pass the losses no long
 bf16 noise. Products whose widths are not multiples of 16 keep the 16-bit path, and so do MoE routers and 3-D
 experts, which are not linear projections: experts are still chosen from 16-bit logits.
 
-Scope (``--fp8-scope``, when the switch is on): ``all`` as above, or ``recompute``: the forward pass stays in 16
+Scope (the ``fp8_base`` value): ``all`` as above, or ``recompute``: the forward pass stays in 16
 bits, so the loss is the 16-bit path's, and only offloaded checkpointing's recompute and the input gradients
 multiply in fp8. The gradients then come from activations rebuilt with fp8 products and carry fp8 rounding, which
 is small beside a micro-batch's own sampling noise.
@@ -45,11 +45,11 @@ from engine.speed.four_bit_weights import dense_weight, e4m3_from_4bit
 
 __all__ = [
     "E4M3_MAX",
-    "automatic_scope",
     "fp8_matmul",
     "frozen_weight_e4m3",
     "quantize_rows",
     "resolve",
+    "scope_of",
     "scoped",
     "unavailable_reason",
     "weight_columns",
@@ -218,14 +218,14 @@ def scoped(on: bool, reason: str, scope: str, checkpointing: str) -> tuple[bool,
         return on, reason
     if checkpointing != "offloaded":
         return False, (
-            "fp8 scope 'recompute' multiplies in fp8 only in offloaded checkpointing's recompute; with "
+            "fp8 in the recompute multiplies in fp8 only in offloaded checkpointing's recompute; with "
             f"{checkpointing} checkpointing every product stays 16-bit"
         )
-    return True, reason + "; the forward pass and its loss stay 16-bit (fp8 scope: recompute and input gradients)"
+    return True, reason + "; the forward pass and its loss stay 16-bit (fp8 in the recompute and the input gradients)"
 
 
 def resolve(
-    requested: bool | None,
+    requested: str,
     device: torch.device,
     frozen: int,
     checkpointing: str = "none",
@@ -234,15 +234,16 @@ def resolve(
 ) -> tuple[bool, str]:
     """(on, reason). Automatic only where it was measured within bf16 noise: a dense model with a 4-bit (QLoRA) base
     under offloaded checkpointing, where the automatic scope keeps the forward pass in 16 bits
-    (:func:`automatic_scope`); not for MoE models (``experts``), whose speed with it was not measured."""
-    if requested is False:
+    (:func:`scope_of`); not for MoE models (``experts``), whose speed with it was not measured. ``requested``: the
+    ``fp8_base`` setting (auto, off, recompute, all)."""
+    if requested == "off":
         return False, "switched off: frozen weights multiply in the model's 16-bit dtype"
     if frozen == 0:
         return False, "the model has no frozen linear projections in its decoder layers"
     problem = unavailable_reason(device)
     if problem is not None:
         return False, problem
-    if requested:
+    if requested != "auto":
         return True, "switched on: frozen weights multiply in e4m3 with per-row scales on fp8 tensor cores"
     if not four_bit or experts or checkpointing != "offloaded":
         return False, (
@@ -257,7 +258,7 @@ def resolve(
     )
 
 
-def automatic_scope(requested: bool | None, scope: str) -> str:
-    """The fp8 scope a run uses: the one asked for when fp8 is switched on, ``recompute`` when it is automatic (the
-    forward pass and its loss stay 16-bit)."""
-    return scope if requested else "recompute"
+def scope_of(requested: str) -> str:
+    """Where fp8 products run: everywhere for ``all``; otherwise (``recompute``, and the automatic choice) only in
+    offloaded checkpointing's recompute and the input gradients, the forward pass and its loss in 16 bits."""
+    return "all" if requested == "all" else "recompute"

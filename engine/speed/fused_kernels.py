@@ -13,8 +13,9 @@ Parameters are graph inputs, so one graph per module class serves every layer an
 with depth. transformers wraps the layer's own forward in the gradient-checkpointing function, so compiling
 below the layer keeps both checkpoint functions (standard and offloaded) outside the graphs, recomputing
 compiled children; the price is that the two residual adds per layer stay eager, and four compiled calls per
-layer and pass, each with its host-side guards and wrapper. ``RegionCompiler.whole_layers`` compiles each layer as
-one region instead (off by default, measured by ``bench --qlora``).
+layer and pass, each with its host-side guards and wrapper. Whole decoder layers as single regions (the checkpoint
+call routed around them) measured slower on the H200: 592 against 410 ms a QLoRA step
+(``benchmarks/qlora_layer_regions_h200.md``), so there are none.
 
 Dynamic shapes: regions compile with ``dynamic=True``, so the token count, the number of documents
 (``cu_seqlens``) and ``max_seqlen`` are symbolic: packed rows of any length reuse the same graphs, with no
@@ -39,7 +40,6 @@ against 1,150.9 ms stock, Llama-3.2-1B 213.3 against 887.8 ms (benchmarks/speed_
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
@@ -59,23 +59,17 @@ def decoder_layers(hf_model: torch.nn.Module) -> list[torch.nn.Module]:
     return [module for module in hf_model.modules() if isinstance(module, GradientCheckpointingLayer)]
 
 
-def compile_regions(hf_model: torch.nn.Module, whole_layers: bool = False) -> list[torch.nn.Module]:
+def compile_regions(hf_model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules that get compiled: every direct child of every decoder layer.
 
     Under the chunked MLP switch a child runs in sequence chunks (``TokenChunked``): then the module it wraps is
     compiled and called once per chunk, and an attention block whose projections are chunked compiles just those
     projections (their LoRA paths), leaving its q/k norms and rotary eager.
-
-    ``whole_layers``: each decoder layer as one region instead, where none of its modules runs in chunks (see
-    :class:`RegionCompiler`).
     """
     from engine.speed.chunked_mlp import TokenChunked
 
     regions: list[torch.nn.Module] = []
     for layer in decoder_layers(hf_model):
-        if whole_layers and not any(isinstance(module, TokenChunked) for module in layer.modules()):
-            regions.append(layer)
-            continue
         for child in layer.children():
             chunked = [module.wrapped for module in child.modules() if isinstance(module, TokenChunked)]
             regions.extend(chunked or [child])
@@ -127,61 +121,33 @@ def resolve(requested: bool | None, hf_model: torch.nn.Module, device: torch.dev
 
 
 class RegionCompiler:
-    """Swaps compiled forwards of a model's layer regions in and out; compiled code is kept for reuse.
-
-    ``whole_layers`` compiles each decoder layer as one region (where nothing in it runs in chunks) instead of its
-    four children: a quarter of the compiled calls per step, each of which costs host time for its guards and its
-    wrapper, with the norms and residual adds fused into the layer's graph. transformers puts the checkpoint call
-    inside the layer's ``forward``, so under checkpointing the layer's own call cannot be compiled; the checkpoint
-    functions route the layer's inner forward through :meth:`layer_function` instead, which keeps them outside the
-    graph. Off by default: ``bench --qlora`` measures it (``auto+layer_regions``) against the children.
-    """
+    """Swaps compiled forwards of a model's layer regions in and out; compiled code is kept for reuse."""
 
     RECOMPILE_LIMIT = 64
     """Graphs kept per region. Each region legitimately compiles several (forward without gradients, recompute,
     no checkpointing; each combination of switches that changes the modules inside it, flipped live); past
     Dynamo's default of 8 it would silently fall back to eager code for the rest of the run."""
 
-    def __init__(self, backend: str | Callable[..., Any] = "inductor", whole_layers: bool = False) -> None:
+    def __init__(self, backend: str | Callable[..., Any] = "inductor") -> None:
         self.backend = backend
-        self.whole_layers = whole_layers
         dynamo_config = torch._dynamo.config
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, self.RECOMPILE_LIMIT)
         self._compiled: dict[Any, Callable[..., Any]] = {}
         self._active: list[torch.nn.Module] = []
-        self._checkpointed: set[int] = set()
-        """Whole layers whose inner forward the checkpoint functions compile (their own call stays eager)."""
 
     def switch(self, hf_model: torch.nn.Module, on: bool) -> None:
         """Compile (on) or restore the eager forward (off) of every region; safe between any two steps.
 
         Idempotent; call it again after the set of regions changed (the chunked MLP or checkpointing switched).
         """
-        wanted = compile_regions(hf_model, self.whole_layers) if on else []
+        wanted = compile_regions(hf_model) if on else []
         keep = {id(region) for region in wanted}
         for region in self._active:
             if id(region) not in keep:
                 region._compiled_call_impl = None
-        layers = {id(layer) for layer in decoder_layers(hf_model)}
-        self._checkpointed = set()
         for region in wanted:
-            if id(region) in layers and getattr(region, "gradient_checkpointing", False):
-                region._compiled_call_impl = None
-                self._checkpointed.add(id(region))
-            else:
-                region._compiled_call_impl = self._compiled_for(region)
+            region._compiled_call_impl = self._compiled_for(region)
         self._active = wanted
-
-    def layer_function(self, function: Callable[..., Any]) -> Callable[..., Any]:
-        """What a checkpoint function should run for ``function`` (transformers' ``partial(forward, layer, ...)``):
-        the compiled inner forward of a whole-layer region, or ``function`` itself."""
-        if not (
-            isinstance(function, functools.partial) and function.args and id(function.args[0]) in self._checkpointed
-        ):
-            return function
-        if function.func not in self._compiled:
-            self._compiled[function.func] = torch.compile(function.func, backend=self.backend, dynamic=True)
-        return functools.partial(self._compiled[function.func], *function.args, **function.keywords)
 
     def _compiled_for(self, region: torch.nn.Module) -> Callable[..., Any]:
         if region not in self._compiled:

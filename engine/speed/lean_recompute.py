@@ -6,34 +6,25 @@ its NF4 weight to 16 bits in each of them. Profiled on the H200 (Llama-3.1-8B sh
 4,096-token row, offloaded checkpointing): matmuls 255 ms, dequantization 26 ms of a 592 ms step. Two parts of
 that work are wasted:
 
-* **Unread outputs** (``lean_recompute``): an offloaded layer's recompute only has to rebuild what its operations
-  save for their gradients; its output is thrown away. The MLP's down projection feeds nothing but the residual
-  sum that forms that output (Llama, Mistral, Qwen, Phi-3 layers; not Gemma-style layers that normalise the MLP's
-  output), so its frozen base matmul, 27% of a Llama-3.1-8B layer's weights, need not run in the recompute. Here it
-  returns uninitialised memory of the right shape, and its backward still computes the input gradient through the
-  frozen weight. Exact: the gradients are bit-for-bit those of the full recompute.
+* **Unread outputs** (always, under offloaded checkpointing): an offloaded layer's recompute only has to rebuild
+  what its operations save for their gradients; its output is thrown away. The MLP's down projection feeds nothing
+  but the residual sum that forms that output (Llama, Mistral, Qwen, Phi-3 layers; not Gemma-style layers that
+  normalise the MLP's output), so its frozen base matmul, 27% of a Llama-3.1-8B layer's weights, need not run in the
+  recompute. Here it returns uninitialised memory of the right shape, and its backward still computes the input
+  gradient through the frozen weight. Exact: the gradients are bit-for-bit those of the full recompute. Alone it
+  takes 22 ms of GPU time off the 8 GiB QLoRA row's floor (292 -> 270 ms, ``benchmarks/qlora_floor_h200.md``); no
+  whole step measured it above noise, so it has no setting of its own (``checkpointing standard`` runs torch's
+  full recompute).
 * **Dequantize once** (``dequant_once``): in the recompute, a 4-bit projection dequantizes its weight, keeps the
   16-bit copy for its own backward a moment later, and backward uses it instead of dequantizing again. The copies
   live only while one layer recomputes and runs backward: about one layer's 16-bit projections (318 MB for
   Llama-3.1-8B without its down projection), so the switch is automatic only where that fits comfortably.
 
-A third part acts in every pass, recompute or not:
-
-* **4-bit kernel** (``four_bit_kernel``): a 4-bit NF4 weight is decoded by one Triton kernel
-  (:func:`engine.speed.four_bit_weights.sixteen_bit_from_4bit`, bitsandbytes' ``dequantize_4bit`` bit for bit) and
-  multiplied here with ``F.linear``, which is what bitsandbytes itself runs for rows over 1,536 tokens, instead of
-  its absmax and code kernels and its Python autograd function. Profiled on the H200 (Llama-3.1-8B shape, 4,096
-  tokens, 8 GiB cap): the step's 448 decodes took 12 ms of GPU time against 17 ms. Logits are the library path's
-  bits; gradients match up to the order in which autograd sums a layer input's contributions (1.6e-4, GPU test).
-  Backward decodes again (``use=1``) unless dequantize-once keeps the weight, so compiled graphs cannot fold the
-  two decodes into one kept weight. Automatic on NVIDIA GPUs with Triton under offloaded checkpointing with
-  dequantize-once and whole-row MLPs, the setting measured on a GPU (:func:`four_bit_kernel_resolve`).
-
 The first two act only inside the recompute of :class:`engine.speed.offloaded_checkpoint.ActivationOffloader`, which
 sets its :class:`~engine.speed.offloaded_checkpoint.RecomputeFlag` around it; everywhere else (no checkpointing,
 torch's own checkpoint, evaluation, the chunked MLP's per-chunk backward) the projection runs as the library wrote
-it, or through the 4-bit kernel when that is on. The flag is a plain attribute so that compiled regions (the fused-
-kernels switch) guard on it instead of breaking their graphs. The same stand-ins carry the fp8-base switch
+it. The flag is a plain attribute so that compiled regions (the fused-kernels switch) guard on it instead of
+breaking their graphs. The same stand-ins carry the fp8-base switch
 (:mod:`engine.speed.fp8_base`), which acts in every pass and on every frozen projection; inside the recompute it
 keeps the fp8 weight for backward when dequantize-once is on. The frozen projections are wrapped in place like
 :class:`engine.speed.chunked_mlp.TokenChunked` does: the stand-in shares the wrapped module's parameter and child
@@ -59,10 +50,8 @@ __all__ = [
     "FrozenProjection",
     "LeanRecompute",
     "dequant_once_resolve",
-    "four_bit_kernel_resolve",
     "frozen_projections",
     "layer_dequant_bytes",
-    "lean_recompute_resolve",
 ]
 
 DEQUANT_FREE_SHARE = 0.10
@@ -88,44 +77,37 @@ class _UnreadOutput(torch.autograd.Function):
     """``x @ W.T`` whose value nobody reads: forward only allocates, backward gives ``grad @ W``."""
 
     @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, quant_state: Any, out_features: int, one_kernel: bool
-    ) -> torch.Tensor:
-        ctx.weight, ctx.quant_state, ctx.one_kernel = weight, quant_state, one_kernel
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, quant_state: Any, out_features: int) -> torch.Tensor:
+        ctx.weight, ctx.quant_state = weight, quant_state
         return x.new_empty((*x.shape[:-1], out_features))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        dense = four_bit_weights.dense_weight(ctx.weight, ctx.quant_state, grad.dtype, ctx.one_kernel, use=1)
-        return grad @ dense, None, None, None, None
+        dense = four_bit_weights.dense_weight(ctx.weight, ctx.quant_state, grad.dtype)
+        return grad @ dense, None, None, None
 
 
 class _Decoded(torch.autograd.Function):
     """``x @ W.T + b`` for a frozen 4-bit weight decoded here and multiplied by cuBLAS (bitsandbytes' products).
 
     ``keep``: the 16-bit weight stays for the input gradient (dequantize-once); otherwise backward decodes again,
-    as bitsandbytes does. ``one_kernel``: decoded by the one-pass kernel instead of bitsandbytes' two.
+    as bitsandbytes does.
     """
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, quant_state: Any, bias: torch.Tensor | None, keep: bool,
-        one_kernel: bool,
-    ) -> torch.Tensor:  # fmt: skip
-        dense = four_bit_weights.dense_weight(weight, quant_state, x.dtype, one_kernel)
-        ctx.keep, ctx.one_kernel, ctx.quant_state = keep, one_kernel, quant_state
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, quant_state: Any, bias: torch.Tensor | None, keep: bool
+    ) -> torch.Tensor:
+        dense = four_bit_weights.dense_weight(weight, quant_state, x.dtype)
+        ctx.keep, ctx.quant_state = keep, quant_state
         ctx.save_for_backward(dense if keep else weight)
         return F.linear(x, dense, None if bias is None else bias.to(x.dtype))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         (saved,) = ctx.saved_tensors
-        dense = (
-            saved
-            if ctx.keep
-            else four_bit_weights.dense_weight(saved, ctx.quant_state, grad.dtype, ctx.one_kernel, use=1)
-        )
-        return grad @ dense.to(grad.dtype), None, None, None, None, None
+        dense = saved if ctx.keep else four_bit_weights.dense_weight(saved, ctx.quant_state, grad.dtype)
+        return grad @ dense.to(grad.dtype), None, None, None, None
 
 
 FP8_SCALES = ("fp8_scale_out", "fp8_scale_in")
@@ -145,9 +127,6 @@ class FrozenProjection(StandIn):
         """The output only feeds the layer's residual sum, which an offloaded layer's recompute throws away."""
         self.skip_unread = False
         self.dequant_once = False
-        self.one_kernel = False
-        """A 4-bit weight the one-pass kernel covers is decoded by it, and multiplied here, in every pass (the
-        4-bit kernel switch); otherwise bitsandbytes' own dequantize and matmul run outside the recompute."""
         self.one_pass = False
         """fp8 weights straight from the 4-bit codes in one kernel (engine.speed.four_bit_weights), where it applies."""
         self.fp8_in_forward = True
@@ -167,18 +146,12 @@ class FrozenProjection(StandIn):
         if unread:
             # torch leaves Function.apply unannotated
             out: torch.Tensor = _UnreadOutput.apply(  # type: ignore[no-untyped-call]
-                x, *self._weight_and_state(), self.out_features, self.one_kernel
+                x, *self._weight_and_state(), self.out_features
             )
             return out
-        keep = recompute and self.dequant_once and self.quantized
-        if keep or self.one_kernel:
-            return self._decoded(x, keep)
+        if recompute and self.dequant_once and self.quantized:
+            return self._decoded(x, keep=True)
         return cast(torch.Tensor, self.wrapped(x))
-
-    def set_one_kernel(self, on: bool) -> None:
-        """Decode this 4-bit weight with the one-pass kernel from the next call, where the kernel covers it."""
-        _, state = self._weight_and_state()
-        self.one_kernel = bool(on and state is not None and four_bit_weights.covers_16bit(state))
 
     def set_fp8(self, on: bool, one_pass: bool = False) -> None:
         """Multiply in fp8 from the next call (its weight's scale read once here), or in 16-bit again.
@@ -231,13 +204,12 @@ class FrozenProjection(StandIn):
         weight, state = self._weight_and_state()
         # torch leaves Function.apply unannotated
         out: torch.Tensor = _Decoded.apply(  # type: ignore[no-untyped-call]
-            x.to(compute), weight, state, self.wrapped.bias, keep, self.one_kernel
+            x.to(compute), weight, state, self.wrapped.bias, keep
         )
         return out.to(x.dtype)
 
     def extra_repr(self) -> str:
-        unread, one_kernel = self.output_unread, self.one_kernel
-        return f"{type(self.wrapped).__name__}, output unread in recompute: {unread}, one kernel: {one_kernel}"
+        return f"{type(self.wrapped).__name__}, output unread in recompute: {self.output_unread}"
 
 
 def _dense_mlp(layer: torch.nn.Module) -> torch.nn.Module | None:
@@ -276,46 +248,6 @@ def layer_dequant_bytes(hf_model: torch.nn.Module) -> int:
     return total // max(1, len(decoder_layers(hf_model)))
 
 
-def lean_recompute_resolve(requested: bool | None, checkpointing: str) -> tuple[bool, str]:
-    """(on, reason): exact and free, so automatic wherever an offloaded recompute runs."""
-    if requested is False:
-        return False, "switched off: the recompute runs every frozen projection"
-    if checkpointing != "offloaded":
-        return False, f"only inside offloaded checkpointing's recompute (checkpointing is {checkpointing})"
-    how = "the recompute skips frozen projections whose outputs nobody reads (the MLP's down projection)"
-    return True, f"automatic: {how}" if requested is None else f"switched on; {how}"
-
-
-def four_bit_kernel_resolve(
-    requested: bool | None, device: torch.device, hf_model: torch.nn.Module, measured: bool = True
-) -> tuple[bool, str]:
-    """(on, reason): automatic where the one-pass kernel covers a 4-bit projection (CUDA with Triton, NF4) in the
-    setting it was measured in on a GPU (``measured``: offloaded checkpointing with dequantize-once and whole-row
-    MLPs); switched on, everywhere it covers."""
-    if requested is False:
-        return False, "switched off: bitsandbytes' dequantize and 4-bit matmul"
-    states = [
-        getattr(base.weight, "quant_state", None) for _, _, base, _ in frozen_projections(hf_model) if is_4bit(base)
-    ]
-    if not states:
-        return False, "no 4-bit projections"
-    if device.type != "cuda":
-        return False, "the one-pass 4-bit kernel runs on NVIDIA GPUs (Triton); here bitsandbytes decodes"
-    covered = sum(four_bit_weights.covers_16bit(state) for state in states)
-    if covered == 0:
-        return False, "no 4-bit weight here has a format or shape the one-pass kernel covers (NF4, whole tiles)"
-    how = (
-        f"{covered} of {len(states)} 4-bit weights decoded in one kernel and multiplied by cuBLAS directly "
-        "(bitsandbytes' bits, without its two kernels and Python per call)"
-    )
-    if requested is None and not measured:
-        return False, (
-            "automatic: off; on only under offloaded checkpointing with dequantize-once and whole-row MLPs, where it "
-            "was measured on a GPU (switch on to use it here)"
-        )
-    return True, f"automatic: {how}" if requested is None else f"switched on; {how}"
-
-
 def dequant_once_resolve(
     requested: bool | None, checkpointing: str, extra_bytes: int, free_bytes: int | None
 ) -> tuple[bool, str]:
@@ -340,7 +272,7 @@ def dequant_once_resolve(
 
 @dataclass
 class LeanRecompute:
-    """Installs the frozen-projection stand-ins on one model and sets their three switches; safe between steps."""
+    """Installs the frozen-projection stand-ins on one model and sets what they do; safe between steps."""
 
     hf_model: torch.nn.Module
     flag: RecomputeFlag
@@ -351,12 +283,10 @@ class LeanRecompute:
     """With the fp8 switch on, fp8 in the forward pass as well as in the recompute and backward
     (FrozenProjection.fp8_in_forward)."""
 
-    def switch(
-        self, skip_unread: bool, dequant_once: bool, fp8: bool = False, one_pass: bool = False, one_kernel: bool = False
-    ) -> None:
-        """Set the four switches; ``one_pass`` lets fp8 weights come from 4-bit codes in one kernel, ``one_kernel``
-        decodes 16-bit weights that way (the 4-bit kernel switch)."""
-        if not (skip_unread or dequant_once or fp8 or one_kernel):
+    def switch(self, skip_unread: bool, dequant_once: bool, fp8: bool = False, one_pass: bool = False) -> None:
+        """Skip unread outputs in the recompute, dequantize once, multiply in fp8; ``one_pass`` lets fp8 weights come
+        from 4-bit codes in one kernel."""
+        if not (skip_unread or dequant_once or fp8):
             self.remove()
             return
         if fp8 and not self.every:
@@ -367,11 +297,6 @@ class LeanRecompute:
             wrapper.skip_unread, wrapper.dequant_once = skip_unread, dequant_once
             wrapper.fp8_in_forward = self.fp8_in_forward
             wrapper.set_fp8(fp8, one_pass)
-            wrapper.set_one_kernel(one_kernel)
-
-    def one_kernel_projections(self) -> int:
-        """4-bit projections decoded by the one-pass kernel."""
-        return sum(wrapper.one_kernel for _, _, wrapper in self.installed)
 
     def install(self, every: bool = False) -> None:
         for owner, name, base, unread in list(frozen_projections(self.hf_model, every)):

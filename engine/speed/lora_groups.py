@@ -8,7 +8,8 @@ of 3r (or 2r) columns instead, and one input-gradient product. Measured alone (H
 tokens, r32, CUDA-graph replays; benchmarks/qlora_projection_groups_h200.md): about 8 ms of a step's forward pass,
 recompute and backward over 32 layers. Inside whole QLoRA steps on the H200 it saved less, 1.5-5 ms of 365-372 ms
 (Llama-3.1-8B under 8 GiB) and 3 ms of 595 ms (Qwen3-30B-A3B under 24 GiB), at the same peak and loss
-(benchmarks/qlora_train_lora_groups_h200.md); never slower, so it is on wherever the 16-bit adapter path runs.
+(benchmarks/qlora_train_lora_groups_h200.md); never slower, so it is part of the 16-bit adapter path (the
+``lora_16bit`` setting) rather than a setting of its own.
 
 How: the projections stay separate peft modules, each called by the model on its own and in order (q, k, v; gate,
 up), so the group shares its product through a small state object. The first member computes the stacked product
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["GROUPS", "GROUP_ATTR", "LoraGroup", "LoraGroups", "find_groups", "resolve"]
+__all__ = ["GROUPS", "GROUP_ATTR", "LoraGroup", "LoraGroups", "find_groups"]
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Projections of one module that read the same input, by name (Llama, Qwen, Mistral and their relatives)."""
@@ -126,12 +127,3 @@ class LoraGroups:
                     delattr(member, GROUP_ATTR)
         self.groups = []
 
-
-def resolve(requested: bool | None, lora_16bit: bool) -> tuple[bool, str]:
-    """(on, why): on wherever the 16-bit adapter path runs, unless switched off."""
-    if requested is False:
-        return False, "switched off: one A product per adapter"
-    if not lora_16bit:
-        return False, "needs the 16-bit LoRA path (--lora-16bit)"
-    how = "one A product per group of adapters that read the same input (q/k/v, gate/up)"
-    return True, f"switched on: {how}" if requested else f"automatic: {how}"

@@ -14,11 +14,11 @@ block-diagonal mask built once per batch (CPU, older GPUs). With the cache off t
 packed path, which is the baseline.
 
 A row that holds one document needs no document mask, so it runs plain causal attention over the whole row: on
-Hopper through cuDNN's fused kernel (the ``cudnn_attention`` switch), which took 1.23 against 2.03 ms forward +
-backward per layer for the varlen kernel (H200, 4,096 tokens, 32 query and 8 K/V heads of 128;
-benchmarks/attention_kernels_h200.md), elsewhere through the causal kernel SDPA picks. Switched off, such a row
-runs through the packed rows' kernel, so the switch compares the two kernels. cuDNN's packed (ragged) mode is not
-used: torch 2.11's call into it returned non-finite outputs on the H200.
+Hopper through cuDNN's fused kernel (``attention_backend`` auto, or cudnn on any GPU), which took 1.23 against
+2.03 ms forward + backward per layer for the varlen kernel (H200, 4,096 tokens, 32 query and 8 K/V heads of 128;
+benchmarks/attention_kernels_h200.md), elsewhere through the causal kernel SDPA picks. With a kernel named (varlen,
+...), such a row runs through the packed rows' kernel, so varlen against auto compares the two kernels. cuDNN's
+packed (ragged) mode is not used: torch 2.11's call into it returned non-finite outputs on the H200.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def choose_backend(requested: str, device: torch.device, dtype: torch.dtype) -> 
         "flex": flex_available,
         "sdpa": lambda _device, _dtype: None,
     }
-    if requested != "auto":
+    if requested not in ("auto", "cudnn"):  # cudnn names the one-document rows' kernel: packed rows as auto
         problem = checks[requested](device, dtype)
         if problem is None:
             return BackendChoice(requested, f"{requested} requested")
@@ -344,30 +344,23 @@ def cudnn_problem(
     return None
 
 
-def resolve_cudnn(
-    requested: bool | None, problem: str | None, capability: tuple[int, int] | None, backend: str = "auto"
-) -> tuple[bool, str]:
-    """(on, why) for the cuDNN attention switch: it serves rows holding one document; packed rows keep varlen.
-
-    Off, a one-document row runs through the packed rows' kernel (FlashAttention-2's varlen kernel on NVIDIA GPUs),
-    so on and off compare the two kernels; automatic and off where it is not measured, such a row takes the causal
-    kernel SDPA picks, as it did before the switch existed. Automatic leaves an attention ``backend`` asked for by
-    name to every row."""
-    if requested is False:
-        return False, "switched off: a one-document row runs through the packed rows' kernel"
-    if requested is None and backend != "auto":
-        return False, f"automatic: off, every row takes the {backend} kernel asked for"
+def resolve_cudnn(backend: str, problem: str | None, capability: tuple[int, int] | None) -> tuple[bool, str]:
+    """(on, why) of cuDNN's kernel for rows holding one document (packed rows keep the packed kernel), from the
+    ``attention_backend`` setting: ``cudnn`` asks for it wherever it runs; ``auto`` takes it where it was measured
+    (Hopper), elsewhere such a row takes the causal kernel SDPA picks; a kernel asked for by name serves every row."""
+    if backend not in ("auto", "cudnn"):
+        return False, f"every row takes the {backend} kernel asked for"
     if problem is not None:
         return False, problem
-    if requested:
-        return True, "switched on: a one-document row runs through cuDNN's fused causal kernel"
+    if backend == "cudnn":
+        return True, "asked for: a one-document row runs through cuDNN's fused causal kernel"
     major = capability[0] if capability else 0
     if major in CUDNN_ATTENTION_MAJORS:
         how = "a one-document row runs through cuDNN's fused causal kernel (1.6x FlashAttention-2's on the H200)"
         return True, f"automatic: {how}"
     return False, (
         f"automatic: off on sm_{major}x, where it is not measured (a one-document row takes the causal kernel SDPA "
-        "picks); switch it on to try cuDNN's on this GPU"
+        "picks); set the attention backend to cudnn to try cuDNN's on this GPU"
     )
 
 

@@ -12,20 +12,11 @@ Pinned memory has a budget and a pageable fallback (WSL caps pinned memory, and 
 out of memory). Offloading is skipped for integrated-memory GPUs (DGX Spark: host and device memory are the
 same, one library measured 3.62 -> 1.68 s/step after turning it off) and for layer inputs too small to matter,
 where plain recompute runs instead. Modes: none, standard (recompute), offloaded.
-
-Kept attention (:meth:`ActivationOffloader.keep_saved`): instead of recomputing whole layers, each layer runs
-with gradients and everything its operations save for backward goes to host memory as one group per layer
-(saved-tensor hooks; parameters, 4-bit quantization states, small tensors and tensors shared by every layer stay
-where they are), while the MLP, wrapped as a recompute unit (:class:`engine.speed.chunked_mlp.TokenChunked`), keeps
-only its input. Backward then recomputes only the MLPs; a layer's group comes back while the layer above runs
-backward. It trades host<->device copies (about 7 x tokens x hidden bytes per layer) for the attention block's
-recompute: its q/k/v/o projections, rotary and the attention kernel.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -35,14 +26,10 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from engine.hardware.detect import running_under_wsl
-from engine.hardware.planner import keeps_layer
 
 MODES = ("none", "standard", "offloaded")
 MIN_OFFLOAD_BYTES = 8 << 20
 """Below 8 MiB per layer input (e.g. 4k tokens × 1k hidden in bf16) offloading saves too little to pay for itself."""
-MIN_SAVED_BYTES = 1 << 20
-"""Saved tensors below 1 MiB (norm statistics, LoRA's rank-r intermediates, softmax statistics) stay on the device
-when layers keep what they save."""
 
 
 @dataclass
@@ -113,45 +100,6 @@ class _Slot:
 
 
 @dataclass(eq=False)
-class _Saved:
-    """One tensor that an operation saved for backward, parked in host memory (its strides are restored)."""
-
-    group: _Group
-    host: torch.Tensor
-    size: torch.Size
-    stride: tuple[int, ...]
-    uses: int = 0
-    device_copy: torch.Tensor | None = None
-
-
-@dataclass(eq=False)
-class _Group:
-    """What one layer's operations saved for backward, parked in host memory during one step."""
-
-    index: int
-    entries: dict[tuple[Any, ...], _Saved] = field(default_factory=dict)
-    alive: list[torch.Tensor] = field(default_factory=list)
-    """The parked tensors themselves, until the layer's forward ends: while they live, no other tensor can take
-    their memory and be mistaken for one of them."""
-    d2h_done: torch.cuda.Event | None = None
-    h2d_done: torch.cuda.Event | None = None
-    prefetched: bool = False
-    fetched: bool = False
-
-
-def dense_span(tensor: torch.Tensor) -> torch.Tensor | None:
-    """The tensor's memory as one flat run of elements when it covers it without gaps or overlaps (any order of
-    dimensions), else None."""
-    dims = sorted((st, sz) for st, sz in zip(tensor.stride(), tensor.shape, strict=True) if sz != 1)
-    expected = 1
-    for stride, size in dims:
-        if stride != expected:
-            return None
-        expected *= size
-    return tensor.as_strided((tensor.numel(),), (1,))
-
-
-@dataclass(eq=False)
 class _HostBuffer:
     tensor: torch.Tensor
     pinned: bool
@@ -168,23 +116,11 @@ class ActivationOffloader:
     pinned_bytes: int = 0
     pinned_failed: bool = False
     _buffers: list[_HostBuffer] = field(default_factory=list)
-    _pending: list[_Slot | _Group] = field(default_factory=list)
+    _pending: list[_Slot] = field(default_factory=list)
     _ring: list[tuple[torch.Tensor, torch.cuda.Event] | None] = field(default_factory=lambda: [None, None])
     _streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
     _anchor: torch.Tensor | None = None
     recompute: RecomputeFlag = field(default_factory=RecomputeFlag)
-    keeps_saved: bool = False
-    """Layers run with gradients and what they save goes to host memory (kept attention); else whole layers
-    recompute."""
-    kept_share: float = 1.0
-    """The share of layers that keep what they save when ``keeps_saved`` (spread evenly); the others recompute."""
-    min_saved_bytes: int = MIN_SAVED_BYTES
-    _saved_buffers: dict[tuple[int, int], _HostBuffer] = field(default_factory=dict)
-    _fixed: set[int] = field(default_factory=set)
-    """Storages that never move: parameters and 4-bit quantization states."""
-    _resident: set[int] = field(default_factory=set)
-    """Storages of this step that every layer reads (rotary tables): kept on the device."""
-    _group_ring: list[torch.cuda.Event | None] = field(default_factory=lambda: [None, None])
 
     def __post_init__(self) -> None:
         self.device = with_index(self.device)  # compared with the devices tensors name
@@ -203,26 +139,14 @@ class ActivationOffloader:
         """Forget slots of a step whose backward never ran (an aborted step); their buffers are reused."""
         self._release_ring()
         self._pending.clear()
-        self._resident.clear()
-        self._group_ring = [None, None]
 
     def forget_events(self) -> None:
         """Drop the copy events of earlier steps (around a CUDA graph capture: a capture may not wait on an event
         recorded outside it, and eager steps must not wait on one recorded inside it). Stream order already covers
         them: every copy waits for the compute stream first."""
-        for buf in (*self._buffers, *self._saved_buffers.values()):
+        for buf in self._buffers:
             buf.last_read = None
         self._ring = [None, None]
-        self._group_ring = [None, None]
-
-    def keep_saved(self, on: bool, model: torch.nn.Module | None = None) -> None:
-        """Switch kept attention on or off; ``model``'s parameters and quantization states are never moved."""
-        self.keeps_saved = on
-        self._fixed = fixed_storages(model) if on and model is not None else set()
-
-    def keep_resident(self, *tensors: torch.Tensor) -> None:
-        """Tensors of this step that every layer reads (e.g. the rotary tables) stay on the device."""
-        self._resident.update(t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor))
 
     def anchor(self) -> torch.Tensor:
         """An empty tensor that requires grad, so backward reaches every layer even when its input needs none."""
@@ -319,7 +243,7 @@ class ActivationOffloader:
         torch.cuda.current_stream(self.device).wait_event(slot.h2d_done)
         hidden, slot.device_copy = slot.device_copy, None
         if below is not None:
-            self._prefetch_any(below)  # look-ahead: overlaps with this layer's recompute
+            self._prefetch(below)  # look-ahead: overlaps with this layer's recompute
         assert hidden is not None
         return hidden
 
@@ -328,165 +252,10 @@ class ActivationOffloader:
         hidden = args[0] if len(args) == 1 and not kwargs else None
         if not torch.is_grad_enabled():
             return function(*args, **kwargs)
-        if self.keeps_saved and keeps_layer(len(self._pending), self.kept_share):
-            return self._run_keeping_saved(function, *args, **kwargs)
         if not isinstance(hidden, torch.Tensor) or hidden.numel() * hidden.element_size() < self.min_offload_bytes:
             return standard_checkpoint(function, *args, **kwargs)
         # torch leaves Function.apply unannotated
         return _OffloadedLayer.apply(function, self, hidden, self.anchor())  # type: ignore[no-untyped-call]
-
-    # --- kept attention: what a layer saves goes to host memory -------------------------------------------------
-
-    def _run_keeping_saved(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        group = _Group(len(self._pending))
-        if self.is_cuda:  # at most two layers' copies in flight: bounds the memory they hold
-            waited = self._group_ring[group.index % 2]
-            if waited is not None:
-                torch.cuda.current_stream(self.device).wait_event(waited)
-        self._pending.append(group)
-        with torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, group), self._unpack):
-            out = function(*args, **kwargs)
-        group.alive.clear()
-        self._group_ring[group.index % 2] = group.d2h_done
-        return out
-
-    def _worth_parking(self, tensor: torch.Tensor) -> bool:
-        if type(tensor) is not torch.Tensor or not self._on_device(tensor) or tensor.layout != torch.strided:
-            return False
-        if tensor.numel() * tensor.element_size() < max(1, self.min_saved_bytes):
-            return False
-        storage = tensor.untyped_storage().data_ptr()
-        return storage not in self._fixed and storage not in self._resident
-
-    def _on_device(self, tensor: torch.Tensor) -> bool:
-        return tensor.device == self.device
-
-    def _pack(self, group: _Group, tensor: torch.Tensor) -> Any:
-        span = dense_span(tensor) if self._worth_parking(tensor) else None
-        if span is None:
-            return tensor
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(),
-               tensor.dtype)  # fmt: skip
-        entry = group.entries.get(key)
-        if entry is None:
-            entry = self._park(group, tensor, span)
-            group.entries[key] = entry
-            group.alive.append(tensor)
-        entry.uses += 1
-        return entry
-
-    def _park(self, group: _Group, tensor: torch.Tensor, span: torch.Tensor) -> _Saved:
-        buf = self._saved_buffer((group.index, len(group.entries)), span)
-        entry = _Saved(group, buf.tensor[: span.numel()], tensor.shape, tensor.stride())
-        if not self.is_cuda:
-            entry.host.copy_(span)
-            return entry
-        d2h, _ = self.streams()
-        d2h.wait_stream(torch.cuda.current_stream(self.device))  # the tensor is ready
-        if buf.last_read is not None:
-            d2h.wait_event(buf.last_read)  # the previous step's copy back has read this buffer
-        with torch.cuda.stream(d2h):
-            entry.host.copy_(span, non_blocking=True)
-            group.d2h_done = torch.cuda.Event()
-            group.d2h_done.record(d2h)
-        span.record_stream(d2h)  # the allocator keeps the memory until the copy is done
-        return entry
-
-    def _saved_buffer(self, key: tuple[int, int], like: torch.Tensor) -> _HostBuffer:
-        buf = self._saved_buffers.get(key)
-        if buf is not None and buf.tensor.numel() >= like.numel() and buf.tensor.dtype == like.dtype:
-            return buf
-        if buf is not None and buf.pinned:
-            self.pinned_bytes -= buf.tensor.numel() * buf.tensor.element_size()
-        tensor = self._allocate_host(like.numel(), like.dtype)
-        buf = _HostBuffer(tensor, pinned=tensor.is_pinned())
-        if buf.pinned:
-            self.pinned_bytes += like.numel() * like.element_size()
-        self._saved_buffers[key] = buf
-        return buf
-
-    def saved_host_bytes(self) -> int:
-        """Host memory that kept attention's buffers hold."""
-        return sum(b.tensor.numel() * b.tensor.element_size() for b in self._saved_buffers.values())
-
-    def _unpack(self, entry: torch.Tensor | _Saved) -> torch.Tensor:
-        if isinstance(entry, torch.Tensor):
-            return entry
-        if not entry.group.fetched:
-            self._fetch_group(entry.group)
-        tensor = entry.device_copy
-        if tensor is None:  # asked for again after its last expected use: bring it back once more
-            tensor = self._new_device_copy(entry)
-            tensor.as_strided((tensor.numel(),), (1,)).copy_(entry.host)
-        entry.uses -= 1
-        if entry.uses <= 0:
-            entry.device_copy = None  # autograd holds the only reference now
-        return tensor
-
-    def _new_device_copy(self, entry: _Saved) -> torch.Tensor:
-        return torch.empty_strided(entry.size, entry.stride, dtype=entry.host.dtype, device=self.device)
-
-    def _prefetch_group(self, group: _Group) -> None:
-        if group.prefetched:
-            return
-        group.prefetched = True
-        if not self.is_cuda:
-            for entry in group.entries.values():
-                entry.device_copy = self._new_device_copy(entry)
-                entry.device_copy.as_strided((entry.host.numel(),), (1,)).copy_(entry.host)
-            return
-        _, h2d = self.streams()
-        h2d.wait_stream(torch.cuda.current_stream(self.device))  # the targets' memory is free in compute order
-        if group.d2h_done is not None:
-            h2d.wait_event(group.d2h_done)
-        targets = [self._new_device_copy(entry) for entry in group.entries.values()]
-        with torch.cuda.stream(h2d):
-            for entry, target in zip(group.entries.values(), targets, strict=True):
-                target.as_strided((entry.host.numel(),), (1,)).copy_(entry.host, non_blocking=True)
-                entry.device_copy = target
-            group.h2d_done = torch.cuda.Event()
-            group.h2d_done.record(h2d)
-        for index in range(len(group.entries)):
-            self._saved_buffers[(group.index, index)].last_read = group.h2d_done
-
-    def _fetch_group(self, group: _Group) -> None:
-        """Bring a layer's saved tensors back (first use in backward); start on the layer below's."""
-        position = next((i for i, s in enumerate(self._pending) if s is group), None)
-        below = self._pending[position - 1] if position else None
-        if position is not None:
-            del self._pending[position]
-        self._release_ring()
-        self._prefetch_group(group)
-        group.fetched = True
-        if self.is_cuda and group.h2d_done is not None:
-            torch.cuda.current_stream(self.device).wait_event(group.h2d_done)
-        if below is not None:
-            self._prefetch_any(below)
-
-    def _prefetch_any(self, slot: _Slot | _Group) -> None:
-        if isinstance(slot, _Group):
-            self._prefetch_group(slot)
-        elif self.is_cuda:
-            self._prefetch(slot)
-
-
-def fixed_storages(model: torch.nn.Module) -> set[int]:
-    """Storages of the model's parameters, buffers and 4-bit quantization states (absmax, codebooks), which
-    operations save for backward and which never need to move."""
-    storages: set[int] = set()
-
-    def add(value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            storages.add(value.untyped_storage().data_ptr())
-
-    for tensor in (*model.parameters(), *model.buffers()):
-        add(tensor)
-        state = getattr(tensor, "quant_state", None)
-        while state is not None:
-            for value in vars(state).values():
-                add(value)
-            state = getattr(state, "state2", None)
-    return storages
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,7 @@ def resolve(
     budget_bytes: int | None = None,
 ) -> tuple[int, str]:
     """(resident layers, reason). ``layers``: how many fit (:func:`planned_layers`, or a fixed count);
-    ``blocker``: why none can be chosen here (no GPU memory figures, kept attention on), if so; ``budget_bytes``:
+    ``blocker``: why none can be chosen here (no GPU memory figures, chunked MLPs), if so; ``budget_bytes``:
     the memory they were sized for, for the reason."""
     if requested is False:
         return 0, "switched off: checkpointing recomputes every layer"
