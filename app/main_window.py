@@ -114,6 +114,8 @@ class MainWindow(QMainWindow):
                 page.resume_requested.connect(self.run_panel.resume_run)
             if hasattr(page, "report_requested"):  # the Runs page: any run's before/after report
                 page.report_requested.connect(self.open_report)
+            if hasattr(page, "train_requested"):  # the Chat page: a DPO run on the preferences saved there
+                page.train_requested.connect(self.run_panel.start_config)
         self._follow_reports()
         self.controller.state_changed.connect(self._run_ended)
         self.state.run_changed.connect(self._show_live_run)

@@ -5,6 +5,10 @@ what the threads report. A reply streams into its pane piece by piece; Stop sets
 checks after every token. The tuned and base replies come from one loaded model (the adapter is switched off
 for the base reply), one after the other, so memory holds the weights once. torch is imported only inside the
 threads (through ``engine.model.chat``), never by this module.
+
+Two answers (the fine-tuned and the base model's, or two samples of the fine-tuned model) can be judged under the
+panes (app.widgets.preference_bar): the pair is saved for the run's base model, and the chat goes on from the
+answer kept. A pair is offered only while both sides answered the same conversation.
 """
 
 from __future__ import annotations
@@ -35,10 +39,17 @@ from PySide6.QtWidgets import (
 
 from app.background.worker import describe_error
 from app.widgets.adapter_choice import AdapterChoice
+from app.widgets.preference_bar import PreferenceBar
+from engine.data.preferences import PreferenceError, last_exchange
 from engine.run.registry import Registry, RunRecord
 from engine.run.summary import RunSummary, describe, summary_of_record
 
 SIDES = ("tuned", "base")
+PAIRINGS = {
+    "base": ("Fine-tuned vs base model", {"tuned": "fine-tuned model", "base": "base model"}),
+    "samples": ("Two of the fine-tuned model", {"tuned": "fine-tuned, answer 1", "base": "fine-tuned, answer 2"}),
+}
+"""What the two panes hold: a label for the choice and who answers in each pane."""
 
 
 class ModelLoader(QThread):
@@ -70,11 +81,19 @@ class ReplyWorker(QThread):
     reply_done = Signal(str, str)
     failed = Signal(str)
 
-    def __init__(self, chat: Any, histories: dict[str, list[dict[str, str]]], settings: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        chat: Any,
+        histories: dict[str, list[dict[str, str]]],
+        settings: dict[str, Any],
+        adapters: dict[str, bool] | None = None,
+    ) -> None:
         super().__init__()
         self.chat = chat
         self.histories = histories
         self.settings = settings
+        self.adapters = adapters or {side: side == "tuned" for side in histories}
+        """Whether each side answers with the adapter on."""
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -86,7 +105,8 @@ class ReplyWorker(QThread):
                 if self.stop.is_set():
                     break
                 text = []
-                for part in stream_reply(self.chat, messages, settings, use_adapter=side == "tuned", stop=self.stop):
+                use_adapter = self.adapters[side]
+                for part in stream_reply(self.chat, messages, settings, use_adapter=use_adapter, stop=self.stop):
                     text.append(part)
                     self.piece.emit(side, part)
                 self.reply_done.emit(side, "".join(text))
@@ -95,7 +115,10 @@ class ReplyWorker(QThread):
 
 
 class ChatView(QWidget):
-    """Run picker, generation settings, the two reply panes and the prompt line."""
+    """Run picker, generation settings, the two reply panes, the preference bar and the prompt line."""
+
+    train_requested = Signal(object)
+    """A RunConfig: the DPO run on the saved preferences, for the window's Run page to start."""
 
     def __init__(self, registry: Registry | None = None, parent: QWidget | None = None, device: str = "auto") -> None:
         super().__init__(parent)
@@ -106,6 +129,7 @@ class ChatView(QWidget):
         self.worker: ReplyWorker | None = None
         self.histories: dict[str, list[dict[str, str]]] = {side: [] for side in SIDES}
         self.records: dict[str, RunRecord] = {}
+        self.loading_folder: str | None = None
         self.live = RunSummary()
         self.run_info = QLabel("")
         """The chosen run's state, measured peak memory and speed, as every page words them."""
@@ -117,6 +141,10 @@ class ChatView(QWidget):
         layout.addWidget(self.run_info)
         layout.addWidget(self._build_settings())
         layout.addLayout(self._build_panes(), 1)
+        self.preferences = PreferenceBar()
+        self.preferences.chosen.connect(self._keep_answer)
+        self.preferences.train_requested.connect(self.train_requested)
+        layout.addWidget(self.preferences)
         layout.addLayout(self._build_prompt())
         layout.addWidget(self.status)
         self.refresh_runs()
@@ -145,8 +173,13 @@ class ChatView(QWidget):
         self.temperature.setToolTip("0 always picks the most likely token (the same reply every time)")
         self.top_p = QDoubleSpinBox(minimum=0.05, maximum=1.0, singleStep=0.05, value=0.9, decimals=2)
         self.max_tokens = QSpinBox(minimum=1, maximum=8192, value=256)
-        self.compare = QCheckBox("Answer with the base model too")
+        self.compare = QCheckBox("Two answers:")
         self.compare.setChecked(True)
+        self.pairing = QComboBox()
+        for key, (label, _) in PAIRINGS.items():
+            self.pairing.addItem(label, key)
+        self.pairing.currentIndexChanged.connect(lambda _index: self._name_panes())
+        self.compare.toggled.connect(self.pairing.setEnabled)
         form = QFormLayout(box)
         row = QHBoxLayout()
         for label, widget in (
@@ -157,19 +190,30 @@ class ChatView(QWidget):
             row.addWidget(QLabel(label))
             row.addWidget(widget)
         row.addWidget(self.compare)
+        row.addWidget(self.pairing)
         row.addStretch(1)
         form.addRow(row)
         return box
 
     def _build_panes(self) -> QHBoxLayout:
         self.panes = {side: QTextBrowser() for side in SIDES}
+        self.pane_titles = {side: QLabel() for side in SIDES}
+        self._name_panes()
         row = QHBoxLayout()
-        for side, title in (("tuned", "Fine-tuned model"), ("base", "Base model")):
+        for side in SIDES:
             column = QVBoxLayout()
-            column.addWidget(QLabel(f"<b>{title}</b>"))
+            column.addWidget(self.pane_titles[side])
             column.addWidget(self.panes[side], 1)
             row.addLayout(column)
         return row
+
+    def _name_panes(self) -> None:
+        for side, who in self.answerers().items():
+            self.pane_titles[side].setText(f"<b>{who[0].upper()}{who[1:]}</b>")
+
+    def answerers(self) -> dict[str, str]:
+        """Who answers in each pane, as the pairs saved from them name it."""
+        return PAIRINGS[self.pairing.currentData() or "base"][1]
 
     def _build_prompt(self) -> QHBoxLayout:
         self.prompt = QLineEdit(placeholderText="Type a message and press Enter")
@@ -219,6 +263,7 @@ class ChatView(QWidget):
     def show_live(self, summary: RunSummary) -> None:
         """The window's run changed (the main window passes it on): shown here when it is the chosen run."""
         self.live = summary
+        self.preferences.set_run_active(summary.active)
         chosen = self.runs.currentData()
         if chosen and summary.run_dir and Path(summary.run_dir).resolve() == Path(chosen).resolve():
             self.show_run_info()
@@ -243,6 +288,7 @@ class ChatView(QWidget):
         if not folder or self._busy():
             return
         self.chat = None
+        self.loading_folder = str(folder)
         self.status.setText(f"loading {Path(folder).name}…")
         if self.adapter.folder != Path(folder):  # a folder opened by hand: its own adapters, the best first
             self.adapter.show_run(folder)
@@ -256,6 +302,9 @@ class ChatView(QWidget):
     def _loaded(self, chat: Any) -> None:
         self.chat = chat
         self.clear()
+        record = self.records.get(self.loading_folder or "")
+        which = chat.adapter.which if chat.adapter is not None else "best"
+        self.preferences.set_run(self.loading_folder, which, record.id if record is not None else None)
         which = chat.adapter.describe() if chat.adapter is not None else "its adapter"
         self.status.setText(f"{chat.label} loaded on {chat.device}: the left pane answers with {which}")
 
@@ -287,15 +336,19 @@ class ChatView(QWidget):
             return
         self.prompt.clear()
         sides = SIDES if self.compare.isChecked() else ("tuned",)
+        self.preferences.withdraw("generating…")
         for side in sides:
             self.histories[side].append({"role": "user", "content": text})
             self.panes[side].append(f"<p><b>You:</b> {html.escape(text)}</p>")
             self.panes[side].append("<b>Model:</b> ")
-        self.worker = ReplyWorker(self.chat, {side: list(self.histories[side]) for side in sides}, self.settings())
+        adapters = {side: side == "tuned" or self.pairing.currentData() == "samples" for side in sides}
+        histories = {side: list(self.histories[side]) for side in sides}
+        self.worker = ReplyWorker(self.chat, histories, self.settings(), adapters)
         self.worker.piece.connect(self._piece)
         self.worker.reply_done.connect(self._reply_done)
         self.worker.failed.connect(self._failed)
         self.worker.finished.connect(self._update_buttons)
+        self.worker.finished.connect(self._offer_pair)
         self.worker.start()
         self.status.setText("generating…")
         self._update_buttons()
@@ -310,6 +363,22 @@ class ChatView(QWidget):
         self.histories[side].append({"role": "assistant", "content": text})
         self.status.setText("stopped" if self.worker is not None and self.worker.stop.is_set() else "done")
 
+    def _offer_pair(self) -> None:
+        """Both sides' last answers to judge, when they answer the same conversation."""
+        try:
+            prompt, *answers = last_exchange(*(self.histories[side] for side in SIDES))
+        except PreferenceError as err:
+            self.preferences.withdraw(err.message)
+            return
+        self.preferences.offer(prompt, dict(zip(SIDES, answers, strict=True)), self.answerers())
+
+    def _keep_answer(self, text: str) -> None:
+        """A preference was saved: both sides go on from the answer kept."""
+        for side in SIDES:
+            if self.histories[side] and self.histories[side][-1]["role"] == "assistant":
+                self.histories[side][-1] = {"role": "assistant", "content": text}
+                self.panes[side].append("<p><i>(the chat goes on from the answer kept)</i></p>")
+
     def stop(self) -> None:
         if self.worker is not None:
             self.worker.stop.set()
@@ -319,6 +388,7 @@ class ChatView(QWidget):
         self.histories = {side: [] for side in SIDES}
         for pane in self.panes.values():
             pane.clear()
+        self.preferences.withdraw("ask for two answers to pick the better one")
 
     def closeEvent(self, event: Any) -> None:
         """Let running threads end before the widget goes away."""

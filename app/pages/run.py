@@ -195,21 +195,29 @@ class RunPanel(QWidget):
 
     def resume_run(self, folder: str) -> None:
         """Continue a stopped run from its last checkpoint (the Runs page asks for this)."""
+        self._start_other(lambda: RunConfig.load(Path(folder) / "config.json"), f"Resuming {folder}…", folder)
+
+    def start_config(self, config: RunConfig) -> None:
+        """Start a run another page built (the Chat page's DPO run on the saved preferences)."""
+        self._start_other(lambda: config, f"Loading {config.model.name} and preparing the preference pairs…")
+
+    def _start_other(self, load: Callable[[], RunConfig], status: str, resume: str | None = None) -> None:
+        """Start a run whose settings come from elsewhere than the Recipe page, as the Start button would."""
         if self.controller.active:
-            self.show_error("a run is already going", "stop it first, then resume the other one")
+            self.show_error("a run is already going", "stop it first, then start the other one")
             return
-        try:  # the saved settings, on the cards ticked now (a run resumes on more or fewer GPUs)
-            config = self.gpu_selector.apply(RunConfig.load(Path(folder) / "config.json"))
+        try:  # the run's settings, on the cards ticked now (a run resumes on more or fewer GPUs)
+            config = self.gpu_selector.apply(load())
         except Exception as err:
             info = describe_error(err)
             self.show_error(info.message, info.hint)
             return
         self._reset_view()
-        self.status.setText(f"Resuming {folder}…")
+        self.status.setText(status)
         gpus = self.gpu_selector.selected()
         self.charts.set_gpus(tuple(gpus))
         self.state.begin_run()
-        self.controller.start(config, resume=folder, gpu_indices=gpus)
+        self.controller.start(config, resume=resume, gpu_indices=gpus)
         self.start_requested.emit()
 
     def show_error(self, message: str, hint: str | None) -> None:
