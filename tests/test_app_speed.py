@@ -61,6 +61,22 @@ def test_all_on_is_tunedecks_choice_and_all_off_is_stock_leaving_memory_savers_a
         assert (settings.checkpointing, settings.chunked_mlp) == ("offloaded", True)
 
 
+def test_the_page_lists_only_this_engine_s_settings_and_fp8_flips_between_all_and_off() -> None:
+    """Settings that went from SpeedConfig (kept attention, LoRA groups, ...) leave the page; fp8 products take a
+    value, so the page's check box means fp8 everywhere (on) or none (off)."""
+    from dataclasses import fields
+
+    from app.background.ab_compare import ON_OFF_SWITCHES, SWITCHES
+
+    names = {f.name for f in fields(SpeedConfig)}
+    assert set(SWITCHES) <= names and set(ON_OFF_SWITCHES) <= names
+    assert {"keep_attention", "lora_groups", "cudnn_attention", "four_bit_kernel"}.isdisjoint(SWITCHES)
+    base = SpeedConfig()
+    assert switch_settings(base, "fp8_base", True).fp8_base == "all"
+    assert switch_settings(base, "fp8_base", False).fp8_base == "off"
+    assert switch_settings(base, "step_graphs", False).step_graphs is False
+
+
 def bars(chart: Any) -> list[Any]:
     return [item for item in chart.getPlotItem().items if isinstance(item, pg.BarGraphItem)]
 

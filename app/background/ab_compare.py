@@ -19,36 +19,28 @@ from engine.config import SpeedConfig
 
 ALL = "all"
 """The pseudo-switch of "all on vs all off"."""
-SPEED_SWITCHES = (
-    "metadata_cache", "cudnn_attention", "fused_loss", "lora_16bit", "fused_kernels", "lean_recompute", "dequant_once",
-    "four_bit_kernel",
-)  # fmt: skip
+SPEED_SWITCHES = ("metadata_cache", "fused_loss", "lora_16bit", "fused_kernels", "dequant_once")
 """What "all on vs all off" flips (with MoE routing): the switches that trade nothing for speed. The memory savers
 (checkpointing, chunked MLP, host embedding) cost time by design and stay as the run has them."""
 TITLES = {
     "metadata_cache": "Packed-sequence metadata caching",
-    "cudnn_attention": "cuDNN attention for one-document rows",
     "fused_loss": "Fused loss (no full logits)",
     "lora_16bit": "LoRA adapters in 16-bit",
-    "lora_groups": "One LoRA A product per projection group",
     "fused_kernels": "Fused per-token kernels",
     "checkpointing": "Offloaded activation checkpointing",
     "chunked_mlp": "MLP in sequence chunks (long context)",
     "host_embedding": "Input embedding in host memory",
-    "lean_recompute": "Lean recompute (skip unread projections)",
     "dequant_once": "4-bit weights dequantized once per layer",
-    "four_bit_kernel": "4-bit weights decoded in one kernel",
-    "keep_attention": "Kept attention (only MLPs recompute)",
     "resident_layers": "Layers kept resident in spare memory",
     "fp8_base": "Frozen weights multiplied in fp8",
     "step_graphs": "Micro-batches replayed from CUDA graphs",
     "moe_routing": "MoE routing on sorted tokens",
     ALL: "All speed switches together",
 }
-ON_OFF_SWITCHES = ("metadata_cache", "cudnn_attention", "fused_loss", "lora_16bit", "lora_groups",
-                   "fused_kernels", "chunked_mlp", "host_embedding", "lean_recompute", "dequant_once",
-                   "four_bit_kernel", "keep_attention", "resident_layers", "fp8_base", "step_graphs")  # fmt: skip
-"""Switches that are simply on or off (the others choose between modes)."""
+ON_OFF_SWITCHES = ("metadata_cache", "fused_loss", "lora_16bit", "fused_kernels", "chunked_mlp", "host_embedding",
+                   "dequant_once", "resident_layers", "fp8_base", "step_graphs")  # fmt: skip
+"""Switches shown as on or off (the others choose between modes). fp8 products take a value: on is ``all`` (every
+frozen product in fp8, as the switch has always meant when switched on), off is ``off``."""
 SWITCHES = tuple(name for name in TITLES if name in {f.name for f in dataclasses.fields(SpeedConfig)})
 """The switches this engine has, in the order the speed page lists them."""
 
@@ -62,6 +54,8 @@ def switch_settings(base: SpeedConfig, switch: str, on: bool) -> SpeedConfig:
     if switch == ALL:
         flags: dict[str, Any] = {name: None if on else False for name in SPEED_SWITCHES}
         return dataclasses.replace(base, **flags, moe_routing="auto" if on else "stock")
+    if switch == "fp8_base":
+        return dataclasses.replace(base, fp8_base="all" if on else "off")
     if switch in ON_OFF_SWITCHES:
         flag: dict[str, Any] = {switch: on}
         return dataclasses.replace(base, **flag)

@@ -22,7 +22,16 @@ from PySide6.QtWidgets import (
 )
 
 from app.app_state import AppState
-from app.background.ab_compare import ALL, ON_OFF_SWITCHES, SWITCHES, TITLES, ABCompare, Measurement, nothing_to_do
+from app.background.ab_compare import (
+    ALL,
+    ON_OFF_SWITCHES,
+    SWITCHES,
+    TITLES,
+    ABCompare,
+    Measurement,
+    nothing_to_do,
+    switch_settings,
+)
 from app.background.run_controller import LOADING, RUNNING, RunController
 from app.widgets.compare_chart import CompareChart
 from app.widgets.switch_words import describe_plan, describe_state
@@ -34,18 +43,13 @@ PLANNED_AT_START = "Decided when the run starts, from the model and this GPU"
 SHORT_TITLES = {
     ALL: "all on vs all off",
     "metadata_cache": "metadata cache",
-    "cudnn_attention": "cuDNN attention",
     "fused_loss": "fused loss",
     "lora_16bit": "LoRA in 16-bit",
-    "lora_groups": "LoRA A groups",
     "fused_kernels": "fused kernels",
     "checkpointing": "offloaded ckpt",
     "chunked_mlp": "chunked MLP",
     "host_embedding": "host embedding",
-    "lean_recompute": "lean recompute",
     "dequant_once": "dequant once",
-    "four_bit_kernel": "4-bit kernel",
-    "keep_attention": "kept attention",
     "resident_layers": "resident layers",
     "fp8_base": "fp8 base",
     "step_graphs": "step graphs",
@@ -158,8 +162,7 @@ class SpeedPanel(QWidget):
         """The run's settings with only ``switch`` taken from its control (the others stay as the user left them)."""
         base = self.controller.current_speed()
         if switch in self.on_off:
-            flag: dict[str, Any] = {switch: self.on_off[switch].isChecked()}
-            return dataclasses.replace(base, **flag)
+            return switch_settings(base, switch, self.on_off[switch].isChecked())
         if switch == "checkpointing":
             return dataclasses.replace(base, checkpointing=cast(Checkpointing, self.checkpoint_box.currentText()))
         return dataclasses.replace(base, moe_routing="sync-free" if self.moe_box.isChecked() else "stock")
