@@ -9,6 +9,7 @@ from pathlib import Path
 
 from engine.cli.commands import COMMANDS
 from engine.cli.flags import flag_name
+from engine.cli.train import train_parser
 from engine.config import SpeedConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,6 +90,21 @@ def test_every_speed_switch_is_documented() -> None:
     assert [flag for flag in flags if f"`{flag}" not in speed] == []
 
 
+def switch_flags(text: str) -> set[str]:
+    """The flags speed.md names as switches, in its headings and its table's rows (inline code that starts with
+    the flag, as ```--fp8-base auto|off``` does; ```tunedeck bench --qlora``` is a command, not a switch)."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.DOTALL | re.MULTILINE)
+    lines = [line for line in text.splitlines() if line.startswith(("### ", "| "))]
+    return {match for line in lines for match in re.findall(r"`(--[a-z0-9-]+)", line)}
+
+
+def test_every_switch_speed_md_names_is_a_flag_of_train() -> None:
+    options = {option for action in train_parser()._actions for option in action.option_strings}
+    named = switch_flags((DOCS / "speed.md").read_text(encoding="utf-8"))
+    assert len(named) > 5
+    assert sorted(named - options) == []
+
+
 def test_every_command_is_documented() -> None:
     """The README shows the main commands; each of the others is at least in one of the docs."""
     text = "\n".join(path.read_text(encoding="utf-8") for path in markdown_files())
@@ -121,3 +137,11 @@ def test_a_broken_link_or_heading_is_found(tmp_path: Path) -> None:
         "page.md: pictures/gone.png (no such file)",
         "page.md: other.md#no-such-heading (no such heading)",
     ]
+
+
+def test_a_switch_flag_is_read_from_headings_and_table_rows_only() -> None:
+    text = (
+        "### fp8: `--fp8-base auto|off`\n| x | `--step-graphs` |\nprose `--not-a-switch`\n"
+        "### Bench: `tunedeck bench --qlora`\n```\n### `--nor-this`\n```\n"
+    )
+    assert switch_flags(text) == {"--fp8-base", "--step-graphs"}
