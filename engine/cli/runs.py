@@ -377,9 +377,11 @@ def report_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tunedeck report",
         description="Before and after: the base model and the run's adapters (best and last) side by side on the "
-        "run's held-out examples (loss and perplexity; DPO: the held-out pairs' loss and reward accuracy), and the "
-        "perplexity of a fixed public-domain English text, to see what the fine-tune forgot. Written to report.md "
-        "and report.json in the run folder when a run ends; printed from there, or measured now if it has none.",
+        "run's held-out examples (loss and perplexity; exact match and token F1 of up to 30 answers of at most 32 "
+        "tokens, answered greedily; DPO: the held-out pairs' loss and reward accuracy), and the perplexity of a "
+        "fixed public-domain English text, to see what the fine-tune forgot. Written to report.md and report.json "
+        "in the run folder when a run ends (by tunedeck train or the app); printed from there, or measured now if "
+        "it has none.",
     )
     parser.add_argument("run", metavar="RUN", help="run id, name or folder")
     parser.add_argument("--again", action="store_true", help="measure again even if the run has a report")

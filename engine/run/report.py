@@ -2,12 +2,14 @@
 
 The base model and each of the run's adapters (the best by held-out loss and the last) are scored side by side on
 the run's own held-out examples (the split the run made, with its seed): the mean loss per learned token and its
-perplexity; a DPO run scores its held-out pairs instead (their mean DPO loss against the base as reference, the
-share ranked right, and the perplexity of the chosen answers). The forgetting check is the perplexity of a fixed
+perplexity, and for short answers the exact match and token F1 of greedy replies (engine.run.short_answers); a DPO
+run scores its held-out pairs instead (their mean DPO loss against the base as reference, the share ranked right,
+and the perplexity of the chosen answers). The forgetting check is the perplexity of a fixed
 general-English text shipped in ``resources/general_text`` (public-domain prose, a few thousand tokens): a tuned
 model that reads it much worse than its base has lost some of what it knew. One loaded base serves every column
 (peft switches adapters), in the run's dtype on its device kind. ``report.md`` and ``report.json`` go into the
-run folder; ``tunedeck report RUN`` prints them, and ``tunedeck train`` writes them when a run ends.
+run folder; ``tunedeck report RUN`` prints them, and :func:`report_after_run` writes them when a run ends, for
+``tunedeck train`` and the app alike.
 """
 
 from __future__ import annotations
