@@ -126,4 +126,3 @@ class LoraGroups:
                 if hasattr(member, GROUP_ATTR):
                     delattr(member, GROUP_ATTR)
         self.groups = []
-
