@@ -1,9 +1,12 @@
 """The window in daily use, each test in a process of its own (tests/window_soak_child.py), so that a crash is a
 failed test with its signal and the crash log, not a dead test session.
 
-* Soak: a warm-up cycle, then 20 cycles of Start, Pause, every page shown, Resume and Stop of the demo run, with a
-  chat every fifth cycle: the process ends normally, the window never grows, and its resident memory (measured
-  after each cycle, garbage collected on the GUI thread) ends within 10% of where the warm-up left it.
+* Soak: a warm-up cycle, then 8 cycles of Start, Pause, every page shown, Resume and Stop of the demo run, with a
+  chat every fourth cycle (the warm-up's and the last one's included): the process ends normally, the window never
+  grows, and its resident memory (measured after each cycle, garbage collected on the GUI thread) grows at most
+  0.5% of the warm-up's per cycle. The leak this guards against (a run's freed heap kept by the window: 807 ->
+  1,030 MiB over 21 cycles, about 1.4% a cycle) is over 10% after 8 cycles, against the 4% allowed; with the heap
+  handed back, 21 cycles went 764 -> 776 MiB. ``TUNEDECK_SOAK_CYCLES=20`` runs the long soak (10% allowed).
 * The libLLVM crash (engine.crash_guard): with the system's LLVM loaded the way Mesa's OpenGL driver loads it, a
   Start with compiled kernels trains in a window started as ``tunedeck`` starts it; the same Start without Triton's
   library loaded first dies with a segmentation fault in the run's thread, which shows the test can fail.
@@ -30,8 +33,11 @@ from engine.crash_guard import CRASH_LOG, preload_compiler_libraries
 CHILD = Path(__file__).with_name("window_soak_child.py")
 HANG_S = 3600
 """Bounds a hang of the whole child; every wait inside it is for a condition."""
-SOAK_CYCLES = 20
-RSS_TOLERANCE = 0.10
+SOAK_CYCLES = int(os.environ.get("TUNEDECK_SOAK_CYCLES", "8"))
+"""Cycles after the warm-up; set TUNEDECK_SOAK_CYCLES=20 (or more) for the long soak."""
+CHAT_EVERY = 4
+RSS_GROWTH_PER_CYCLE = 0.005
+"""Allowed growth of resident memory per cycle, as a share of the warm-up's: 4% over 8 cycles, 10% over 20."""
 
 
 def load_llvm_as_a_desktop_does() -> str:
@@ -59,9 +65,9 @@ def measurements(proc: subprocess.CompletedProcess[str]) -> list[dict[str, Any]]
     return [row for row in rows if "cycle" in row]
 
 
-def test_twenty_cycles_leave_the_window_and_its_memory_where_they_were(tmp_path: Path) -> None:
+def test_repeated_cycles_leave_the_window_and_its_memory_where_they_were(tmp_path: Path) -> None:
     cycles = str(SOAK_CYCLES + 1)  # the first is the warm-up
-    proc = run_window(tmp_path, "--as-app", "--cycles", cycles, "--pause", "--chat-every", "5")
+    proc = run_window(tmp_path, "--as-app", "--cycles", cycles, "--pause", "--chat-every", str(CHAT_EVERY))
     assert proc.returncode == 0, ending(proc, tmp_path)
     rows = measurements(proc)
     assert len(rows) == SOAK_CYCLES + 1, proc.stdout
@@ -70,7 +76,9 @@ def test_twenty_cycles_leave_the_window_and_its_memory_where_they_were(tmp_path:
     assert sizes == {(warm["width"], warm["height"])}, f"the window changed size: {sorted(sizes)}"
     growth = last["rss"] / warm["rss"] - 1
     trend = ", ".join(f"{row['rss'] / 2**20:.0f}" for row in rows)
-    assert growth <= RSS_TOLERANCE, f"resident memory grew {growth:.1%} over {SOAK_CYCLES} cycles (MiB: {trend})"
+    assert growth <= RSS_GROWTH_PER_CYCLE * SOAK_CYCLES, (
+        f"resident memory grew {growth:.1%} over {SOAK_CYCLES} cycles (MiB: {trend})"
+    )
 
 
 needs_llvm_pair = pytest.mark.skipif(
