@@ -52,10 +52,8 @@ from engine.run.estimate import describe_time, format_duration
 from engine.run.summary import describe, format_gib
 
 SHORT_NAMES = {"metadata_cache": "cache", "cudnn_attention": "cudnn attention", "fused_loss": "fused loss",
-               "fused_kernels": "kernels", "lora_16bit": "lora 16-bit", "lora_groups": "lora groups",
-               "chunked_mlp": "chunked mlp",
-               "host_embedding": "host embedding", "lean_recompute": "lean recompute",
-               "dequant_once": "dequant once", "four_bit_kernel": "4-bit kernel", "keep_attention": "kept attention",
+               "fused_kernels": "kernels", "lora_16bit": "lora 16-bit", "chunked_mlp": "chunked mlp",
+               "host_embedding": "host embedding", "dequant_once": "dequant once",
                "resident_layers": "resident layers", "fp8_base": "fp8 base", "step_graphs": "step graphs"}  # fmt: skip
 
 
