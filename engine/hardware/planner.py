@@ -28,12 +28,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from engine.hardware import checkpoint_choice
+from engine.hardware.checkpoint_choice import Checkpointing
 from engine.hardware.shapes import ModelShape
 
 GIB = 1 << 30
 MIB = 1 << 20
 
-Checkpointing = Literal["none", "standard", "offloaded"]
 Optimizer = Literal["adamw", "adamw8bit", "sgd"]
 AttentionBackend = Literal["varlen", "flash_attn", "flex", "sdpa"]
 ChunkScope = Literal["all", "mlp"]
@@ -768,21 +769,24 @@ def _longest_reason(shape: ModelShape, setup: TrainSetup, tokens: int, can_offlo
     return f"{tokens:,} tokens, with {how}"
 
 
-def _mode_order(checkpointing: str | None, can_offload: bool) -> list[Checkpointing]:
+def _mode_order(checkpointing: str | None, can_offload: bool) -> tuple[Checkpointing, ...]:
     if checkpointing is not None:
-        return [checkpointing]  # type: ignore[list-item]
-    return ["none", "offloaded", "standard"] if can_offload else ["none", "standard"]
+        return (checkpointing,)  # type: ignore[return-value]
+    return checkpoint_choice.candidate_modes(can_offload)
 
 
-def _best_mode(found: dict[Checkpointing, int], preferred_tokens: int) -> tuple[Checkpointing, int] | None:
-    """No recompute when its batch is big enough; else the checkpointing mode that fits the most tokens."""
+def _best_mode(
+    found: dict[Checkpointing, int], preferred_tokens: int, checkpointing: Checkpointing | None, on_gpu: bool
+) -> tuple[Checkpointing, int] | None:
+    """The requested mode where it fits; else the one checkpointing decision (engine.hardware.checkpoint_choice) over
+    the rows each mode fits."""
     if not found:
         return None
-    best_mode = max(found, key=lambda mode: (found[mode], mode == "offloaded"))
-    best = found[best_mode]
-    if "none" in found and found["none"] >= min(preferred_tokens, best):
-        return "none", found["none"]
-    return best_mode, best
+    if checkpointing is not None:
+        return checkpointing, found[checkpointing]
+    facts = checkpoint_choice.CheckpointFacts(on_gpu, fits=tuple(found.items()), wanted_tokens=preferred_tokens)
+    mode = checkpoint_choice.decide_checkpointing(facts).mode
+    return mode, found[mode]
 
 
 def choose_memory_settings(
@@ -819,7 +823,7 @@ def choose_memory_settings(
             )  # fmt: skip
             if tokens is not None:
                 found[mode] = tokens
-        chosen = _best_mode(found, preferred_tokens)
+        chosen = _best_mode(found, preferred_tokens, checkpointing, compute_capability is not None)
         if chosen is not None:
             mode, tokens = chosen
             setup = replace(base, qlora=quantized, checkpointing=mode, tokens=tokens)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import RunConfig
-from engine.hardware import gpus
+from engine.hardware import checkpoint_choice, gpus
 from engine.hardware.detect import HardwareInfo
 from engine.hardware.moe_choice import auto_moe_routing
 from engine.hardware.planner import (
@@ -195,9 +195,10 @@ def choose_moe_routing(target: DeviceTarget, dtype: str, shape: ModelShape | Non
 
 
 def _default_checkpointing(target: DeviceTarget) -> Choice:
-    if not target.is_gpu:
-        return Choice("none", "checkpointing off: host memory is plentiful, recompute would only cost time")
-    return Choice("standard", "checkpointing standard: without a model to plan for, recompute is the safe choice")
+    """Checkpointing for a device without a model to plan for (engine.hardware.checkpoint_choice decides)."""
+    plan = checkpoint_choice.decide_checkpointing(checkpoint_choice.CheckpointFacts(on_gpu=target.is_gpu))
+    word = "off" if plan.mode == "none" else plan.mode
+    return Choice(plan.mode, f"checkpointing {word}: {plan.reason.removeprefix('CPU: ')}")
 
 
 def can_offload(target: DeviceTarget) -> tuple[bool, str | None]:

@@ -28,11 +28,12 @@ from __future__ import annotations
 import gc
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
+from engine.config import SpeedConfig
 from engine.errors import TuneDeckError
 
 TOKENS_PER_BATCH = "tokens_per_batch"
@@ -120,6 +121,17 @@ def next_oom_action(
     if not chunks_tried:
         return OomAction(CHUNKED_MLP, budget)
     return None
+
+
+def fallback_settings(kind: str, settings: SpeedConfig) -> SpeedConfig:
+    """The speed settings a fallback asks for; the speed controller decides again from them with the one
+    checkpointing decision (engine.hardware.checkpoint_choice), so a GPU that cannot offload gets standard recompute
+    and says why. Fallbacks that are not speed settings (the micro-batch size) leave them as they are."""
+    if kind == OFFLOADED_CHECKPOINTING:
+        return replace(settings, checkpointing="offloaded")
+    if kind == CHUNKED_MLP:
+        return replace(settings, chunked_mlp=True)
+    return settings
 
 
 def out_of_memory_error(step: int, budget: int) -> TrainingHalted:

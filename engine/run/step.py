@@ -188,13 +188,10 @@ def _lower_memory(session: Session, rows: list[list[int]], examples: list[Tokeni
     session.recovery.lowered_now(action.kind, session.step + 1, previous)
     session.tokens_per_batch = action.tokens_per_batch
     yield _logged(session, OomRecovered(session.step + 1, action.kind, action.tokens_per_batch, message))
-    if action.kind == guard.OFFLOADED_CHECKPOINTING:
-        session.offload_tried = True
-        session.speed.apply(dataclasses.replace(settings, checkpointing="offloaded"))
-        yield SpeedChanged(session.step, session.speed.state())
-    elif action.kind == guard.CHUNKED_MLP:
-        session.chunks_tried = True
-        session.speed.apply(dataclasses.replace(settings, chunked_mlp=True))
+    if action.kind in (guard.OFFLOADED_CHECKPOINTING, guard.CHUNKED_MLP):
+        session.offload_tried = session.offload_tried or action.kind == guard.OFFLOADED_CHECKPOINTING
+        session.chunks_tried = session.chunks_tried or action.kind == guard.CHUNKED_MLP
+        session.speed.apply(guard.fallback_settings(action.kind, settings))
         yield SpeedChanged(session.step, session.speed.state())
 
 

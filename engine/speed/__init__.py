@@ -28,6 +28,8 @@ import torch
 from engine.config import SpeedConfig
 from engine.data.model_inputs import stock_model_inputs
 from engine.data.packing import PackedBatch
+from engine.hardware import checkpoint_choice
+from engine.hardware.checkpoint_choice import Requested
 from engine.hardware.shapes import ModelShape
 from engine.speed import (
     chunked_mlp,
@@ -417,25 +419,27 @@ class SpeedController:
         self._state["checkpointing"] = {"mode": mode, "reason": reason}
 
     def _resolve_checkpointing(self, requested: str) -> tuple[str, str]:
-        integrated = offloaded_checkpoint.offload_unsupported_reason(self.device)
-        if requested == "offloaded" and integrated:
-            return "standard", f"offloaded requested but {integrated}; plain recompute instead"
-        if requested != "auto":
-            return requested, f"{requested} requested"
-        if self.device.type != "cuda":
-            return "none", "CPU: host memory is plentiful, recompute would only cost time"
-        if not self._activations_overflow(self._auto_checkpointing_tokens):
-            return "none", "activations fit in free GPU memory: no recompute needed"
-        if integrated:
-            return "standard", f"activations would not fit; {integrated}"
-        return "offloaded", "activations would not fit in free GPU memory: checkpoint and offload layer inputs"
+        plan = checkpoint_choice.decide_checkpointing(self._checkpoint_facts(requested), cast(Requested, requested))
+        return plan.mode, plan.reason
 
-    def _activations_overflow(self, tokens: int) -> bool:
+    def _checkpoint_facts(self, requested: str) -> checkpoint_choice.CheckpointFacts:
+        """What the checkpointing decision needs; the rows that fit are measured only when it is automatic."""
+        blocker = offloaded_checkpoint.offload_unsupported_reason(self.device)
+        on_gpu = self.device.type == "cuda"
+        if requested != "auto" or not on_gpu:
+            return checkpoint_choice.CheckpointFacts(on_gpu, blocker)
+        modes = checkpoint_choice.candidate_modes(can_offload=blocker is None)
+        fits = tuple((mode, self._tokens_without_recompute() if mode == "none" else None) for mode in modes)
+        return checkpoint_choice.CheckpointFacts(on_gpu, blocker, fits, wanted_tokens=self._auto_checkpointing_tokens)
+
+    def _tokens_without_recompute(self) -> int | None:
+        """The longest row whose activations fit in 60% of the free GPU memory without checkpointing (None: the
+        model's config gives no size to count)."""
         config = self.hf_model.config.get_text_config()
-        hidden = getattr(config, "hidden_size", 0)
-        layers = getattr(config, "num_hidden_layers", 0)
-        need = tokens * hidden * layers * ACTIVATION_BYTES_PER_TOKEN_AND_HIDDEN
-        return need > 0.6 * free_device_memory(self.device)
+        per_token = getattr(config, "hidden_size", 0) * getattr(config, "num_hidden_layers", 0)
+        if not per_token:
+            return None
+        return int(0.6 * free_device_memory(self.device) // (per_token * ACTIVATION_BYTES_PER_TOKEN_AND_HIDDEN))
 
     # --- per batch ------------------------------------------------------------------------------------------
 
