@@ -6,11 +6,10 @@ import json
 
 import pytest
 
-from engine.config import RunConfig
 from engine.hardware import gpus
 from engine.hardware.detect import classify, detect_hardware
 from engine.hardware.planner import SAFETY_MARGIN, MemoryPlan
-from engine.hardware.profile import DeviceTarget, apply_profile, build_profile
+from engine.hardware.profile import DeviceTarget, build_profile
 from engine.hardware.shapes import load_shape
 from tests.hardware_fakes import FakeGpu, FakeNvml, fake_torch
 
@@ -169,20 +168,6 @@ def test_user_overrides_are_kept() -> None:
     profile = build_profile(target, load_shape("llama-3.2-1b"), overrides=overrides)
     assert profile.checkpointing.value == "standard" and "set by you" in profile.checkpointing.reason
     assert profile.qlora.value is True and profile.dtype.value == "float16"  # type: ignore[union-attr]
-
-
-def test_apply_profile_fills_only_automatic_settings() -> None:
-    target = DeviceTarget.from_spec(gpus.find_gpu("RTX 4060 laptop"))  # type: ignore[arg-type]
-    profile = build_profile(target, load_shape("qwen3-0.6b"))
-    config = RunConfig.from_dict({"speed": {"attention_backend": "sdpa"}, "model": {"name": "demo"}})
-    applied = apply_profile(config, profile)
-    assert applied.model.dtype == "bfloat16"
-    assert applied.speed.attention_backend == "sdpa"  # explicit: kept
-    assert applied.speed.metadata_cache is True and applied.speed.checkpointing == profile.checkpointing.value
-    assert applied.data.tokens_per_batch == config.data.tokens_per_batch and applied.model.qlora is False
-    assert config.model.dtype == "auto"  # the input is not modified
-    sized = apply_profile(config, profile, include_memory_settings=True)
-    assert sized.data.tokens_per_batch == profile.tokens_per_batch.value  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,7 @@
 A profile turns detection into choices the engine's config accepts: dtype, attention backend, metadata cache,
 checkpointing, MoE routing, LoRA vs QLoRA and tokens per batch. Memory choices come from the planner, so the
 profile says "QLoRA: Llama-3.1-8B in 16-bit needs ~15 GiB ..." instead of guessing. Anything the user set
-explicitly wins: :func:`apply_profile` fills only the settings left on automatic.
+explicitly wins (``overrides``); checkpointing is decided by engine.hardware.checkpoint_choice, as in a run.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import RunConfig
 from engine.hardware import checkpoint_choice, gpus
 from engine.hardware.detect import HardwareInfo
 from engine.hardware.moe_choice import auto_moe_routing
@@ -414,31 +413,3 @@ def tokens_per_second(target: DeviceTarget, shape: ModelShape, plan: MemoryPlan)
     )
     mfu = MFU_QLORA if plan.qlora else MFU_LORA
     return mfu * target.tflops * 1e12 / training_flops_per_token(shape, setup)
-
-
-def apply_profile(config: RunConfig, profile: Profile, *, include_memory_settings: bool = False) -> RunConfig:
-    """A copy of ``config`` with the settings left on automatic filled from ``profile``.
-
-    dtype 'auto' and SpeedConfig None/'auto' fields are filled; explicit values stay. ``qlora`` and
-    ``tokens_per_batch`` have no automatic value in the config, so they are only set when
-    ``include_memory_settings`` says the caller knows the user did not choose them.
-    """
-    new = RunConfig.from_dict(config.to_dict())
-    if new.model.dtype == "auto":
-        new.model.dtype = profile.dtype.value
-    speed = new.speed
-    if speed.metadata_cache is None:
-        speed.metadata_cache = bool(profile.metadata_cache.value)
-    if speed.checkpointing == "auto":
-        speed.checkpointing = profile.checkpointing.value
-    if speed.moe_routing == "auto":
-        speed.moe_routing = profile.moe_routing.value
-    if speed.attention_backend == "auto":
-        speed.attention_backend = profile.attention_backend.value
-    if include_memory_settings:
-        if profile.qlora is not None:
-            new.model.qlora = bool(profile.qlora.value)
-        if profile.tokens_per_batch is not None and profile.tokens_per_batch.value:
-            tokens = max(int(profile.tokens_per_batch.value), new.data.max_seq_len)
-            new = RunConfig.from_dict({**new.to_dict(), "data": {**new.to_dict()["data"], "tokens_per_batch": tokens}})
-    return new
