@@ -8,6 +8,7 @@ the CLI flags and the app's form are generated from the fields' metadata, and th
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -496,3 +497,36 @@ def _coerce_scalar(name: str, annotation: Any, value: Any) -> Any:
             return value
         raise ConfigError(f"{name}: must be a string, got {value!r}")
     return value
+
+
+def flag_name(spec: dataclasses.Field[Any]) -> str:
+    """The flag ``--help`` shows for a setting: its field name in kebab-case unless the config names another."""
+    return spec.metadata.get("flag") or "--" + spec.name.replace("_", "-")
+
+
+def flag_options(spec: dataclasses.Field[Any], annotation: Any, default: Any) -> dict[str, Any]:
+    """A setting's flag declaration as argparse keyword arguments: on/off for a bool (automatic where it may be None),
+    its choices for a Literal, else a value; the help text is the field's, with its default. Every command that takes
+    a setting declares it from here (``tunedeck train``, ``tunedeck plan``)."""
+    kwargs: dict[str, Any] = {}
+    help_text = spec.metadata.get("help", "").replace("%", "%%")  # argparse formats help with %
+    options = get_args(annotation)
+    if annotation is bool or (bool in options and type(None) in options):
+        kwargs["action"] = argparse.BooleanOptionalAction
+        shown = "auto" if default is None else ("on" if default else "off")
+        kwargs["help"] = f"{help_text} (default: {shown})"
+    elif getattr(annotation, "__origin__", None) is Literal:
+        kwargs["choices"] = options
+        kwargs["help"] = f"{help_text} (default: {default})"
+    else:
+        kwargs["metavar"] = spec.name.upper()
+        kwargs["help"] = f"{help_text} (default: {default})"
+    return kwargs
+
+
+def setting_flag(section: str, name: str) -> tuple[str, dict[str, Any]]:
+    """The flag and argparse keyword arguments of setting ``section.name`` (e.g. ``speed.checkpointing``)."""
+    holder = getattr(RunConfig(), section)
+    spec = next(spec for spec in dataclasses.fields(holder) if spec.name == name)
+    annotation = get_type_hints(type(holder))[name]
+    return flag_name(spec), flag_options(spec, annotation, getattr(holder, name))

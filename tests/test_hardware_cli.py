@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 
-from engine.hardware.cli import detect_main, generic_gpu_name, plan_main
+from engine.cli.flags import add_config_flags
+from engine.hardware.cli import _common, detect_main, generic_gpu_name, plan_main
 
 
 def test_detect_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -111,3 +113,16 @@ def test_plan_batch_flag_has_train_spelling_and_the_old_one(capsys: pytest.Captu
         assert plan_main(["--model", "qwen3-0.6b", "--vram", "16", flag, "4096", "--json"]) == 0
         outputs.append(json.loads(capsys.readouterr().out)["profile"]["choices"]["tokens_per_batch"])
     assert outputs[0] == outputs[1] and outputs[0]["value"] == 4096
+
+
+def test_plan_declares_train_settings_as_train_does() -> None:
+    """--checkpointing, --lora-rank and --max-seq-len take the values and carry the help tunedeck train gives them."""
+    train, plan = argparse.ArgumentParser(), argparse.ArgumentParser()
+    add_config_flags(train)
+    _common(plan)
+    for flag in ("--checkpointing", "--lora-rank", "--max-seq-len"):
+        ours = next(a for a in plan._actions if flag in a.option_strings)
+        theirs = next(a for a in train._actions if flag in a.option_strings)
+        assert (ours.choices, ours.help, ours.metavar) == (theirs.choices, theirs.help, theirs.metavar)
+    assert plan.parse_args(["--checkpointing", "offloaded"]).checkpointing == "offloaded"
+    assert plan.parse_args([]).checkpointing == "auto"

@@ -14,14 +14,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections.abc import Iterator
-from typing import Any, Literal, get_args, get_type_hints
+from typing import Any, get_args, get_type_hints
 
-from engine.config import RunConfig, coerce_value
+from engine.config import RunConfig, coerce_value, flag_name, flag_options
 
-
-def flag_name(spec: dataclasses.Field[Any]) -> str:
-    """The flag ``--help`` shows for a setting."""
-    return spec.metadata.get("flag") or "--" + spec.name.replace("_", "-")
+__all__ = ["add_config_flags", "config_fields", "config_from_args", "flag_name", "grouped_name"]
 
 
 def grouped_name(section: str, spec: dataclasses.Field[Any]) -> str:
@@ -53,19 +50,11 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_field_flag(group: Any, section: str, spec: dataclasses.Field[Any], annotation: Any, default: Any) -> None:
-    kwargs: dict[str, Any] = {"dest": _dest(section, spec.name), "default": argparse.SUPPRESS}
-    help_text = spec.metadata.get("help", "").replace("%", "%%")  # argparse formats help with %
-    options = get_args(annotation)
-    if annotation is bool or (bool in options and type(None) in options):
-        kwargs["action"] = argparse.BooleanOptionalAction
-        shown = "auto" if default is None else ("on" if default else "off")
-        kwargs["help"] = f"{help_text} (default: {shown})"
-    elif getattr(annotation, "__origin__", None) is Literal:
-        kwargs["choices"] = options
-        kwargs["help"] = f"{help_text} (default: {default})"
-    else:
-        kwargs["metavar"] = spec.name.upper()
-        kwargs["help"] = f"{help_text} (default: {default})"
+    kwargs = {
+        "dest": _dest(section, spec.name),
+        "default": argparse.SUPPRESS,
+        **flag_options(spec, annotation, default),
+    }
     group.add_argument(flag_name(spec), **kwargs)
     alias = grouped_name(section, spec)
     if alias != flag_name(spec):

@@ -11,6 +11,7 @@ import json
 import sys
 from typing import Any
 
+from engine.config import setting_flag
 from engine.errors import TuneDeckError
 
 GIB = 1 << 30
@@ -89,16 +90,17 @@ def _common(parser: argparse.ArgumentParser) -> None:
         "--tokens-per-batch", type=int, dest="tokens", help="tokens per batch (default: the largest that fits)"
     )
     parser.add_argument("--tokens", type=int, help=argparse.SUPPRESS)  # the older spelling
-    parser.add_argument(
-        "--max-seq-len",
-        type=int,
-        default=0,
-        help="longest example; the batch is at least this (default: automatic: 2048 on a GPU; on a CPU what it "
-        "trains in seconds)",
-    )
+    # the settings tunedeck train takes too, declared as it declares them (engine.config.setting_flag); QLoRA and
+    # tokens per batch are left to choose here (the plan picks them), where train's defaults are fixed values
+    _train_setting(parser, "data", "max_seq_len", type=int, default=0)
     parser.add_argument("--qlora", action=argparse.BooleanOptionalAction, default=None, help="force QLoRA on or off")
-    parser.add_argument("--checkpointing", choices=("auto", "none", "standard", "offloaded"), default="auto")
-    parser.add_argument("--lora-rank", type=int, default=16)
+    _train_setting(parser, "speed", "checkpointing", default="auto")
+    _train_setting(parser, "lora", "rank", type=int, default=16)
+
+
+def _train_setting(parser: argparse.ArgumentParser, section: str, name: str, **changes: Any) -> None:
+    flag, options = setting_flag(section, name)
+    parser.add_argument(flag, **{**options, **changes})
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
