@@ -4,6 +4,8 @@ speed controller and the out-of-memory fallback all following that one function.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from typing import Any
 
 import pytest
@@ -18,6 +20,7 @@ from engine.hardware.profile import DeviceTarget, build_profile
 from engine.hardware.shapes import load_shape
 from engine.run import guard
 from engine.speed import SpeedController, offloaded_checkpoint
+from engine.speed.plan import Choice, ResidentChoice, SpeedPlan
 
 INTEGRATED = "integrated-memory GPU: host and device memory are the same, offloading only adds copies"
 GPU_FITS = (("none", 4096), ("offloaded", 16384), ("standard", 12288))
@@ -176,3 +179,38 @@ def test_planner_profile_controller_and_guard_follow_one_decision(monkeypatch: p
     assert ctl.state()["checkpointing"]["mode"] == "standard"
     assert asked[-1][1] == "offloaded"
     assert {requested for _, requested in asked} == {"auto", "offloaded"}
+
+
+SETTINGS = [
+    "metadata_cache", "cudnn_attention", "moe_routing", "fused_loss", "checkpointing", "chunked_mlp",
+    "host_embedding", "lora_16bit", "dequant_once", "fp8_base", "fused_kernels", "resident_layers", "step_graphs",
+]  # fmt: skip
+
+
+def test_state_is_the_plan_in_its_json_shape() -> None:
+    """Events, the app's Speed page and run summaries read ``state()``: one entry per setting, in apply order."""
+    ctl = SpeedController(tiny_lora_model("llama"), SpeedConfig(), torch.device("cpu"))
+    state = ctl.state()
+    assert list(state) == SETTINGS and state == ctl.plan.as_state()
+    assert json.loads(json.dumps(state)) == state
+    keys = {name: set(entry) for name, entry in state.items()}
+    assert keys["metadata_cache"] == {"on", "backend", "reason"}
+    assert keys["checkpointing"] == keys["moe_routing"] == {"mode", "reason"}
+    assert keys["lora_16bit"] == {"on", "reason", "groups"}
+    assert keys["fp8_base"] == {"on", "scope", "reason"}
+    assert keys["resident_layers"] == {"on", "layers", "reason"}
+    assert all(keys[name] == {"on", "reason"} for name in ("fused_loss", "chunked_mlp", "step_graphs"))
+    ctl.apply(SpeedConfig.stock(checkpointing="standard"))
+    assert ctl.plan.checkpointing == CheckpointPlan("standard", "standard requested")
+    assert ctl.state()["checkpointing"] == {"mode": "standard", "reason": "standard requested"}
+
+
+def test_plan_is_frozen_and_skips_what_is_unresolved() -> None:
+    plan = SpeedPlan(fused_loss=Choice(True, "on"), resident_layers=ResidentChoice(0, "none fit"))
+    assert plan.as_state() == {
+        "fused_loss": {"on": True, "reason": "on"},
+        "resident_layers": {"on": False, "layers": 0, "reason": "none fit"},
+    }
+    assert plan.is_on("fused_loss") and not plan.is_on("resident_layers") and not plan.is_on("chunked_mlp")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.fused_loss = None  # type: ignore[misc]

@@ -14,7 +14,9 @@ its registries (attention functions, experts implementations, the gradient-check
 a change of registered name or checkpoint function: no model reload, no reassigned library method. The fused
 loss is the training loop's call to :meth:`SpeedController.loss` instead of the model's own forward, and
 :mod:`engine.speed.step_graphs` replays each micro-batch's forward and backward from a CUDA graph through
-:meth:`SpeedController.forward_backward`.
+:meth:`SpeedController.forward_backward`. The resolved choices are one frozen :class:`engine.speed.plan.SpeedPlan`
+(``SpeedController.plan``; :meth:`SpeedController.state` is its JSON form), and checkpointing is decided by
+:func:`engine.hardware.checkpoint_choice.decide_checkpointing`, the function the planner and ``tunedeck plan`` call.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from engine.config import SpeedConfig
 from engine.data.model_inputs import stock_model_inputs
 from engine.data.packing import PackedBatch
 from engine.hardware import checkpoint_choice
-from engine.hardware.checkpoint_choice import Requested
+from engine.hardware.checkpoint_choice import Checkpointing, CheckpointPlan, Requested
 from engine.hardware.shapes import ModelShape
 from engine.speed import (
     chunked_mlp,
@@ -51,6 +53,7 @@ from engine.speed.host_embedding import HostEmbedding
 from engine.speed.lora_16bit import Lora16Bit, adapted_layers
 from engine.speed.lora_groups import LoraGroups
 from engine.speed.offloaded_checkpoint import ActivationOffloader
+from engine.speed.plan import Choice, Fp8Choice, LoraChoice, MetadataChoice, ModeChoice, ResidentChoice, SpeedPlan
 
 __all__ = [
     "GRAPHS_SHORT_OF_MEMORY",
@@ -126,7 +129,8 @@ class SpeedController:
             min_offload_bytes=0 if self.device.type == "cpu" else offloaded_checkpoint.MIN_OFFLOAD_BYTES,
         )
         self.settings = settings
-        self._state: dict[str, dict[str, Any]] = {}
+        self.plan = SpeedPlan()
+        """Every setting's resolved choice; :meth:`state` is its JSON form."""
         self._checkpointing: str | None = None
         self._metadata_backend: str | None = None
         self._cudnn = False
@@ -174,6 +178,10 @@ class SpeedController:
         self._apply_resident_layers(settings)
         self._apply_step_graphs(settings)
 
+    def _choose(self, **choices: Any) -> None:
+        """Record resolved choices: the plan is replaced, never changed in place."""
+        self.plan = dataclasses.replace(self.plan, **choices)
+
     def expect(self, length: warm_up.RunLength, store: reuse.DecisionStore | None = None) -> None:
         """What is left of the run (and what earlier runs left in ``store``): fused kernels and step graphs,
         where automatic, are decided again and stay on only where their one-off cost pays back
@@ -192,7 +200,7 @@ class SpeedController:
             on, reason = True, choice.reason if settings.metadata_cache is None else f"switched on; {choice.reason}"
         self._metadata_backend = choice.name if on else None
         self.hf_model.set_attn_implementation(metadata_cache.ATTENTION_NAME if on else self.stock_attention)
-        self._state["metadata_cache"] = {"on": on, "backend": self._metadata_backend, "reason": reason}
+        self._choose(metadata_cache=MetadataChoice(on, self._metadata_backend, reason))
 
     def _apply_cudnn_attention(self, settings: SpeedConfig) -> None:
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
@@ -207,7 +215,7 @@ class SpeedController:
         self._cudnn = on
         # a one-document row skips the document mask: for cuDNN, or automatically for the kernel SDPA picks
         self._whole_row = backend in ("auto", "cudnn")
-        self._state["cudnn_attention"] = {"on": on, "reason": reason}
+        self._choose(cudnn_attention=Choice(on, reason))
 
     def _apply_moe_routing(self, settings: SpeedConfig) -> None:
         mode, reason = moe_routing.resolve_mode(settings.moe_routing, self.hf_model, self.device, self.dtype)
@@ -216,7 +224,7 @@ class SpeedController:
             self.hf_model.set_experts_implementation(name)
         if mode == "stock" and settings.moe_routing == "stock":
             reason = f"switched off: transformers' {self.stock_experts or 'default'} experts implementation"
-        self._state["moe_routing"] = {"mode": mode, "reason": reason}
+        self._choose(moe_routing=ModeChoice(mode, reason))
 
     def _apply_fused_loss(self, settings: SpeedConfig) -> None:
         problem = fused_loss.unsupported_reason(self.hf_model)
@@ -232,7 +240,7 @@ class SpeedController:
         else:
             on, reason = True, "switched on; loss and gradient from the hidden states in chunks, no full logits"
         self._fused_loss = on
-        self._state["fused_loss"] = {"on": on, "reason": reason}
+        self._choose(fused_loss=Choice(on, reason))
 
     def _resolve_fused_kernels(self, settings: SpeedConfig) -> tuple[bool, str]:
         """(on, reason) of the fused kernels, automatic ones counting their compile against the run's length."""
@@ -243,7 +251,7 @@ class SpeedController:
         on, reason = self._resolve_fused_kernels(settings)
         self.region_compiler.switch(self.hf_model, on)  # after the chunked MLP switch: it changes the regions
         self._fused_kernels = on
-        self._state["fused_kernels"] = {"on": on, "reason": reason}
+        self._choose(fused_kernels=Choice(on, reason))
 
     def _apply_chunked_mlp(self, settings: SpeedConfig) -> None:
         mode = self._checkpointing or "none"
@@ -257,13 +265,13 @@ class SpeedController:
             self.chunked.install(mlp_only=compiled)
         else:
             self.chunked.remove()
-        self._state["chunked_mlp"] = {"on": on, "reason": reason}
+        self._choose(chunked_mlp=Choice(on, reason))
 
     def _apply_host_embedding(self, settings: SpeedConfig) -> None:
         usable = usable_device_memory(self.device) if self.device.type == "cuda" else None
         on, reason = self.host_embedding.resolve(settings.host_embedding, usable)
         self.host_embedding.switch(on)
-        self._state["host_embedding"] = {"on": on, "reason": reason}
+        self._choose(host_embedding=Choice(on, reason))
 
     def _apply_lora_16bit(self, settings: SpeedConfig) -> None:
         on, reason = lora_16bit.resolve(settings.lora_16bit, self.model, self.dtype)
@@ -274,7 +282,7 @@ class SpeedController:
             reason += f"; one A product for each of {groups} groups of projections reading the same input"
         else:
             self.lora_groups.remove()
-        self._state["lora_16bit"] = {"on": on, "reason": reason, "groups": groups}
+        self._choose(lora_16bit=LoraChoice(on, reason, groups))
 
     def _apply_lean_recompute(self, settings: SpeedConfig) -> None:
         mode = self._checkpointing or "none"
@@ -292,8 +300,8 @@ class SpeedController:
         self.lean.switch(skip, once, fp8, one_pass=compiled)
         if fp8:
             fp8_reason += fp8_coverage(*self.lean.fp8_projections())
-        self._state["dequant_once"] = {"on": once, "reason": once_reason}
-        self._state["fp8_base"] = {"on": fp8, "scope": scope if fp8 else None, "reason": fp8_reason}
+        fp8_choice = Fp8Choice(fp8, scope if fp8 else None, fp8_reason)
+        self._choose(dequant_once=Choice(once, once_reason), fp8_base=fp8_choice)
 
     def _apply_resident_layers(self, settings: SpeedConfig) -> None:
         total = len(fused_kernels.decoder_layers(self.hf_model))
@@ -305,7 +313,7 @@ class SpeedController:
             requested, self._checkpointing or "none", layers=count, total=total, blocker=blocker, budget_bytes=budget
         )
         self.residency.share = layers / total if total else 0.0
-        self._state["resident_layers"] = {"on": layers > 0, "layers": layers, "reason": reason}
+        self._choose(resident_layers=ResidentChoice(layers, reason))
 
     def _resident_blocker(self) -> str | None:
         if self._resident_refused is not None:
@@ -325,13 +333,13 @@ class SpeedController:
         budget = reachable_device_memory(self.device)
         capability = torch.cuda.get_device_capability(self.device)
         tokens, config = self._longest_tokens, self.hf_model.config
-        count = resident_layers.planned_layers(self.model, config, self._state, tokens, budget, capability)
+        count = resident_layers.planned_layers(self.model, config, self.plan.as_state(), tokens, budget, capability)
         return min(count, total), budget
 
     @property
     def resident_layers(self) -> int:
         """How many layers keep their activations and skip the recompute now."""
-        return int(self._state.get("resident_layers", {}).get("layers", 0))
+        return self.plan.resident_layers.layers if self.plan.resident_layers is not None else 0
 
     @property
     def holds_spare_memory(self) -> bool:
@@ -391,12 +399,12 @@ class SpeedController:
         elif on and self._graphs_memory_bound(settings):
             on, reason = False, step_graphs.MEMORY_BOUND
         self.graphs.switch(on, trial=trial)  # drops graphs captured under the previous ones
-        self._state["step_graphs"] = {"on": on, "reason": reason}
+        self._choose(step_graphs=Choice(on, reason))
 
     @property
     def _chunked(self) -> bool:
         """The chunked MLP switch resolved on (automatic where the row needs it to fit in memory)."""
-        return bool(self._state.get("chunked_mlp", {}).get("on"))
+        return self.plan.is_on("chunked_mlp")
 
     def _graphs_memory_bound(self, settings: SpeedConfig) -> bool:
         """Automatic step graphs meet a row that needs chunked MLPs to fit: no room for a graph's memory pool."""
@@ -416,7 +424,7 @@ class SpeedController:
                 fn = self.residency.wrap(fn)
                 self.hf_model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=fn)
             self._checkpointing = mode
-        self._state["checkpointing"] = {"mode": mode, "reason": reason}
+        self._choose(checkpointing=CheckpointPlan(cast(Checkpointing, mode), reason))
 
     def _resolve_checkpointing(self, requested: str) -> tuple[str, str]:
         plan = checkpoint_choice.decide_checkpointing(self._checkpoint_facts(requested), cast(Requested, requested))
@@ -534,7 +542,7 @@ class SpeedController:
 
     def state(self) -> dict[str, Any]:
         """Resolved choices, each with a one-line reason."""
-        state = {key: dict(value) for key, value in self._state.items()}
+        state = self.plan.as_state()
         if self.graphs.failure is not None and "step_graphs" in state:
             state["step_graphs"] = {"on": False, "reason": self.graphs.failure}
         elif self.graphs.verdict is not None and "step_graphs" in state:
