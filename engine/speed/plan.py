@@ -8,6 +8,21 @@ words and run summaries read the JSON form, :meth:`SpeedPlan.as_state`: ``{name:
 Checkpointing is the one choice several parts of TuneDeck make (the planner, ``tunedeck plan``, the run, its
 out-of-memory fallback); its decision lives below this package, in :mod:`engine.hardware.checkpoint_choice`, so the
 planner can call it too. Resident layers and chunked MLPs act only under checkpointing and follow its mode.
+
+The controller still resolves the choices one after another, because some read earlier ones or memory that earlier
+switches free (:meth:`engine.speed.SpeedController.apply`); what each waits for:
+
+* the step graphs' memory pool goes back first, before any choice measures free memory;
+* cuDNN attention reads the metadata cache's choice (one-document rows are found there);
+* chunked MLPs, dequantize-once, fp8 products and resident layers read the checkpointing mode (they act only in a
+  recompute, fp8 and dequantize-once only in offloaded checkpointing's);
+* fused kernels are switched after the chunked MLPs, whose modules change the compiled regions;
+* resident layers read the chunked MLPs (a row that needs chunks has no spare memory) and the plan so far, which the
+  planner sizes them with;
+* step graphs come last: they read the fused kernels (a compiled step's warm-up trial) and the chunked MLPs (no room
+  for a graph's pool).
+
+A longer row decides checkpointing again and, after it, everything that reads it (``_rows_grew``).
 """
 
 from __future__ import annotations
