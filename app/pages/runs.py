@@ -20,7 +20,6 @@ from pathlib import Path
 import pyqtgraph as pg
 from PySide6.QtCore import QItemSelection, QItemSelectionModel, Qt, QTimer, Signal
 from PySide6.QtWidgets import (
-    QAbstractItemView,
     QHBoxLayout,
     QHeaderView,
     QInputDialog,
@@ -36,6 +35,7 @@ from PySide6.QtWidgets import (
 
 from app.pages.export import ExportDialog
 from app.theme import current_chart_colors, style_plot
+from app.widgets.tables import read_only_table
 from engine.errors import TuneDeckError
 from engine.run.registry import Registry, RunRecord
 from engine.run.summary import RunSummary, describe, summary_of_record
@@ -131,12 +131,7 @@ class RunsView(QWidget):
         self.refresh()
 
     def _build_table(self) -> QTableWidget:
-        table = QTableWidget(0, len(COLUMNS))
-        table.setHorizontalHeaderLabels(COLUMNS)
-        table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
-        table.setSelectionMode(QAbstractItemView.SelectionMode.ExtendedSelection)
-        table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
-        table.verticalHeader().setVisible(False)
+        table = read_only_table(COLUMNS, several=True)
         table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
         table.horizontalHeader().setStretchLastSection(True)
         table.itemSelectionChanged.connect(self._selection_changed)

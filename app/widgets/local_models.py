@@ -11,13 +11,11 @@ from typing import Any
 
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import (
-    QAbstractItemView,
     QFileDialog,
     QHBoxLayout,
     QHeaderView,
     QLabel,
     QPushButton,
-    QTableWidget,
     QTableWidgetItem,
     QVBoxLayout,
     QWidget,
@@ -26,6 +24,7 @@ from PySide6.QtWidgets import (
 from app.background.worker import ErrorInfo, TaskRunner
 from app.widgets.model_gallery import format_size
 from app.widgets.model_words import format_params
+from app.widgets.tables import read_only_table
 
 COLUMNS = ("Model", "From", "Size", "Quantization", "Family", "Parameters")
 ORIGINS = {"ollama": "Ollama", "lmstudio": "LM Studio", "file": "file"}
@@ -75,12 +74,7 @@ class LocalModels(QWidget):
         self.models: list[Any] = []
         self.note = QLabel("Looking for Ollama and LM Studio models…")
         self.note.setWordWrap(True)
-        self.table = QTableWidget(0, len(COLUMNS))
-        self.table.setHorizontalHeaderLabels(list(COLUMNS))
-        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
-        self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
-        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
-        self.table.verticalHeader().setVisible(False)
+        self.table = read_only_table(COLUMNS)
         self.table.setMaximumHeight(160)
         self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
         self.table.horizontalHeader().setStretchLastSection(True)

@@ -16,7 +16,6 @@ from PySide6.QtWidgets import (
     QHBoxLayout,
     QHeaderView,
     QLabel,
-    QTableWidget,
     QTableWidgetItem,
     QVBoxLayout,
     QWidget,
@@ -24,6 +23,7 @@ from PySide6.QtWidgets import (
 
 from app.background.worker import ErrorInfo, TaskRunner
 from app.widgets.model_words import format_params
+from app.widgets.tables import read_only_table
 from engine.config import DEMO_MODEL
 
 GIB = 1 << 30
@@ -97,12 +97,7 @@ class ModelGallery(QWidget):
         self.card.setToolTip("Plan for this computer's GPU, or for another card to see what it would train")
         self.card.currentIndexChanged.connect(lambda _: self.refresh())
         self.note = QLabel("Looking at this computer…")
-        self.table = QTableWidget(0, len(COLUMNS))
-        self.table.setHorizontalHeaderLabels(list(COLUMNS))
-        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
-        self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
-        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
-        self.table.verticalHeader().setVisible(False)
+        self.table = read_only_table(COLUMNS)
         self.table.setWordWrap(False)  # one line a row: the rows are computed before the columns are sized
         self.table.setSizeAdjustPolicy(QAbstractItemView.SizeAdjustPolicy.AdjustToContents)  # every row, given room
         header = self.table.horizontalHeader()

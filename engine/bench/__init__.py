@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import statistics
 import time
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["median_ms", "report_main", "write_report"]
+__all__ = ["gpu_environment", "median_ms", "report_main", "write_report"]
 
 
 def median_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 3, cuda: bool = True) -> float:
@@ -42,6 +43,21 @@ def median_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 3, cuda: b
             fn()
             times.append((time.perf_counter() - began) * 1000)
     return statistics.median(times)
+
+
+def gpu_environment(packages: tuple[str, ...]) -> dict[str, str]:
+    """Where a record ran: the GPU's name (``CPU`` without one), today's date and the installed versions of
+    ``packages`` (those not installed are left out)."""
+    import torch
+
+    versions = []
+    for name in packages:
+        try:
+            versions.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+    return {"gpu": gpu, "date": time.strftime("%Y-%m-%d"), "versions": ", ".join(versions)}
 
 
 def write_report(report: dict[str, Any], out: Path, table: str | None) -> None:

@@ -37,6 +37,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from engine.bench import gpu_environment
+
 __all__ = ["PATHS", "main", "summary"]
 
 GIB = 2**30
@@ -281,18 +283,7 @@ def _is_on(value: Any) -> bool:
 
 
 def environment() -> dict[str, str]:
-    import importlib.metadata
-
-    import torch
-
-    versions = []
-    for name in ("torch", "transformers", "peft", "bitsandbytes"):
-        try:
-            versions.append(f"{name} {importlib.metadata.version(name)}")
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
-    return {"gpu": gpu, "date": time.strftime("%Y-%m-%d"), "versions": ", ".join(versions)}
+    return gpu_environment(("torch", "transformers", "peft", "bitsandbytes"))
 
 
 def markdown(rows: list[dict[str, Any]], settings: dict[str, Any]) -> str:

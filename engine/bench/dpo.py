@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.metadata
 import json
 import math
 import random
@@ -49,7 +48,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.bench import write_report
+from engine.bench import gpu_environment, write_report
 from engine.bench.model_folder import WORDS, build_model_folder
 
 __all__ = ["Workload", "main", "summarize"]
@@ -345,16 +344,7 @@ def summarize(side: dict[str, Any], warmup: int) -> dict[str, Any]:
 
 
 def environment() -> dict[str, str]:
-    import torch
-
-    versions = []
-    for name in ("torch", "transformers", "peft", "trl", "accelerate", "datasets"):
-        try:
-            versions.append(f"{name} {importlib.metadata.version(name)}")
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
-    return {"gpu": gpu, "date": time.strftime("%Y-%m-%d"), "versions": ", ".join(versions)}
+    return gpu_environment(("torch", "transformers", "peft", "trl", "accelerate", "datasets"))
 
 
 def markdown(report: dict[str, Any]) -> str:
