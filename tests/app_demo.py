@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-LOAD_TIMEOUT_MS = 120_000
+from hang import HANG_MS
+
+LOAD_TIMEOUT_MS = HANG_MS
 """Loading torch, the demo model and tokenizing the dataset on a busy two-core machine."""
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-CHAT_TIMEOUT_MS = 120_000
-EXPORT_TIMEOUT_MS = 300_000
+from hang import HANG_MS
+
+CHAT_TIMEOUT_MS = HANG_MS
+EXPORT_TIMEOUT_MS = HANG_MS
 
 
 def chat_with(qtbot: Any, window: Any, run_dir: str, prompt: str = "What is 2 + 3?") -> str:

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import test_best_adapter
 from app_fixtures import no_dangling_qthreads  # noqa: F401
+from hang import HANG_MS
 from safetensors.torch import load_file
 from test_best_adapter import same_weights
 
@@ -17,7 +18,7 @@ from engine.run.registry import Registry
 
 fitting_model = test_best_adapter.fitting_model  # the fixtures: a tiny model LoRA fits fast, and its overfit run
 overfit = test_best_adapter.overfit
-TIMEOUT_MS = 120_000  # bounds a hang only
+TIMEOUT_MS = HANG_MS
 
 
 def test_the_run_page_warns_of_a_rising_held_out_loss_and_names_the_best_adapter(

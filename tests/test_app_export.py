@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import test_export_install
+from hang import HANG_MS
 from PySide6.QtCore import Qt
 from test_chat import train_tiny_run
 from test_export_install import OLLAMA_ANSWER, closed_port
@@ -20,7 +21,7 @@ from engine.run.registry import Registry
 
 pytest_plugins = ["app_fixtures"]  # the dangling-QThread guard
 runtime = test_export_install.runtime  # the fixture: a stand-in Ollama / LM Studio server
-TIMEOUT_MS = 120_000
+TIMEOUT_MS = HANG_MS
 
 
 @pytest.fixture(scope="module")

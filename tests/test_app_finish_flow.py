@@ -9,13 +9,14 @@ from typing import Any
 
 from app_demo import LOAD_TIMEOUT_MS, prepare_demo
 from app_finish import chat_with, export_from_runs
+from hang import HANG_MS
 
 from app.background import run_controller as rc
 from engine.events import RunFinished
 
 pytest_plugins = ["app_fixtures"]
 
-RUN_TIMEOUT_MS = 300_000
+RUN_TIMEOUT_MS = HANG_MS
 
 
 def test_a_finished_demo_run_is_chatted_with_and_exported(qtbot: Any, window: Any, tmp_path: Path) -> None:

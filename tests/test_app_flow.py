@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from app_demo import LOAD_TIMEOUT_MS, prepare_demo
+from hang import HANG_MS
 from PySide6.QtCore import QTimer
 
 from app.background import run_controller as rc
@@ -16,7 +17,7 @@ from engine.events import RunFinished, SpeedChanged, StepMetrics
 
 pytest_plugins = ["app_fixtures"]  # the window fixture and the dangling-QThread guard
 
-STEP_TIMEOUT_MS = 120_000  # bounds a hang only: a step of the demo takes well under a second
+STEP_TIMEOUT_MS = HANG_MS
 
 
 class EventLog:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hang import HANG_MS
 from ollama_store import add_to_ollama_store
 from test_export_gguf import make_run
 
@@ -15,7 +16,7 @@ from engine.config import demo_model_dir
 
 pytest_plugins = ["app_fixtures"]
 
-LOAD_TIMEOUT_MS = 300_000  # bounds a hang only: the conversion is seconds
+LOAD_TIMEOUT_MS = HANG_MS
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from app_demo import LOAD_TIMEOUT_MS, prepare_demo
+from hang import HANG_MS
 from helpers import write_jsonl
 
 from app.background import run_controller as rc
@@ -20,8 +21,8 @@ from engine.train import run
 
 pytest_plugins = ["app_fixtures"]
 
-RUN_TIMEOUT_MS = 300_000
-REPORT_TIMEOUT_MS = 180_000
+RUN_TIMEOUT_MS = HANG_MS
+REPORT_TIMEOUT_MS = HANG_MS
 SCREENSHOTS = Path(__file__).resolve().parents[1] / "artifacts" / "screenshots"
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from app_demo import LOAD_TIMEOUT_MS, prepare_demo
+from hang import HANG_MS
 
 from app.background import run_controller as rc
 from engine.events import StepMetrics
@@ -15,7 +16,7 @@ from engine.run.summary import RunTexts, describe, summary_of_record
 
 pytest_plugins = ["app_fixtures"]
 
-STEP_TIMEOUT_MS = 180_000
+STEP_TIMEOUT_MS = HANG_MS
 STEPS = 12
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from app_demo import LOAD_TIMEOUT_MS, prepare_demo
 from app_finish import chat_with, export_from_runs
+from hang import HANG_MS
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QImage
 from PySide6.QtWidgets import QApplication, QWidget
@@ -26,7 +27,7 @@ from engine.events import RunFinished, StepMetrics
 
 pytest_plugins = ["app_fixtures"]
 
-STEP_TIMEOUT_MS = 180_000
+STEP_TIMEOUT_MS = HANG_MS
 SIZE = (1280, 820)
 
 

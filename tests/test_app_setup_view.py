@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hang import HANG_MS
 from PySide6.QtCore import Qt
 
 from app.background.worker import TaskRunner
@@ -33,7 +34,7 @@ SCREENSHOTS = Path(__file__).resolve().parent.parent / "artifacts" / "screenshot
 RTX_5090 = DriverInfo("570.86", (12, 8), (NvidiaGpu("NVIDIA GeForce RTX 5090", (12, 0)),), "nvml")
 OLD_DRIVER_5090 = DriverInfo("560.35", (12, 6), RTX_5090.gpus, "nvml")
 NO_GPU = DriverInfo(None, None, (), "none", "NVML: NVMLError_LibraryNotFound")
-TIMEOUT_MS = 120_000  # bounds a hang only; every job here takes a second or two
+TIMEOUT_MS = HANG_MS
 
 FAKE_UV = """#!{python}
 import os, sys, time

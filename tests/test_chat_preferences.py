@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hang import HANG_MS
 from test_chat import train_tiny_run
 
 from engine.data.files import load_examples
@@ -15,8 +16,8 @@ from engine.data.preferences import PreferenceStore
 from engine.run.registry import Registry
 
 SCREENSHOTS = Path(__file__).resolve().parents[1] / "artifacts" / "screenshots"
-TIMEOUT_MS = 120_000  # bounds a hang only
-RUN_TIMEOUT_MS = 300_000
+TIMEOUT_MS = HANG_MS
+RUN_TIMEOUT_MS = HANG_MS
 pytest_plugins = ["app_fixtures"]  # the window fixture and the dangling-QThread guard
 
 

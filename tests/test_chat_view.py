@@ -7,12 +7,13 @@ from typing import Any
 
 import pytest
 from app_fixtures import no_dangling_qthreads  # noqa: F401
+from hang import HANG_MS
 from test_chat import train_tiny_run
 
 from engine.run.registry import Registry
 
 SCREENSHOTS = Path(__file__).resolve().parents[1] / "artifacts" / "screenshots"
-TIMEOUT_MS = 120_000  # bounds a hang only
+TIMEOUT_MS = HANG_MS
 
 
 @pytest.fixture(scope="module")

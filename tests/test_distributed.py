@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from hang import HANG_S
 from helpers import write_jsonl
 
 from engine import events as ev
@@ -31,7 +32,6 @@ from engine.run.ranks import FAULT_ENV, Ranks
 from engine.train import run
 
 REL = 1e-5
-HANG_S = 300  # only bounds a hang: processes that exit late on a busy machine are no failure
 
 
 @pytest.fixture

@@ -6,11 +6,11 @@ import os
 import threading
 from types import SimpleNamespace
 
+from hang import HANG_S
+
 from engine.events import Event
 from engine.hardware.telemetry import SPILL, THROTTLE, TelemetrySample, TelemetrySampler, TelemetryWarning
 from tests.hardware_fakes import GIB, FakeGpu, FakeNvml
-
-HANG_S = 120  # only bounds a hang: a sampler thread on a busy machine may start late, never fails for it
 
 
 def sampler_for(gpu: FakeGpu) -> TelemetrySampler:

@@ -24,8 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-HANG_S = 300.0
-"""A condition not reached in this long is a hang: loading torch and the demo on a busy two-core machine included."""
+from hang import HANG_S
 
 
 def system_llvm() -> str | None:
