@@ -248,6 +248,7 @@ class MainWindow(QMainWindow):
         self.save_state()
         self.setup_view.shutdown()
         self.controller.shutdown()
+        self.report_page.shut_down()
         self.tasks.wait_all()
         for dialog in self.findChildren(ExportDialog):  # an export half-way finishes before the window goes
             dialog.tasks.wait_all(EXPORT_WAIT_MS)

@@ -72,9 +72,8 @@ def test_a_run_in_the_window_ends_with_its_report_on_the_report_page(qtbot: Any,
     assert window.grab().save(str(SCREENSHOTS / "report_page.png"))
 
 
-def test_the_runs_page_report_button_measures_a_run_without_a_report(
-    qtbot: Any, window: Any, tiny_model_dir: Path, tmp_path: Path
-) -> None:
+def earlier_run(tiny_model_dir: Path, tmp_path: Path) -> Path:
+    """A short run made outside the window, so without a report."""
     rows = [{"messages": [{"role": "user", "content": f"say {i}"}, {"role": "assistant", "content": f"number {i}"}]}
             for i in range(16)]  # fmt: skip
     config = RunConfig.from_dict(
@@ -86,9 +85,16 @@ def test_the_runs_page_report_button_measures_a_run_without_a_report(
             "output": {"dir": str(tmp_path / "runs"), "name": "earlier"},
         }
     )  # fmt: skip
-    events = list(recorded(run(config), Registry(), name="earlier"))  # a run made outside the window: no report
+    events = list(recorded(run(config), Registry(), name="earlier"))
     run_dir = Path(next(e for e in events if isinstance(e, RunFinished)).run_dir)
     assert not (run_dir / "report.json").exists()
+    return run_dir
+
+
+def test_the_runs_page_report_button_measures_a_run_without_a_report(
+    qtbot: Any, window: Any, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    run_dir = earlier_run(tiny_model_dir, tmp_path)
     runs, report_page = window.page("Runs"), window.page("Report")
     window.show_page("Runs")
     runs.refresh()
@@ -101,3 +107,19 @@ def test_the_runs_page_report_button_measures_a_run_without_a_report(
     assert_shows_base_and_tuned(report_page, run_dir)
     runs.select_runs([])
     assert not runs.report_button.isEnabled()
+
+
+def test_closing_the_window_stops_a_report_being_measured(
+    qtbot: Any, window: Any, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    run_dir = earlier_run(tiny_model_dir, tmp_path)
+    report_page = window.page("Report")
+    notes: list[str] = []
+    report_page.failed.connect(lambda folder, note: notes.append(note))
+    report_page.build(str(run_dir))
+    assert report_page.busy()
+    window.close()  # the measurement is still loading the model: it stops at its next batch
+    qtbot.waitUntil(lambda: not window.tasks.busy(), timeout=REPORT_TIMEOUT_MS)
+    qtbot.waitUntil(lambda: bool(notes), timeout=REPORT_TIMEOUT_MS)
+    assert "stopped before its end" in notes[0] and f"tunedeck report {run_dir}" in notes[0]
+    assert not (run_dir / "report.json").exists() and not (run_dir / "report.md").exists()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -201,6 +202,18 @@ def test_a_run_without_short_answers_says_why_it_has_no_exact_match(fitting_mode
     assert all(m.exact_match is None and m.token_f1 is None for m in report.models)
     table = report.markdown()
     assert "exact match |" not in table and "Exact match and token F1: not scored: none of the 3" in table
+
+
+def test_a_report_stopped_part_way_writes_nothing_and_says_so(overfit: tuple[list[Any], Path], tmp_path: Path) -> None:
+    run_dir = Path(shutil.copytree(overfit[1], tmp_path / "run"))
+    for name in (REPORT_JSON, REPORT_MD):
+        (run_dir / name).unlink(missing_ok=True)
+    asks: list[int] = []
+    outcome = report_after_run(run_dir, cancelled=lambda: asks.append(1) or len(asks) > 3)  # stops at the 4th ask
+    assert len(asks) == 4 and outcome.report is None and outcome.path is None
+    assert outcome.note == f"no before/after report: stopped before its end; try: tunedeck report {run_dir}"
+    assert not (run_dir / REPORT_JSON).exists() and not (run_dir / REPORT_MD).exists()
+    assert report_after_run(run_dir).report is not None  # the same run, not stopped, reports in full
 
 
 def test_the_report_after_a_run_never_raises_and_says_how_to_try_again(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ the forgetting check in words, a bar chart of every figure and the report's Mark
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,21 +32,22 @@ EMPTY_TEXT = (
 BUILDING_TEXT = "Building the before/after report…"
 
 
-def read_or_build(folder: str) -> ReportOutcome:
+def read_or_build(folder: str, cancelled: Callable[[], bool]) -> ReportOutcome:
     """The run's written report, or one measured and written now (runs in a background job)."""
     from engine.run.report import REPORT_MD, ReportOutcome, read_report
 
     report = read_report(folder)
     if report is not None:
         return ReportOutcome(report, Path(folder) / REPORT_MD, None)
-    return measure(folder)
+    return measure(folder, cancelled)
 
 
-def measure(folder: str) -> ReportOutcome:
-    """Measure the run's report and write it (runs in a background job: the import alone loads torch)."""
+def measure(folder: str, cancelled: Callable[[], bool]) -> ReportOutcome:
+    """Measure the run's report and write it (runs in a background job: the import alone loads torch); stops
+    between batches once ``cancelled`` says so."""
     from engine.run.report import report_after_run
 
-    return report_after_run(folder)
+    return report_after_run(folder, cancelled=cancelled)
 
 
 class ReportPage(QWidget):
@@ -65,6 +67,8 @@ class ReportPage(QWidget):
         """The run shown (or being read for this page)."""
         self.report: RunReport | None = None
         self._jobs: set[str] = set()
+        self._closing = threading.Event()
+        """Set when the window closes: a report being measured stops at its next batch."""
         self.heading = QLabel("")
         self.status = QLabel(EMPTY_TEXT)
         self.status.setWordWrap(True)
@@ -99,17 +103,21 @@ class ReportPage(QWidget):
         self._show(None)
         measuring = not (Path(folder) / "report.json").exists()
         self.status.setText(BUILDING_TEXT if measuring else "Reading the report…")
-        self._start(self.folder, lambda: read_or_build(str(folder)), announce=measuring)
+        self._start(self.folder, lambda: read_or_build(str(folder), self._closing.is_set), announce=measuring)
 
     def build(self, folder: str) -> None:
         """Measure ``folder``'s report again and write it (a run that just ended, or Measure again)."""
         folder = str(folder)
         if folder == self.folder:
             self.status.setText(BUILDING_TEXT)
-        self._start(folder, lambda: measure(folder), announce=True)
+        self._start(folder, lambda: measure(folder, self._closing.is_set), announce=True)
 
     def busy(self) -> bool:
         return bool(self._jobs)
+
+    def shut_down(self) -> None:
+        """The window is closing: reports being measured stop at their next batch, writing nothing."""
+        self._closing.set()
 
     def _start(self, folder: str, job: Callable[[], ReportOutcome], announce: bool) -> None:
         if folder in self._jobs:

@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import json
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,19 @@ from engine.run.short_answers import ShortAnswer, answer_scores, short_answers
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
 BATCH_TOKENS = 2048
+
+Cancelled = Callable[[], bool]
+"""Asked between batches of a report's measurement: True stops it (the app closing while a report is measured)."""
+
+
+def never() -> bool:
+    return False
+
+
+class ReportCancelled(Exception):
+    """The report's measurement was stopped before its end; nothing was written."""
+
+
 """Tokens of one scoring pass (documents packed, positions restarting at each)."""
 WINDOW = 512
 """The general text is read in windows of this many tokens (or the model's context, if shorter)."""
@@ -153,14 +166,22 @@ def _share(value: float | None) -> str:
     return "-" if value is None else f"{value:.0%}"
 
 
-def _chunks(items: Sequence[TokenizedExample]) -> Iterator[list[TokenizedExample]]:
+def _check(cancelled: Cancelled) -> None:
+    if cancelled():
+        raise ReportCancelled("the report was stopped before its end")
+
+
+def _chunks(items: Sequence[TokenizedExample], cancelled: Cancelled = never) -> Iterator[list[TokenizedExample]]:
+    """``items`` in batches of at most BATCH_TOKENS tokens (or one longer item), asking ``cancelled`` before each."""
     chunk: list[TokenizedExample] = []
     for item in items:
         if chunk and sum(len(c) for c in chunk) + len(item) > BATCH_TOKENS:
+            _check(cancelled)
             yield chunk
             chunk = []
         chunk.append(item)
     if chunk:
+        _check(cancelled)
         yield chunk
 
 
@@ -172,10 +193,12 @@ def _log_probs(model: Any, items: list[TokenizedExample], device: torch.device) 
 
 
 @torch.no_grad()
-def _text_loss(model: Any, items: Sequence[TokenizedExample], device: torch.device) -> tuple[float, int]:
+def _text_loss(
+    model: Any, items: Sequence[TokenizedExample], device: torch.device, cancelled: Cancelled = never
+) -> tuple[float, int]:
     """(mean loss per learned token, learned tokens) over ``items``."""
     total, tokens = 0.0, 0
-    for chunk in _chunks(items):
+    for chunk in _chunks(items, cancelled):
         total -= float(_log_probs(model, chunk, device).sum())
         tokens += sum(item.trained_tokens for item in chunk)
     return total / max(tokens, 1), tokens
@@ -183,12 +206,17 @@ def _text_loss(model: Any, items: Sequence[TokenizedExample], device: torch.devi
 
 @torch.no_grad()
 def _pair_scores(
-    model: Any, pairs: Sequence[TokenizedExample], config: RunConfig, device: torch.device, adapter_on: bool
+    model: Any,
+    pairs: Sequence[TokenizedExample],
+    config: RunConfig,
+    device: torch.device,
+    adapter_on: bool,
+    cancelled: Cancelled = never,
 ) -> tuple[float, float, float]:
     """(mean DPO loss, reward accuracy, chosen answers' perplexity) of the held-out pairs, the base model (adapter
     off) as reference; the base model itself (``adapter_on`` False) is its own reference: a zero margin for all."""
     losses, right, chosen_loss, chosen_tokens = 0.0, 0, 0.0, 0
-    for chunk in _chunks(pairs):
+    for chunk in _chunks(pairs, cancelled):
         with model.disable_adapter():
             reference = _log_probs(model, chunk, device).view(-1, 2)
         policy = _log_probs(model, chunk, device).view(-1, 2) if adapter_on else reference
@@ -250,9 +278,9 @@ def _last_step(run_dir: Path) -> int | None:
     return None
 
 
-def build_report(run_dir: str | Path, device: str | None = None) -> RunReport:
+def build_report(run_dir: str | Path, device: str | None = None, cancelled: Cancelled = never) -> RunReport:
     """Score the base model and the run's adapters on its held-out data and on the general text, on ``device``
-    (by default the run's own setting)."""
+    (by default the run's own setting). ``cancelled`` is asked between batches; True raises ReportCancelled."""
     from peft import PeftModel
 
     run_dir = Path(run_dir)
@@ -263,7 +291,9 @@ def build_report(run_dir: str | Path, device: str | None = None) -> RunReport:
     model_config = config.model if torch_device.type == "cuda" else dataclasses.replace(config.model, qlora=False)
     tokenizer = load_tokenizer(model_config)
     data = prepare_data(config.data, tokenizer, config.training.seed, config.training.method)
+    _check(cancelled)
     base = load_base_model(model_config, torch_device, pick_dtype(model_config.dtype, torch_device))
+    _check(cancelled)
     context = int(getattr(base.config, "max_position_embeddings", WINDOW) or WINDOW)
     general = general_examples(tokenizer, min(WINDOW, context))
     names = [f"adapter_{i}" for i in range(len(adapters))]
@@ -272,11 +302,13 @@ def build_report(run_dir: str | Path, device: str | None = None) -> RunReport:
         model.load_adapter(str(adapter.folder), adapter_name=name)
     model.eval()
     answers, note = _short_answers(config, data.eval)
-    columns = [_scores(model, "base model", data.eval, general, config, torch_device, adapter_on=False)]
-    columns[0] = _with_answers(columns[0], model, tokenizer, answers, torch_device, adapter_on=False)
+    base_scores = _scores(model, "base model", data.eval, general, config, torch_device, False, cancelled)
+    _check(cancelled)
+    columns = [_with_answers(base_scores, model, tokenizer, answers, torch_device, adapter_on=False)]
     for name, adapter in zip(names, adapters, strict=True):
         model.set_adapter(name)
-        scores = _scores(model, _label(adapter, last_step), data.eval, general, config, torch_device)
+        scores = _scores(model, _label(adapter, last_step), data.eval, general, config, torch_device, True, cancelled)
+        _check(cancelled)
         columns.append(_with_answers(scores, model, tokenizer, answers, torch_device))
     held_out_tokens = sum(len(item) for item in data.eval)
     return RunReport(
@@ -315,15 +347,16 @@ def _scores(
     config: RunConfig,
     device: torch.device,
     adapter_on: bool = True,
+    cancelled: Cancelled = never,
 ) -> ModelScores:
     if config.training.method == "dpo" and held_out:
-        loss, accuracy, perplexity = _pair_scores(model, held_out, config, device, adapter_on)
+        loss, accuracy, perplexity = _pair_scores(model, held_out, config, device, adapter_on, cancelled)
         with _adapter(model, adapter_on):
-            general_loss, _ = _text_loss(model, general, device)
+            general_loss, _ = _text_loss(model, general, device, cancelled)
         return ModelScores(label, loss, perplexity, accuracy, math.exp(general_loss))
     with _adapter(model, adapter_on):
-        general_loss, _ = _text_loss(model, general, device)
-        held_out_loss = _text_loss(model, held_out, device)[0] if held_out else None
+        general_loss, _ = _text_loss(model, general, device, cancelled)
+        held_out_loss = _text_loss(model, held_out, device, cancelled)[0] if held_out else None
     held_out_perplexity = math.exp(held_out_loss) if held_out_loss is not None else None
     return ModelScores(label, held_out_loss, held_out_perplexity, None, math.exp(general_loss))
 
@@ -359,14 +392,19 @@ class ReportOutcome:
     """Why there is no report, with the command that tries again (None when there is one)."""
 
 
-def report_after_run(run_dir: str | Path, device: str | None = None) -> ReportOutcome:
+def report_after_run(run_dir: str | Path, device: str | None = None, cancelled: Cancelled = never) -> ReportOutcome:
     """Measure a run's before/after report and write it into its folder, whoever started the run (``tunedeck
     train``, the app). Never raises for a failure to measure: the run's adapters are safe and the report can be made
-    later, so the failure comes back as a note with the command to retry."""
+    later, so the failure comes back as a note with the command to retry. ``cancelled`` stops it between batches
+    (the app closing): nothing is written and the note says so."""
     run_dir = Path(run_dir)
     try:
-        report = build_report(run_dir, device)
+        report = build_report(run_dir, device, cancelled)
         return ReportOutcome(report, write_report(run_dir, report), None)
+    except ReportCancelled:
+        return ReportOutcome(
+            None, None, f"no before/after report: stopped before its end; try: tunedeck report {run_dir}"
+        )
     except Exception as err:  # any failure: the report is an extra, never the run's end
         note = f"no before/after report ({type(err).__name__}: {err}); try: tunedeck report {run_dir}"
         return ReportOutcome(None, None, note)
