@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 CORPUS = [
     "hello there, how are you today?",
@@ -71,3 +72,26 @@ def benchmark_script(name: str) -> ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def resident_room(monkeypatch: Any, layers: int = 1, from_start: bool = False) -> None:
+    """Runs on this CPU decide resident layers as on a GPU with room for ``layers`` of them: the device facts carry
+    a reachable memory figure, and the planner fits ``layers``. ``from_start``: sized before the first batch (a GPU
+    sizes them when it arrives)."""
+    import dataclasses
+
+    from engine.speed import SpeedController, resident_layers
+    from engine.speed import decide as deciding
+
+    real = SpeedController.read_device_facts
+    monkeypatch.setattr(
+        SpeedController, "read_device_facts", lambda self: dataclasses.replace(real(self), reachable_bytes=2**30)
+    )
+    monkeypatch.setattr(resident_layers, "planned_layers_for", lambda *args: layers)
+    if from_start:
+        blocker = deciding._resident_blocker
+        monkeypatch.setattr(
+            deciding,
+            "_resident_blocker",
+            lambda device, run, plan: blocker(device, dataclasses.replace(run, longest_tokens=1), plan),
+        )

@@ -172,9 +172,11 @@ def test_chunked_mlp_regions_compile_the_chunked_modules_without_breaks() -> Non
         assert step_loss(model, ctl, lengths, seed) == pytest.approx(
             step_loss(reference_model, reference, lengths, seed)
         )
-        assert max_relative_error(grads(model), grads(reference_model)) < 1e-6
+        # float32 noise: the compiled chunks accumulate the frozen products' gradients in another order
+        assert max_relative_error(grads(model), grads(reference_model)) < 1e-5
         model.zero_grad(set_to_none=True)
         reference_model.zero_grad(set_to_none=True)
+    assert {w.chunk_tokens for w in model.modules() if isinstance(w, TokenChunked)} == {16}  # the rows ran in chunks
     assert counter.frame_count > 0 and graph_breaks() == 0, dict(counters["graph_break"])
     ctl.apply(dataclasses.replace(settings, chunked_mlp=False))  # the whole attention block is a region again
     assert all(r._compiled_call_impl is None for r in regions if r not in fused_kernels.compile_regions(ctl.hf_model))

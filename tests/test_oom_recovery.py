@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import resident_room
 from test_reliability import assert_same_curve, curve, failures, make_config, wrap_forward
 
 from engine.events import OomRecovered, SpeedChanged, SpeedRestored, StepMetrics
@@ -161,11 +162,8 @@ def test_a_switch_given_up_for_memory_comes_back_after_good_steps(
     resident again and the state says so."""
     import dataclasses
 
-    from engine.speed import SpeedController
-
     monkeypatch.setattr(guard, "CLIMB_AFTER", 2)
-    monkeypatch.setattr(SpeedController, "_resident_count", lambda self, total: (1, 2**30))  # as if a GPU had room
-    monkeypatch.setattr(SpeedController, "_resident_blocker", lambda self: self._resident_refused)
+    resident_room(monkeypatch, from_start=True)  # as if a GPU had room for one layer
     calls: list[int] = []
 
     def fault(session, batch, num_items, real):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import resident_room
 
 from engine.config import RunConfig
 from engine.events import (
@@ -181,15 +182,12 @@ def test_running_short_with_resident_layers_checkpoints_every_layer_and_retries_
 ) -> None:
     """Resident layers are the next remedy after step graphs: the step runs again with every layer checkpointed and
     the same micro-batches (no smaller budget), so the losses are those of a checkpointed run."""
-    from engine.speed import SpeedController
-
     packed = {"tokens_per_batch": 48}
     checkpointed = make_config(tiny_model_dir, chat_file, tmp_path / "ref", packed)
     checkpointed = dataclasses.replace(checkpointed, speed=dataclasses.replace(checkpointed.speed,
                                                                              checkpointing="offloaded"))  # fmt: skip
     assert not failures(list(run(checkpointed)))
-    monkeypatch.setattr(SpeedController, "_resident_count", lambda self, total: (1, 2**30))  # as if a GPU had room
-    monkeypatch.setattr(SpeedController, "_resident_blocker", lambda self: self._resident_refused)
+    resident_room(monkeypatch, from_start=True)  # as if a GPU had room for one layer
     calls: list[int] = []
 
     def fault(session, batch, num_items, real):
@@ -217,13 +215,7 @@ def test_choices_made_at_the_first_batch_are_announced_after_its_step(
 ) -> None:
     """Switches that wait for the first batch (resident layers here; automatic checkpointing on a GPU) change the
     state after the run's first announcement: the run says so after that step, not only when step graphs decide."""
-    from engine.speed import SpeedController
-
-    def blocker(self: SpeedController) -> str | None:  # a GPU's: sized when the first batch arrives
-        return self._resident_refused or (None if self._longest_tokens else "sized when the first batch arrives")
-
-    monkeypatch.setattr(SpeedController, "_resident_count", lambda self, total: (1, 2**30))  # as if a GPU had room
-    monkeypatch.setattr(SpeedController, "_resident_blocker", blocker)
+    resident_room(monkeypatch)  # as if a GPU had room for one layer: sized when the first batch arrives
     config = make_config(tiny_model_dir, chat_file, tmp_path, {"tokens_per_batch": 48})
     config = dataclasses.replace(config, speed=dataclasses.replace(config.speed, checkpointing="offloaded"))
     events = list(run(config))

@@ -20,6 +20,7 @@ from engine.hardware.planner import (
 )
 from engine.hardware.shapes import load_shape
 from engine.speed import GRAPHS_SHORT_OF_MEMORY, SpeedController, resident_layers
+from engine.speed.plan import SpeedPlan
 from engine.speed.resident_layers import LayerResidency
 
 CPU = torch.device("cpu")
@@ -101,7 +102,7 @@ def test_a_resident_layer_that_computed_differently_would_show() -> None:
     _, grads_ref, _ = run(model, CHECKPOINTED)
     controller = SpeedController(model, CHECKPOINTED, CPU)
     controller.residency = SkewedResidency()
-    controller._checkpointing = None  # the checkpoint function is set again, through the skewed residency
+    controller.plan = SpeedPlan()  # nothing installed: the next apply sets the checkpoint function again, skewed
     _, grads_bad, _ = run(model, RESIDENT, resident=2, controller=controller)
     assert controller.resident_layers == 2
     assert not max_relative_error(grads_bad, grads_ref) <= 1e-6

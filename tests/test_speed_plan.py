@@ -20,6 +20,7 @@ from engine.hardware.profile import DeviceTarget, build_profile
 from engine.hardware.shapes import load_shape
 from engine.run import guard
 from engine.speed import SpeedController, offloaded_checkpoint
+from engine.speed.decide import DeviceFacts, RunFacts, SpeedFacts, decide_plan
 from engine.speed.plan import Choice, ResidentChoice, SpeedPlan
 
 INTEGRATED = "integrated-memory GPU: host and device memory are the same, offloading only adds copies"
@@ -110,15 +111,6 @@ def test_profile_without_a_model_uses_the_decision() -> None:
     assert gpu.checkpointing.reason == f"checkpointing standard: {checkpoint_choice.NO_MODEL_REASON}"
 
 
-def _cuda_controller(monkeypatch: pytest.MonkeyPatch, free_bytes: int, blocker: str | None) -> SpeedController:
-    """A controller whose checkpointing facts read as on a GPU with ``free_bytes`` free (decided on the CPU)."""
-    ctl = SpeedController(tiny_lora_model("llama"), SpeedConfig.stock(), torch.device("cpu"))
-    ctl.device = torch.device("cuda", 0)
-    monkeypatch.setattr("engine.speed.free_device_memory", lambda device: free_bytes)
-    monkeypatch.setattr(offloaded_checkpoint, "offload_unsupported_reason", lambda device: blocker)
-    return ctl
-
-
 # tiny llama: hidden 64 x 2 layers x 34 bytes = 4,352 bytes a token; 60% of 10 MB holds 1,378 tokens
 CONTROLLER = [
     # (free bytes, longest row, what cannot offload) -> (mode, reason)
@@ -130,12 +122,17 @@ CONTROLLER = [
 
 
 @pytest.mark.parametrize(("free", "tokens", "blocker", "mode", "reason"), CONTROLLER)
-def test_controller_decides_from_free_gpu_memory(
-    monkeypatch: pytest.MonkeyPatch, free: int, tokens: int, blocker: str | None, mode: str, reason: str
+def test_a_run_decides_from_free_gpu_memory(
+    free: int, tokens: int, blocker: str | None, mode: str, reason: str
 ) -> None:
-    ctl = _cuda_controller(monkeypatch, free, blocker)
-    ctl._auto_checkpointing_tokens = tokens
-    assert ctl._resolve_checkpointing("auto") == (mode, reason)
+    """The run's facts (the tiny model's as the controller reads them, a GPU's memory) give the mode."""
+    model = SpeedController(tiny_lora_model("llama"), SpeedConfig.stock(), torch.device("cpu")).read_model_facts()
+    assert model.activation_units == 64 * 2
+    device = DeviceFacts(kind="cuda", capability=(9, 0), free_bytes=free, offload_blocker=blocker)
+    plan = decide_plan(
+        SpeedFacts(model, device, RunFacts(checkpoint_tokens=tokens)), SpeedConfig.stock(checkpointing="auto")
+    )
+    assert plan.checkpointing == CheckpointPlan(mode, reason)
 
 
 def test_controller_on_cpu_and_explicit_settings() -> None:

@@ -412,15 +412,19 @@ def test_automatic_graphs_go_when_a_longer_row_turns_chunking_on(monkeypatch: py
 
 def test_resolution() -> None:
     model, cpu, gpu = tiny_lora_model("llama"), torch.device("cpu"), torch.device("cuda")
-    assert step_graphs.resolve(None, model, gpu)[0] is True  # automatic: on trial
-    assert "automatic: trying" in step_graphs.resolve(None, model, gpu)[1]
-    assert step_graphs.resolve(True, model, gpu) == (True, step_graphs.resolve(True, model, gpu)[1])
-    assert "switched on" in step_graphs.resolve(True, model, gpu)[1]
-    assert step_graphs.resolve(True, model, cpu) == (False, "CUDA graphs need an NVIDIA GPU")
-    assert "switched off" in step_graphs.resolve(False, model, gpu)[1]
+
+    def resolve(requested: bool | None, model: torch.nn.Module, device: torch.device) -> tuple[bool, str]:
+        return step_graphs.resolve(requested, step_graphs.unsupported_reason(model, device))
+
+    assert resolve(None, model, gpu)[0] is True  # automatic: on trial
+    assert "automatic: trying" in resolve(None, model, gpu)[1]
+    assert "switched on" in resolve(True, model, gpu)[1] and resolve(True, model, gpu)[0]
+    assert resolve(True, model, cpu) == (False, "CUDA graphs need an NVIDIA GPU")
+    assert resolve(None, model, cpu) == (False, "automatic: off; CUDA graphs need an NVIDIA GPU")
+    assert "switched off" in resolve(False, model, gpu)[1]
     dropped = tiny_lora_model("llama", dropout=0.1)
-    assert "dropout" in step_graphs.resolve(True, dropped, gpu)[1]
-    assert step_graphs.resolve(True, dropped, gpu)[0] is False
+    assert "dropout" in resolve(True, dropped, gpu)[1]
+    assert resolve(True, dropped, gpu)[0] is False
 
 
 def test_the_offloader_forgets_copy_events_of_earlier_steps() -> None:
@@ -463,7 +467,7 @@ def test_a_run_short_of_memory_beside_the_graphs_drops_them_and_trains_the_same_
     from engine.train import run
 
     reference = list(run(run_config(tiny_model_dir, chat_file, tmp_path / "eager", step_graphs=False)))
-    monkeypatch.setattr(step_graphs, "resolve", lambda requested, model, device: (bool(requested), "switched on"))
+    monkeypatch.setattr(step_graphs, "resolve", lambda requested, problem: (bool(requested), "switched on"))
     monkeypatch.setattr(step_graphs.CudaGraphCapture, "__call__", lambda self, f: ReplayingCapture()(f))
     real_run, raised = StepGraphs.run, []
 
@@ -495,7 +499,7 @@ def test_a_run_reports_the_trials_verdict_and_trains_every_step(
     from engine.train import run
 
     list(run(run_config(tiny_model_dir, chat_file, tmp_path / "eager", step_graphs=False)))
-    monkeypatch.setattr(step_graphs, "resolve", lambda requested, model, device: (True, "automatic: trying"))
+    monkeypatch.setattr(step_graphs, "resolve", lambda requested, problem: (True, "automatic: trying"))
     monkeypatch.setattr(warm_up, "pays_back", lambda estimate, micro_batches: True)  # the trial is under test here
     monkeypatch.setattr(step_graphs.CudaGraphCapture, "__call__", lambda self, f: ReplayingCapture()(f))
     made: list[FakeInterval] = []
@@ -533,7 +537,7 @@ def test_an_evaluation_short_of_memory_beside_the_graphs_drops_them_first(
     from engine.run import step as step_module
     from engine.train import run
 
-    monkeypatch.setattr(step_graphs, "resolve", lambda requested, model, device: (bool(requested), "switched on"))
+    monkeypatch.setattr(step_graphs, "resolve", lambda requested, problem: (bool(requested), "switched on"))
     monkeypatch.setattr(step_graphs.CudaGraphCapture, "__call__", lambda self, f: ReplayingCapture()(f))
     real_eval, raised = step_module.evaluate_loss, []
 
@@ -552,7 +556,7 @@ def test_an_evaluation_short_of_memory_beside_the_graphs_drops_them_first(
 
 
 def test_a_run_that_cannot_replay_keeps_them_off_whatever_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(step_graphs, "resolve", lambda requested, model, device: (bool(requested), "switched on"))
+    monkeypatch.setattr(step_graphs, "resolve", lambda requested, problem: (bool(requested), "switched on"))
     model = tiny_lora_model("llama")
     controller = SpeedController(model, dataclasses.replace(AUTO, step_graphs=True), torch.device("cpu"))
     assert controller.graphs.active

@@ -267,7 +267,7 @@ def test_the_controller_decides_with_the_run_length_it_is_given(
     from transformers import AutoModelForCausalLM
 
     # a GPU's automatic choices, decided on the CPU (nothing runs, so nothing compiles)
-    monkeypatch.setattr(fused_kernels, "_automatic", lambda model, device: (True, ON))
+    monkeypatch.setattr(fused_kernels, "automatic", lambda model, device: (True, ON))
     monkeypatch.setattr(step_graphs, "unsupported_reason", lambda model, device: None)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     controller = SpeedController(model, SpeedConfig(), torch.device("cpu"))

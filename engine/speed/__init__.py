@@ -14,9 +14,12 @@ its registries (attention functions, experts implementations, the gradient-check
 a change of registered name or checkpoint function: no model reload, no reassigned library method. The fused
 loss is the training loop's call to :meth:`SpeedController.loss` instead of the model's own forward, and
 :mod:`engine.speed.step_graphs` replays each micro-batch's forward and backward from a CUDA graph through
-:meth:`SpeedController.forward_backward`. The resolved choices are one frozen :class:`engine.speed.plan.SpeedPlan`
-(``SpeedController.plan``; :meth:`SpeedController.state` is its JSON form), and checkpointing is decided by
-:func:`engine.hardware.checkpoint_choice.decide_checkpointing`, the function the planner and ``tunedeck plan`` call.
+:meth:`SpeedController.forward_backward`. Every choice is made at once by the pure
+:func:`engine.speed.decide.decide_plan` from typed facts the controller reads (model, device, run so far) into one
+frozen :class:`engine.speed.plan.SpeedPlan` (``SpeedController.plan``; :meth:`SpeedController.state` is its JSON
+form); a live switch, a longer row or an out-of-memory step is a new decision, and the controller installs what
+changed. Checkpointing inside it is :func:`engine.hardware.checkpoint_choice.decide_checkpointing`, the function the
+planner and ``tunedeck plan`` call.
 """
 
 from __future__ import annotations
@@ -30,14 +33,14 @@ import torch
 from engine.config import SpeedConfig
 from engine.data.model_inputs import stock_model_inputs
 from engine.data.packing import PackedBatch
-from engine.hardware import checkpoint_choice
-from engine.hardware.checkpoint_choice import Checkpointing, CheckpointPlan, Requested
 from engine.hardware.shapes import ModelShape
 from engine.speed import (
     chunked_mlp,
+    four_bit_weights,
     fp8_base,
     fused_kernels,
     fused_loss,
+    host_embedding,
     lean_recompute,
     lora_16bit,
     metadata_cache,
@@ -48,12 +51,13 @@ from engine.speed import (
     step_graphs,
     warm_up,
 )
+from engine.speed.decide import DeviceFacts, Fp8Coverage, ModelFacts, RunFacts, SpeedFacts, decide_plan
 from engine.speed.fused_kernels import transformers_model
 from engine.speed.host_embedding import HostEmbedding
 from engine.speed.lora_16bit import Lora16Bit, adapted_layers
-from engine.speed.lora_groups import LoraGroups
+from engine.speed.lora_groups import LoraGroups, find_groups
 from engine.speed.offloaded_checkpoint import ActivationOffloader
-from engine.speed.plan import Choice, Fp8Choice, LoraChoice, MetadataChoice, ModeChoice, ResidentChoice, SpeedPlan
+from engine.speed.plan import SpeedPlan
 
 __all__ = [
     "GRAPHS_SHORT_OF_MEMORY",
@@ -67,8 +71,6 @@ GRAPHS_SHORT_OF_MEMORY = (
     "GPU memory ran short beside the step graphs' memory pool; micro-batches run eagerly until memory has room again"
 )
 RESIDENT_SHORT_OF_MEMORY = "GPU memory ran short with layers resident; every layer checkpoints until memory has room"
-ACTIVATION_BYTES_PER_TOKEN_AND_HIDDEN = 34
-"""Bytes kept per token × hidden per layer without checkpointing in 16-bit (Korthikanti et al., flash attention)."""
 
 
 def free_device_memory(device: torch.device) -> int:
@@ -111,7 +113,8 @@ def _model_dtype(model: torch.nn.Module) -> torch.dtype:
 
 
 class SpeedController:
-    """Resolves the speed settings for one model and device and applies them between steps."""
+    """Decides the speed settings for one model and device (:func:`engine.speed.decide.decide_plan`) and installs the
+    plan between steps."""
 
     def __init__(self, model: torch.nn.Module, settings: SpeedConfig, device: torch.device) -> None:
         self.model = model
@@ -130,211 +133,184 @@ class SpeedController:
         )
         self.settings = settings
         self.plan = SpeedPlan()
-        """Every setting's resolved choice; :meth:`state` is its JSON form."""
-        self._checkpointing: str | None = None
-        self._metadata_backend: str | None = None
-        self._cudnn = False
-        self._whole_row = False
-        self._fused_loss = False
-        self._fused_kernels = False
+        """Every setting's choice, installed; :meth:`state` is its JSON form."""
+        self.run = RunFacts()
+        """The run so far as the decisions read it (longest row, refusals, warm-up ledger)."""
         self.region_compiler = fused_kernels.RegionCompiler()
-        self._auto_checkpointing_tokens = 0
         self.chunked = chunked_mlp.ChunkedModules(self.hf_model, flag=self.offloader.recompute)
-        self._longest_tokens = 0
         self.host_embedding = HostEmbedding(self.hf_model, self.device)
         self.lora_16bit = Lora16Bit(model)
         self.lora_groups = LoraGroups()
         self.lean = lean_recompute.LeanRecompute(self.hf_model, self.offloader.recompute)
         self.graphs = step_graphs.StepGraphs(self.device, self._trainable, reset=self.offloader.forget_events)
-        self._graphs_refused: str | None = None
-        self._fused_loss_refused: str | None = None
         self.residency = resident_layers.LayerResidency()
-        self.resident_override: int | None = None
-        """A fixed number of resident layers where the switch is on (tests, benches); None: what the planner fits."""
-        self._resident_refused: str | None = None
-        self.warm_up = warm_up.WarmUpLedger()
-        """The run's length and earlier runs' measurements: switches with a one-off cost decide with them."""
+        self._model_facts = ModelFacts()
+        self._device_facts = DeviceFacts()
         metadata_cache.register_packed_attention()
         moe_routing.register_experts_implementations()
         self.apply(settings)
 
-    # --- switches -------------------------------------------------------------------------------------------
+    # --- deciding and installing ----------------------------------------------------------------------------
 
     def apply(self, settings: SpeedConfig) -> None:
         """Apply new settings; safe between any two steps (nothing is reloaded)."""
         self.settings = dataclasses.replace(settings)
         self.dtype = _model_dtype(self.hf_model)  # the kernels' choices follow a model cast between steps
-        self.graphs.clear()  # first: their memory pool goes back before any switch needs memory
-        self._apply_metadata_cache(settings)
-        self._apply_cudnn_attention(settings)
-        self._apply_moe_routing(settings)
-        self._apply_fused_loss(settings)
-        self._apply_checkpointing(settings.checkpointing, reason=None)
-        self._apply_chunked_mlp(settings)
-        self._apply_host_embedding(settings)
-        self._apply_lora_16bit(settings)
-        self._apply_lean_recompute(settings)
-        self._apply_fused_kernels(settings)
-        self._apply_resident_layers(settings)
-        self._apply_step_graphs(settings)
+        self.graphs.clear()  # first: their memory pool goes back before the free memory is read
+        self._model_facts = self.read_model_facts()
+        self._device_facts = self.read_device_facts()
+        self._decide(graphs_anew=True)
 
-    def _choose(self, **choices: Any) -> None:
-        """Record resolved choices: the plan is replaced, never changed in place."""
-        self.plan = dataclasses.replace(self.plan, **choices)
+    def facts(self) -> SpeedFacts:
+        """What the plan in force was decided from."""
+        return SpeedFacts(self._model_facts, self._device_facts, self.run)
+
+    def _decide(self, graphs_anew: bool = False) -> None:
+        """Decide from the facts as they are now and install what differs from the plan in force. ``graphs_anew``:
+        step graphs start over (a new setting: the trial runs again) even where their choice is unchanged."""
+        previous, self.plan = self.plan, decide_plan(self.facts(), self.settings)
+        self._install(previous, self.plan, graphs_anew)
+
+    def _install(self, previous: SpeedPlan, plan: SpeedPlan, graphs_anew: bool) -> None:
+        """Make the model run ``plan``: each part is touched only where a choice it reads acts differently from
+        ``previous``. Chunked MLPs go in before the compiled regions, which are built over them."""
+
+        def changed(*names: str) -> bool:
+            return any(_acting(getattr(previous, name)) != _acting(getattr(plan, name)) for name in names)
+
+        if changed("checkpointing"):
+            self._install_checkpointing(_mode(plan))
+        if changed("metadata_cache"):
+            on = plan.is_on("metadata_cache")
+            self.hf_model.set_attn_implementation(metadata_cache.ATTENTION_NAME if on else self.stock_attention)
+        if changed("moe_routing") and moe_routing.has_routable_experts(self.hf_model):
+            mode = plan.moe_routing.mode if plan.moe_routing is not None else "stock"
+            self.hf_model.set_experts_implementation(
+                moe_routing.IMPLEMENTATION_NAMES.get(mode, self.stock_experts or "eager")
+            )
+        if changed("chunked_mlp", "fused_kernels"):
+            if plan.is_on("chunked_mlp"):
+                self.chunked.install(mlp_only=plan.is_on("fused_kernels"))
+            else:
+                self.chunked.remove()
+        if changed("host_embedding"):
+            self.host_embedding.switch(plan.is_on("host_embedding"))
+        if changed("lora_16bit"):
+            self._install_lora_16bit(plan.is_on("lora_16bit"))
+        if changed("checkpointing", "dequant_once", "fp8_base", "fused_kernels"):
+            self._install_lean_recompute(plan)
+        if changed("fused_kernels", "chunked_mlp"):
+            self.region_compiler.switch(self.hf_model, plan.is_on("fused_kernels"))
+        layers = plan.resident_layers.layers if plan.resident_layers is not None else 0
+        self.residency.share = layers / self._model_facts.layers if self._model_facts.layers else 0.0
+        if graphs_anew or changed("step_graphs"):
+            graphs = plan.step_graphs
+            self.graphs.switch(graphs is not None and graphs.on, trial=graphs is not None and graphs.trial)
+
+    def _install_checkpointing(self, mode: str) -> None:
+        if mode == "none":
+            self.hf_model._set_gradient_checkpointing(enable=False)
+            return
+        fn = self.offloader.checkpoint if mode == "offloaded" else offloaded_checkpoint.standard_checkpoint
+        self.hf_model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=self.residency.wrap(fn))
+
+    def _install_lora_16bit(self, on: bool) -> None:
+        self.lora_16bit.switch(on)
+        if on:  # the 16-bit path shares one LoRA A product per group of projections reading the same input
+            self.lora_groups.install(self.model, adapted_layers(self.model))
+        else:
+            self.lora_groups.remove()
+
+    def _install_lean_recompute(self, plan: SpeedPlan) -> None:
+        fp8 = plan.fp8_base
+        self.lean.fp8_in_forward = fp8 is not None and fp8.scope == "all"
+        skip = _mode(plan) == "offloaded"  # exact: part of offloaded checkpointing's recompute
+        once, compiled = plan.is_on("dequant_once"), plan.is_on("fused_kernels")
+        self.lean.switch(skip, once, plan.is_on("fp8_base"), one_pass=compiled)
+
+    def read_model_facts(self) -> ModelFacts:
+        """What the decisions read from the model, as it is now."""
+        hf, device = self.hf_model, self.device
+        text = hf.config.get_text_config()
+        layers = len(fused_kernels.decoder_layers(hf))
+        lora_problem = lora_16bit.unsupported_reason(self.model, self.dtype)
+        frozen = list(lean_recompute.frozen_projections(hf, every=True))
+        return ModelFacts(
+            dtype=self.dtype,
+            shape=_shape(hf.config),
+            layers=layers,
+            attention_problem=metadata_cache.unsupported_reason(hf),
+            fused_loss_problem=fused_loss.unsupported_reason(hf),
+            fused_kernels_problem=fused_kernels.unsupported_reason(hf),
+            fused_kernels_automatic=fused_kernels.automatic(hf, device),
+            lora_16bit_problem=lora_problem,
+            lora_groups=self._group_count() if lora_problem is None else 0,
+            graphs_problem=step_graphs.unsupported_reason(self.model, device),
+            host_embedding_problem=host_embedding.unsupported_reason(hf),
+            embedding_bytes=self.host_embedding.table_bytes() if device.type == "cuda" else 0,
+            experts=moe_routing.has_routable_experts(hf),
+            frozen_projections=len(frozen),
+            dequant_bytes=lean_recompute.layer_dequant_bytes(hf),
+            fp8=_fp8_coverage(frozen),
+            qlora=resident_layers.is_4bit(self.model),
+            lora_rank=resident_layers.lora_rank(self.model),
+            activation_units=getattr(text, "hidden_size", 0) * getattr(text, "num_hidden_layers", 0),
+            row_bytes_per_token=chunked_mlp.row_working_bytes(hf.config, 1),
+            stock_experts=self.stock_experts,
+        )
+
+    def _group_count(self) -> int:
+        """Groups of adapted projections reading the same input: those installed, or those there would be."""
+        if self.lora_groups.groups:
+            return len(self.lora_groups.groups)
+        return len(find_groups(self.model, adapted_layers(self.model)))
+
+    def read_device_facts(self) -> DeviceFacts:
+        """The device and the GPU memory this process may use, read now."""
+        device = self.device
+        on_gpu = device.type == "cuda"
+        capability = torch.cuda.get_device_capability(device) if on_gpu else None
+        return DeviceFacts(
+            kind=device.type,
+            capability=capability,
+            has_cudnn=torch.backends.cudnn.is_available(),
+            offload_blocker=offloaded_checkpoint.offload_unsupported_reason(device),
+            attention_kernels=tuple(metadata_cache.kernel_problems(device, self.dtype).items()),
+            fp8_problem=fp8_base.unavailable_reason(device),
+            grouped_mm_fast=moe_routing.grouped_mm_fast_path(device, self.dtype),
+            free_bytes=free_device_memory(device) if on_gpu else None,
+            usable_bytes=usable_device_memory(device) if on_gpu else None,
+            reachable_bytes=reachable_device_memory(device) if on_gpu else None,
+        )
+
+    def _run_changed(self, **changes: Any) -> None:
+        """New facts about the run (a refusal, resident layers handed back): decided again with the memory figures
+        read for this run shape."""
+        self.run = dataclasses.replace(self.run, **changes)
+        self._decide()
 
     def expect(self, length: warm_up.RunLength, store: reuse.DecisionStore | None = None) -> None:
         """What is left of the run (and what earlier runs left in ``store``): fused kernels and step graphs,
         where automatic, are decided again and stay on only where their one-off cost pays back
         (:mod:`engine.speed.warm_up`)."""
-        self.warm_up = warm_up.WarmUpLedger.for_run(self.model, self.hf_model, self.dtype, self.device, length, store)
+        ledger = warm_up.WarmUpLedger.for_run(self.model, self.hf_model, self.dtype, self.device, length, store)
+        self.run = dataclasses.replace(self.run, warm_up=ledger)
         self.apply(self.settings)
 
-    def _apply_metadata_cache(self, settings: SpeedConfig) -> None:
-        problem = metadata_cache.unsupported_reason(self.hf_model)
-        choice = metadata_cache.choose_backend(settings.attention_backend, self.device, self.dtype)
-        if settings.metadata_cache is False:
-            on, reason = False, "switched off: transformers' own packed path"
-        elif problem is not None:
-            on, reason = False, problem
-        else:
-            on, reason = True, choice.reason if settings.metadata_cache is None else f"switched on; {choice.reason}"
-        self._metadata_backend = choice.name if on else None
-        self.hf_model.set_attn_implementation(metadata_cache.ATTENTION_NAME if on else self.stock_attention)
-        self._choose(metadata_cache=MetadataChoice(on, self._metadata_backend, reason))
+    @property
+    def warm_up(self) -> warm_up.WarmUpLedger:
+        """The run's length and earlier runs' measurements: switches with a one-off cost decide with them."""
+        return self.run.warm_up
 
-    def _apply_cudnn_attention(self, settings: SpeedConfig) -> None:
-        capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
-        if self._metadata_backend is None:
-            problem: str | None = "needs the metadata cache (one-document rows are found there)"
-        else:
-            head_dim = ModelShape.from_config(self.hf_model.config).head_dim
-            has_cudnn = torch.backends.cudnn.is_available()
-            problem = metadata_cache.cudnn_problem(self.device.type, self.dtype, capability, head_dim, has_cudnn)
-        backend = settings.attention_backend
-        on, reason = metadata_cache.resolve_cudnn(backend, problem, capability)
-        self._cudnn = on
-        # a one-document row skips the document mask: for cuDNN, or automatically for the kernel SDPA picks
-        self._whole_row = backend in ("auto", "cudnn")
-        self._choose(cudnn_attention=Choice(on, reason))
+    @property
+    def resident_override(self) -> int | None:
+        """A fixed number of resident layers where the switch is on (tests, benches); None: what the planner fits.
+        Takes effect at the next :meth:`apply`."""
+        return self.run.resident_override
 
-    def _apply_moe_routing(self, settings: SpeedConfig) -> None:
-        mode, reason = moe_routing.resolve_mode(settings.moe_routing, self.hf_model, self.device, self.dtype)
-        if moe_routing.has_routable_experts(self.hf_model):
-            name = moe_routing.IMPLEMENTATION_NAMES.get(mode, self.stock_experts or "eager")
-            self.hf_model.set_experts_implementation(name)
-        if mode == "stock" and settings.moe_routing == "stock":
-            reason = f"switched off: transformers' {self.stock_experts or 'default'} experts implementation"
-        self._choose(moe_routing=ModeChoice(mode, reason))
-
-    def _apply_fused_loss(self, settings: SpeedConfig) -> None:
-        problem = fused_loss.unsupported_reason(self.hf_model)
-        if self._fused_loss_refused is not None:
-            on, reason = False, f"off: {self._fused_loss_refused}"
-        elif settings.fused_loss is False:
-            on, reason = False, "switched off: the model's own head and transformers' loss"
-        elif problem is not None:
-            on, reason = False, problem
-        elif settings.fused_loss is None:
-            # No host sync: the packer lists the trained positions (PackedBatch.loss_positions).
-            on, reason = True, "automatic: loss and gradient from the hidden states in chunks, no full logits"
-        else:
-            on, reason = True, "switched on; loss and gradient from the hidden states in chunks, no full logits"
-        self._fused_loss = on
-        self._choose(fused_loss=Choice(on, reason))
-
-    def _resolve_fused_kernels(self, settings: SpeedConfig) -> tuple[bool, str]:
-        """(on, reason) of the fused kernels, automatic ones counting their compile against the run's length."""
-        on, reason = fused_kernels.resolve(settings.fused_kernels, self.hf_model, self.device)
-        return self.warm_up.fused_kernels(settings.fused_kernels, on, reason)
-
-    def _apply_fused_kernels(self, settings: SpeedConfig) -> None:
-        on, reason = self._resolve_fused_kernels(settings)
-        self.region_compiler.switch(self.hf_model, on)  # after the chunked MLP switch: it changes the regions
-        self._fused_kernels = on
-        self._choose(fused_kernels=Choice(on, reason))
-
-    def _apply_chunked_mlp(self, settings: SpeedConfig) -> None:
-        mode = self._checkpointing or "none"
-        working = chunked_mlp.row_working_bytes(self.hf_model.config, self._longest_tokens)
-        free = free_device_memory(self.device) if self.device.type == "cuda" else None
-        on, reason = chunked_mlp.resolve(
-            settings.chunked_mlp, mode, self._longest_tokens, working_bytes=working, free_bytes=free
-        )
-        if on:
-            compiled, _ = self._resolve_fused_kernels(settings)
-            self.chunked.install(mlp_only=compiled)
-        else:
-            self.chunked.remove()
-        self._choose(chunked_mlp=Choice(on, reason))
-
-    def _apply_host_embedding(self, settings: SpeedConfig) -> None:
-        usable = usable_device_memory(self.device) if self.device.type == "cuda" else None
-        on, reason = self.host_embedding.resolve(settings.host_embedding, usable)
-        self.host_embedding.switch(on)
-        self._choose(host_embedding=Choice(on, reason))
-
-    def _apply_lora_16bit(self, settings: SpeedConfig) -> None:
-        on, reason = lora_16bit.resolve(settings.lora_16bit, self.model, self.dtype)
-        self.lora_16bit.switch(on)
-        # the 16-bit path shares one LoRA A product per group of projections reading the same input
-        groups = self.lora_groups.install(self.model, adapted_layers(self.model)) if on else 0
-        if groups:
-            reason += f"; one A product for each of {groups} groups of projections reading the same input"
-        else:
-            self.lora_groups.remove()
-        self._choose(lora_16bit=LoraChoice(on, reason, groups))
-
-    def _apply_lean_recompute(self, settings: SpeedConfig) -> None:
-        mode = self._checkpointing or "none"
-        skip = mode == "offloaded"  # exact: part of offloaded checkpointing's recompute
-        extra = lean_recompute.layer_dequant_bytes(self.hf_model)
-        free = free_device_memory(self.device) if self.device.type == "cuda" else None
-        once, once_reason = lean_recompute.dequant_once_resolve(settings.dequant_once, mode, extra, free)
-        frozen = sum(1 for _ in lean_recompute.frozen_projections(self.hf_model, every=True))
-        experts = moe_routing.has_routable_experts(self.hf_model)
-        fp8, fp8_reason = fp8_base.resolve(settings.fp8_base, self.device, frozen, mode, extra > 0, experts)
-        scope = fp8_base.scope_of(settings.fp8_base)
-        fp8, fp8_reason = fp8_base.scoped(fp8, fp8_reason, scope, mode)
-        compiled, _ = self._resolve_fused_kernels(settings)
-        self.lean.fp8_in_forward = scope != "recompute"
-        self.lean.switch(skip, once, fp8, one_pass=compiled)
-        if fp8:
-            fp8_reason += fp8_coverage(*self.lean.fp8_projections())
-        fp8_choice = Fp8Choice(fp8, scope if fp8 else None, fp8_reason)
-        self._choose(dequant_once=Choice(once, once_reason), fp8_base=fp8_choice)
-
-    def _apply_resident_layers(self, settings: SpeedConfig) -> None:
-        total = len(fused_kernels.decoder_layers(self.hf_model))
-        requested = settings.resident_layers
-        blocker = self._resident_blocker()
-        wanted = requested is not False and (self._checkpointing or "none") != "none" and blocker is None
-        count, budget = self._resident_count(total) if wanted else (0, None)
-        layers, reason = resident_layers.resolve(
-            requested, self._checkpointing or "none", layers=count, total=total, blocker=blocker, budget_bytes=budget
-        )
-        self.residency.share = layers / total if total else 0.0
-        self._choose(resident_layers=ResidentChoice(layers, reason))
-
-    def _resident_blocker(self) -> str | None:
-        if self._resident_refused is not None:
-            return self._resident_refused
-        if self._chunked:
-            return "the row needs its MLPs in chunks: no spare memory"
-        if self.resident_override is None and self.device.type != "cuda":
-            return "the count is sized from a GPU's free memory"
-        if self.resident_override is None and not self._longest_tokens:
-            return "sized when the first batch arrives"
-        return None
-
-    def _resident_count(self, total: int) -> tuple[int, int | None]:
-        """(layers, the memory they were sized for: None for a fixed count)."""
-        if self.resident_override is not None:
-            return min(self.resident_override, total), None
-        budget = reachable_device_memory(self.device)
-        capability = torch.cuda.get_device_capability(self.device)
-        tokens, config = self._longest_tokens, self.hf_model.config
-        count = resident_layers.planned_layers(self.model, config, self.plan.as_state(), tokens, budget, capability)
-        return min(count, total), budget
+    @resident_override.setter
+    def resident_override(self, layers: int | None) -> None:
+        self.run = dataclasses.replace(self.run, resident_override=layers)
 
     @property
     def resident_layers(self) -> int:
@@ -363,16 +339,17 @@ class SpeedController:
         False when none were resident (nothing to give up)."""
         if not self.resident_layers:
             return False
-        self._resident_refused = reason
         self.graphs.clear()
-        self._apply_resident_layers(self.settings)
+        self._run_changed(resident_refused=reason)
         return True
 
     def restore_resident_layers(self) -> None:
-        """Memory has room again: the resident layers are sized anew from what is free now."""
-        self._resident_refused = None
+        """Memory has room again: the resident layers are sized anew from what is reachable now."""
         self.graphs.clear()
-        self._apply_resident_layers(self.settings)
+        if self.device.type == "cuda":
+            reachable = reachable_device_memory(self.device)
+            self._device_facts = dataclasses.replace(self._device_facts, reachable_bytes=reachable)
+        self._run_changed(resident_refused=None)
 
     def restore_step_graphs(self) -> None:
         """Memory has room again: step graphs given up for a shortage are captured again (a trial's verdict and a
@@ -383,93 +360,30 @@ class SpeedController:
     def refuse_step_graphs(self, reason: str) -> None:
         """This run cannot replay its micro-batches (several GPUs, float16 loss scaling): step graphs stay off with
         ``reason``, whatever they are switched to."""
-        self._graphs_refused = reason
-        self._apply_step_graphs(self.settings)
+        self._run_changed(graphs_refused=reason)
 
     def refuse_fused_loss(self, reason: str) -> None:
         """This run's loss is not the causal-LM cross-entropy (DPO): the fused loss stays off with ``reason``."""
-        self._fused_loss_refused = reason
-        self._apply_fused_loss(self.settings)
-
-    def _apply_step_graphs(self, settings: SpeedConfig) -> None:
-        on, reason = step_graphs.resolve(settings.step_graphs, self.model, self.device)
-        on, reason, trial = self.warm_up.step_graphs(settings.step_graphs, on, reason, compiled=self._fused_kernels)
-        if self._graphs_refused is not None and (on or settings.step_graphs):
-            on, reason = False, f"off: {self._graphs_refused}"
-        elif on and self._graphs_memory_bound(settings):
-            on, reason = False, step_graphs.MEMORY_BOUND
-        self.graphs.switch(on, trial=trial)  # drops graphs captured under the previous ones
-        self._choose(step_graphs=Choice(on, reason))
-
-    @property
-    def _chunked(self) -> bool:
-        """The chunked MLP switch resolved on (automatic where the row needs it to fit in memory)."""
-        return self.plan.is_on("chunked_mlp")
-
-    def _graphs_memory_bound(self, settings: SpeedConfig) -> bool:
-        """Automatic step graphs meet a row that needs chunked MLPs to fit: no room for a graph's memory pool."""
-        return settings.step_graphs is None and self._chunked
+        self._run_changed(fused_loss_refused=reason)
 
     def _trainable(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
-    def _apply_checkpointing(self, requested: str, reason: str | None) -> None:
-        mode, why = self._resolve_checkpointing(requested)
-        reason = reason or why
-        if mode != self._checkpointing:
-            if mode == "none":
-                self.hf_model._set_gradient_checkpointing(enable=False)
-            else:
-                fn = self.offloader.checkpoint if mode == "offloaded" else offloaded_checkpoint.standard_checkpoint
-                fn = self.residency.wrap(fn)
-                self.hf_model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=fn)
-            self._checkpointing = mode
-        self._choose(checkpointing=CheckpointPlan(cast(Checkpointing, mode), reason))
-
-    def _resolve_checkpointing(self, requested: str) -> tuple[str, str]:
-        plan = checkpoint_choice.decide_checkpointing(self._checkpoint_facts(requested), cast(Requested, requested))
-        return plan.mode, plan.reason
-
-    def _checkpoint_facts(self, requested: str) -> checkpoint_choice.CheckpointFacts:
-        """What the checkpointing decision needs; the rows that fit are measured only when it is automatic."""
-        blocker = offloaded_checkpoint.offload_unsupported_reason(self.device)
-        on_gpu = self.device.type == "cuda"
-        if requested != "auto" or not on_gpu:
-            return checkpoint_choice.CheckpointFacts(on_gpu, blocker)
-        modes = checkpoint_choice.candidate_modes(can_offload=blocker is None)
-        fits = tuple((mode, self._tokens_without_recompute() if mode == "none" else None) for mode in modes)
-        return checkpoint_choice.CheckpointFacts(on_gpu, blocker, fits, wanted_tokens=self._auto_checkpointing_tokens)
-
-    def _tokens_without_recompute(self) -> int | None:
-        """The longest row whose activations fit in 60% of the free GPU memory without checkpointing (None: the
-        model's config gives no size to count)."""
-        config = self.hf_model.config.get_text_config()
-        per_token = getattr(config, "hidden_size", 0) * getattr(config, "num_hidden_layers", 0)
-        if not per_token:
-            return None
-        return int(0.6 * free_device_memory(self.device) // (per_token * ACTIVATION_BYTES_PER_TOKEN_AND_HIDDEN))
-
     # --- per batch ------------------------------------------------------------------------------------------
 
     def _rows_grew(self, tokens: int) -> None:
-        """Automatic choices that depend on the longest row so far, decided again only when rows grow."""
-        checkpointing = self.settings.checkpointing == "auto" and tokens > self._auto_checkpointing_tokens
-        longer = tokens > self._longest_tokens
-        if checkpointing:
-            self._auto_checkpointing_tokens = tokens
-            self._apply_checkpointing("auto", reason=None)
-        if longer:
-            self._longest_tokens = tokens
-        if not (checkpointing or longer):
+        """A row longer than any before: the choices that depend on the longest row (automatic checkpointing and
+        what reads it, chunked MLPs, resident layers) are decided again, with the memory figures read now."""
+        checkpointing = self.settings.checkpointing == "auto" and tokens > self.run.checkpoint_tokens
+        if tokens <= self.run.longest_tokens and not checkpointing:
             return
-        self._apply_chunked_mlp(self.settings)  # each of these depends on checkpointing and the longest row
-        if checkpointing:
-            self._apply_lean_recompute(self.settings)
-        self._apply_fused_kernels(self.settings)  # the compiled regions depend on the chunks
-        self._apply_resident_layers(self.settings)
-        self.graphs.clear()
-        if longer and self.graphs.on and self._graphs_memory_bound(self.settings):
-            self._apply_step_graphs(self.settings)  # the row now needs chunks to fit: graphs go
+        self.graphs.clear()  # a longer row: captured graphs are stale, and their pool goes back before the reading
+        longest = max(tokens, self.run.longest_tokens)
+        self.run = dataclasses.replace(
+            self.run, longest_tokens=longest, checkpoint_tokens=tokens if checkpointing else self.run.checkpoint_tokens
+        )
+        self._device_facts = self.read_device_facts()
+        self._decide()
 
     def model_inputs(self, batch: PackedBatch, *, timed: bool = True) -> dict[str, Any]:
         """Model kwargs for one micro-batch (already on the device); the stock ones when every switch is off.
@@ -477,18 +391,21 @@ class SpeedController:
         clock does not count as a micro-batch of its own."""
         self.offloader.begin_batch()
         self.residency.begin_batch()
+        compiled = self.plan.is_on("fused_kernels")
         if timed:
-            self.warm_up.tick(self._fused_kernels, self.graphs.active, self.graphs.trial_result)
+            self.warm_up.tick(compiled, self.graphs.active, self.graphs.trial_result)
         self._rows_grew(batch.num_tokens)
         inputs = stock_model_inputs(self.model, batch)
         if self.host_embedding.on:
             self.host_embedding.stage(batch.host_input_ids)
-        if self._metadata_backend is None:
+        backend = self.plan.metadata_cache.backend if self.plan.metadata_cache is not None else None
+        if backend is None:
             return inputs
-        meta = metadata_cache.build_metadata(
-            batch, self.device, self._metadata_backend, whole_row=self._whole_row, cudnn=self._cudnn
-        )
-        if self._fused_kernels or self.graphs.active:  # masks built here are graph inputs, not host work inside
+        # a one-document row skips the document mask: for cuDNN, or automatically for the kernel SDPA picks
+        whole_row = self.settings.attention_backend in ("auto", "cudnn")
+        cudnn = self.plan.is_on("cudnn_attention")
+        meta = metadata_cache.build_metadata(batch, self.device, backend, whole_row=whole_row, cudnn=cudnn)
+        if compiled or self.graphs.active:  # masks built here are graph inputs, not host work inside
             fused_kernels.prepare_metadata(meta, self.hf_model)
         return metadata_cache.packed_inputs(inputs, meta)
 
@@ -504,9 +421,9 @@ class SpeedController:
 
         ``positions`` (``PackedBatch.loss_positions`` on the device) spare the fused loss its one host sync.
         """
-        if self._fused_loss:
+        if self.plan.is_on("fused_loss"):
             return fused_loss.fused_causal_lm_loss(
-                model, inputs, labels, num_items, positions=positions, compiled=self._fused_kernels
+                model, inputs, labels, num_items, positions=positions, compiled=self.plan.is_on("fused_kernels")
             )
         return cast(torch.Tensor, model(**inputs, labels=labels, num_items_in_batch=num_items).loss)
 
@@ -550,11 +467,26 @@ class SpeedController:
         return state
 
 
-def fp8_coverage(done: int, one_pass: int, total: int) -> str:
-    """What the fp8-base reason adds: projections left in 16 bits, and the 4-bit weights cast in one pass."""
-    words = ""
-    if done < total:
-        words += f" ({done} of {total} frozen projections; the others' widths are not multiples of 16)"
-    if one_pass:
-        words += f"; {one_pass} 4-bit weights go to e4m3 in one pass (fused kernels)"
-    return words
+def _acting(choice: Any) -> Any:
+    """What a choice makes the model do: the choice without its reason (None while unresolved)."""
+    return None if choice is None else dataclasses.replace(choice, reason="")
+
+
+def _mode(plan: SpeedPlan) -> str:
+    return plan.checkpointing.mode if plan.checkpointing is not None else "none"
+
+
+def _shape(config: Any) -> ModelShape | None:
+    """The model's sizes for the planner, or None where its config does not give them."""
+    try:
+        return ModelShape.from_config(config)
+    except (AttributeError, TypeError, ValueError, KeyError):
+        return None
+
+
+def _fp8_coverage(frozen: list[tuple[torch.nn.Module, str, torch.nn.Linear, bool]]) -> Fp8Coverage:
+    """How many frozen projections fp8 can multiply (widths multiples of 16), and of those the 4-bit weights the
+    one-pass kernel can cast."""
+    fits = [base for _, _, base, _ in frozen if fp8_base.fits(base.in_features, base.out_features)]
+    one_pass = sum(1 for base in fits if four_bit_weights.covers(getattr(base.weight, "quant_state", None)))
+    return Fp8Coverage(len(frozen), len(fits), one_pass)

@@ -232,15 +232,27 @@ def resolve(
     four_bit: bool = False,
     experts: bool = False,
 ) -> tuple[bool, str]:
+    """(on, reason) on ``device`` (:func:`resolve_from`)."""
+    problem = None if requested == "off" or frozen == 0 else unavailable_reason(device)
+    return resolve_from(requested, problem, frozen, checkpointing, four_bit, experts)
+
+
+def resolve_from(
+    requested: str,
+    problem: str | None,
+    frozen: int,
+    checkpointing: str = "none",
+    four_bit: bool = False,
+    experts: bool = False,
+) -> tuple[bool, str]:
     """(on, reason). Automatic only where it was measured within bf16 noise: a dense model with a 4-bit (QLoRA) base
     under offloaded checkpointing, where the automatic scope keeps the forward pass in 16 bits
     (:func:`scope_of`); not for MoE models (``experts``), whose speed with it was not measured. ``requested``: the
-    ``fp8_base`` setting (auto, off, recompute, all)."""
+    ``fp8_base`` setting (auto, off, recompute, all); ``problem``: :func:`unavailable_reason` of the device."""
     if requested == "off":
         return False, "switched off: frozen weights multiply in the model's 16-bit dtype"
     if frozen == 0:
         return False, "the model has no frozen linear projections in its decoder layers"
-    problem = unavailable_reason(device)
     if problem is not None:
         return False, problem
     if requested != "auto":

@@ -95,7 +95,7 @@ def unsupported_reason(hf_model: torch.nn.Module) -> str | None:
     return None
 
 
-def _automatic(hf_model: torch.nn.Module, device: torch.device) -> tuple[bool, str]:
+def automatic(hf_model: torch.nn.Module, device: torch.device) -> tuple[bool, str]:
     """The automatic choice and its reason."""
     if device.type != "cuda":
         return False, "automatic: off on CPU (inductor's CPU compile takes ~15 s per model and gains little)"
@@ -109,14 +109,19 @@ def _automatic(hf_model: torch.nn.Module, device: torch.device) -> tuple[bool, s
 
 
 def resolve(requested: bool | None, hf_model: torch.nn.Module, device: torch.device) -> tuple[bool, str]:
-    """(on, reason) for the switch's setting: True / False as asked (when possible), None automatic."""
-    problem = unsupported_reason(hf_model)
+    """(on, reason) for the switch's setting on this model and device (:func:`resolve_from`)."""
+    return resolve_from(requested, unsupported_reason(hf_model), automatic(hf_model, device))
+
+
+def resolve_from(requested: bool | None, problem: str | None, automatic_choice: tuple[bool, str]) -> tuple[bool, str]:
+    """(on, reason) for the switch's setting: True / False as asked (when possible), None automatic; ``problem``:
+    :func:`unsupported_reason`, ``automatic_choice``: :func:`automatic`."""
     if requested is False:
         return False, "switched off: every layer runs eagerly (the reference path)"
     if problem is not None:
         return False, problem
     if requested is None:
-        return _automatic(hf_model, device)
+        return automatic_choice
     return True, "switched on; norms, rotary, SwiGLU and LoRA paths fused per layer by torch.compile"
 
 

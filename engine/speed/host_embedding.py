@@ -24,7 +24,7 @@ import torch
 
 from engine.hardware.planner import AUTO_TABLE_SHARE, table_crowds_card
 
-__all__ = ["AUTO_TABLE_SHARE", "HostEmbedding", "unsupported_reason"]
+__all__ = ["AUTO_TABLE_SHARE", "HostEmbedding", "resolve", "unsupported_reason"]
 
 
 def unsupported_reason(hf_model: Any) -> str | None:
@@ -38,6 +38,26 @@ def unsupported_reason(hf_model: Any) -> str | None:
     if head is not None and getattr(head, "weight", None) is embed.weight:
         return "the input embedding is tied to the output head, which needs it on the GPU"
     return None
+
+
+def resolve(
+    requested: bool | None, on_gpu: bool, problem: str | None, table_bytes: int, usable_bytes: int | None
+) -> tuple[bool, str]:
+    """(on, reason): on when asked for, or automatically where the table (``table_bytes``) would take more than
+    :data:`AUTO_TABLE_SHARE` of ``usable_bytes`` (the GPU memory this process may use); on a GPU, for a model
+    that allows it (``problem``: :func:`unsupported_reason`)."""
+    if requested is False:
+        return False, f"switched off: the input embedding stays {'on the GPU' if on_gpu else 'with the model'}"
+    if not on_gpu:
+        return False, "the model already lives in host memory"
+    if problem is not None:
+        return False, problem
+    if requested:
+        return True, "switched on; the input embedding table is looked up in host memory"
+    if usable_bytes is None or not table_crowds_card(table_bytes, usable_bytes):
+        return False, "automatic: off, the input embedding table is a small share of GPU memory"
+    size = f"{table_bytes / 2**30:.1f} GiB, {table_bytes / usable_bytes:.0%} of GPU memory"
+    return True, f"automatic: the input embedding table ({size}) is looked up in host memory"
 
 
 @dataclass(eq=False)
@@ -63,25 +83,11 @@ class HostEmbedding:
         return bool(self._hooks)
 
     def resolve(self, requested: bool | None, usable_bytes: int | None = None) -> tuple[bool, str]:
-        """(on, reason): on when asked for, or automatically where the table would take more than
-        :data:`AUTO_TABLE_SHARE` of ``usable_bytes`` (the GPU memory this process may use); on a GPU, for a model
-        that allows it."""
-        if requested is False:
-            where = "on the GPU" if self.device.type == "cuda" else "with the model"
-            return False, f"switched off: the input embedding stays {where}"
-        if self.device.type != "cuda":
-            return False, "the model already lives in host memory"
-        problem = unsupported_reason(self.hf_model)
-        if problem is not None:
-            return False, problem
-        if requested:
-            return True, "switched on; the input embedding table is looked up in host memory"
-        table = self.table_bytes()
-        if usable_bytes is None or not table_crowds_card(table, usable_bytes):
-            return False, "automatic: off, the input embedding table is a small share of GPU memory"
-        share = table / usable_bytes
-        size = f"{table / 2**30:.1f} GiB, {share:.0%} of GPU memory"
-        return True, f"automatic: the input embedding table ({size}) is looked up in host memory"
+        """(on, reason) for this model on its device (:func:`resolve`)."""
+        on_gpu = self.device.type == "cuda"
+        problem = unsupported_reason(self.hf_model) if on_gpu else None
+        table = self.table_bytes() if on_gpu and problem is None else 0
+        return resolve(requested, on_gpu, problem, table, usable_bytes)
 
     def table_bytes(self) -> int:
         weight: torch.Tensor = self.hf_model.get_input_embeddings().weight

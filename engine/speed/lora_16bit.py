@@ -57,10 +57,14 @@ def unsupported_reason(model: torch.nn.Module, dtype: torch.dtype) -> str | None
 
 
 def resolve(requested: bool | None, model: torch.nn.Module, dtype: torch.dtype) -> tuple[bool, str]:
-    """(on, reason): automatic is on wherever it applies."""
+    """(on, reason) for this model in ``dtype`` (:func:`resolve_from`)."""
+    return resolve_from(requested, unsupported_reason(model, dtype))
+
+
+def resolve_from(requested: bool | None, problem: str | None) -> tuple[bool, str]:
+    """(on, reason): automatic is on wherever it applies (``problem``: :func:`unsupported_reason`)."""
     if requested is False:
         return False, "switched off: peft's float32 adapter path (float32 copies of each adapted input)"
-    problem = unsupported_reason(model, dtype)
     if problem is not None:
         return False, problem
     how = "LoRA A/B path in 16-bit with float32 master weights, adapted inputs shared"

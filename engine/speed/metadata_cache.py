@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -80,25 +80,38 @@ def flex_available(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-def choose_backend(requested: str, device: torch.device, dtype: torch.dtype) -> BackendChoice:
-    """The best backend that runs on this device and dtype, honouring an explicit request when it can run."""
+def kernel_problems(device: torch.device, dtype: torch.dtype) -> dict[str, str | None]:
+    """Each packed-attention backend's reason it cannot run on this device and dtype (None: it can)."""
     checks: dict[str, Callable[[torch.device, torch.dtype], str | None]] = {
         "varlen": varlen_available,
         "flash_attn": flash_attn_available,
         "flex": flex_available,
         "sdpa": lambda _device, _dtype: None,
     }
+    return {name: checks[name](device, dtype) for name in BACKENDS}
+
+
+def choose_backend(requested: str, device: torch.device, dtype: torch.dtype) -> BackendChoice:
+    """The best backend that runs on this device and dtype, honouring an explicit request when it can run."""
+    return choose_backend_from(
+        requested, kernel_problems(device, dtype), f"{device.type} {str(dtype).removeprefix('torch.')}"
+    )
+
+
+def choose_backend_from(requested: str, problems: Mapping[str, str | None], where: str) -> BackendChoice:
+    """:func:`choose_backend` from each backend's problem (:func:`kernel_problems`); ``where``: e.g. "cuda
+    bfloat16"."""
     if requested not in ("auto", "cudnn"):  # cudnn names the one-document rows' kernel: packed rows as auto
-        problem = checks[requested](device, dtype)
+        problem = problems.get(requested, f"{requested} was not checked here")
         if problem is None:
             return BackendChoice(requested, f"{requested} requested")
-        fallback = choose_backend("auto", device, dtype)
+        fallback = choose_backend_from("auto", problems, where)
         return BackendChoice(fallback.name, f"{requested} requested but {problem}; using {fallback.name}")
     skipped: list[str] = []
     for name in BACKENDS:
-        problem = checks[name](device, dtype)
+        problem = None if name == "sdpa" else problems.get(name, f"{name} was not checked here")
         if problem is None:
-            why = f"best available backend for {device.type} {str(dtype).removeprefix('torch.')}"
+            why = f"best available backend for {where}"
             return BackendChoice(name, why + (f" ({'; '.join(skipped)})" if skipped else ""))
         skipped.append(problem)
     raise AssertionError("sdpa is always available")

@@ -195,16 +195,21 @@ def _is_experts_module(module: torch.nn.Module) -> bool:
     return hasattr(module, "has_gate") and hasattr(module, "num_experts")
 
 
-def resolve_mode(requested: str, model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
-    """(mode, reason) for this model and device; 'auto' follows engine.hardware.moe_choice (as the profile does)."""
-    if not has_routable_experts(model):
+def resolve_mode(
+    requested: str,
+    has_experts: bool,
+    device_type: str,
+    capability: tuple[int, int] | None,
+    dtype: str,
+    fast: bool,
+) -> tuple[str, str]:
+    """(mode, reason) for a model with or without routable experts on a device; ``dtype`` e.g. "bfloat16", ``fast``:
+    :func:`grouped_mm_fast_path`. 'auto' follows engine.hardware.moe_choice (as the profile does)."""
+    if not has_experts:
         return "stock", "no MoE expert layers in this model"
-    fast = grouped_mm_fast_path(device, dtype)
-    where = f"{device.type} {str(dtype).removeprefix('torch.')}"
+    where = f"{device_type} {dtype}"
     if requested == "auto":
-        on_gpu = device.type == "cuda"
-        capability = torch.cuda.get_device_capability(device) if on_gpu else None
-        return auto_moe_routing(True, on_gpu, capability, str(dtype).removeprefix("torch."))
+        return auto_moe_routing(True, device_type == "cuda", capability, dtype)
     if requested == "sync-free" and not fast:
         return "sync-free", f"sync-free requested; grouped_mm has no fast path on {where}: experts loop (one sync)"
     return requested, f"{requested} requested"

@@ -1,28 +1,13 @@
-"""The speed controller's resolved choices as one frozen, typed record: one field per speed setting.
+"""Every speed setting's choice as one frozen, typed record: one field per speed setting.
 
-:class:`engine.speed.SpeedController` resolves each setting into a choice (on or off, or a mode, with a one-line
-reason) and replaces the record's field; nothing mutates a shared dict. Runs' events, the app's Speed page, switch
-words and run summaries read the JSON form, :meth:`SpeedPlan.as_state`: ``{name: {"on": bool, "reason": str, ...}}``,
-``{"mode": ..., "reason": ...}`` for checkpointing and MoE routing, in the order the settings are applied.
+:func:`engine.speed.decide.decide_plan` makes the whole record at once from typed facts (model, device, run so far);
+:class:`engine.speed.SpeedController` installs it and replaces it, never changing it in place. Runs' events, the
+app's Speed page, switch words and run summaries read the JSON form, :meth:`SpeedPlan.as_state`:
+``{name: {"on": bool, "reason": str, ...}}``, ``{"mode": ..., "reason": ...}`` for checkpointing and MoE routing.
 
 Checkpointing is the one choice several parts of TuneDeck make (the planner, ``tunedeck plan``, the run, its
 out-of-memory fallback); its decision lives below this package, in :mod:`engine.hardware.checkpoint_choice`, so the
 planner can call it too. Resident layers and chunked MLPs act only under checkpointing and follow its mode.
-
-The controller still resolves the choices one after another, because some read earlier ones or memory that earlier
-switches free (:meth:`engine.speed.SpeedController.apply`); what each waits for:
-
-* the step graphs' memory pool goes back first, before any choice measures free memory;
-* cuDNN attention reads the metadata cache's choice (one-document rows are found there);
-* chunked MLPs, dequantize-once, fp8 products and resident layers read the checkpointing mode (they act only in a
-  recompute, fp8 and dequantize-once only in offloaded checkpointing's);
-* fused kernels are switched after the chunked MLPs, whose modules change the compiled regions;
-* resident layers read the chunked MLPs (a row that needs chunks has no spare memory) and the plan so far, which the
-  planner sizes them with;
-* step graphs come last: they read the fused kernels (a compiled step's warm-up trial) and the chunked MLPs (no room
-  for a graph's pool).
-
-A longer row decides checkpointing again and, after it, everything that reads it (``_rows_grew``).
 """
 
 from __future__ import annotations
@@ -36,6 +21,7 @@ __all__ = [
     "CheckpointPlan",
     "Choice",
     "Fp8Choice",
+    "GraphsChoice",
     "LoraChoice",
     "MetadataChoice",
     "ModeChoice",
@@ -103,6 +89,18 @@ class Fp8Choice:
 
 
 @dataclass(frozen=True)
+class GraphsChoice:
+    """Step graphs on or off, and whether automatic ones are on trial (a replay timed against an eager run)."""
+
+    on: bool
+    reason: str
+    trial: bool = False
+
+    def as_state(self) -> dict[str, Any]:
+        return {"on": self.on, "reason": self.reason}
+
+
+@dataclass(frozen=True)
 class ResidentChoice:
     """How many layers keep their activations and skip the recompute."""
 
@@ -133,7 +131,7 @@ class SpeedPlan:
     fp8_base: Fp8Choice | None = None
     fused_kernels: Choice | None = None
     resident_layers: ResidentChoice | None = None
-    step_graphs: Choice | None = None
+    step_graphs: GraphsChoice | None = None
 
     def as_state(self) -> dict[str, dict[str, Any]]:
         """The JSON form events and the app read: ``{name: {"on": ..., "reason": ...}}`` for each resolved one."""

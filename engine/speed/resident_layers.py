@@ -78,16 +78,29 @@ def planned_layers(
     ``budget_bytes`` (:func:`engine.hardware.planner.most_resident_layers`). ``model``: the trained (peft) model,
     for its LoRA rank and whether its base is 4-bit; ``config``: its transformers config."""
     shape = ModelShape.from_config(config)
-    setup = setup_from_speed_state(state, shape, tokens, qlora=_is_4bit(model), lora_rank=_lora_rank(model))
+    return planned_layers_for(shape, is_4bit(model), lora_rank(model), state, tokens, budget_bytes, compute_capability)
+
+
+def planned_layers_for(
+    shape: ModelShape,
+    qlora: bool,
+    rank: int,
+    state: Mapping[str, Mapping[str, Any]],
+    tokens: int,
+    budget_bytes: int,
+    compute_capability: tuple[int, int] | None,
+) -> int:
+    """:func:`planned_layers` from the model's shape, whether its base is 4-bit and its LoRA rank."""
+    setup = setup_from_speed_state(state, shape, tokens, qlora=qlora, lora_rank=rank)
     return most_resident_layers(shape, replace(setup, resident_layers=0), budget_bytes, compute_capability)
 
 
-def _is_4bit(model: torch.nn.Module) -> bool:
+def is_4bit(model: torch.nn.Module) -> bool:
     """Whether the base holds bitsandbytes 4-bit weights (found by parameter: stand-ins hide the library's layers)."""
     return any(type(param).__name__ == "Params4bit" for param in model.parameters())
 
 
-def _lora_rank(model: torch.nn.Module) -> int:
+def lora_rank(model: torch.nn.Module) -> int:
     configs = getattr(model, "peft_config", None) or {}
     ranks = [int(getattr(config, "r", 0)) for config in configs.values()]
     return max(ranks, default=16) or 16

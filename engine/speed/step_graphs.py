@@ -578,11 +578,11 @@ def unsupported_reason(model: torch.nn.Module, device: torch.device) -> str | No
     return None
 
 
-def resolve(requested: bool | None, model: torch.nn.Module, device: torch.device) -> tuple[bool, str]:
-    """(on, reason). Automatic is on where graphs can run, on trial (:class:`Trial`)."""
+def resolve(requested: bool | None, problem: str | None) -> tuple[bool, str]:
+    """(on, reason). Automatic is on where graphs can run, on trial (:class:`Trial`); ``problem``:
+    :func:`unsupported_reason`."""
     if requested is False:
         return False, "switched off: every micro-batch launches its work from Python"
-    problem = unsupported_reason(model, device)
     if problem is not None:
         return False, problem if requested else f"automatic: off; {problem}"
     if requested is None:
