@@ -149,17 +149,21 @@ def test_the_decision_is_pure() -> None:
 
 
 def test_a_live_switch_installs_only_what_it_changes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Switching the fused loss off touches nothing else; switching checkpointing sets its function once."""
+    """Switching the fused loss off touches nothing but the step graphs (a new setting tries them afresh); switching
+    checkpointing sets its function once and what reads it."""
     ctl = SpeedController(tiny_lora_model("llama"), SpeedConfig(checkpointing="offloaded"), torch.device("cpu"))
     calls: list[str] = []
-    for owner, name in ((ctl.hf_model, "_set_gradient_checkpointing"), (ctl.chunked, "install"),
-                        (ctl.lean, "switch"), (ctl.region_compiler, "switch"), (ctl.lora_16bit, "switch")):  # fmt: skip
+    parts = {"checkpoint function": (ctl.hf_model, "_set_gradient_checkpointing"), "chunks": (ctl.chunked, "install"),
+             "lean recompute": (ctl.lean, "switch"), "compiled regions": (ctl.region_compiler, "switch"),
+             "16-bit LoRA": (ctl.lora_16bit, "switch"), "step graphs": (ctl.graphs, "switch")}  # fmt: skip
+    for part, (owner, name) in parts.items():
         real = getattr(owner, name)
-        monkeypatch.setattr(owner, name, lambda *a, _name=name, _real=real, **k: calls.append(_name) or _real(*a, **k))
+        monkeypatch.setattr(owner, name, lambda *a, _part=part, _real=real, **k: calls.append(_part) or _real(*a, **k))
     ctl.apply(dataclasses.replace(ctl.settings, fused_loss=False))
-    assert calls == [] and not ctl.plan.is_on("fused_loss")
+    assert calls == ["step graphs"] and not ctl.plan.is_on("fused_loss")  # a new setting: graphs start over
+    calls.clear()
     ctl.apply(dataclasses.replace(ctl.settings, checkpointing="standard"))
-    assert calls == ["_set_gradient_checkpointing", "switch"]  # the checkpoint function, and lean recompute's skip
+    assert calls == ["checkpoint function", "lean recompute", "compiled regions", "step graphs"]
     assert ctl.plan.checkpointing.mode == "standard" and ctl.hf_model.is_gradient_checkpointing
     ctl.apply(dataclasses.replace(ctl.settings, checkpointing="none"))
     assert not ctl.hf_model.is_gradient_checkpointing
@@ -173,3 +177,12 @@ def test_the_controller_reads_the_facts_the_decision_needs() -> None:
     assert "float32" in str(facts.model.lora_16bit_problem) and facts.model.lora_groups == 0  # nothing to group
     assert facts.device.kind == "cpu" and facts.device.free_bytes is None
     assert decide_plan(facts, ctl.settings) == ctl.plan
+
+
+def test_the_groups_the_plan_names_are_the_groups_installed() -> None:
+    ctl = SpeedController(tiny_lora_model("llama").to(torch.bfloat16), SpeedConfig(), torch.device("cpu"))
+    assert ctl.plan.lora_16bit.groups == len(ctl.lora_groups.groups) == 4
+    ctl.apply(SpeedConfig(lora_16bit=False))
+    assert ctl.plan.lora_16bit.groups == len(ctl.lora_groups.groups) == 0
+    ctl.apply(SpeedConfig())
+    assert ctl.plan.lora_16bit.groups == len(ctl.lora_groups.groups) == 4

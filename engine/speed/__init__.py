@@ -173,7 +173,7 @@ class SpeedController:
 
     def _install(self, previous: SpeedPlan, plan: SpeedPlan, graphs_anew: bool) -> None:
         """Make the model run ``plan``: each part is touched only where a choice it reads acts differently from
-        ``previous``. Chunked MLPs go in before the compiled regions, which are built over them."""
+        ``previous``. The compiled regions come last: they are found over the modules the others put in place."""
 
         def changed(*names: str) -> bool:
             return any(_acting(getattr(previous, name)) != _acting(getattr(plan, name)) for name in names)
@@ -199,7 +199,8 @@ class SpeedController:
             self._install_lora_16bit(plan.is_on("lora_16bit"))
         if changed("checkpointing", "dequant_once", "fp8_base", "fused_kernels"):
             self._install_lean_recompute(plan)
-        if changed("fused_kernels", "chunked_mlp"):
+        if changed("fused_kernels", "chunked_mlp", "checkpointing", "lora_16bit", "dequant_once", "fp8_base"):
+            # the regions are found again over the modules these put in place (compiled code is kept for reuse)
             self.region_compiler.switch(self.hf_model, plan.is_on("fused_kernels"))
         layers = plan.resident_layers.layers if plan.resident_layers is not None else 0
         self.residency.share = layers / self._model_facts.layers if self._model_facts.layers else 0.0
