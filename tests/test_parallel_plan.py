@@ -56,3 +56,19 @@ def test_run_config_is_read_per_gpu() -> None:
     config = RunConfig.from_dict({"model": {"name": "llama-3.1-8b"}, "data": {"tokens_per_batch": 2048}})
     assert choose_for_run(config, 2, 16 * GIB).mode == "fsdp"
     assert choose_for_run(config, 1, 16 * GIB).mode == "single"
+
+
+def test_automatic_checkpointing_is_sized_as_its_leanest_mode_where_it_can_run() -> None:
+    """Whether a card holds the run decides DDP or FSDP2: automatic checkpointing counts as offloaded, or as standard
+    recompute on a GPU that cannot offload (an integrated-memory GPU such as GB10)."""
+    from engine.hardware.parallel import setup_for_run
+
+    config = RunConfig.from_dict({"model": {"name": "llama-3.2-1b"}, "speed": {"checkpointing": "auto"}})
+    assert setup_for_run(config).checkpointing == "offloaded"
+    assert setup_for_run(config, can_offload=False).checkpointing == "standard"
+    explicit = RunConfig.from_dict({"model": {"name": "llama-3.2-1b"}, "speed": {"checkpointing": "none"}})
+    assert setup_for_run(explicit, can_offload=False).checkpointing == "none"
+    offloaded = choose_for_run(config, 2, 3 * GIB)
+    standard = choose_for_run(config, 2, 3 * GIB, can_offload=False)
+    assert offloaded.peak_bytes_per_gpu is not None and standard.peak_bytes_per_gpu is not None
+    assert standard.peak_bytes_per_gpu > offloaded.peak_bytes_per_gpu  # layer inputs stay on the card

@@ -49,7 +49,10 @@ def _auto_mode(config: Any, world: int, device: torch.device) -> tuple[ParallelM
         return "ddp", "auto: DDP"
     from engine.hardware.parallel import choose_for_run
     from engine.hardware.planner import usable_bytes
+    from engine.speed.offloaded_checkpoint import offload_unsupported_reason
 
-    plan = choose_for_run(config, world, usable_bytes(torch.cuda.get_device_properties(device).total_memory))
+    properties = torch.cuda.get_device_properties(device)
+    can_offload = offload_unsupported_reason(device) is None
+    plan = choose_for_run(config, world, usable_bytes(properties.total_memory), can_offload=can_offload)
     mode: ParallelMode = "fsdp" if plan.mode == "fsdp" else "ddp"
     return mode, plan.reason

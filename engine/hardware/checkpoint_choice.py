@@ -70,6 +70,12 @@ def candidate_modes(can_offload: bool) -> tuple[Checkpointing, ...]:
     return ("none", "offloaded", "standard") if can_offload else ("none", "standard")
 
 
+def leanest_mode(can_offload: bool) -> Checkpointing:
+    """The mode that keeps the least on the GPU: what sizing asks for when it must know whether a run fits at all
+    (automatic checkpointing takes it when nothing else fits)."""
+    return "offloaded" if can_offload else "standard"
+
+
 def decide_checkpointing(facts: CheckpointFacts, requested: Requested = "auto") -> CheckpointPlan:
     """The checkpointing mode for ``facts`` when the user asked for ``requested`` (the module docstring's order)."""
     if requested == "offloaded" and facts.offload_blocker:

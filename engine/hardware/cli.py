@@ -13,6 +13,7 @@ from typing import Any
 
 from engine.config import setting_flag
 from engine.errors import TuneDeckError
+from engine.hardware import checkpoint_choice
 
 GIB = 1 << 30
 
@@ -196,7 +197,7 @@ def _parallel_plan(args: argparse.Namespace, shape: Any, device: Any, profile: A
         tokens=args.tokens or (plan.tokens if plan is not None and plan.tokens else None) or row,
         qlora=bool(args.qlora if args.qlora is not None else plan is not None and plan.qlora),
         lora_rank=args.lora_rank,
-        checkpointing=plan.checkpointing if plan is not None else "offloaded",
+        checkpointing=plan.checkpointing if plan is not None else checkpoint_choice.leanest_mode(can_offload=True),
     )
     budget = usable_bytes(device.memory_bytes or 0)
     return choose_parallel(

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
+from engine.hardware import checkpoint_choice
 from engine.hardware.planner import (
     GIB,
     SAFETY_MARGIN,
@@ -116,21 +117,28 @@ def _auto(
     return ParallelPlan("fsdp", gpus, why, sharded, fits=False)
 
 
-def setup_for_run(config: RunConfig) -> TrainSetup:
-    """The planner's view of a run's memory choices (per GPU: tokens per batch is per card)."""
+def setup_for_run(config: RunConfig, can_offload: bool = True) -> TrainSetup:
+    """The planner's view of a run's memory choices (per GPU: tokens per batch is per card). Automatic
+    checkpointing is sized as its leanest mode (:func:`engine.hardware.checkpoint_choice.leanest_mode`): whether a
+    card holds the run at all decides DDP against FSDP2, and the run then takes a faster mode where one fits."""
     mode = config.speed.checkpointing
     return TrainSetup(
         tokens=config.data.tokens_per_batch or GPU_TOKENS_PER_BATCH,  # automatic (0): the GPU's default
         qlora=config.model.qlora,
         lora_rank=config.lora.rank,
-        checkpointing="offloaded" if mode == "auto" else mode,
+        checkpointing=checkpoint_choice.leanest_mode(can_offload) if mode == "auto" else mode,
     )
 
 
 def choose_for_run(
-    config: RunConfig, gpus: int, budget_bytes: int, compute_capability: tuple[int, int] | None = (9, 0)
+    config: RunConfig,
+    gpus: int,
+    budget_bytes: int,
+    compute_capability: tuple[int, int] | None = (9, 0),
+    can_offload: bool = True,
 ) -> ParallelPlan:
-    """:func:`choose_parallel` for a run's config; an unknown model shape falls back to DDP with a reason."""
+    """:func:`choose_parallel` for a run's config; an unknown model shape falls back to DDP with a reason.
+    ``can_offload``: False on a GPU whose layer inputs cannot go to host memory (an integrated-memory GPU)."""
     from engine.errors import TuneDeckError
 
     try:
@@ -139,7 +147,7 @@ def choose_for_run(
         shape = None
     return choose_parallel(
         shape,
-        setup_for_run(config),
+        setup_for_run(config, can_offload),
         gpus,
         budget_bytes,
         requested=config.training.parallel,

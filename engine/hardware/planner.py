@@ -754,7 +754,7 @@ def longest_row(
 ) -> int | None:
     """The longest row ``setup`` trains on ``budget_bytes`` with the checkpointing that saves the most memory
     (None: not even 256 tokens)."""
-    mode: Checkpointing = "offloaded" if can_offload else "standard"
+    mode = checkpoint_choice.leanest_mode(can_offload)
     return largest_tokens(
         shape, replace(setup, checkpointing=mode), budget_bytes, min_tokens=256, max_tokens=LONGEST_ROW_TOKENS,
         compute_capability=compute_capability, margin=margin,
@@ -762,7 +762,7 @@ def longest_row(
 
 
 def _longest_reason(shape: ModelShape, setup: TrainSetup, tokens: int, can_offload: bool) -> str:
-    mode: Checkpointing = "offloaded" if can_offload else "standard"
+    mode = checkpoint_choice.leanest_mode(can_offload)
     how = f"{'QLoRA' if setup.qlora else 'LoRA'} and {mode} checkpointing"
     if _chunks(shape, replace(setup, tokens=tokens, checkpointing=mode)):
         how += f", the MLPs in chunks of {setup.chunk_tokens:,} tokens"
@@ -862,7 +862,7 @@ def _no_fit_plan(
     wanted_tokens: int,
 ) -> MemoryPlan:
     """No setting fits ``wanted_tokens``: the longest row that would, for the message."""
-    mode: Checkpointing = checkpointing or ("offloaded" if can_offload else "standard")
+    mode = checkpointing or checkpoint_choice.leanest_mode(can_offload)
     setup = replace(base, qlora=quantized, checkpointing=mode)
     possible = largest_tokens(
         shape, setup, budget_bytes, min_tokens=256, max_tokens=max(256, wanted_tokens),
@@ -930,7 +930,7 @@ def _memory_reason(
     text = f"{estimate.gib():.1f} GiB for {setup.tokens:,}-token rows with {mode}: {estimate.breakdown_text()}"
     if setup.checkpointing != "none":
         return text
-    leanest: Checkpointing = "offloaded" if can_offload else "standard"
+    leanest = checkpoint_choice.leanest_mode(can_offload)
     lean = estimate_memory(shape, replace(setup, checkpointing=leanest), compute_capability)
     return (
         f"{text}. Every layer keeps its activations for backward, the fastest way while they fit; with {leanest} "
