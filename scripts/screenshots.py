@@ -2,7 +2,7 @@
 
 The window opens at a laptop's 1366x768, picks the demo by itself (model, dataset, Demo recipe), and the script
 clicks what a user clicks: Start on the guide bar, then, once the run finished, the run on the Chat page with a
-question, and Export on the Runs page. Every page is then saved in both looks, with the export dialog, under
+question, Export on the Runs page, and the run's before/after report. Every page is then saved in both looks, with the export dialog, under
 ``--out`` (``docs/screenshots``, the README's pictures, by default) as ``light/<page>.png`` and ``dark/<page>.png``.
 
 The run's folder and history go to ``--workdir`` (``~/tunedeck-screenshots``; its ``runs`` and ``home`` folders
@@ -136,6 +136,13 @@ def export_adapter(app: Any, window: Any, run_dir: str) -> Any:
     return dialog
 
 
+def show_report(app: Any, window: Any, run_dir: str) -> None:
+    """The run's before/after report on the Report page (measured when the run ended)."""
+    page = window.page("Report")
+    window.open_report(run_dir)
+    wait_for(app, lambda: page.report is not None and not page.busy(), "the before/after report")
+
+
 def settle(app: Any, window: Any, seconds: float = 0.3) -> None:
     """Let background work end and the window repaint before a picture is taken."""
     wait_for(app, lambda: not window.tasks.busy(), "the pages' background work")
@@ -178,6 +185,7 @@ def main(argv: list[str]) -> int:
     run_dir = run_the_demo(app, window)
     answer = chat(app, window, run_dir, args.prompt)
     dialog = export_adapter(app, window, run_dir)
+    show_report(app, window, run_dir)
     out = args.out if args.out.is_absolute() else Path(__file__).resolve().parents[1] / args.out
     saved = save_pages(app, window, dialog, "light", out) + save_pages(app, window, dialog, "dark", out)
     window.set_look(False)

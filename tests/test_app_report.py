@@ -36,7 +36,7 @@ def assert_shows_base_and_tuned(page: Any, run_dir: Path) -> None:
     names = [figure.name for figure in page.chart.figures]
     assert names[0].startswith("held-out loss") and names[-1].startswith("general English perplexity")
     assert all(len(row) == len(labels) and "-" not in row for row in texts), texts
-    general = [f"{m['general_perplexity']:.1f}" for m in written["models"]]
+    general = [f"{m['general_perplexity']:,.1f}" for m in written["models"]]
     assert texts[-1] == general  # the chart says what report.json says
     assert "general English perplexity" in page.forgetting.text() and "forgotten" in page.forgetting.text()
     assert f"Before and after: {run_dir.name}" in page.text.toPlainText()

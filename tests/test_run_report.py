@@ -234,3 +234,9 @@ def test_the_report_after_a_run_never_raises_and_says_how_to_try_again(tmp_path:
 def test_the_forgetting_check_is_said_in_words(before: float, after: float, line: str) -> None:
     base, tuned = (ModelScores("m", None, None, None, value) for value in (before, after))
     assert forgetting_line(base, tuned) == line
+
+
+def test_large_perplexities_read_with_thousands_separators() -> None:
+    """A model that knows no English (the demo's) reads the general text at perplexities in the millions."""
+    base, tuned = (ModelScores("m", None, None, None, value) for value in (1_326_709.9, 1_714_081.0))
+    assert forgetting_line(base, tuned).startswith("general English perplexity: 1,326,709.9 → 1,714,081.0 (+29%)")

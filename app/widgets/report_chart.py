@@ -50,12 +50,12 @@ def report_figures(report: RunReport) -> list[Figure]:
     figures = [
         Figure(("held-out DPO loss" if pairs else "held-out loss") + " (lower is better)",
                tuple(m.held_out_loss for m in models), ".3f"),
-        Figure("held-out perplexity (lower is better)", tuple(m.held_out_perplexity for m in models), ".1f"),
+        Figure("held-out perplexity (lower is better)", tuple(m.held_out_perplexity for m in models), ",.1f"),
         Figure("short answers: exact match (higher is better)", tuple(m.exact_match for m in models), ".0%"),
         Figure("short answers: token F1 (higher is better)", tuple(m.token_f1 for m in models), ".0%"),
         Figure("held-out reward accuracy (higher is better)", tuple(m.reward_accuracy for m in models), ".0%"),
         Figure("general English perplexity: forgetting (lower is better)",
-               tuple(m.general_perplexity for m in models), ".1f"),
+               tuple(m.general_perplexity for m in models), ",.1f"),
     ]  # fmt: skip
     return [figure for figure in figures if any(value is not None for value in figure.values)]
 

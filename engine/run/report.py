@@ -110,14 +110,14 @@ class RunReport:
         rows = [
             ("held-out " + ("DPO loss" if pairs else "loss"), [_num(m.held_out_loss) for m in self.models]),
             ("held-out perplexity" + (" (chosen answers)" if pairs else ""),
-             [_num(m.held_out_perplexity, ".2f") for m in self.models]),
+             [_num(m.held_out_perplexity, ",.2f") for m in self.models]),
         ]  # fmt: skip
         if pairs:
             rows.append(("held-out reward accuracy", [_share(m.reward_accuracy) for m in self.models]))
         if self.answers_scored:
             rows.append(("short answers: exact match", [_share(m.exact_match) for m in self.models]))
             rows.append(("short answers: token F1", [_share(m.token_f1) for m in self.models]))
-        rows.append(("general-text perplexity (forgetting)", [_num(m.general_perplexity, ".2f") for m in self.models]))
+        rows.append(("general-text perplexity (forgetting)", [_num(m.general_perplexity, ",.2f") for m in self.models]))
         lines = [
             f"# Before and after: {self.run}",
             "",
@@ -153,7 +153,7 @@ def forgetting_line(base: ModelScores, tuned: ModelScores) -> str:
     drift = tuned.general_perplexity / base.general_perplexity - 1
     words = next((text for limit, text in FORGETTING_WORDS if drift <= limit), "much forgotten")
     return (
-        f"general English perplexity: {base.general_perplexity:.1f} → {tuned.general_perplexity:.1f} "
+        f"general English perplexity: {base.general_perplexity:,.1f} → {tuned.general_perplexity:,.1f} "
         f"({drift:+.0%}): {words}"
     )
 
