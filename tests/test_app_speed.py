@@ -11,7 +11,7 @@ from app.background import run_controller as rc
 from app.background.ab_compare import ALL, SPEED_SWITCHES, Measurement, switch_settings
 from app.widgets.switch_words import describe_plan, describe_state
 from engine.config import SpeedConfig
-from engine.events import SpeedChanged, StepMetrics
+from engine.events import RunFinished, SpeedChanged, StepMetrics
 
 pytest_plugins = ["app_fixtures"]
 
@@ -130,3 +130,26 @@ def test_all_on_vs_all_off_measures_them_together_and_draws_the_bar(window: Any)
     assert requested[-1] == SpeedConfig(), "the run's own settings come back at the end"
     assert [float(bar.opts["width"][0]) for bar in bars(panel.chart)] == pytest.approx([50.0])
     assert panel.all_button.isEnabled()
+
+
+def test_a_run_that_ends_during_compare_leaves_the_page_ready_and_says_what_was_not_measured(window: Any) -> None:
+    panel, controller = window.speed_panel, window.controller
+    requested: list[SpeedConfig] = []
+    controller.request_speed = requested.append  # no run thread: the test plays the engine
+    controller._set_state(rc.RUNNING)
+    panel.rounds.setValue(2)
+    panel.block.setValue(2)
+    panel.compare_button.click()
+    first = panel.compare.switch
+    controller.run_event.emit(SpeedChanged(10, {}))
+    controller.run_event.emit(step_event(11, 100.0))
+    asked = len(requested)
+    controller.run_event.emit(RunFinished(11, "runs/x", "runs/x/adapter", 1.0, None, 5.0, cancelled=True))
+    assert panel.compare is None and panel.queue == [] and len(requested) == asked  # nothing asked of an ended run
+    status = panel.compare_status.text()
+    assert status.startswith("The run ended before Compare finished: ") and "not measured in full" in status
+    assert panel.measured[first].summary() == "not measured (the run ended first)"
+    controller._set_state(rc.FINISHED)
+    assert not panel.compare_button.isEnabled()  # a finished run has nothing to compare on
+    controller._set_state(rc.RUNNING)
+    assert panel.compare_button.isEnabled() and panel.all_button.isEnabled()

@@ -203,8 +203,7 @@ class SpeedPanel(QWidget):
                 if self.compare.done:
                     self._finish_switch()
         elif isinstance(event, (RunFinished, RunFailed)) and self.compare is not None:
-            self._finish_switch()
-            self.queue.clear()
+            self._run_ended_during_compare()
 
     def start_compare(self, switches: list[str] | None = None) -> None:
         """Measure ``switches`` one after the other (every switch by default; ``[ALL]`` for all on vs all off)."""
@@ -237,6 +236,18 @@ class SpeedPanel(QWidget):
             "zero is within the noise). Your own settings are back from the next step."
         )
         self._state_changed(self.controller.state)
+
+    def _run_ended_during_compare(self) -> None:
+        """The run ended first: what was measured stays, the rest is said, and nothing more is asked of the run."""
+        assert self.compare is not None
+        left = [self.compare.switch, *self.queue]
+        self.queue.clear()
+        self._finish_switch()
+        names = ", ".join(TITLES.get(name, name) for name in left)
+        self.compare_status.setText(
+            f"The run ended before Compare finished: {names} not measured in full. A longer run (more steps) "
+            "leaves room to measure every switch."
+        )
 
     def _finish_switch(self) -> None:
         assert self.compare is not None
