@@ -2,8 +2,9 @@
 
 The window opens at a laptop's 1366x768, picks the demo by itself (model, dataset, Demo recipe), and the script
 clicks what a user clicks: Start on the guide bar, then, once the run finished, the run on the Chat page with a
-question, Export on the Runs page, and the run's before/after report. Every page is then saved in both looks, with the export dialog, under
-``--out`` (``docs/screenshots``, the README's pictures, by default) as ``light/<page>.png`` and ``dark/<page>.png``.
+question, Export on the Runs page, and the run's before/after report. Every page is then saved in both looks, with
+the export dialog, under ``--out`` (``docs/screenshots``, the README's pictures, by default) as
+``light/<page>.png`` and ``dark/<page>.png``.
 
 The run's folder and history go to ``--workdir`` (``~/tunedeck-screenshots``; its ``runs`` and ``home`` folders
 are emptied first), so the pictures show a user's paths and only this run. Offscreen by default; under a real X
