@@ -52,6 +52,7 @@ from engine.run.folder import (
 from engine.run.ranks import Ranks
 from engine.run.session import Session, start
 from engine.run.step import climb_back, evaluate, read_in_flight, train_step
+from engine.speed.stand_in import own_tree
 
 USER_SET = {guard.OFFLOADED_CHECKPOINTING, guard.CHUNKED_MLP, guard.STEP_GRAPHS}
 """Lowerings a live switch change replaces (step graphs are captured anew after any switch change)."""
@@ -211,7 +212,8 @@ def _finish(session: Session, wall_time: float, cancelled: bool, writer: BestAda
         assert writer is not None
         writer.wait()  # the best adapter is on disk before the run says it finished
         try:
-            save_adapter(session.model, session.tokenizer, adapter_dir, gathered)
+            with own_tree(session.model):  # peft finds its LoRA layers by class, never behind a speed stand-in
+                save_adapter(session.model, session.tokenizer, adapter_dir, gathered)
         except OSError as err:
             raise ckpt.write_error(err, "final adapter", adapter_dir) from err
     session.ranks.barrier()
@@ -237,7 +239,8 @@ def _save_checkpoint(session: Session) -> CheckpointSaved:
         session.step, session.micro_batches, len(session.data.train_rows), session.total_steps, session.tokens_per_batch
     )
     ranks = session.ranks
-    adapter = get_peft_model_state_dict(session.model, state_dict=ranks.full_trainable_state(session.model))
+    with own_tree(session.model):  # peft keeps the entries of the LoRA layers it finds by class
+        adapter = get_peft_model_state_dict(session.model, state_dict=ranks.full_trainable_state(session.model))
     optimizer = ranks.checkpoint_optimizer(session.optimizer)  # gathered whole under FSDP2 (a collective)
     path = session.run_dir / CHECKPOINT_DIR / ckpt.checkpoint_name(session.step)
     if ranks.is_main:

@@ -12,6 +12,7 @@ from engine.data.packing import PackedBatch, TokenizedExample, TokenizedPair, co
 from engine.run import guard
 from engine.run.preference import PairScores, ReferenceCache, RewardTotals, document_log_probs, pair_losses
 from engine.run.session import Session
+from engine.speed.stand_in import adapters_off
 
 
 def _reference(session: Session, batch: PackedBatch, pairs: Sequence[int], cache: ReferenceCache) -> torch.Tensor:
@@ -23,7 +24,7 @@ def _reference(session: Session, batch: PackedBatch, pairs: Sequence[int], cache
     training = model.training
     model.eval()  # no dropout; transformers' checkpointing runs only in training mode
     try:
-        with torch.no_grad(), model.disable_adapter():
+        with torch.no_grad(), adapters_off(model):
             inputs = session.speed.model_inputs(batch, timed=False)
             values = document_log_probs(model, inputs, batch).view(-1, 2)
     finally:

@@ -39,6 +39,7 @@ from engine.run.rows import resolve_rows
 from engine.run.schedule import lr_lambda
 from engine.speed import SpeedController
 from engine.speed.reuse import DecisionStore, use_compile_cache
+from engine.speed.stand_in import own_tree
 from engine.speed.warm_up import RunLength
 
 PICKLE_WARNING = (
@@ -358,9 +359,10 @@ def _load_checkpoint(session: Session, checkpoint: Path) -> str | None:
     except Exception as err:  # safetensors, pickle and OS errors all mean "this one cannot be used"
         return f"it cannot be read ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
     session.ranks.shard_optimizer_state(session.optimizer)
-    sharded = get_peft_model_state_dict(session.model) if session.ranks.mode == "fsdp" else {}
-    weights = session.ranks.shard_like(sharded, {k: v.to(session.device) for k, v in weights.items()})
-    set_peft_model_state_dict(session.model, weights)
+    with own_tree(session.model):  # peft finds its LoRA layers by class, never behind a speed stand-in
+        sharded = get_peft_model_state_dict(session.model) if session.ranks.mode == "fsdp" else {}
+        weights = session.ranks.shard_like(sharded, {k: v.to(session.device) for k, v in weights.items()})
+        set_peft_model_state_dict(session.model, weights)
     session.step, session.micro_batches = state.step, state.micro_batches
     if 0 < state.tokens_per_batch < session.tokens_per_batch:  # memory ran short before: do not hit it again
         session.tokens_per_batch = state.tokens_per_batch

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.speed.lora_groups import group_hidden
+from engine.speed.stand_in import own_modules
 
 __all__ = ["Lora16Bit", "adapted_layers", "resolve", "unsupported_reason"]
 
@@ -38,7 +39,7 @@ def adapted_layers(model: torch.nn.Module) -> Iterator[tuple[Any, str]]:
     """(layer, adapter name) of every plain (vanilla) LoRA adapter on a linear projection in the model."""
     from peft.tuners.lora.layer import LoraLayer
 
-    for module in model.modules():
+    for module in own_modules(model):
         if not isinstance(module, LoraLayer) or not hasattr(module, "lora_A"):
             continue
         for name, lora_a in module.lora_A.items():

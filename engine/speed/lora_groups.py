@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engine.speed.stand_in import seen_through
+
 __all__ = ["GROUPS", "GROUP_ATTR", "LoraGroup", "LoraGroups", "find_groups"]
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -81,12 +83,16 @@ def find_groups(model: torch.nn.Module, adapted: Iterator[tuple[Any, str]]) -> l
     groups = []
     for module in model.modules():
         for names in GROUPS:
-            members = [getattr(module, name, None) for name in names]
+            members = [_own(getattr(module, name, None)) for name in names]
             adapters = {usable.get(id(member)) for member in members}
             adapter = adapters.pop() if len(adapters) == 1 else None
             if adapter is not None:
                 groups.append(LoraGroup(members, adapter))
     return groups
+
+
+def _own(member: Any) -> Any:
+    return seen_through(member) if isinstance(member, torch.nn.Module) else member
 
 
 def _no_dropout(layer: Any, adapter: str) -> bool:
