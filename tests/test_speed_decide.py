@@ -14,8 +14,16 @@ from speed_models import tiny_lora_model
 from engine.config import SpeedConfig
 from engine.hardware import checkpoint_choice
 from engine.hardware.shapes import load_shape
-from engine.speed import SpeedController, step_graphs
-from engine.speed.decide import DeviceFacts, Fp8Coverage, ModelFacts, RunFacts, SpeedFacts, decide_plan
+from engine.speed import SpeedController, step_graphs, warm_up
+from engine.speed.decide import (
+    TIGHT_MEMORY_COMPILED,
+    DeviceFacts,
+    Fp8Coverage,
+    ModelFacts,
+    RunFacts,
+    SpeedFacts,
+    decide_plan,
+)
 from engine.speed.plan import GraphsChoice
 
 GIB = 2**30
@@ -115,6 +123,22 @@ def test_a_row_that_needs_chunks_leaves_no_room_for_resident_layers_or_graphs() 
     assert plan.resident_layers.layers == 0 and "needs its MLPs in chunks" in plan.resident_layers.reason
     assert plan.step_graphs == GraphsChoice(False, step_graphs.MEMORY_BOUND)
     assert plan_for(qlora_8b(), gpu((9, 0), 2.0), run, step_graphs=True).step_graphs.on  # asked for: kept
+
+
+def short_run(tokens: int) -> RunFacts:
+    """A 16-step run of ``tokens``-token rows: too short to earn a compile back."""
+    ledger = warm_up.WarmUpLedger(length=warm_up.RunLength(steps=16, row_tokens=tokens), layers=32)
+    return RunFacts(longest_tokens=tokens, checkpoint_tokens=tokens, warm_up=ledger)
+
+
+def test_a_short_run_compiles_only_where_its_rows_need_the_memory_compiling_saves() -> None:
+    roomy = plan_for(qlora_8b(), gpu((9, 0), 6.0), short_run(4096))
+    assert not roomy.chunked_mlp.on
+    assert not roomy.fused_kernels.on and "off for a 16-step run" in roomy.fused_kernels.reason
+    tight = plan_for(qlora_8b(), gpu((9, 0), 2.0), short_run(65536))
+    assert tight.chunked_mlp.on
+    assert tight.fused_kernels.on and tight.fused_kernels.reason.endswith(TIGHT_MEMORY_COMPILED)
+    assert not plan_for(qlora_8b(), gpu((9, 0), 2.0), short_run(65536), fused_kernels=False).fused_kernels.on
 
 
 def test_refusals_after_the_run_started_turn_off_only_their_switch() -> None:
