@@ -182,9 +182,10 @@ def markdown(report: dict[str, Any]) -> str:
         loss = f"{r['first_loss']:.2f} -> {r['final_loss']:.3f}" if r["final_loss"] is not None else r["outcome"]
         base = auto.get(_row_key(r))
         ratio = f"{r['tokens_per_s'] / base:.2f}" if base and r["tokens_per_s"] else "-"
+        speed = f"{r['tokens_per_s']:,}" if r["tokens_per_s"] else "-"
         lines.append(
             f"| {r['shape']} | {r['tokens']:,} | {r['cap_gib'] or '-'} | {r.get('variant', 'auto')} | "
-            f"{r['tokens_per_s'] or '-':,} | {ratio} | {r['ms_per_step'] or '-'} | {r['peak_gib']} | "
+            f"{speed} | {ratio} | {r['ms_per_step'] or '-'} | {r['peak_gib']} | "
             f"{r['resident_layers']} | {graphs} | {loss} | {len(r['warnings'])} |"
         )
     notes = report.get("notes", [])
