@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from app_demo import LOAD_TIMEOUT_MS, prepare_demo
+from hang import HANG_S
 
 pytest_plugins = ["app_fixtures"]
 
@@ -56,6 +57,6 @@ def test_on_a_1366x768_screen_too(tmp_path: Path) -> None:
     test = f"{Path(__file__)}::test_every_page_fits_a_laptop_screen_and_the_window_never_grows"
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
-        env=env, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent,
+        env=env, capture_output=True, text=True, timeout=HANG_S, cwd=Path(__file__).parent.parent,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]

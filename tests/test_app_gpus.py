@@ -5,6 +5,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+from hang import HANG_MS
+
 from engine.hardware.detect import GpuInfo
 
 pytest_plugins = ["app_fixtures"]
@@ -115,7 +117,7 @@ def test_two_gpu_run_view_screenshot(qtbot: Any) -> None:
             charts.add_sample(sample, None)
     charts.redraw_all()
     page.show()
-    qtbot.waitExposed(page, timeout=120_000)
+    qtbot.waitExposed(page, timeout=HANG_MS)
     folder = Path(__file__).resolve().parent.parent / "artifacts" / "screenshots"
     folder.mkdir(parents=True, exist_ok=True)
     assert page.grab().save(str(folder / "run-two-gpus.png"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from app_demo import LOAD_TIMEOUT_MS
+from hang import HANG_S
 
 pytest_plugins = ["app_fixtures"]
 
@@ -162,7 +163,7 @@ def test_two_datasets_read_at_once_on_a_fresh_start(tmp_path: Any) -> None:
     )
     env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "TUNEDECK_HOME": str(tmp_path)}
     root = Path(__file__).resolve().parent.parent
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root,
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S, cwd=root,
                             env=env)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
 

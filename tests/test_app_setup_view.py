@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hang import HANG_MS
+from hang import HANG_MS, HANG_S
 from PySide6.QtCore import Qt
 
 from app.background.worker import TaskRunner
@@ -256,7 +256,7 @@ def test_window_without_torch_never_imports_it(tmp_path: Path) -> None:
     """)
     env = {**os.environ, "QT_QPA_PLATFORM": "offscreen", "TUNEDECK_HOME": str(tmp_path / "home"),
            "XDG_CONFIG_HOME": str(tmp_path / "config")}  # fmt: skip
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S, env=env)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 
 

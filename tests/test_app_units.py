@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from app_demo import LOAD_TIMEOUT_MS
+from hang import HANG_S
 
 from app.background.ab_compare import ABCompare, nothing_to_do, switch_settings
 from app.background.worker import describe_error, training_threads
@@ -322,10 +323,10 @@ def test_tunedeck_without_arguments_opens_the_window(tmp_path: Path) -> None:
     )
     try:
         with pytest.raises(subprocess.TimeoutExpired):  # still showing the window: the event loop is running
-            app.wait(timeout=6)
+            app.wait(timeout=6)  # not a hang bound: the window is expected to outlive it
     finally:
         app.terminate()
-        _, errors = app.communicate(timeout=30)
+        _, errors = app.communicate(timeout=HANG_S)
     assert "Traceback" not in errors, errors
 
 
@@ -359,7 +360,7 @@ def test_the_guard_fails_a_test_that_leaves_a_qthread_running(tmp_path: Path) ->
     )
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file), "--rootdir", str(tmp_path)],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        capture_output=True, text=True, timeout=HANG_S, cwd=tmp_path,
         env={**child_env(tmp_path), "PYTHONPATH": str(REPO / "tests")},
     )  # fmt: skip
     assert "2 passed, 1 error" in result.stdout, result.stdout + result.stderr  # the leak fails at teardown
@@ -471,6 +472,6 @@ def test_the_demo_data_button_finds_the_demo_dataset() -> None:
 def test_without_a_display_tunedeck_shows_the_command_line(tmp_path: Path) -> None:
     env = {key: value for key, value in child_env(tmp_path).items() if key != "QT_QPA_PLATFORM"}
     command = [sys.executable, "-m", "app"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=HANG_S, cwd=REPO, env=env)
     assert result.returncode == 0, result.stderr
     assert "No display found" in result.stderr and "tunedeck train" in result.stdout

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from hang import HANG_S
 
 from engine.bench.qlora import AUTO, loss_agreement, markdown, set_variant, variant_settings
 from engine.config import SpeedConfig
@@ -253,7 +254,7 @@ def test_bench_processes_of_the_same_model_take_turns_instead_of_waiting_for_eac
     root = Path(__file__).resolve().parents[1]
     peers = [subprocess.Popen([sys.executable, "-c", script, str(lock), str(done)], cwd=root) for _ in range(2)]
     try:
-        codes = [peer.wait(timeout=60) for peer in peers]
+        codes = [peer.wait(timeout=HANG_S) for peer in peers]
     finally:
         for peer in peers:
             peer.kill()

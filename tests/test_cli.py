@@ -8,13 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hang import HANG_S
 from helpers import write_jsonl
 
 
 def tunedeck(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "engine.cli", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300
+        [sys.executable, "-m", "engine.cli", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=HANG_S
     )
 
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from hang import HANG_S
 
 from engine.cli.commands import TORCH_MISSING_EXIT
 from engine.config import RunConfig
@@ -32,7 +33,7 @@ sys.exit(main(sys.argv[1:]))
 def tunedeck_without_torch(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     return subprocess.run(
-        [sys.executable, "-c", WITHOUT_TORCH, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300
+        [sys.executable, "-c", WITHOUT_TORCH, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=HANG_S
     )
 
 
@@ -80,5 +81,5 @@ def test_commands_that_do_not_need_torch_still_work(run_folder: Path, tmp_path: 
 
 def test_the_blocker_really_hides_torch(tmp_path: Path) -> None:
     code = WITHOUT_TORCH.replace("from engine.cli import main\nsys.exit(main(sys.argv[1:]))", "import torch")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
     assert result.returncode != 0 and "No module named 'torch'" in result.stderr

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hang import HANG_S
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from engine import demo
@@ -190,6 +191,6 @@ def test_accuracy_rejects_no_rows(model: PreTrainedModel, tokenizer: PreTrainedT
 
 def test_build_script_has_help() -> None:
     script = Path(__file__).resolve().parents[1] / "scripts" / "build_demo.py"
-    result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=HANG_S)
     assert result.returncode == 0, result.stderr
     assert "--steps" in result.stdout

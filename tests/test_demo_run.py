@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from hang import HANG_S
 
 from engine.cli.demo import demo_config
 from engine.cli.flags import config_from_args
@@ -29,7 +30,7 @@ def test_demo_fine_tune_improves_accuracy(tmp_path: Path) -> None:
         [sys.executable, "-m", "engine.cli", "train", "--demo", "--max-steps", "80", "--output", str(tmp_path)],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=HANG_S,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     assert result.returncode == 0, result.stderr

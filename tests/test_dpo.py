@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from hang import HANG_S
 from helpers import write_jsonl
 
 from engine.config import DataConfig, DpoConfig, ModelConfig, RunConfig
@@ -308,7 +309,7 @@ def test_tunedeck_train_method_dpo(tiny_model_dir: Path, tmp_path: Path) -> None
             "--max-steps", "3", "--max-seq-len", "48", "--tokens-per-batch", "96", "--eval-fraction", "0.2",
             "--step-readout", "late", "--json",
         ],
-        capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600,
+        capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=HANG_S,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     events = [json.loads(line) for line in result.stdout.splitlines()]

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hang import HANG_S
 from helpers import build_model, build_tokenizer
 
 from engine.config import RunConfig, demo_model_dir
@@ -170,7 +171,7 @@ llm.close()
 def in_llama_cpp(script: str, *args: str) -> str:
     """Run ``script`` with llama-cpp-python in a child process: a llama.cpp abort fails the test, not the suite."""
     pytest.importorskip("llama_cpp", reason=NO_LLAMA_CPP)
-    result = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=HANG_S)
     assert result.returncode == 0, f"llama.cpp failed ({result.returncode}): {result.stderr[-2000:]}"
     return result.stdout
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hang import HANG_S
 from test_chat import train_tiny_run
 
 from engine.export import export_gguf
@@ -111,7 +112,7 @@ class FakeRuntime(BaseHTTPRequestHandler):
             self._send(200, {"status": "success"})
         elif self.path == "/api/chat":
             if "hold" in state:  # a test holds the answer back until it has looked at the waiting app
-                state["hold"].wait(timeout=600)
+                state["hold"].wait(timeout=HANG_S)
             if request["model"] not in state["models"]:
                 self._send(404, {"error": f"model '{request['model']}' not found"})
                 return

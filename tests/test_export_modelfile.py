@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from gotemplate import render
+from hang import HANG_S
 from helpers import build_tokenizer
 
 from engine.config import demo_model_dir
@@ -169,7 +170,7 @@ def go_render(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("go-render")
     (folder / "main.go").write_text(GO_RENDER)
     (folder / "go.mod").write_text("module render\n\ngo 1.19\n")
-    subprocess.run([go, "build", "-o", "render", "."], cwd=folder, check=True, timeout=600)
+    subprocess.run([go, "build", "-o", "render", "."], cwd=folder, check=True, timeout=HANG_S)
     return folder / "render"
 
 
@@ -189,7 +190,7 @@ def test_go_itself_renders_the_modelfile_template_like_the_chat_template(
         input=json.dumps(items),
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=HANG_S,
     )
     assert result.returncode == 0, result.stderr
     for messages, text in zip(conversations, json.loads(result.stdout), strict=True):

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hang import HANG_S
 
 from engine.speed import four_bit_weights
 
@@ -109,7 +110,7 @@ def _interpret(script: str) -> dict[str, object]:
     pytest.importorskip("bitsandbytes")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT, timeout=500
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT, timeout=HANG_S
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from gpu_shards import SHARDS, covers, entries, shards_of
+from hang import HANG_S
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_QT = "raise ImportError('no PySide6 here, as on the GPU machine')\n"
@@ -18,7 +19,7 @@ NO_QT = "raise ImportError('no PySide6 here, as on the GPU machine')\n"
 def collect_gpu_tests(*args: str, env: dict[str, str] | None = None) -> list[str]:
     """Node ids of the gpu-marked tests, as ``pytest --collect-only -q -m gpu`` lists them."""
     command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "gpu", *args]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "error" not in done.stdout.splitlines()[-1].lower(), done.stdout[-4000:]
     return [line for line in done.stdout.splitlines() if "::" in line]

@@ -7,6 +7,8 @@ import pkgutil
 import subprocess
 import sys
 
+from hang import HANG_S
+
 import app
 import engine
 
@@ -23,13 +25,13 @@ def test_engine_modules_do_not_import_qt() -> None:
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('PySide6', 'shiboken6', 'pyqtgraph', 'app'))\n"
         "assert not bad, bad\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
     assert result.returncode == 0, result.stderr
 
 
 def test_cli_help_does_not_load_torch() -> None:
     code = "import sys\nfrom engine.cli import main\nmain([])\nassert 'torch' not in sys.modules\n"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
     assert result.returncode == 0, result.stderr
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hang import HANG_S
 
 from engine.speed import fused_loss, loss_kernel
 
@@ -65,7 +66,7 @@ def interpreted_results() -> list[dict[str, object]]:
         text=True,
         env=env,
         cwd=ROOT,
-        timeout=300,
+        timeout=HANG_S,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

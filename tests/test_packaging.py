@@ -21,6 +21,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from hang import HANG_S
 
 from engine.setup.cancel import CancelToken
 from engine.setup.environment import READY, InstallLayout, swap_in_staging
@@ -47,7 +48,7 @@ def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ]
     result = subprocess.run(
         [sys.executable, str(REPO / "packaging" / "build"), "--dist", str(folder), *only],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=HANG_S,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     return folder
@@ -296,14 +297,14 @@ print(module.build_wheel(pathlib.Path(sys.argv[2])))
 def build_wheel_with(python: Path, work: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(python), "-c", BUILD_WHEEL, str(REPO / "packaging" / "build"), str(work)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=HANG_S,
     )  # fmt: skip
 
 
 @pytest.mark.slow
 def test_wheel_builds_under_a_plain_system_python_without_wheel(tmp_path: Path) -> None:
     """A fresh venv of this machine's Python: setuptools from ensurepip, older than pyproject asks, no wheel."""
-    subprocess.run([base_python(), "-m", "venv", str(tmp_path / "venv")], check=True, timeout=300)
+    subprocess.run([base_python(), "-m", "venv", str(tmp_path / "venv")], check=True, timeout=HANG_S)
     python = tmp_path / "venv" / "bin" / "python"
     assert subprocess.run([str(python), "-c", "import wheel"], capture_output=True).returncode != 0
     result = build_wheel_with(python, tmp_path / "work")
@@ -317,7 +318,7 @@ def test_wheel_builds_under_a_plain_system_python_without_wheel(tmp_path: Path) 
 
 
 def test_a_python_without_pip_is_told_what_to_do(tmp_path: Path) -> None:
-    subprocess.run([base_python(), "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True, timeout=120)
+    subprocess.run([base_python(), "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True, timeout=HANG_S)
     result = build_wheel_with(tmp_path / "venv" / "bin" / "python", tmp_path / "work")
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert "has no pip" in result.stderr and ".venv/bin/python" in result.stderr

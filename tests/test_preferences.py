@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hang import HANG_S
 from test_chat import train_tiny_run
 
 from engine.data.files import load_examples
@@ -213,7 +214,11 @@ def test_train_on_my_preferences_is_a_dpo_run_from_the_runs_adapter(
 def tunedeck(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "TUNEDECK_HOME": str(home), "HF_HUB_OFFLINE": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "engine.cli", "preferences", *args], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-m", "engine.cli", "preferences", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=HANG_S,
     )
 
 

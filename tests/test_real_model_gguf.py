@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from hang import HANG_S
 from helpers import write_jsonl
 from ollama_store import add_to_ollama_store
 
@@ -183,7 +184,7 @@ llm.close()
 def in_llama_cpp(gguf: Path, texts: list[str]) -> dict[str, Any]:
     """Greedy answers from llama.cpp in a child process (a llama.cpp abort fails the test, not the test run)."""
     args = [sys.executable, "-c", GENERATE_SCRIPT, str(gguf), json.dumps(texts), str(NEW_TOKENS)]
-    result = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(args, capture_output=True, text=True, timeout=HANG_S)
     assert result.returncode == 0, f"llama.cpp failed ({result.returncode}): {result.stderr[-2000:]}"
     return dict(json.loads(result.stdout.strip().splitlines()[-1]))
 

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from hang import HANG_S
 
 from engine.config import RunConfig
 from engine.events import CheckpointSaved, RunFinished, RunStarted, StepMetrics
@@ -172,7 +173,7 @@ def test_concurrent_writers_do_not_corrupt_or_lock(tmp_path: Path) -> None:
         for n in range(4)
     ]
     for worker in workers:
-        out, err = worker.communicate(timeout=120)
+        out, err = worker.communicate(timeout=HANG_S)
         assert worker.returncode == 0, err.decode()
         assert out.decode().strip() == "ok"
         assert b"locked" not in err
@@ -260,7 +261,7 @@ def test_killed_run_leaves_a_consistent_interrupted_record_that_resumes(
         if line.startswith("CheckpointSaved 4"):
             break
     os.kill(child.pid, signal.SIGKILL)
-    child.wait(timeout=30)
+    child.wait(timeout=HANG_S)
     assert integrity(home / "runs.sqlite3") == "ok"
     (record,) = Registry().runs()
     assert record.stored_status == "running"

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from hang import HANG_S
 from helpers import write_jsonl
 
 from engine.config import RunConfig
@@ -138,7 +139,7 @@ def kill_after_start(child: subprocess.Popen[str], delay: float) -> str:
         time.sleep(0.005)
     if child.poll() is None:
         child.send_signal(signal.SIGKILL)
-    child.wait(timeout=30)
+    child.wait(timeout=HANG_S)
     return line.strip()
 
 
@@ -201,7 +202,7 @@ def test_sigkill_inside_a_checkpoint_write_resumes_from_a_whole_one(
     config_file = tmp_path / "config.json"
     config.save(config_file)
     child = start_child(config_file, "new", DIE_WHILE_SAVING, point)
-    child.communicate(timeout=120)
+    child.communicate(timeout=HANG_S)
     assert child.returncode == -signal.SIGKILL
     run_dir = tmp_path / "killed" / "run"
     assert check_every_checkpoint_is_whole(run_dir) == resumed_from

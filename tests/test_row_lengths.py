@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hang import HANG_S
 
 from engine.config import RunConfig
 from engine.errors import ConfigError
@@ -198,7 +199,7 @@ def test_busy_cores_read_the_proc_stat_busy_fields() -> None:
 def tunedeck(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "engine.cli", *args], capture_output=True, text=True, env=env, timeout=600
+        [sys.executable, "-m", "engine.cli", *args], capture_output=True, text=True, env=env, timeout=HANG_S
     )
 
 
@@ -235,7 +236,7 @@ def test_the_command_line_refuses_a_row_longer_than_its_batch_and_says_what_woul
 
 def test_tunedeck_plan_on_a_cpu_gives_one_line_each_for_row_length_and_tokens_per_batch(tiny_model_dir: Path) -> None:
     plan = subprocess.run(
-        [sys.executable, "-c", PLAN_ON_A_CPU, str(tiny_model_dir)], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", PLAN_ON_A_CPU, str(tiny_model_dir)], capture_output=True, text=True, timeout=HANG_S
     )
     assert plan.returncode == 0, plan.stderr
     lines = plan.stdout.splitlines()

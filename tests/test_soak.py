@@ -16,6 +16,7 @@ import multiprocessing
 from pathlib import Path
 
 import torch
+from hang import HANG_S
 
 from engine.config import RunConfig
 from engine.events import RunFinished, StepMetrics
@@ -53,7 +54,7 @@ def measure_in_fresh_process(model_dir: Path, data: Path, out: Path, steps: int,
     new allocations and hide growth from RSS."""
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-        return pool.submit(_slope_child, model_dir, data, out, steps, leak).result(timeout=600)
+        return pool.submit(_slope_child, model_dir, data, out, steps, leak).result(timeout=HANG_S)
 
 
 def _slope_child(model_dir: Path, data: Path, out: Path, steps: int, leak: bool) -> float:

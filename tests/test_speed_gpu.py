@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hang import HANG_S
 from speed_models import grads, mixed_precision_lora_model, packed_batch, tiny_lora_model
 
 from engine.config import SpeedConfig
@@ -656,7 +657,7 @@ def run_drop_while_a_replay_is_queued(mode: str) -> subprocess.CompletedProcess[
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
     command = [sys.executable, "-c", DROP_WHILE_A_REPLAY_IS_QUEUED, mode]
-    return subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=HANG_S)
 
 
 def test_dropping_graphs_while_a_replay_is_queued_waits_for_it() -> None:

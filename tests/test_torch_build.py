@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hang import HANG_S
 
 from engine.setup.torch_build import (
     TORCH_REQUIREMENT,
@@ -213,6 +214,6 @@ def test_setup_modules_do_not_import_torch_or_qt() -> None:
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'PySide6', 'transformers'))\n"
         "assert not bad, bad\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
     assert result.returncode == 0, result.stderr
     assert "torch build: cpu" in result.stdout
