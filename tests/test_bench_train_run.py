@@ -116,6 +116,20 @@ def test_a_generated_folder_trains_through_the_command_line(bench: ModuleType, t
     assert (tmp_path / "logs" / "llama-3.1-8b_128_uncappedgib.log").read_text().count('"StepMetrics"') == 3
 
 
+def test_a_run_planned_longer_is_stopped_after_the_timed_steps(bench: ModuleType, tmp_path: Path) -> None:
+    """``--planned-steps``: the run is configured as a long one (its choices weigh 50 steps) and stopped with
+    Ctrl-C once the timed steps are reported, as a user stops it."""
+    out = tmp_path / "train.json"
+    argv = ["--tiny", "--shapes", "llama-3.1-8b", "--caps", "0", "--tokens", "128", "--steps", "2", "--rows", "4"]
+    paths = ["--work", str(tmp_path / "work"), "--logs", str(tmp_path / "logs"), "--out", str(out)]
+    assert bench.main([*argv, *paths, "--planned-steps", "50"]) == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["outcome"] == "RunFinished" and 2 <= run["steps"] < 50, run
+    log = (tmp_path / "logs" / "llama-3.1-8b_128_uncappedgib.log").read_text()
+    started = next(json.loads(line) for line in log.splitlines() if '"RunStarted"' in line)
+    assert started["total_steps"] == 50, started
+
+
 def test_the_report_names_the_training_libraries_installed(bench: ModuleType) -> None:
     import importlib.metadata
 
