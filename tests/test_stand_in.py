@@ -20,7 +20,7 @@ from engine.speed import SpeedController
 from engine.speed.chunked_mlp import TokenChunked
 from engine.speed.lora_16bit import adapted_layers
 from engine.speed.lora_groups import find_groups
-from engine.speed.stand_in import StandIn, adapters_off, own_tree
+from engine.speed.stand_in import StandIn, adapters_off, hides_an_adapter, own_tree
 
 BATCH = packed_batch((23, 9, 17))
 CHUNKED = SpeedConfig(
@@ -50,7 +50,8 @@ def test_the_adapter_state_holds_every_lora_layer_while_stand_ins_are_in_place()
     stand_ins = [m for m in model.modules() if isinstance(m, StandIn)]
     chunked(model)
     with own_tree(model):
-        assert not any(isinstance(m, StandIn) for m in model.modules())
+        assert not any(hides_an_adapter(m) for m in model.modules())
+        assert all(isinstance(layer.mlp, TokenChunked) for layer in model.base_model.model.model.layers)  # no adapter
         saved = {k: v.clone() for k, v in get_peft_model_state_dict(model).items()}
         set_peft_model_state_dict(model, {k: torch.zeros_like(v) for k, v in saved.items()})
     assert saved.keys() == whole.keys()

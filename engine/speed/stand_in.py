@@ -18,7 +18,7 @@ from typing import Any, Self
 
 import torch
 
-__all__ = ["StandIn", "adapters_off", "own_modules", "own_tree", "seen_through"]
+__all__ = ["StandIn", "adapters_off", "hides_an_adapter", "own_modules", "own_tree", "seen_through"]
 
 
 class StandIn(torch.nn.Module):
@@ -52,15 +52,27 @@ def own_modules(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
         yield seen_through(module)
 
 
+def hides_an_adapter(module: torch.nn.Module) -> bool:
+    """``module`` is a stand-in for one of peft's adapter layers (a LoRA projection in sequence chunks)."""
+    if not isinstance(module, StandIn):
+        return False
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:
+        return False
+    return isinstance(seen_through(module), BaseTunerLayer)
+
+
 @contextlib.contextmanager
 def own_tree(model: torch.nn.Module) -> Iterator[None]:
-    """The model's own modules in place of every stand-in while the body runs, the stand-ins back after it: for
-    code that finds modules by their class. Between steps only (a stand-in's work is off while it is out)."""
+    """peft's adapter layers in place of the stand-ins that hide them while the body runs, the stand-ins back after
+    it: for peft's code that finds its layers by class. Stand-ins that hide no adapter layer (a chunked MLP or norm,
+    a frozen base projection) stay, so nothing else in the tree changes. Between steps only."""
     swapped = [
         (module._modules, name, child)
         for module in model.modules()
         for name, child in module._modules.items()
-        if isinstance(child, StandIn)
+        if child is not None and hides_an_adapter(child)
     ]
     for modules, name, child in swapped:
         modules[name] = seen_through(child)
