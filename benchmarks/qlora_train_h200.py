@@ -26,16 +26,15 @@ import contextlib
 import importlib.metadata
 import json
 import re
-import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engine.bench.app_path import run_child
 from engine.bench.model_folder import build_model_folder, shape_config, train_args, write_rows
 
 __all__ = ["build_model_folder", "main", "shape_config", "summary", "switch_flags", "train_args", "write_rows"]
@@ -161,35 +160,13 @@ def run(
 
 
 def _run_until(command: list[str], stop_after: int | None) -> tuple[str, str, int]:
-    """The command's stdout, stderr and exit status; with ``stop_after``, one Ctrl-C once that step is reported
-    (the run stops as a user stops it: at the end of its step, with a checkpoint)."""
+    """The command's stdout (its JSON events with ``stop_after``), stderr and exit status; with ``stop_after``, one
+    Ctrl-C once that step is reported (:func:`engine.bench.app_path.run_child`)."""
     if stop_after is None:
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
         return done.stdout, done.stderr, done.returncode
-    with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as child:
-        errors: list[str] = []
-        reader = threading.Thread(target=lambda: errors.extend(child.stderr or []), daemon=True)
-        reader.start()
-        lines: list[str] = []
-        interrupted = False
-        for line in child.stdout or []:
-            lines.append(line)
-            if not interrupted and (_step_of(line) or 0) >= stop_after:
-                child.send_signal(signal.SIGINT)
-                interrupted = True
-        returncode = child.wait()
-        reader.join()
-    return "".join(lines), "".join(errors), returncode
-
-
-def _step_of(line: str) -> int | None:
-    """The step of a StepMetrics event line (None for any other line)."""
-    if not line.startswith("{"):
-        return None
-    with contextlib.suppress(json.JSONDecodeError, KeyError, TypeError, ValueError):
-        event = json.loads(line)
-        return int(event["step"]) if event.get("kind") == "StepMetrics" else None
-    return None
+    events, stderr, returncode = run_child(command, ROOT, None, stop_after)
+    return "".join(json.dumps(event) + "\n" for event in events), stderr, returncode
 
 
 def from_logs(logs: Path) -> list[dict[str, Any]]:

@@ -208,18 +208,28 @@ def run_path(path: str, train: list[str], args: argparse.Namespace, logs: Path) 
     started = time.perf_counter()
     command = child_command(path, args.cap, args.steps, train)
     root = Path(__file__).resolve().parents[2]
-    with subprocess.Popen(command, cwd=root, env=clean_environment(), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True) as child:  # fmt: skip
+    events, stderr, returncode = run_child(command, root, clean_environment(), args.steps if path == "cli" else None)
+    (logs / f"{path}.log").write_text("\n".join(json.dumps(e) for e in events) + "\n")
+    (logs / f"{path}.err").write_text(stderr)
+    wall = time.perf_counter() - started
+    return {"path": path, "returncode": returncode, "wall_s": round(wall), **summary(events)}
+
+
+def run_child(
+    command: list[str], cwd: Path, env: dict[str, str] | None, interrupt_after: int | None
+) -> tuple[list[dict[str, Any]], str, int]:
+    """A ``tunedeck train`` child's JSON events, its error stream and exit status; with ``interrupt_after``, one
+    Ctrl-C once that step is reported (the run stops as a user stops it: at the end of its step, with a checkpoint).
+    ``env`` None: this process's environment."""
+    with subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as child:  # fmt: skip
         stderr: list[str] = []
         reader = threading.Thread(target=lambda: stderr.extend(child.stderr or []), daemon=True)
         reader.start()
-        events = list(_events(child, args.steps if path == "cli" else None))
+        events = list(_events(child, interrupt_after))
         returncode = child.wait()
         reader.join()
-    (logs / f"{path}.log").write_text("\n".join(json.dumps(e) for e in events) + "\n")
-    (logs / f"{path}.err").write_text("".join(stderr))
-    wall = time.perf_counter() - started
-    return {"path": path, "returncode": returncode, "wall_s": round(wall), **summary(events)}
+    return events, "".join(stderr), returncode
 
 
 def _events(child: subprocess.Popen[str], interrupt_after: int | None) -> Iterator[dict[str, Any]]:
