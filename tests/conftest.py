@@ -25,6 +25,9 @@ _SCREEN = Path(tempfile.mkdtemp(prefix="tunedeck-screen-")) / "screen.json"
 _SCREEN.write_text('{"screens": [{"name": "test", "x": 0, "y": 0, "width": 1920, "height": 1200}]}')
 os.environ.setdefault("QT_QPA_PLATFORM", f"offscreen:configfile={_SCREEN}")
 os.environ.setdefault("TUNEDECK_HOME", tempfile.mkdtemp(prefix="tunedeck-home-"))  # never the user's run registry
+# One compile cache for the whole test run, fresh at its start and shared by the workers and every process they
+# start: many tests compile the same tiny models' kernels, and a run keeps a folder chosen before it starts.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(os.environ["TUNEDECK_HOME"]) / "compile_cache" / "inductor"))
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # pytest-xdist (`-n 2`): this process is one of several
 if _WORKER:
     # Workers inherit the first process's variables: each gets a data folder of its own (run history, compile cache),

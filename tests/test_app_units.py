@@ -23,7 +23,7 @@ pytest_plugins = ["app_fixtures"]
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_python(code: str, home: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def run_python(code: str, home: Path, timeout: float = HANG_S) -> subprocess.CompletedProcess[str]:
     """Run ``code`` in a fresh interpreter (nothing imported yet), with its run history under ``home``."""
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                           timeout=timeout, cwd=REPO, env=child_env(home))  # fmt: skip

@@ -10,7 +10,8 @@ from pathlib import Path
 from hang import HANG_S
 
 TESTS = Path(__file__).parent
-LITERAL_TIMEOUT = re.compile(r"timeout\s*=\s*\d")
+LITERAL_TIMEOUT = re.compile(r"timeout\s*(?::\s*\w+\s*)?=\s*\d")
+"""``timeout=30`` in a call, or ``timeout: float = 30`` as a default."""
 NOT_A_HANG_BOUND = "# not a hang bound"
 """Marks a timeout that a test expects to expire (a process that must still be running after it)."""
 
@@ -30,3 +31,10 @@ def test_the_per_test_guard_sits_above_every_hang_bound() -> None:
     soak = re.search(r"^HANG_S = (\d+)", (TESTS / "test_app_soak.py").read_text(encoding="utf-8"), re.M)
     assert soak is not None
     assert options["ini_options"]["timeout"] > max(HANG_S, float(soak.group(1)))
+
+
+def test_a_fixed_timeout_is_found_in_a_call_and_in_a_default() -> None:
+    for line in ("proc.wait(timeout=30)", "def run(argv: list[str], timeout: int = 600) -> None:", "timeout = 5"):
+        assert LITERAL_TIMEOUT.search(line), line
+    for line in ("proc.wait(timeout=HANG_S)", "def run(argv: list[str], timeout: float = HANG_S) -> None:"):
+        assert not LITERAL_TIMEOUT.search(line), line

@@ -122,7 +122,7 @@ def base_python() -> str:
     return str(Path(sys.base_prefix) / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}")
 
 
-def run(argv: list[str], env: dict[str, str], timeout: int = 600) -> subprocess.CompletedProcess[str]:
+def run(argv: list[str], env: dict[str, str], timeout: float = HANG_S) -> subprocess.CompletedProcess[str]:
     result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout)
     assert result.returncode == 0, f"{argv}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
     return result
