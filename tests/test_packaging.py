@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import inspect
 import json
 import os
 import shutil
@@ -47,7 +48,7 @@ def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
         if shutil.which(tool)
     ]
     result = subprocess.run(
-        [sys.executable, str(REPO / "packaging" / "build"), "--dist", str(folder), *only],
+        [sys.executable, str(REPO / "packaging" / "build"), "--dist", str(folder), "--quick", *only],
         capture_output=True, text=True, timeout=HANG_S,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
@@ -71,6 +72,13 @@ def test_windows_installer_is_an_nsis_pe(dist: Path) -> None:
     assert data[pe_offset : pe_offset + 4] == b"PE\0\0"
     assert b"Nullsoft" in data or b"NullsoftInst" in data
     assert 2_000_000 < len(data) < 40_000_000  # uv.exe and the wheel inside, no torch
+
+
+def test_a_release_build_compresses_the_windows_installer_with_lzma() -> None:
+    """The tests build with ``--quick`` (zlib, seconds); a release build and a plain makensis run use LZMA."""
+    script = (REPO / "packaging" / "windows" / "tunedeck.nsi").read_text(encoding="utf-8")
+    assert "!define COMPRESSOR lzma" in script and "SetCompressor /SOLID ${COMPRESSOR}" in script
+    assert inspect.signature(build_script().build_exe).parameters["compressor"].default == "lzma"
 
 
 def test_linux_archive_has_launcher_desktop_entry_and_icon(dist: Path, tmp_path: Path) -> None:

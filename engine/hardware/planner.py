@@ -24,7 +24,8 @@ every activation, is fp32 (what the 8B QLoRA rows of ``benchmarks/planner_accura
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -217,10 +218,16 @@ def effective_attention(setup: TrainSetup, compute_capability: tuple[int, int] |
     return "sdpa"
 
 
-def _adapted(shape: ModelShape, targets: tuple[str, ...]) -> list[tuple[str, int, int]]:
+def _adapted(shape: ModelShape, targets: Sequence[str]) -> tuple[tuple[str, int, int], ...]:
+    """(name, fan-in, fan-out) of each adapted linear; asked for about a million times planning the gallery."""
+    return _adapted_linears(shape, tuple(targets))
+
+
+@functools.lru_cache(maxsize=1024)
+def _adapted_linears(shape: ModelShape, targets: tuple[str, ...]) -> tuple[tuple[str, int, int], ...]:
     linears = shape.linear_layers()
-    chosen = linears if "all-linear" in targets else [lin for lin in linears if lin.name in targets]
-    return [(lin.name, lin.in_features, lin.out_features) for lin in chosen]
+    chosen = linears if "all-linear" in targets else tuple(lin for lin in linears if lin.name in targets)
+    return tuple((lin.name, lin.in_features, lin.out_features) for lin in chosen)
 
 
 def lora_params(shape: ModelShape, setup: TrainSetup) -> int:

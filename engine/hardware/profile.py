@@ -9,6 +9,7 @@ explicitly wins (``overrides``); checkpointing is decided by engine.hardware.che
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
 import importlib.util
 from collections.abc import Callable, Mapping
@@ -141,7 +142,9 @@ class DeviceTarget:
         return self.name or "CPU"
 
 
+@functools.cache
 def _torch_at_least(major: int, minor: int) -> bool:
+    """Whether the installed torch is at least ``major.minor`` (read once: the gallery plans a thousand rows)."""
     try:
         version = importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:

@@ -7,6 +7,7 @@ are enough to count parameters and activations. Common models ship here as small
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Mapping
@@ -103,6 +104,26 @@ class LinearLayer:
     out_features: int
 
 
+@functools.lru_cache(maxsize=256)
+def _linear_layers(hidden: int, q_dim: int, kv_dim: int, experts: int, mlp_width: int) -> tuple[LinearLayer, ...]:
+    """A decoder layer's linears from its widths (the planner asks for them a million times planning the gallery)."""
+    layers = [
+        LinearLayer("q_proj", hidden, q_dim),
+        LinearLayer("k_proj", hidden, kv_dim),
+        LinearLayer("v_proj", hidden, kv_dim),
+        LinearLayer("o_proj", q_dim, hidden),
+    ]
+    if experts:
+        layers.append(LinearLayer("router", hidden, experts))
+    if mlp_width:
+        layers += [
+            LinearLayer("gate_proj", hidden, mlp_width),
+            LinearLayer("up_proj", hidden, mlp_width),
+            LinearLayer("down_proj", mlp_width, hidden),
+        ]
+    return tuple(layers)
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The architecture numbers the planner needs (one decoder-only transformer)."""
@@ -140,27 +161,10 @@ class ModelShape:
         """gpt-oss gets a dense additive mask per layer type (it ignores packed position_ids)."""
         return self.model_type in EXPLICIT_MASK_MODEL_TYPES
 
-    def linear_layers(self) -> list[LinearLayer]:
+    def linear_layers(self) -> tuple[LinearLayer, ...]:
         """The per-layer ``nn.Linear`` modules (what 'all-linear' LoRA adapts); the output head is not one."""
-        h, q, kv = self.hidden_size, self.q_dim, self.kv_dim
-        layers = [
-            LinearLayer("q_proj", h, q),
-            LinearLayer("k_proj", h, kv),
-            LinearLayer("v_proj", h, kv),
-            LinearLayer("o_proj", q, h),
-        ]
-        if self.is_moe:
-            layers.append(LinearLayer("router", h, self.num_experts))
-            mlp_width = self.shared_expert_intermediate_size
-        else:
-            mlp_width = self.intermediate_size
-        if mlp_width:
-            layers += [
-                LinearLayer("gate_proj", h, mlp_width),
-                LinearLayer("up_proj", h, mlp_width),
-                LinearLayer("down_proj", mlp_width, h),
-            ]
-        return layers
+        mlp_width = self.shared_expert_intermediate_size if self.is_moe else self.intermediate_size
+        return _linear_layers(self.hidden_size, self.q_dim, self.kv_dim, self.num_experts, mlp_width)
 
     def linear_params_per_layer(self) -> int:
         return sum(lin.in_features * lin.out_features for lin in self.linear_layers())

@@ -7,11 +7,14 @@
 ; and no network is used. Caches and the Python build stay inside the installation folder (same drive).
 ;
 ; Built by packaging/build with Debian's makensis; it passes VERSION, WHEEL, WHEEL_NAME, UV_EXE, ICON, LAUNCHER,
-; OUTFILE with -D.
+; OUTFILE with -D, and COMPRESSOR=zlib for a quick test build (LZMA otherwise: the smallest download).
 
 Unicode true
 RequestExecutionLevel user
-SetCompressor /SOLID lzma
+!ifndef COMPRESSOR
+  !define COMPRESSOR lzma
+!endif
+SetCompressor /SOLID ${COMPRESSOR}
 ManifestLongPathAware true
 ManifestDPIAware true
 
