@@ -80,8 +80,16 @@ def test_the_chat_page_loads_the_best_adapter_unless_the_last_is_chosen(
         assert view.adapter.which() == "best"
         for which in ("best", "last"):
             view.adapter.setCurrentIndex(view.adapter.findData(which))
+            # the button a user clicks: enabled again only once the last load's end has reached the page (a click
+            # while it is still disabled does nothing, and the wait below would never end)
+            qtbot.waitUntil(view.load_button.isEnabled, timeout=TIMEOUT_MS)
             view.load_button.click()
-            qtbot.waitUntil(lambda: view.chat is not None and not view._busy(), timeout=TIMEOUT_MS)
+            assert not view.load_button.isEnabled(), "the load did not start"
+            qtbot.waitUntil(
+                lambda: view.load_button.isEnabled() and (view.chat is not None or "error" in view.status.text()),
+                timeout=TIMEOUT_MS,
+            )
+            assert view.chat is not None, view.status.text()
             assert view.chat.adapter.which == which
             assert view.chat.adapter.describe() in view.status.text()
             view.chat = None
