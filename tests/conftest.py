@@ -98,25 +98,6 @@ else:
     QSettings.setPath(QSettings.Format.IniFormat, QSettings.Scope.UserScope, tempfile.mkdtemp(prefix="tunedeck-qt-"))
 
 
-LONGEST_FILES = (
-    "test_distributed.py",
-    "test_packaging.py",
-    "test_app_soak.py",
-    "test_fused_kernels.py",
-    "test_real_model_gguf.py",
-    "test_reliability_kill.py",
-)
-"""The files that take longest on two cores (about 190, 100, 100, 90, 80 and 55 s of the suite's 1,400), longest
-first. They run first: under ``-n 2 --dist loadfile`` a worker takes a whole file at a time, and one of these started
-last kept a worker busy alone at the end of the run."""
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The longest files first, every other file after them in its usual order (the sort is stable)."""
-    rank = {name: place for place, name in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-
-
 @pytest.fixture(autouse=True)
 def collect_garbage_between_tests() -> Iterator[None]:
     """With the automatic collector off (once a Qt test ran), a test's cyclic garbage, widgets included, is

@@ -38,9 +38,3 @@ def test_a_fixed_timeout_is_found_in_a_call_and_in_a_default() -> None:
         assert LITERAL_TIMEOUT.search(line), line
     for line in ("proc.wait(timeout=HANG_S)", "def run(argv: list[str], timeout: float = HANG_S) -> None:"):
         assert not LITERAL_TIMEOUT.search(line), line
-
-
-def test_the_files_scheduled_first_are_the_suites_files() -> None:
-    from conftest import LONGEST_FILES
-
-    assert [name for name in LONGEST_FILES if not (TESTS / name).is_file()] == []
