@@ -121,7 +121,8 @@ def test_the_demo_runs_to_the_end_in_three_clicks(qtbot: Any, window: Any) -> No
     assert finished and not finished[-1].cancelled and finished[-1].step == 4
     assert Path(finished[-1].adapter_dir, "adapter_config.json").exists()
     qtbot.waitUntil(lambda: not window.controller.worker.isRunning(), timeout=LOAD_TIMEOUT_MS)
-    assert guide.start_button.isEnabled(), "ready for the next run"
+    # ready for the next run, once the worker's end has reached the page (a queued signal, after the thread stops)
+    qtbot.waitUntil(guide.start_button.isEnabled, timeout=LOAD_TIMEOUT_MS)
 
 
 def test_only_the_latest_dataset_load_reports(qtbot: Any, window: Any, tmp_path: Any) -> None:
