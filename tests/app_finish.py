@@ -21,6 +21,7 @@ def chat_with(qtbot: Any, window: Any, run_dir: str, prompt: str = "What is 2 + 
     chat.runs.setCurrentIndex(index)
     chat.max_tokens.setValue(16)
     chat.compare.setChecked(True)
+    qtbot.waitUntil(chat.load_button.isEnabled, timeout=CHAT_TIMEOUT_MS)  # a last load's end comes queued
     chat.load_button.click()
     qtbot.waitUntil(lambda: chat.chat is not None and chat.send_button.isEnabled(), timeout=CHAT_TIMEOUT_MS)
     chat.prompt.setText(prompt)

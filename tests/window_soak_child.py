@@ -162,6 +162,7 @@ def one_cycle(app: Any, window: Any, *, pause: bool) -> str:
     events: list[Any] = []
     controller.run_event.connect(events.append)
     panel = win.run_panel
+    wait_until(app, panel.start_button.isEnabled, "Start enabled")  # the last run's end reaches it queued
     panel.start_button.click()
     wait_until(app, lambda: controller.state == rc.RUNNING and controller.last_step >= 1, "first step")
     if pause:
@@ -193,6 +194,7 @@ def chat(app: Any, window: Any, run_dir: str) -> None:
     page.runs.setCurrentIndex(page.runs.findData(run_dir))
     page.max_tokens.setValue(8)
     page.compare.setChecked(True)
+    wait_until(app, page.load_button.isEnabled, "Load enabled")
     page.load_button.click()
     wait_until(app, lambda: page.chat is not None and page.send_button.isEnabled(), "chat model")
     before = len(page.histories["base"])
