@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import shiboken6
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QSplitter, QTextBrowser, QVBoxLayout, QWidget
 
@@ -135,6 +136,8 @@ class ReportPage(QWidget):
 
     def _done(self, folder: str, outcome: ReportOutcome) -> None:
         self._jobs.discard(folder)
+        if not shiboken6.isValid(self.measure_button):
+            return  # the window closed and its widgets went before the job's end arrived
         self.measure_button.setEnabled(self.folder is not None and self.folder not in self._jobs)
         if outcome.report is None:
             self.failed.emit(folder, outcome.note or "")
