@@ -123,3 +123,19 @@ def test_closing_the_window_stops_a_report_being_measured(
     qtbot.waitUntil(lambda: bool(notes), timeout=REPORT_TIMEOUT_MS)
     assert "stopped before its end" in notes[0] and f"tunedeck report {run_dir}" in notes[0]
     assert not (run_dir / "report.json").exists() and not (run_dir / "report.md").exists()
+
+
+def test_a_report_that_ends_after_the_page_was_deleted_is_only_marked_ended(qtbot: Any) -> None:
+    """A job's result can arrive after the window closed and deleted the page's widgets: the page marks the job ended
+    (closing waits on that) and touches nothing else."""
+    import shiboken6
+
+    from app.background.worker import TaskRunner
+    from app.pages.report import ReportPage
+    from engine.run.report import ReportOutcome
+
+    page = ReportPage(TaskRunner())
+    page._jobs.add("/runs/a")
+    shiboken6.delete(page)
+    page._done("/runs/a", ReportOutcome(None, None, "stopped; try: tunedeck report /runs/a"))
+    assert not page.busy()
