@@ -24,8 +24,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def run_python(code: str, home: Path, timeout: float = HANG_S) -> subprocess.CompletedProcess[str]:
-    """Run ``code`` in a fresh interpreter (nothing imported yet), with its run history under ``home``."""
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+    """Run ``code`` in a fresh interpreter (nothing imported yet), with its run history under ``home`` and the hang
+    bound (``timeout``) as ``sys.argv[1]``."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), str(timeout)], capture_output=True, text=True,
                           timeout=timeout, cwd=REPO, env=child_env(home))  # fmt: skip
 
 
@@ -195,7 +196,7 @@ def test_window_appears_quickly_without_torch_and_detects_in_the_background(tmp_
         assert "torch" not in sys.modules and "transformers" not in sys.modules, "heavy modules at start"
         app.processEvents()
         shown = time.perf_counter() - started
-        deadline = time.monotonic() + 240  # only bounds a hang (run_python stops the process at 300 s)
+        deadline = time.monotonic() + float(sys.argv[1])  # the hang bound
         while window.state.hardware is None and time.monotonic() < deadline:
             app.processEvents()
             time.sleep(0.01)

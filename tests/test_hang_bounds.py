@@ -10,8 +10,8 @@ from pathlib import Path
 from hang import HANG_S
 
 TESTS = Path(__file__).parent
-LITERAL_TIMEOUT = re.compile(r"timeout\s*(?::\s*\w+\s*)?=\s*\d")
-"""``timeout=30`` in a call, or ``timeout: float = 30`` as a default."""
+LITERAL_TIMEOUT = re.compile(r"timeout\s*(?::\s*\w+\s*)?=\s*\d|monotonic\(\)\s*\+\s*\d")
+"""``timeout=30`` in a call, ``timeout: float = 30`` as a default, or ``time.monotonic() + 30`` as a deadline."""
 NOT_A_HANG_BOUND = "# not a hang bound"
 """Marks a timeout that a test expects to expire (a process that must still be running after it)."""
 
@@ -34,7 +34,11 @@ def test_the_per_test_guard_sits_above_every_hang_bound() -> None:
 
 
 def test_a_fixed_timeout_is_found_in_a_call_and_in_a_default() -> None:
-    for line in ("proc.wait(timeout=30)", "def run(argv: list[str], timeout: int = 600) -> None:", "timeout = 5"):
+    fixed = ("proc.wait(timeout=30)", "def run(argv: list[str], timeout: int = 600) -> None:", "timeout = 5",
+             "deadline = time.monotonic() + 240")  # fmt: skip
+    for line in fixed:
         assert LITERAL_TIMEOUT.search(line), line
-    for line in ("proc.wait(timeout=HANG_S)", "def run(argv: list[str], timeout: float = HANG_S) -> None:"):
+    bounded = ("proc.wait(timeout=HANG_S)", "def run(argv: list[str], timeout: float = HANG_S) -> None:",
+               "deadline = time.monotonic() + float(sys.argv[1])")  # fmt: skip
+    for line in bounded:
         assert not LITERAL_TIMEOUT.search(line), line

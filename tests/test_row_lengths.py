@@ -180,7 +180,11 @@ def test_busy_cores_leave_out_this_process_own_work(monkeypatch: pytest.MonkeyPa
 
 @pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads Linux's /proc/stat")
 def test_busy_cores_count_a_program_that_keeps_a_core_busy() -> None:
-    code = "import time\nprint('spinning', flush=True)\nend = time.monotonic() + 600\nwhile time.monotonic() < end: 0"
+    code = (
+        "import time\nprint('spinning', flush=True)\n"
+        "end = time.monotonic() + 600\n"  # not a hang bound: only stops a spinner that outlives the test
+        "while time.monotonic() < end: 0"
+    )
     other = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert other.stdout is not None and other.stdout.readline().strip() == "spinning"
