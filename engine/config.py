@@ -44,6 +44,21 @@ def data_dir() -> Path:
     return Path(base) / "tunedeck"
 
 
+HELD_OUT_SHARE = 0.12
+MIN_HELD_OUT = 8
+"""Fewer held-out examples than this choose a best adapter by chance (4 of 70 did, at 5%)."""
+MAX_HELD_OUT = 200
+TOO_FEW_TO_HOLD_OUT = 16
+"""Sets smaller than this train on every example: none can be spared to evaluate on."""
+
+
+def held_out_count(examples: int) -> int:
+    """Examples split off for evaluation: about 12%, at least 8 and at most 200; none from a tiny set."""
+    if examples < TOO_FEW_TO_HOLD_OUT:
+        return 0
+    return min(MAX_HELD_OUT, max(MIN_HELD_OUT, round(examples * HELD_OUT_SHARE)))
+
+
 def setting(default: Any, help: str, flag: str | None = None, choices: tuple[str, ...] | None = None) -> Any:
     """A config field with its help text (and optional CLI flag name and choices) attached as metadata."""
     meta: dict[str, Any] = {"help": help}
@@ -124,9 +139,13 @@ class DataConfig:
     tokens_per_batch: int = setting(
         0,
         "token budget of one packed row (one micro-batch) (0: automatic: 4096 on a GPU; on a CPU what it trains in "
-        "about 8 s a step for the model)",
+        "about 2 s a step for the model)",
     )
-    eval_fraction: float = setting(0.05, "share of examples held out for evaluation (0 disables eval)")
+    eval_fraction: float | None = setting(
+        None,
+        "share of examples held out for evaluation (0 disables eval; automatic: about 12 percent, at least 8 and at "
+        "most 200 examples, none from a set under 16)",
+    )
     eval_path: str | None = setting(None, "separate evaluation file (overrides eval_fraction)")
 
     def __post_init__(self) -> None:
@@ -144,23 +163,35 @@ class DataConfig:
                 f"{self.max_seq_len}), or max_seq_len {self.tokens_per_batch} or less (--max-seq-len "
                 f"{self.tokens_per_batch}); one left at 0 (automatic) follows the other",
             )
-        _require(0.0 <= self.eval_fraction < 1.0, "data.eval_fraction", f"must be in [0, 1), got {self.eval_fraction}")
+        _require(
+            self.eval_fraction is None or 0.0 <= self.eval_fraction < 1.0,
+            "data.eval_fraction",
+            f"must be in [0, 1), got {self.eval_fraction}",
+        )
 
 
 @dataclass
 class LoraConfig:
     """The low-rank adapter that is trained on top of the frozen base model."""
 
-    rank: int = setting(16, "LoRA rank r", flag="--lora-rank")
-    alpha: float = setting(32.0, "LoRA scaling alpha (the update is scaled by alpha / rank)", flag="--lora-alpha")
+    rank: int = setting(
+        0,
+        "LoRA rank r (0: automatic: 8 for sets under 300 examples, 16 above, 32 for large sets of large models)",
+        flag="--lora-rank",
+    )
+    alpha: float = setting(
+        0.0,
+        "LoRA scaling alpha: the update is scaled by alpha / rank (0: automatic: twice the rank)",
+        flag="--lora-alpha",
+    )
     dropout: float = setting(0.0, "dropout on the LoRA input", flag="--lora-dropout")
     target_modules: list[str] = setting(  # noqa: RUF009 - setting() returns a dataclass field
         ["all-linear"], "module names to adapt; 'all-linear' adapts every linear layer but the output head"
     )
 
     def __post_init__(self) -> None:
-        _require(self.rank >= 1, "lora.rank", f"must be at least 1, got {self.rank}")
-        _require(self.alpha > 0, "lora.alpha", f"must be positive, got {self.alpha}")
+        _require(self.rank >= 0, "lora.rank", f"must be at least 1 (or 0: automatic), got {self.rank}")
+        _require(self.alpha >= 0, "lora.alpha", f"must be positive (or 0: automatic), got {self.alpha}")
         _require(0.0 <= self.dropout < 1.0, "lora.dropout", f"must be in [0, 1), got {self.dropout}")
         _require(bool(self.target_modules), "lora.target_modules", "must name at least one module")
 
@@ -175,9 +206,19 @@ class TrainingConfig:
         "rejected one (direct preference optimization; needs prompt/chosen/rejected data)",
         flag="--method",
     )
-    max_steps: int = setting(0, "optimizer steps to run; 0 runs `epochs` passes over the data", flag="--max-steps")
-    epochs: float = setting(1.0, "passes over the training data when max_steps is 0", flag="--epochs")
-    learning_rate: float = setting(2e-4, "peak learning rate of AdamW", flag="--lr")
+    max_steps: int = setting(
+        0,
+        "optimizer steps to run (0: `epochs` passes over the data, or automatic when epochs is 0 too: several "
+        "passes over a small set, one over a large one, 30 to 3,000 steps)",
+        flag="--max-steps",
+    )
+    epochs: float = setting(0.0, "passes over the training data when max_steps is 0 (0: automatic)", flag="--epochs")
+    learning_rate: float = setting(
+        0.0,
+        "peak learning rate of AdamW (0: automatic by model size: 3e-4 under 1B parameters, 2e-4 to 15B, 1e-4 above; "
+        "a quarter of that for DPO)",
+        flag="--lr",
+    )
     weight_decay: float = setting(0.0, "AdamW weight decay")
     optimizer: Literal["auto", "fused", "foreach"] = setting(
         "auto",
@@ -190,17 +231,28 @@ class TrainingConfig:
         "the host; automatic with the fused AdamW in a one-process run) or immediate (before the update)",
         flag="--step-readout",
     )
-    warmup_steps: int = setting(10, "linear warm-up steps before the decay")
+    warmup_steps: int | None = setting(
+        None, "linear warm-up steps before the decay (automatic: 5 percent of the steps)"
+    )
     schedule: Literal["cosine", "linear", "constant"] = setting("cosine", "learning-rate decay after warm-up")
     grad_accum: int = setting(1, "micro-batches accumulated into one optimizer step", flag="--grad-accum")
     max_grad_norm: float = setting(1.0, "gradient clipping norm (0 disables clipping)")
-    eval_every: int = setting(50, "evaluate every N steps (0: only at the end)")
+    eval_every: int | None = setting(
+        None, "evaluate every N steps (0: only at the end; automatic: about 15 times a run when examples are held out)"
+    )
     save_every: int = setting(50, "write a resumable checkpoint every N steps (0: only at the end)")
-    early_stop: int = setting(
-        0,
-        "end the run after N evaluations in a row without a lower held-out loss (0: off); needs held-out data "
-        "and eval_every; the best adapter is kept either way",
+    early_stop: int | None = setting(
+        None,
+        "end the run after N evaluations in a row without a lower held-out loss (0: off; automatic: 4 where examples "
+        "are held out); needs held-out data and eval_every; the best adapter is kept either way",
         flag="--early-stop",
+    )
+    keep_knowledge: bool | None = setting(
+        None,
+        "mix the base model's own answers to general prompts into the training rows (self-distillation replay), so "
+        "the tuned model keeps what it knew while it learns the task (automatic: on for sets under 2,000 examples "
+        "of an instruction-tuned model)",
+        flag="--keep-knowledge",
     )
     seed: int = setting(42, "seed for data order, held-out split, LoRA init and dropout", flag="--seed")
     device: str = setting("auto", "'auto', 'cpu', 'cuda' or 'cuda:N'", flag="--device")
@@ -224,15 +276,31 @@ class TrainingConfig:
         _require(self.max_bad_steps >= 1, "training.max_bad_steps", f"must be at least 1, got {self.max_bad_steps}")
         _require(_gpus_spec_ok(self.gpus), "training.gpus", f"must be a count, 'all' or GPU indices, got {self.gpus!r}")
         _require(self.max_steps >= 0, "training.max_steps", f"must be >= 0, got {self.max_steps}")
-        _require(self.epochs > 0, "training.epochs", f"must be positive, got {self.epochs}")
-        _require(self.learning_rate > 0, "training.learning_rate", f"must be positive, got {self.learning_rate}")
-        _require(self.warmup_steps >= 0, "training.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        _require(self.epochs >= 0, "training.epochs", f"must be positive (or 0: automatic), got {self.epochs}")
+        _require(
+            self.learning_rate >= 0,
+            "training.learning_rate",
+            f"must be positive (or 0: automatic), got {self.learning_rate}",
+        )
+        _require(
+            self.warmup_steps is None or self.warmup_steps >= 0,
+            "training.warmup_steps",
+            f"must be >= 0, got {self.warmup_steps}",
+        )
         _require(self.grad_accum >= 1, "training.grad_accum", f"must be at least 1, got {self.grad_accum}")
         _require(self.max_grad_norm >= 0, "training.max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
-        _require(self.eval_every >= 0, "training.eval_every", f"must be >= 0, got {self.eval_every}")
+        _require(
+            self.eval_every is None or self.eval_every >= 0,
+            "training.eval_every",
+            f"must be >= 0, got {self.eval_every}",
+        )
         _require(self.save_every >= 0, "training.save_every", f"must be >= 0, got {self.save_every}")
-        _require(self.early_stop >= 0, "training.early_stop", f"must be >= 0, got {self.early_stop}")
-        if self.early_stop and not self.eval_every:
+        _require(
+            self.early_stop is None or self.early_stop >= 0,
+            "training.early_stop",
+            f"must be >= 0, got {self.early_stop}",
+        )
+        if self.early_stop and self.eval_every == 0:
             raise ConfigError(
                 "training.early_stop: counts evaluations during the run, and eval_every is 0 (only at the end)",
                 hint="evaluate every few steps (--eval-every N), or leave --early-stop at 0",

@@ -33,6 +33,10 @@ class RunStarted(Event):
     packing_efficiency: float
     trainable_params: int
     total_params: int
+    estimated_s: float | None = None
+    """The training time the run expects before its first step (None: not known until the first steps)."""
+    estimate_basis: str = ""
+    """What ``estimated_s`` rests on, in words ("from the planner's figure for this CPU")."""
 
 
 @dataclass(frozen=True)

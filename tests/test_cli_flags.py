@@ -72,6 +72,10 @@ TEXT_VALUES = {
     "training.gpus": "2",
     "output.dir": "elsewhere",
     "output.name": "my-run",
+    "data.eval_fraction": "0.2",
+    "training.warmup_steps": "3",
+    "training.eval_every": "5",
+    "training.early_stop": "2",
 }
 
 

@@ -22,7 +22,7 @@ def test_config_round_trips_through_json(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
-        ({"lora": {"rank": 0}}, "lora.rank"),
+        ({"lora": {"rank": -1}}, "lora.rank"),
         ({"lora": {"rnak": 4}}, "unknown key"),
         ({"trainig": {}}, "unknown config section"),
         ({"training": {"learning_rate": "fast"}}, "training.learning_rate: must be a number"),

@@ -47,6 +47,7 @@ MAIN_FIELDS = (
     "training.learning_rate",
     "model.qlora",
     "data.eval_fraction",
+    "training.keep_knowledge",
 )
 """The settings most people change, shown first; the rest are in the advanced groups."""
 LABELS = {
@@ -66,13 +67,15 @@ LABELS = {
     "lora.alpha": "Adapter scale (alpha)",
     "lora.dropout": "Adapter dropout",
     "lora.target_modules": "Layers adapted",
-    "training.max_steps": "Steps (0: use passes)",
+    "training.max_steps": "Steps (0: from passes)",
     "training.epochs": "Passes over the data",
     "training.learning_rate": "Learning rate",
     "training.weight_decay": "Weight decay",
     "training.optimizer": "AdamW kernel",
     "training.step_readout": "Loss readout",
     "training.warmup_steps": "Warm-up steps",
+    "training.early_stop": "Stop after evaluations without gain",
+    "training.keep_knowledge": "Keep what the model knew",
     "training.schedule": "Learning-rate schedule",
     "training.grad_accum": "Rows per step",
     "training.max_grad_norm": "Gradient clipping",
@@ -107,8 +110,20 @@ CHECKBOX_TEXT = {
 """What a check box does, written beside it where the label alone could mislead."""
 
 
-AUTOMATIC_AT_ZERO = frozenset({"data.max_seq_len", "data.tokens_per_batch"})
-"""Whole-number settings whose 0 means automatic (chosen for the device, the model and the data at the run's start)."""
+AUTOMATIC_AT_ZERO = frozenset(
+    {
+        "data.max_seq_len",
+        "data.tokens_per_batch",
+        "lora.rank",
+        "training.learning_rate",
+        "training.epochs",
+        "lora.alpha",
+    }
+)
+"""Settings whose 0 means automatic (chosen for the device, the model and the data at the run's start); a number
+field among them shows "automatic" while empty, and empty reads back as 0."""
+AUTOMATIC_TEXT = "automatic"
+AUTOMATIC_PROPERTY = "automatic_at_zero"
 
 
 def _editor(annotation: Any) -> QWidget:
@@ -138,6 +153,8 @@ def _set(widget: QWidget, value: Any) -> None:
         widget.setCurrentText(text)
     elif isinstance(widget, QSpinBox):
         widget.setValue(int(value))
+    elif isinstance(widget, QLineEdit) and widget.property(AUTOMATIC_PROPERTY) and value == 0:
+        widget.setText("")
     elif isinstance(widget, QLineEdit):
         widget.setText(",".join(value) if isinstance(value, list) else "" if value is None else f"{value:g}"
                        if isinstance(value, float) else str(value))  # fmt: skip
@@ -155,11 +172,14 @@ def _get(widget: QWidget, annotation: Any) -> Any:
         return widget.value()
     text = widget.text().strip()  # type: ignore[attr-defined]
     options = [o for o in get_args(annotation) if o is not type(None)]
+    if not text and widget.property(AUTOMATIC_PROPERTY):
+        return 0.0 if annotation is float else 0
     if not text and type(None) in get_args(annotation):
         return None
-    if annotation is float:
+    number = annotation if annotation in (int, float) else options[0] if len(options) == 1 else None
+    if number in (int, float):
         try:
-            return float(text)
+            return number(text)
         except ValueError:
             return text  # the config check names the field
     if get_origin(annotation) is list or (options and get_origin(options[0]) is list):
@@ -220,7 +240,10 @@ class ConfigForm(QWidget):
             if isinstance(editor, QCheckBox) and key in CHECKBOX_TEXT:
                 editor.setText(CHECKBOX_TEXT[key])
             if isinstance(editor, QSpinBox) and key in AUTOMATIC_AT_ZERO:
-                editor.setSpecialValueText("automatic")  # shown at 0, the config's automatic value
+                editor.setSpecialValueText(AUTOMATIC_TEXT)  # shown at 0, the config's automatic value
+            if isinstance(editor, QLineEdit) and (key in AUTOMATIC_AT_ZERO or type(None) in get_args(annotation)):
+                editor.setPlaceholderText(AUTOMATIC_TEXT)  # empty: the config's automatic value (None, or 0)
+                editor.setProperty(AUTOMATIC_PROPERTY, key in AUTOMATIC_AT_ZERO)
             if not isinstance(editor, QCheckBox):
                 editor.setFixedWidth(EDITOR_WIDTH)  # one editor width too, so the groups line up
             editor.setToolTip(tooltip_for(key, spec))

@@ -35,6 +35,7 @@ DEMO_SETTINGS: dict[str, dict[str, Any]] = {
         "schedule": "cosine",
         "eval_every": 0,
         "save_every": 100,
+        "keep_knowledge": False,
     },
 }
 

@@ -26,6 +26,7 @@ from engine.events import (
     StepSkipped,
 )
 from engine.run.control import RunControl
+from engine.run.estimate import format_duration
 
 
 class ProgressPrinter:
@@ -40,6 +41,8 @@ class ProgressPrinter:
         self.peak_memory: int | None = None
         """The largest step peak seen (StepMetrics.memory_bytes: reserved GPU memory, or RSS on the CPU)."""
         self.driver_memory: int | None = None
+        self.estimated_s: float | None = None
+        """The training time the run expected before its first step (RunStarted), set beside the time it took."""
 
     def write(self, text: str) -> None:
         if self.bar is not None:
@@ -101,6 +104,9 @@ class ProgressPrinter:
             f"{event.train_rows} packed rows ({event.packing_efficiency:.0%} full), {event.eval_examples} held out; "
             f"training {event.trainable_params:,} of {event.total_params:,} parameters"
         )
+        self.estimated_s = event.estimated_s
+        if event.estimated_s is not None:
+            self.write(f"training takes about {format_duration(event.estimated_s)} ({event.estimate_basis})")
         self.bar = tqdm(
             total=event.total_steps, initial=event.start_step, unit="step", file=self.stream, dynamic_ncols=True
         )
@@ -121,8 +127,12 @@ class ProgressPrinter:
         loss = f"{done.final_loss:.4f}" if done.final_loss is not None else "n/a"
         evaluation = f", eval loss {done.eval_loss:.4f}" if done.eval_loss is not None else ""
         memory = f"\n{peak_memory_line(self.device, self.peak_memory, self.driver_memory)}" if self.peak_memory else ""
+        expected = ""
+        if self.estimated_s is not None and not done.cancelled:
+            expected = f" (expected {format_duration(self.estimated_s)} before the start)"
         return (
-            f"{status} at step {done.step} in {done.wall_time_s:.1f} s: train loss {loss}{evaluation}{memory}\n"
+            f"{status} at step {done.step} in {done.wall_time_s:.1f} s{expected}: train loss {loss}{evaluation}"
+            f"{memory}\n"
             f"adapter: {done.adapter_dir}{best_adapter_line(done)}"
         )
 

@@ -15,6 +15,7 @@ from typing import Any
 from engine.cli.flags import add_config_flags, config_from_args
 from engine.config import RunConfig
 from engine.errors import TuneDeckError
+from engine.hardware.recipes import AUTOMATIC_RECIPE, RECIPES, Recipe, apply_recipe
 
 EPILOG = """examples:
   tunedeck train --demo                         fine-tune the built-in demo model (CPU, about a minute)
@@ -39,6 +40,13 @@ def train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", metavar="FILE", help="a config.json to start from (flags override it)")
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run from its last checkpoint")
     parser.add_argument("--json", action="store_true", help="print events as JSON lines instead of a progress bar")
+    parser.add_argument(
+        "--recipe",
+        metavar="NAME",
+        help="start from a named recipe, as the app's Recipe page offers them (flags override it): "
+        + "; ".join(f"'{r.name}'" for r in RECIPES if not r.demo_only)
+        + f" (default: {AUTOMATIC_RECIPE}, settings fitted to the data when the run starts)",
+    )
     add_config_flags(parser)
     return parser
 
@@ -74,10 +82,22 @@ def train_config(args: argparse.Namespace) -> RunConfig:
         from engine.cli.demo import demo_config
 
         base = demo_config(base)
+    if args.recipe:
+        base = apply_recipe(base, _recipe(args.recipe))
     config = config_from_args(args, base)
     if not args.resume and not config.data.path:
         raise TuneDeckError("no dataset given", hint="pass --data PATH, or --demo for the built-in demo")
     return config
+
+
+def _recipe(name: str) -> Recipe:
+    """The recipe of that name, in any letter case."""
+    for recipe in RECIPES:
+        if recipe.name.lower() == name.strip().lower():
+            return recipe
+    raise TuneDeckError(
+        f"--recipe: no recipe named {name!r}", hint="recipes: " + ", ".join(f"'{r.name}'" for r in RECIPES)
+    )
 
 
 def _with_stop_on_interrupt(job: Callable[[Any], int]) -> int:

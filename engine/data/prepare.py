@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from engine.config import DataConfig
-from engine.data.files import load_examples
+from engine.config import DataConfig, held_out_count
+from engine.data.files import Example, load_examples
 from engine.data.packing import (
     PackedBatch,
     TokenizedExample,
@@ -48,12 +48,13 @@ class PreparedData:
         return [collate([self.eval[i] for i in row]) for row in self.eval_rows]
 
 
-def _split(examples: Sequence[Any], fraction: float, seed: int) -> tuple[list[Any], list[Any]]:
-    if fraction <= 0 or len(examples) < 2:
+def _split(examples: Sequence[Any], fraction: float | None, seed: int) -> tuple[list[Any], list[Any]]:
+    """Held-out examples chosen with the run's seed: ``fraction`` of them, or (None) the automatic count."""
+    n_eval = held_out_count(len(examples)) if fraction is None else max(1, round(len(examples) * fraction))
+    if (fraction is not None and fraction <= 0) or len(examples) < 2 or n_eval == 0:
         return list(examples), []
     order = list(range(len(examples)))
     random.Random(seed).shuffle(order)
-    n_eval = max(1, round(len(examples) * fraction))
     held_out = set(order[:n_eval])
     train = [ex for i, ex in enumerate(examples) if i not in held_out]
     return train, [examples[i] for i in sorted(held_out)]
@@ -87,9 +88,12 @@ def _tokenize(tokenizer: Any, examples: Sequence[Any], config: DataConfig) -> tu
     )
 
 
-def prepare_data(config: DataConfig, tokenizer: Any, seed: int, method: str = "sft") -> PreparedData:
+def prepare_data(
+    config: DataConfig, tokenizer: Any, seed: int, method: str = "sft", extra_train: Sequence[Example] = ()
+) -> PreparedData:
     """Read, tokenize, split and pack; raises DataError when nothing usable is left or the data does not suit the
-    training ``method`` (preference pairs for dpo, anything else for sft). A pair packs as one item."""
+    training ``method`` (preference pairs for dpo, anything else for sft). A pair packs as one item. ``extra_train``
+    examples (the base model's own answers, engine.run.replay) join the training rows after the split."""
     if not config.path:
         raise DataError("no dataset given", hint="pass --data PATH (a .jsonl/.json/.csv/.parquet file or a folder)")
     added_template = ensure_chat_template(tokenizer)
@@ -101,7 +105,7 @@ def prepare_data(config: DataConfig, tokenizer: Any, seed: int, method: str = "s
         check_method(eval_format, method, config.eval_path)
     else:
         train_raw, eval_raw = _split(examples, config.eval_fraction, seed)
-    train, report = _tokenize(tokenizer, train_raw, config)
+    train, report = _tokenize(tokenizer, [*train_raw, *extra_train], config)
     evaluation, _ = _tokenize(tokenizer, eval_raw, config)
     if not train:
         raise DataError("no usable training examples are left after tokenization", path=config.path)

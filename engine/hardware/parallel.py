@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
 from engine.hardware import checkpoint_choice
+from engine.hardware.fit_to_data import MEMORY_RANK
 from engine.hardware.planner import (
     GIB,
     SAFETY_MARGIN,
@@ -125,7 +126,7 @@ def setup_for_run(config: RunConfig, can_offload: bool = True) -> TrainSetup:
     return TrainSetup(
         tokens=config.data.tokens_per_batch or GPU_TOKENS_PER_BATCH,  # automatic (0): the GPU's default
         qlora=config.model.qlora,
-        lora_rank=config.lora.rank,
+        lora_rank=config.lora.rank or MEMORY_RANK,
         checkpointing=checkpoint_choice.leanest_mode(can_offload) if mode == "auto" else mode,
     )
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.config import RunConfig
+from engine.hardware.fit_to_data import MEMORY_RANK, FitFacts, fit_to_data
 from engine.hardware.row_lengths import GPU_TOKENS_PER_BATCH, choose_row_lengths
 
 
@@ -31,7 +32,14 @@ class Recipe:
 
 
 DEMO_RECIPE = "Demo"
+AUTOMATIC_RECIPE = "Automatic"
 RECIPES: tuple[Recipe, ...] = (
+    Recipe(
+        AUTOMATIC_RECIPE,
+        "Fitted to your data and model when the run starts: several passes over a small set with a held-out share "
+        "to keep the best adapter and stop early, one pass over a large one; keeps what the model knew.",
+        {},
+    ),
     Recipe(
         DEMO_RECIPE,
         "The demo task's settings: 60 steps with a high learning rate; about a minute on a CPU.",
@@ -44,6 +52,7 @@ RECIPES: tuple[Recipe, ...] = (
             "training.warmup_steps": 5,
             "training.eval_every": 0,
             "training.save_every": 20,
+            "training.keep_knowledge": False,
         },
         demo_only=True,
     ),
@@ -134,18 +143,30 @@ class RecipeEstimate:
     """The tokens of one packed row the estimate is for (an automatic value resolved for the device)."""
 
 
-def planned_steps(config: RunConfig, dataset_tokens: int | None) -> int | None:
-    """Steps the run takes: ``max_steps``, or epochs over ``dataset_tokens`` in packed rows."""
+def planned_steps(
+    config: RunConfig, dataset_tokens: int | None, dataset_examples: int | None = None, parameters: int | None = None
+) -> int | None:
+    """Steps the run takes: ``max_steps``, epochs over ``dataset_tokens`` in packed rows, or (both automatic) what
+    :func:`engine.hardware.fit_to_data.fit_to_data` chooses for the dataset."""
     training = config.training
     if training.max_steps > 0:
         return training.max_steps
     if not dataset_tokens:
         return None
-    rows = math.ceil(dataset_tokens / (config.data.tokens_per_batch or GPU_TOKENS_PER_BATCH))
+    tokens_per_batch = config.data.tokens_per_batch or GPU_TOKENS_PER_BATCH
+    if training.epochs == 0:
+        if not dataset_examples:
+            return None
+        facts = FitFacts(dataset_examples, dataset_tokens, bool(config.data.eval_path), parameters, True,
+                         training.method, tokens_per_batch, training.grad_accum)  # fmt: skip
+        return fit_to_data(facts).max_steps
+    rows = math.ceil(dataset_tokens / tokens_per_batch)
     return max(1, math.ceil(training.epochs * rows / training.grad_accum))
 
 
-def estimate_recipe(config: RunConfig, shape: Any, target: Any, dataset_tokens: int | None = None) -> RecipeEstimate:
+def estimate_recipe(
+    config: RunConfig, shape: Any, target: Any, dataset_tokens: int | None = None, dataset_examples: int | None = None
+) -> RecipeEstimate:
     """Predicted peak memory and time of ``config`` for ``shape`` on ``target`` (a DeviceTarget or HardwareInfo);
     an automatic row length or tokens per batch is the one a run on ``target`` would choose."""
     from engine.hardware.detect import HardwareInfo
@@ -170,10 +191,14 @@ def estimate_recipe(config: RunConfig, shape: Any, target: Any, dataset_tokens: 
     if config.speed.chunked_mlp is not None:
         overrides["chunked_mlp"] = config.speed.chunked_mlp
     profile = build_profile(
-        target, shape, overrides=overrides, lora_rank=config.lora.rank, min_tokens=config.data.max_seq_len
+        target,
+        shape,
+        overrides=overrides,
+        lora_rank=config.lora.rank or MEMORY_RANK,
+        min_tokens=config.data.max_seq_len,
     )
     plan = profile.memory_plan
-    steps = planned_steps(config, dataset_tokens)
+    steps = planned_steps(config, dataset_tokens, dataset_examples, shape.total_params())
     if plan is None:
         return RecipeEstimate(True, None, None, steps, None, "no memory figure for this device", rows.tokens_per_batch)
     if not plan.fits:

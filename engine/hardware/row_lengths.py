@@ -30,13 +30,15 @@ ROW_MULTIPLE = 64
 """Automatic lengths are multiples of this (whole SIMD tiles; no odd shapes)."""
 CPU_SHORTEST_ROW = 128
 """The CPU budget never goes below this: shorter rows would cut ordinary chats, and the run says how slow it is."""
-CPU_STEP_SECONDS = 8.0
-"""The step time the CPU budget aims at; the promise is 15 s for a 135M model on two cores, and a busy machine
-(other programs on the same cores) stretches a step well past its estimate."""
-CPU_GFLOPS_PER_CORE = 15.0
-"""Effective float32 training throughput of one CPU thread (matmuls, attention and everything between). Measured
-on a shared 2-core x86-64 VM (load average 6-7 from other programs), the SmolLM2-135M shape, LoRA r16, one thread:
-19-22 GFLOP/s on 128-token rows (3.4-4.0 s a step), 25-52 on 512-token rows (6.3-12.9 s)."""
+CPU_STEP_SECONDS = 2.0
+"""The step time the CPU budget aims at: short steps, since on a CPU a step costs about its tokens and a small set
+learns from many small updates (the demo: 2 passes of 256-token rows as well as 4 of 1,024); a busy machine (other
+programs on the same cores) stretches a step past its estimate."""
+CPU_GFLOPS_PER_CORE = 60.0
+"""Effective float32 training throughput of one CPU thread (matmuls, attention and everything between), for the time
+a run says it takes. Measured through ``tunedeck train`` on the real SmolLM2-135M-Instruct, LoRA, a 2-core x86-64 VM:
+67 GFLOP/s a thread on 384-token rows with two threads (1.78 s a step), 57-79 with one thread on 192-token rows
+(1.40-1.95 s) while another run used the other core. (A loaded VM, load average 6-7, measured 19-52.)"""
 CPU_QLORA_SLOWDOWN = 2.5
 """How many times longer a QLoRA token takes than a LoRA token on the CPU, where bitsandbytes dequantizes every 4-bit
 weight on every use with no fused CPU kernel. Measured through ``tunedeck train`` on the 135M shape, one thread, a

@@ -132,6 +132,18 @@ def during_run(
     return TimeEstimate(pace * step + left, basis, "steps", left_s=left)
 
 
+EVAL_SHARE = 1 / 3
+"""An evaluation row costs about a third of a training row (a forward pass, no backward)."""
+
+
+def cpu_run_seconds(step_s: float, steps: int, grad_accum: int, eval_rows: int, eval_every: int) -> float:
+    """A CPU run's training time before its first step: its steps at ``step_s`` a packed row (the planner's figure,
+    engine.hardware.row_lengths.cpu_step_seconds), plus its evaluations (every ``eval_every`` steps and at the end),
+    each ``eval_rows`` forward passes."""
+    evaluations = (steps // eval_every if eval_every else 0) + (1 if eval_rows else 0)
+    return step_s * (steps * grad_accum + evaluations * eval_rows * EVAL_SHARE)
+
+
 def format_duration(seconds: float) -> str:
     """'45 s', '4 min 20 s', '1 h 05 min'."""
     seconds = max(0, round(seconds))

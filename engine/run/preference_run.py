@@ -45,7 +45,7 @@ def preference_run_config(run_folder: str | Path, data: str | Path, pairs: int, 
         seed=source.training.seed, device=source.training.device, gpus=source.training.gpus,
         parallel=source.training.parallel, optimizer=source.training.optimizer,
     )  # fmt: skip
-    held_out = DataConfig().eval_fraction if pairs >= HELD_OUT_FROM else 0.0
+    held_out = None if pairs >= HELD_OUT_FROM else 0.0  # None: the automatic share
     return RunConfig(
         model=dataclasses.replace(source.model, adapter=str(chosen.folder)),
         data=DataConfig(path=str(data), format="preference", eval_fraction=held_out),

@@ -23,6 +23,8 @@ from engine.data.prepare import PreparedData, RowSchedule, prepare_data
 from engine.errors import ConfigError
 from engine.events import Event, Notice, RunStarted, SpeedChanged
 from engine.hardware import allocator
+from engine.hardware.fit_to_data import replay_count
+from engine.hardware.row_lengths import cpu_step_seconds
 from engine.model.adapter import adapter_folder, adapter_lora, load_adapter_weights
 from engine.model.gguf_import import prepare_gguf_model
 from engine.model.load import add_lora, count_parameters, load_base_model, load_tokenizer, pick_device, pick_dtype
@@ -30,12 +32,15 @@ from engine.model.quantized_experts import experts_notice
 from engine.run import checkpoint as ckpt
 from engine.run import guard, readout
 from engine.run.best import EvalWatch
+from engine.run.estimate import cpu_run_seconds
+from engine.run.fit import fit_run
 from engine.run.folder import CHECKPOINT_DIR, EVAL_FILE, METRICS_FILE, truncate_log, write_compute
 from engine.run.optimizer import adamw
 from engine.run.preference import FUSED_LOSS_REFUSED, STEP_GRAPHS_REFUSED, PreferenceTraining
 from engine.run.ranks import Ranks
 from engine.run.registry import Registry, RegistryError, data_dir
-from engine.run.rows import resolve_rows
+from engine.run.replay import as_examples, read_replay, replay_rows
+from engine.run.rows import model_shape, resolve_rows
 from engine.run.schedule import lr_lambda
 from engine.speed import SpeedController
 from engine.speed.reuse import DecisionStore, use_compile_cache
@@ -124,7 +129,10 @@ def start(
         raise ConfigError("DPO trains on one GPU", hint="pass --gpus 1")
     yield from prepare_gguf_model(config.model.name, dtype, config.model.qlora)
     tokenizer = load_tokenizer(config.model)
-    config = yield from resolve_rows(config, tokenizer, device, None if resuming or not ranks.is_main else run_dir)
+    instruct = bool(getattr(tokenizer, "chat_template", None))  # before a fallback template is given
+    owner_dir = None if resuming or not ranks.is_main else run_dir
+    config = yield from resolve_rows(config, tokenizer, device, owner_dir)
+    config = yield from fit_run(config, tokenizer, instruct, owner_dir) if not resuming else _resumed(config)
     data = prepare_data(config.data, tokenizer, config.training.seed, config.training.method)
     _check_early_stop(config, data)
     for message in data.notices:
@@ -134,6 +142,8 @@ def start(
     # FSDP2 shards from host memory, so a model too big for one card never lands whole on one
     load_device = torch.device("cpu") if ranks.mode == "fsdp" else device
     model = yield from _with_adapter(config, load_base_model(config.model, load_device, dtype))
+    if config.training.keep_knowledge and config.training.method == "sft":
+        data = yield from _with_replay(config, run_dir, tokenizer, model, load_device, data, ranks)
     experts_message = experts_notice(model)
     if experts_message is not None:
         yield Notice(experts_message)
@@ -162,6 +172,7 @@ def start(
     if resuming:
         yield from _restore(session)
     session.speed.expect(expected_run(session), DecisionStore.in_folder(data_dir(), writable=ranks.is_main))
+    estimated_s, estimate_basis = _expected_time(session)
     yield RunStarted(
         run_dir=str(run_dir),
         device=_device_label(device, ranks),
@@ -174,6 +185,8 @@ def start(
         packing_efficiency=data.efficiency,
         trainable_params=trainable,
         total_params=total,
+        estimated_s=estimated_s,
+        estimate_basis=estimate_basis,
     )
     state = session.speed.state()
     yield SpeedChanged(session.step, state)
@@ -181,6 +194,47 @@ def start(
     if note is not None:
         yield Notice(note)
     return session
+
+
+def _resumed(config: RunConfig) -> Generator[Event, None, RunConfig]:
+    """A run folder from before knowledge keeping was a setting trains on as it did: without it."""
+    if config.training.keep_knowledge is None:
+        config = dataclasses.replace(config, training=dataclasses.replace(config.training, keep_knowledge=False))
+    yield from ()
+    return config
+
+
+def _with_replay(
+    config: RunConfig, run_dir: Path, tokenizer: Any, model: Any, device: torch.device, data: PreparedData, ranks: Ranks
+) -> Generator[Event, None, PreparedData]:
+    """``data`` with the base model's answers to general prompts in its training rows (engine.run.replay): made by
+    the first process, read by the others."""
+    wanted = replay_count(len(data.train))
+    if ranks.is_main:
+        rows = yield from replay_rows(model, tokenizer, device, wanted, config.training.seed, run_dir, write=True)
+    ranks.barrier()
+    if not ranks.is_main:
+        rows = read_replay(run_dir) or []
+    extra = as_examples(rows[:wanted])
+    yield Notice(f"keep knowledge: {len(extra)} of the base model's own answers join {len(data.train)} examples")
+    return prepare_data(config.data, tokenizer, config.training.seed, config.training.method, extra_train=extra)
+
+
+def _expected_time(session: Session) -> tuple[float | None, str]:
+    """The training time the run expects before its first step, and what it rests on: on a CPU, the planner's step
+    time for the model and its rows (a GPU run's time is known after its first steps)."""
+    if session.device.type != "cpu":
+        return None, ""
+    shape = model_shape(session.config.model)
+    if shape is None:
+        return None, ""
+    config = session.config
+    step_s = cpu_step_seconds(shape, session.tokens_per_batch, torch.get_num_threads(), config.model.qlora)
+    left = session.total_steps - session.step
+    seconds = cpu_run_seconds(
+        step_s, left, config.training.grad_accum, len(session.data.eval_rows), config.training.eval_every or 0
+    )
+    return seconds, "from the planner's figure for this CPU"
 
 
 def _check_early_stop(config: RunConfig, data: PreparedData) -> None:
