@@ -46,13 +46,13 @@ def test_each_recipe_shows_the_planners_memory_and_time_on_this_card(qtbot: Any)
     state.hardware = DeviceTarget.from_spec(gpus.find_gpu("RTX 4090"))
     state.set_model("Qwen/Qwen3-1.7B", ModelInfo("Qwen/Qwen3-1.7B", "qwen3", 1_700_000_000, False, "fits", "",
                                                  shape=load_shape("qwen3-1.7b")))  # fmt: skip
-    assert panel.recipe_name() == "Balanced", "the demo's recipe is for the demo model only"
+    assert panel.recipe_name() == "Automatic", "the demo's recipe is for the demo model only"
     assert panel.buttons["Demo"].isHidden()
     texts = {name: label.text() for name, label in panel.estimates.items() if not label.isHidden()}
-    assert set(texts) == {"Quick test", "Balanced", "Long context", "Best quality"}
+    assert set(texts) == {"Automatic", "Quick test", "Balanced", "Long context", "Best quality"}
     assert all(" GiB · " in text for text in texts.values()), texts
     assert "30 steps · about" in texts["Quick test"]
-    assert panel.step_status() == (True, "Balanced recipe")
+    assert panel.step_status() == (True, "Automatic recipe")
     state.hardware = DeviceTarget.from_spec(gpus.find_gpu("RTX 3050 laptop"))  # 4 GiB
     panel.choose_recipe("Long context")
     assert not panel.step_status()[0] and "will not fit" in panel.step_status()[1]
@@ -186,7 +186,7 @@ def test_a_gallery_model_is_planned_offline_and_its_download_announced(
     info = window.state.model_info
     assert info.name == "Qwen/Qwen3-0.6B" and info.family == "qwen3"  # the built-in shape: nothing downloaded
     assert "(1.2 GB) are downloaded from the Hugging Face hub when the run starts" in panel.status.text()
-    assert window.setup_panel.recipe_name() == "Balanced", "the demo's recipe is for the demo model only"
+    assert window.setup_panel.recipe_name() == "Automatic", "the demo's recipe is for the demo model only"
     # the dataset is re-read with the model's tokenizer, which is not cached: the data step says so
     qtbot.waitUntil(lambda: window.data_panel.problem != "", timeout=LOAD_TIMEOUT_MS)
     ready, text = window.data_panel.step_status()

