@@ -414,7 +414,7 @@ class OutputConfig:
     dir: str = setting("runs", "parent folder of run folders", flag="--output")
     name: str | None = setting(
         None,
-        "run folder name, one folder inside the output folder: no / or \\, not . or .., none of <>:\"|?*, no "
+        'run folder name, one folder inside the output folder: no / or \\, not . or .., none of <>:"|?*, no '
         "name Windows reserves (CON, NUL, COM1...), at most 120 characters (default: time, model and dataset)",
         flag="--name",
     )
