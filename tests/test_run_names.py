@@ -200,10 +200,15 @@ def test_the_reported_name_dot_dot_is_refused_and_nothing_is_written(tmp_path: P
 
 
 @pytest.mark.parametrize("name", ["a/b", "../escape", "/tmp/abs", "C:\\runs\\x", "CON", "trailing.", "ctl\x01", ""])
-def test_train_refuses_each_bad_name_before_writing(tmp_path: Path, name: str) -> None:
-    result = tunedeck("train", "--demo", "--output", "runs", "--name", name, cwd=tmp_path, home=tmp_path / "home")
-    assert result.returncode == 2, result.stderr
-    assert f"output.name: {name!r} {run_name_problem(name)}" in result.stderr
+def test_train_refuses_each_bad_name_before_writing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    from engine.cli.train import train_main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TUNEDECK_HOME", str(tmp_path / "home"))
+    assert train_main(["--data", "chats.jsonl", "--output", "runs", "--name", name]) == 2
+    assert f"output.name: {name!r} {run_name_problem(name)}" in capsys.readouterr().err
     assert listing(tmp_path) == set()
 
 
@@ -239,32 +244,25 @@ def train_tiny(model: Path, data: Path, runs: Path, name: str, home: Path) -> Pa
     return runs / name
 
 
-def test_a_real_run_is_deleted_whole_and_a_users_file_survives_delete(
+def test_delete_removes_everything_a_real_run_wrote_and_keeps_a_users_file(
     tiny_model_dir: Path, chat_file: Path, tmp_path: Path
 ) -> None:
     home, runs = tmp_path / "home", tmp_path / "runs"
-    clean = train_tiny(tiny_model_dir, chat_file, runs, "clean", home)
+    folder = train_tiny(tiny_model_dir, chat_file, runs, "mine", home)
     (record,) = Registry(home / "runs.sqlite3").runs()
-    assert read_marker(clean) == record.id, "the marker holds the id the run history gave the run"
-    written = {path.name for path in clean.iterdir()}
+    assert read_marker(folder) == record.id, "the marker holds the id the run history gave the run"
+    written = {path.name for path in folder.iterdir()}
     assert {"config.json", "metrics.jsonl", "checkpoints", "adapter", "report.md", MARKER_FILE} <= written
     assert written <= RUN_FILES | RUN_FOLDERS, f"the run wrote entries delete does not know: {written}"
-    deleted = tunedeck("runs", "delete", "--yes", "clean", cwd=tmp_path, home=home)
+    (folder / "notes.txt").write_text("my notes\n", encoding="utf-8")
+    (folder / "photos").mkdir()
+    (folder / "photos" / "cat.jpg").write_bytes(b"\xff\xd8 a cat")
+    deleted = tunedeck("runs", "delete", "--yes", "mine", cwd=tmp_path, home=home)
     assert deleted.returncode == 0, deleted.stderr
-    assert f"deleted the folder {clean}" in deleted.stdout
-    assert not clean.exists() and Registry(home / "runs.sqlite3").runs() == []
-
-    kept = train_tiny(tiny_model_dir, chat_file, runs, "with-notes", home)
-    (kept / "notes.txt").write_text("my notes\n", encoding="utf-8")
-    (kept / "photos").mkdir()
-    (kept / "photos" / "cat.jpg").write_bytes(b"\xff\xd8 a cat")
-    deleted = tunedeck("runs", "delete", "--yes", "with-notes", cwd=tmp_path, home=home)
-    assert deleted.returncode == 0, deleted.stderr
-    assert listing(kept) == {"notes.txt", "photos", "photos/cat.jpg"}
-    assert (kept / "notes.txt").read_text(encoding="utf-8") == "my notes\n"
-    assert (
-        "notes.txt: not written by TuneDeck" in deleted.stdout and "photos: not written by TuneDeck" in deleted.stdout
-    )
+    assert listing(folder) == {"notes.txt", "photos", "photos/cat.jpg"}, "everything the run wrote is gone"
+    assert (folder / "notes.txt").read_text(encoding="utf-8") == "my notes\n"
+    assert "notes.txt: not written by TuneDeck" in deleted.stdout
+    assert "photos: not written by TuneDeck" in deleted.stdout
     assert "left the folder and 2 entries in it" in deleted.stdout
     assert Registry(home / "runs.sqlite3").runs() == []
 
