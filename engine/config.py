@@ -470,10 +470,30 @@ class RunConfig:
             raise ConfigError(f"config file {path} is nested too deeply to be a TuneDeck config") from err
         except OSError as err:
             raise ConfigError(f"cannot read config file {path}: {err.strerror or err}") from err
+        if _in_run_folder(Path(path)):
+            raw = _without_refused_name(raw)
         try:
             return cls.from_dict(raw)
         except ConfigError as err:
             raise ConfigError(f"{path}: {err.message}", err.hint) from err
+
+
+RUN_FOLDER_SIGNS = ("metrics.jsonl", "checkpoints", ".tunedeck-run")
+"""Entries beside a ``config.json`` that make it a run's saved config (engine.run.folder, engine.run.ownership)."""
+
+
+def _in_run_folder(path: Path) -> bool:
+    return path.name == "config.json" and any((path.parent / sign).exists() for sign in RUN_FOLDER_SIGNS)
+
+
+def _without_refused_name(raw: Any) -> Any:
+    """A saved run's config with a run name today's rule refuses dropped: runs from before names were checked
+    (``--name exp/1`` made runs/exp/1) still resume, chat, export and seed new runs, which get a default name."""
+    output = raw.get("output") if isinstance(raw, dict) else None
+    name = output.get("name") if isinstance(output, dict) else None
+    if not isinstance(name, str) or run_name_problem(name) is None:
+        return raw
+    return {**raw, "output": {**output, "name": None}}  # type: ignore[dict-item]
 
 
 REMOVED_SPEED_SETTINGS = ("lora_groups", "lean_recompute", "four_bit_kernel", "keep_attention")

@@ -170,6 +170,19 @@ def test_a_config_file_with_a_bad_run_name_is_refused_naming_the_setting(tmp_pat
     assert run_name_problem(name) in caught.value.message  # type: ignore[operator]
 
 
+@pytest.mark.parametrize("sign", ["metrics.jsonl", "checkpoints", MARKER_FILE])
+def test_a_run_saved_before_names_were_checked_still_loads_without_its_name(tmp_path: Path, sign: str) -> None:
+    saved = {"output": {"dir": str(tmp_path), "name": "exp/1"}, "training": {"max_steps": 7}}
+    folder = tmp_path / "exp" / "1"  # where --name exp/1 put it
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(saved), encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"output\.name"):  # not a run folder yet: the name is judged
+        RunConfig.load(folder / "config.json")
+    (folder / sign).mkdir() if sign == "checkpoints" else (folder / sign).write_text("", encoding="utf-8")
+    config = RunConfig.load(folder / "config.json")
+    assert config.output.name is None and config.training.max_steps == 7
+
+
 def test_no_name_means_the_default_name(tmp_path: Path) -> None:
     assert RunConfig.from_dict({"output": {"name": None}}).output.name is None
 
