@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import sys
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_type_hints
@@ -74,6 +75,51 @@ def setting(default: Any, help: str, flag: str | None = None, choices: tuple[str
 def _require(condition: bool, name: str, message: str) -> None:
     if not condition:
         raise ConfigError(f"{name}: {message}")
+
+
+RUN_NAME_MAX_CHARS = 120
+RUN_NAME_MAX_BYTES = 240
+"""A run name's longest: 120 characters and 240 bytes in UTF-8, so that the folder fits every file system's limit
+of 255 (bytes on Linux and macOS, UTF-16 units on Windows) with room for the suffix a clashing default name gets."""
+WINDOWS_RESERVED_NAMES = frozenset(
+    ["CON", "PRN", "AUX", "NUL", "CONIN$", "CONOUT$"]
+    + [f"{port}{digit}" for port in ("COM", "LPT") for digit in "123456789\u00b9\u00b2\u00b3"]
+)
+"""Device names Windows refuses as a file or folder name, with any extension (``nul.txt`` too), in any case."""
+WINDOWS_REFUSED_CHARACTERS = '<>:"|?*'
+
+
+def run_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be a run's name ("is empty", "contains '/': ..."), or None when it can. A run name is
+    one plain folder name, the same on Linux, macOS and Windows, so that the run folder is always a direct child of
+    the output folder (``tunedeck train --name ..`` once wrote a run into the current folder)."""
+    if not name:
+        return "is empty"
+    if not name.strip():
+        return "is blank"
+    if name == ".":
+        return "is the output folder itself, not a folder of its own"
+    if name == "..":
+        return "is the output folder's parent, not a folder of its own"
+    for char in name:
+        if char in "/\\":
+            return f"contains {char!r}: a run name is one folder name, not a path"
+        if unicodedata.category(char) == "Cc":
+            return f"contains the control character {char!r}"
+        if unicodedata.category(char) == "Cs":
+            return f"contains {char!r}, half of a character pair, which no file name can hold"
+        if char in WINDOWS_REFUSED_CHARACTERS:
+            return f"contains {char!r}, which Windows refuses in a folder name"
+    if name.endswith("."):
+        return "ends with a dot, which Windows drops from folder names"
+    if name != name.strip():
+        return "begins or ends with white space (Windows drops spaces at the end of folder names)"
+    device = name.split(".")[0].rstrip(" ").upper()
+    if device in WINDOWS_RESERVED_NAMES:
+        return f"is a device name Windows reserves ({device}), with or without an extension"
+    if len(name) > RUN_NAME_MAX_CHARS or len(name.encode("utf-8")) > RUN_NAME_MAX_BYTES:
+        return f"is too long (at most {RUN_NAME_MAX_CHARS} characters and {RUN_NAME_MAX_BYTES} bytes in UTF-8)"
+    return None
 
 
 def _gpus_spec_ok(spec: str) -> bool:
@@ -434,11 +480,19 @@ class OutputConfig:
     """Where the run folder goes."""
 
     dir: str = setting("runs", "parent folder of run folders", flag="--output")
-    name: str | None = setting(None, "run folder name (default: model, dataset and time)", flag="--name")
+    name: str | None = setting(
+        None,
+        'run folder name, one folder inside the output folder: no / or \\, not . or .., none of <>:"|?*, no '
+        "name Windows reserves (CON, NUL, COM1...), at most 120 characters (default: time, model and dataset)",
+        flag="--name",
+    )
     keep_checkpoints: int = setting(2, "how many recent checkpoints to keep")
 
     def __post_init__(self) -> None:
         _require(self.keep_checkpoints >= 1, "output.keep_checkpoints", "must be at least 1")
+        if isinstance(self.name, str):
+            problem = run_name_problem(self.name)
+            _require(problem is None, "output.name", f"{self.name!r} {problem}")
 
 
 @dataclass
@@ -484,10 +538,30 @@ class RunConfig:
             raise ConfigError(f"config file {path} is nested too deeply to be a TuneDeck config") from err
         except OSError as err:
             raise ConfigError(f"cannot read config file {path}: {err.strerror or err}") from err
+        if _in_run_folder(Path(path)):
+            raw = _without_refused_name(raw)
         try:
             return cls.from_dict(raw)
         except ConfigError as err:
             raise ConfigError(f"{path}: {err.message}", err.hint) from err
+
+
+RUN_FOLDER_SIGNS = ("metrics.jsonl", "checkpoints", ".tunedeck-run")
+"""Entries beside a ``config.json`` that make it a run's saved config (engine.run.folder, engine.run.ownership)."""
+
+
+def _in_run_folder(path: Path) -> bool:
+    return path.name == "config.json" and any((path.parent / sign).exists() for sign in RUN_FOLDER_SIGNS)
+
+
+def _without_refused_name(raw: Any) -> Any:
+    """A saved run's config with a run name today's rule refuses dropped: runs from before names were checked
+    (``--name exp/1`` made runs/exp/1) still resume, chat, export and seed new runs, which get a default name."""
+    output = raw.get("output") if isinstance(raw, dict) else None
+    name = output.get("name") if isinstance(output, dict) else None
+    if not isinstance(name, str) or run_name_problem(name) is None:
+        return raw
+    return {**raw, "output": {**output, "name": None}}  # type: ignore[dict-item]
 
 
 REMOVED_SPEED_SETTINGS = ("lora_groups", "lean_recompute", "four_bit_kernel", "keep_attention")

@@ -4,7 +4,9 @@ Rows come from the run registry; curves from each run folder's ``metrics.jsonl``
 still training shows its newest steps on the next refresh (every few seconds). Selecting several runs draws them
 on one chart in distinct colours (train as lines, eval as dashed lines with dots): the way to see which settings
 worked. Resuming emits ``resume_requested(folder)`` for the main window, Report ``report_requested(folder)`` (the
-Report page shows the run's before/after report); Export opens the export dialog for the selected run. A run's
+Report page shows the run's before/after report); Export opens the export dialog for the selected run. Rename
+refuses a name that is not one plain folder name; Delete removes only what TuneDeck wrote in the run's folder
+(engine.run.ownership) and says what it left. A run's
 state, mean speed and measured peak memory are its summary (engine.run.summary) read from its folder's step log,
 worded as every page words them; the run going on in this window shows its live summary.
 """
@@ -22,7 +24,6 @@ from PySide6.QtCore import QItemSelection, QItemSelectionModel, Qt, QTimer, Sign
 from PySide6.QtWidgets import (
     QHBoxLayout,
     QHeaderView,
-    QInputDialog,
     QLabel,
     QMessageBox,
     QPushButton,
@@ -35,6 +36,7 @@ from PySide6.QtWidgets import (
 
 from app.pages.export import ExportDialog
 from app.theme import current_chart_colors, style_plot
+from app.widgets.rename_dialog import RenameDialog
 from app.widgets.tables import read_only_table
 from engine.errors import TuneDeckError
 from engine.run.registry import Registry, RunRecord
@@ -114,6 +116,7 @@ class RunsView(QWidget):
         """The run going on in this window (the main window passes it on)."""
         self._summaries: dict[str, tuple[tuple[object, ...], RunSummary]] = {}
         self.export_dialog: ExportDialog | None = None
+        self.rename_dialog: RenameDialog | None = None
         self.table = self._build_table()
         self.chart = self._build_chart()
         self.message = QLabel("")
@@ -294,22 +297,31 @@ class RunsView(QWidget):
         return self.export_dialog
 
     def rename_selected(self, name: str | None = None) -> None:
+        """Rename the selected run to ``name``, or ask for the name in the rename dialog (OK waits for a good one)."""
         selected = self.selected_records()
         if len(selected) != 1:
             return
+        record = selected[0]
         if name is None:
-            name, accepted = QInputDialog.getText(self, "Rename run", "New name:", text=selected[0].name)
-            if not accepted:
-                return
-        self._act(lambda: self.registry.rename(selected[0].id, name), f"renamed to {name.strip()}")
+            self.rename_dialog = RenameDialog(record.name, self)
+            dialog = self.rename_dialog
+            dialog.accepted.connect(lambda: self._act(lambda: self._rename(record, dialog.name())))
+            dialog.open()
+            return
+        self._act(lambda: self._rename(record, name))
+
+    def _rename(self, record: RunRecord, name: str) -> str:
+        self.registry.rename(record.id, name)
+        return f"renamed to {name.strip()}"
 
     def confirm_delete(self, record: RunRecord) -> bool:
         """Ask before deleting; a separate method so that tests (and scripts) can answer for the user."""
         answer = QMessageBox.question(
             self,
             "Delete run",
-            f"Delete the run “{record.name}”?\n\nIts folder {record.folder} (checkpoints and adapter) and its "
-            "record will be removed. This cannot be undone.",
+            f"Delete the run “{record.name}”?\n\nWhat TuneDeck wrote in its folder {record.folder} (checkpoints, "
+            "adapters, logs, report) and its record will be removed; files TuneDeck did not write stay, and so "
+            "does the folder then. This cannot be undone.",
             QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.No,
             QMessageBox.StandardButton.No,
         )
@@ -319,11 +331,16 @@ class RunsView(QWidget):
         selected = self.selected_records()
         if len(selected) != 1 or not self.confirm_delete(selected[0]):
             return
-        self._act(lambda: self.registry.delete(selected[0].id), f"deleted {selected[0].name}")
+        self._act(lambda: self._delete(selected[0]))
 
-    def _act(self, action: Callable[[], None], done: str) -> None:
+    def _delete(self, record: RunRecord) -> str:
+        removal = self.registry.delete(record.id)
+        return "\n".join([f"deleted {record.name}", *(removal.lines() if removal is not None else [])])
+
+    def _act(self, action: Callable[[], str]) -> None:
+        """Run ``action``; show what it says it did, or its error."""
         try:
-            action()
+            done = action()
         except (TuneDeckError, OSError) as err:
             self.message.setText(f"error: {err}")
             return

@@ -3,12 +3,14 @@
 Each setting exists once, in engine.config; this module only maps a field's type to an editor (check box,
 choice list, number, text), gives it a label in plain words, and reads the values back through
 ``RunConfig.from_dict``, so the engine's checks judge them. The few settings most people change come first, in
-their own group; the rest sit in groups that "Advanced" shows. Every group's labels share one column width.
+their own group; the rest sit in groups that "Advanced" shows. Every group's labels share one column width. A field
+with a check of its own (the run name) says under itself, as it is typed, why its text is refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from PySide6.QtCore import Qt
@@ -25,7 +27,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.config import RunConfig
+from engine.config import RunConfig, run_name_problem
 
 AUTO, ON, OFF = "auto", "on", "off"
 SECTION_TITLES = {
@@ -108,6 +110,13 @@ CHECKBOX_TEXT = {
     "data.train_on_all_tokens": "also learn the questions, not only the answers",
 }
 """What a check box does, written beside it where the label alone could mislead."""
+
+
+FIELD_CHECKS: dict[str, Callable[[str], str | None]] = {
+    "output.name": lambda text: run_name_problem(text) if text else None,  # empty: the default name
+}
+"""Text fields checked as they are typed: the reason a text is refused, shown under the field (None: fine)."""
+ERROR_COLOUR = "#b00020"
 
 
 AUTOMATIC_AT_ZERO = frozenset(
@@ -206,6 +215,8 @@ class ConfigForm(QWidget):
         super().__init__()
         self.editors: dict[tuple[str, str], tuple[QWidget, Any]] = {}
         self.labels: dict[str, QLabel] = {}
+        self.problems: dict[str, QLabel] = {}
+        """Under each checked field (FIELD_CHECKS): why its text is refused, hidden while it is fine."""
         specs = _field_specs(skip)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
@@ -251,10 +262,33 @@ class ConfigForm(QWidget):
             label = QLabel(label_for(key))
             label.setToolTip(editor.toolTip())
             form.addRow(label, editor)
+            if key in FIELD_CHECKS and isinstance(editor, QLineEdit):
+                self._add_check(form, key, editor)
             section, name = key.split(".")
             self.labels[key] = label
             self.editors[(section, name)] = (editor, annotation)
         return group
+
+    def _add_check(self, form: QFormLayout, key: str, editor: QLineEdit) -> None:
+        problem = QLabel("")
+        problem.setWordWrap(True)
+        problem.setStyleSheet(f"color:{ERROR_COLOUR}")
+        problem.setObjectName(f"{key}.problem")
+        problem.hide()
+        form.addRow("", problem)
+        self.problems[key] = problem
+        editor.textChanged.connect(lambda text, key=key: self._check_field(key, text))
+
+    def _check_field(self, key: str, text: str) -> None:
+        reason = FIELD_CHECKS[key](text.strip())
+        label, editor = self.problems[key], self.editor(key)
+        label.setText(f"{label_for(key)} {reason}" if reason else "")
+        label.setVisible(reason is not None)
+        editor.setStyleSheet(f"border: 1px solid {ERROR_COLOUR}" if reason else "")
+
+    def field_problem(self, key: str) -> str | None:
+        """Why the text of checked field ``key`` is refused, or None when it is fine."""
+        return self.problems[key].text() or None
 
     def set_advanced_visible(self, visible: bool) -> None:
         """Show or hide every group but the main one (the full form)."""

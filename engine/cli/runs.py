@@ -85,10 +85,14 @@ def runs_parser() -> argparse.ArgumentParser:
     show = actions.add_parser("show", help="everything recorded about one run")
     show.add_argument("run", metavar="RUN", help="run id, name or folder")
     show.add_argument("--json", action="store_true", help="print the record as JSON")
-    rename = actions.add_parser("rename", help="give a run a new name (its folder stays)")
+    rename = actions.add_parser("rename", help="give a run a new name (its folder keeps its own)")
     rename.add_argument("run", metavar="RUN")
-    rename.add_argument("name", metavar="NAME")
-    delete = actions.add_parser("delete", help="delete a run's folder and its record")
+    rename.add_argument("name", metavar="NAME", help="one plain folder name, as for tunedeck train --name")
+    delete = actions.add_parser(
+        "delete",
+        help="delete a run's record and what TuneDeck wrote in its folder; files TuneDeck did not write stay, and "
+        "so does the folder then",
+    )
     delete.add_argument("run", metavar="RUN")
     delete.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     delete.add_argument("--keep-folder", action="store_true", help="only forget the record")
@@ -124,14 +128,18 @@ def runs_main(argv: list[str]) -> int:
 
 
 def _delete(registry: Registry, record: RunRecord, yes: bool, keep_folder: bool) -> int:
-    what = "the record" if keep_folder else f"the record and the folder {record.folder}"
+    what = "the record" if keep_folder else f"the record and TuneDeck's files in {record.folder}"
     if not yes:
         answer = input(f"delete run {record.name} ({record.id}): {what}? [y/N] ")
         if answer.strip().lower() not in ("y", "yes"):
             print("nothing deleted")
             return 1
-    registry.delete(record.id, remove_folder=not keep_folder)
-    print(f"deleted {what}")
+    removal = registry.delete(record.id, remove_folder=not keep_folder)
+    print(f"deleted the record of {record.name} ({record.id})")
+    if removal is not None:
+        print("\n".join(removal.lines()))
+    elif not keep_folder:
+        print(f"its folder {record.folder} was already gone")
     return 0
 
 

@@ -1,7 +1,10 @@
 """A run's folder: the files it holds, creating it, reading its saved config, and writing logs and the adapter.
 
 Everything a user keeps lands here: ``config.json``, ``metrics.jsonl``, ``eval.jsonl``, ``checkpoints/``, the
-final ``adapter/`` (PEFT format) and, with held-out data, ``adapter-best/`` (engine.run.best). The config and
+final ``adapter/`` (PEFT format) and, with held-out data, ``adapter-best/`` (engine.run.best). The folder is one
+plain folder inside the output folder, never the output folder, its parent or a link's target, and it gets the
+marker ``.tunedeck-run`` (its run id) first, so that deleting the run later removes only what TuneDeck wrote
+(engine.run.ownership). The config and
 the adapters are written atomically and the logs one whole line at a time (engine.run.checkpoint), so a kill at
 any moment leaves a folder that a resume can read. A failed write raises an error that names the disk problem.
 """
@@ -13,17 +16,19 @@ import random
 import re
 import shutil
 import traceback
+import unicodedata
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine.config import RunConfig
+from engine.config import RunConfig, run_name_problem
 from engine.errors import ConfigError
 from engine.model.adapter import BEST_ADAPTER
 from engine.redact import redact
 from engine.run import checkpoint as ckpt
+from engine.run.ownership import new_run_id, write_marker
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -54,8 +59,12 @@ def load_run_config(run_dir: Path) -> RunConfig:
 
 
 def new_run_dir(config: RunConfig) -> Path:
+    """Create the run's folder inside the output folder, with its marker and ``config.json``."""
     parent = Path(config.output.dir).expanduser()
     name = config.output.name or _default_run_name(config)
+    problem = run_name_problem(name)
+    if problem is not None:  # OutputConfig checks it too; a config built by hand reaches here unchecked
+        raise ConfigError(f"output.name: {name!r} {problem}")
     run_dir = parent / name
     if (run_dir / CONFIG_FILE).exists():
         if config.output.name:
@@ -63,19 +72,40 @@ def new_run_dir(config: RunConfig) -> Path:
                 f"run folder {run_dir} already exists", hint="pass --resume to continue it, or another --name"
             )
         run_dir = parent / f"{name}-{random.randrange(16**4):04x}"
+    check_inside(run_dir, parent)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
+        write_marker(run_dir, new_run_id())
         ckpt.write_text_atomic(run_dir / CONFIG_FILE, json.dumps(config.to_dict(), indent=2) + "\n")
     except OSError as err:
         raise ckpt.write_error(err, "run folder", run_dir) from err
     return run_dir
 
 
+def check_inside(run_dir: Path, parent: Path) -> None:
+    """Refuse a run folder that is not a folder of its own directly inside ``parent`` once links are followed."""
+    if run_dir.is_symlink() or run_dir.resolve().parent != parent.resolve():
+        raise ConfigError(
+            f"run folder {run_dir} leads to {run_dir.resolve()}, outside the output folder {parent}",
+            hint="choose another --name, or another output folder",
+        )
+
+
 def _default_run_name(config: RunConfig) -> str:
-    # an Ollama model's name has colons (ollama:smollm2:135m), which Windows refuses in a folder name
-    model = re.sub(r'[<>:"/\\|?*]+', "-", Path(config.model.name).name).strip("-. ") or "model"
-    data = Path(config.data.path).stem or "data"
+    model = _name_part(Path(config.model.name).name, "model")
+    data = _name_part(Path(config.data.path).stem, "data")
     return f"{datetime.now():%Y%m%d-%H%M%S}-{model}-{data}"
+
+
+def _name_part(text: str, fallback: str) -> str:
+    """``text`` made fit for a folder name: an Ollama model's name has colons (ollama:smollm2:135m), which Windows
+    refuses, and a file's name may hold control characters. Cut to 40 characters and 100 bytes, so that the whole
+    name stays inside engine.config's limits."""
+    text = "".join("-" if unicodedata.category(char) in ("Cc", "Cs") else char for char in text)
+    text = re.sub(r'[<>:"/\\|?*]+', "-", text)[:40]
+    while len(text.encode("utf-8")) > 100:
+        text = text[:-1]
+    return re.sub(r"^[\s.-]+|[\s.-]+$", "", text) or fallback
 
 
 def write_compute(run_dir: Path, dtype: torch.dtype, device: torch.device) -> None:

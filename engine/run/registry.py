@@ -14,11 +14,9 @@ loop itself knows nothing of the registry.
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 import sqlite3
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
@@ -26,7 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import data_dir as data_dir  # re-exported: callers read the data folder from here
+from engine.config import run_name_problem
 from engine.errors import TuneDeckError
+from engine.run.ownership import FolderRemoval, RunFolderError, new_run_id, read_marker, remove_run_folder
 
 DB_FILE = "runs.sqlite3"
 STATUSES = ("running", "paused", "finished", "failed", "interrupted")
@@ -197,7 +197,7 @@ class Registry:
             if found is not None:
                 _update(conn, found["id"], row)
                 return str(found["id"])
-            run_id = uuid.uuid4().hex[:12]
+            run_id = _id_for(conn, Path(folder))
             row.setdefault("name", Path(folder).name)
             row.setdefault("status", "running")
             columns = {"id": run_id, "folder": folder, "created": now, **row}
@@ -213,22 +213,31 @@ class Registry:
             _update(conn, run_id, row)
 
     def rename(self, run_id: str, name: str) -> None:
-        if not name.strip():
-            raise RegistryError("a run name cannot be empty")
+        """Give a run a new name (its folder keeps its own); the name follows the rules of a run folder's name."""
+        problem = run_name_problem(name.strip())
+        if problem is not None:
+            raise RegistryError(f"the run name {name.strip()!r} {problem}")
         self.update(run_id, name=name.strip())
 
-    def delete(self, run_id: str, *, remove_folder: bool = True) -> None:
-        """Forget a run and (by default) delete its folder; a run that is still being written is refused."""
+    def delete(self, run_id: str, *, remove_folder: bool = True) -> FolderRemoval | None:
+        """Forget a run and (by default) delete what TuneDeck wrote in its folder (engine.run.ownership): the
+        folder goes only when nothing else is in it. Returns what happened to the folder (None: left alone). A run
+        that is still being written is refused."""
         record = self.get(run_id)
         if record.status in ACTIVE:
             raise RegistryError(f"run {record.name} is still {record.status}", hint="stop it first")
         folder = Path(record.folder)
-        if remove_folder and folder.is_dir():
-            if not (folder / "config.json").exists():
-                raise RegistryError(f"{folder} does not look like a run folder (no config.json); not deleting it")
-            shutil.rmtree(folder)
+        removal = None
+        if remove_folder and (folder.is_dir() or folder.is_symlink()):
+            try:
+                removal = remove_run_folder(folder, record.id)
+            except RunFolderError as err:
+                raise RegistryError(err.message, err.hint) from err
+            except OSError as err:
+                raise RegistryError(f"cannot delete from {folder}: {err.strerror or err}") from err
         with self._write() as conn:
             conn.execute("DELETE FROM runs WHERE id = ?", (run_id,))
+        return removal
 
     # ------------------------------------------------------------------------------------------- reading
 
@@ -267,6 +276,15 @@ class Registry:
             if len(match) > 1:
                 raise RegistryError(f"'{ref}' names {len(match)} runs", hint="use the run id (tunedeck runs list)")
         raise RegistryError(f"no run '{ref}' in the registry", hint="tunedeck runs list shows the runs")
+
+
+def _id_for(conn: sqlite3.Connection, folder: Path) -> str:
+    """A new record's id: the one in the folder's marker (written as TuneDeck created it), unless another record
+    holds it (a copied folder), then a fresh one."""
+    marked = read_marker(folder)
+    if marked is not None and conn.execute("SELECT 1 FROM runs WHERE id = ?", (marked,)).fetchone() is None:
+        return marked
+    return new_run_id()
 
 
 def _statements(script: str) -> list[str]:
