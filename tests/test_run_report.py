@@ -11,26 +11,26 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import test_best_adapter
+import torch
 from helpers import write_jsonl
 from test_best_adapter import config, finished
 
 from engine.cli.progress import run_with_progress
+from engine.cli.runs import report_main
 from engine.config import RunConfig
+from engine.data.packing import IGNORE_INDEX, TokenizedExample
 from engine.data.prepare import prepare_data
 from engine.model.load import load_tokenizer
-from engine.cli.runs import report_main
-from engine.data.packing import IGNORE_INDEX, TokenizedExample
 from engine.run.control import RunControl
 from engine.run.report import (
     REPORT_JSON,
     REPORT_MD,
     ModelScores,
     build_report,
-    preferred_share,
     forgetting_line,
     general_text_files,
+    preferred_share,
     read_report,
     report_after_run,
     write_report,
