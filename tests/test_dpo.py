@@ -388,7 +388,7 @@ def test_tunedeck_train_method_dpo(tiny_model_dir: Path, tmp_path: Path) -> None
     assert 0.0 <= evaluation["reward_accuracy"] <= 1.0 and evaluation["eval_loss"] > 0
     assert [e for e in events if e["kind"] == "EvalMetrics"][-1]["reward_accuracy"] == evaluation["reward_accuracy"]
     saved = json.loads((tmp_path / "dpo" / "config.json").read_text())
-    assert saved["training"]["method"] == "dpo" and saved["dpo"] == {"beta": 0.2, "loss": "ipo"}
+    assert saved["training"]["method"] == "dpo" and saved["dpo"] == {"beta": 0.2, "loss": "ipo", "reference": "start"}
     assert (tmp_path / "dpo" / "adapter" / "adapter_model.safetensors").exists()
 
 
