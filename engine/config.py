@@ -455,9 +455,12 @@ class SpeedConfig:
 
 @dataclass
 class DpoConfig:
-    """Preference tuning (``training.method`` dpo): the loss on each pair's chosen and rejected answers.
+    """Preference tuning (``training.method`` dpo): the loss on each pair's chosen and rejected answers, and the
+    reference model it measures them against.
 
-    The reference model is the base model with the adapter switched off; the defaults are TRL's."""
+    The reference is the model the run starts from, as in the DPO paper and TRL: with ``model.adapter`` that is the
+    base model with the starting adapter on, otherwise the base model (a fresh adapter changes nothing). ``reference``
+    "base" measures against the base model with the adapter switched off instead. The defaults are TRL's."""
 
     beta: float = setting(
         0.1,
@@ -469,6 +472,12 @@ class DpoConfig:
         "sigmoid: the DPO paper's loss; ipo: squared distance to a margin of 1/(2 beta) on per-token averages; "
         "hinge: the SLiC hinge on the reward margin",
         flag="--dpo-loss",
+    )
+    reference: Literal["start", "base"] = setting(
+        "start",
+        "start: the model the run starts from (with --adapter, that adapter; the DPO paper's and TRL's reference); "
+        "base: the base model with the adapter switched off (the same as start without --adapter)",
+        flag="--dpo-reference",
     )
 
     def __post_init__(self) -> None:

@@ -1,8 +1,10 @@
 """Running the same DPO job through TuneDeck and through TRL's DPOTrainer, step by step, for the comparison tests.
 
-Both start from one saved LoRA adapter whose B matrices are zero (so TRL's reference, a frozen copy of the starting
-adapter, is the base model, as TuneDeck's is), take the same pairs in the same optimizer steps (TuneDeck's packed
-rows, handed to TRL as its batches) and update with AdamW at a constant learning rate.
+Both start from one saved LoRA adapter, fresh (B matrices zero, so the model as it starts is the base model) or
+trained (B matrices non-zero), and measure against the model as it starts: TRL copies the starting adapter into a
+frozen "ref" adapter, TuneDeck scores the start before its first step (or, from a fresh adapter, the base). They take
+the same pairs in the same optimizer steps (TuneDeck's packed rows, handed to TRL as its batches) and update with
+AdamW at a constant learning rate.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ REWARD_KEYS = {
 }
 """TuneDeck's StepMetrics field -> TRL's logged metric."""
 
+STARTING_B_STD = 0.05
+"""A trained starting adapter's B entries: enough to move the answers' log-probabilities well off the base's."""
+
 WORDS = "the quick brown fox jumps over lazy dog hello there how are you today convert march answer briefly".split()  # noqa: SIM905
 
 
@@ -54,8 +59,9 @@ def preference_rows(chat: bool, count: int = 16) -> list[dict[str, Any]]:
     return rows
 
 
-def save_starting_adapter(model_dir: Path, folder: Path) -> Path:
-    """A fresh LoRA adapter (A random, B zero) on every linear layer, saved in PEFT format."""
+def save_starting_adapter(model_dir: Path, folder: Path, trained: bool = False) -> Path:
+    """A LoRA adapter on every linear layer, saved in PEFT format: fresh (A random, B zero), or ``trained`` (B random
+    too, so the model it makes is not the base model)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -64,6 +70,11 @@ def save_starting_adapter(model_dir: Path, folder: Path) -> Path:
     peft_model = get_peft_model(
         base, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
     )
+    if trained:
+        with torch.no_grad():
+            for name, parameter in peft_model.named_parameters():
+                if "lora_B" in name:
+                    parameter.normal_(0.0, STARTING_B_STD)
     peft_model.save_pretrained(folder, safe_serialization=True)
     return folder
 

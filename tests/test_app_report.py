@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 from app_demo import LOAD_TIMEOUT_MS, prepare_demo
 from hang import HANG_MS
 from helpers import write_jsonl
@@ -139,3 +140,22 @@ def test_a_report_that_ends_after_the_page_was_deleted_is_only_marked_ended(qtbo
     shiboken6.delete(page)
     page._done("/runs/a", ReportOutcome(None, None, "stopped; try: tunedeck report /runs/a"))
     assert not page.busy()
+
+
+def test_a_dpo_report_is_drawn_against_chance(qtbot: Any) -> None:
+    import pyqtgraph as pg
+
+    from app.widgets.report_chart import ReportChart
+    from engine.run.report import ModelScores, RunReport
+
+    before = ModelScores("starting adapter", None, 5.0, None, 20.0, preferred=0.5)
+    best = ModelScores("best adapter (step 4)", 0.6, 4.0, 0.75, 21.0, preferred=0.875)
+    chart = ReportChart()
+    qtbot.addWidget(chart)
+    chart.show_report(RunReport("run", "dpo", 8, 100, 3000, [before, best]))
+    names = [figure.name for figure in chart.figures]
+    assert names[0] == "held-out pairs preferred (higher is better; chance is 50%)"
+    assert chart.bar_texts()[:3] == [["50%", "88%"], ["-", "0.600"], ["-", "75%"]]  # no reward before the run
+    (line,) = [item for item in chart._drawn if isinstance(item, pg.PlotDataItem)]
+    x, _ = line.getData()
+    assert list(x) == pytest.approx([0.5 / 0.875] * 2)  # chance, on the scale of the group's largest bar

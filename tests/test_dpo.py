@@ -3,9 +3,11 @@ log-probabilities, starting from an earlier adapter, QLoRA, and a run through ``
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +18,7 @@ import torch
 from hang import HANG_S
 from helpers import write_jsonl
 
-from engine.config import DataConfig, DpoConfig, ModelConfig, RunConfig
+from engine.config import DataConfig, DpoConfig, ModelConfig, OutputConfig, RunConfig
 from engine.data.files import PreferencePair, iter_row_problems, load_examples
 from engine.data.packing import IGNORE_INDEX, TokenizedPair, collate
 from engine.data.prepare import prepare_data
@@ -25,8 +27,9 @@ from engine.errors import ConfigError, DataError
 from engine.events import Notice, RunFailed, RunFinished, StepMetrics
 from engine.model.load import add_lora, load_base_model, load_tokenizer
 from engine.run import preference_step
+from engine.run.checkpoint import checkpoint_name
 from engine.run.folder import new_run_dir
-from engine.run.preference import document_log_probs, pair_losses
+from engine.run.preference import REFERENCE_NOTE, document_log_probs, pair_losses
 from engine.speed.warm_up import WarmUpLedger
 from engine.train import run
 
@@ -184,13 +187,17 @@ def test_losses_are_trls_formulas() -> None:
     policy = torch.tensor([[-4.0, -6.0], [-5.0, -3.0]])
     reference = torch.tensor([[-5.0, -5.0], [-5.0, -5.0]])
     tokens = torch.tensor([[2.0, 4.0], [1.0, 1.0]])
-    delta = torch.tensor([2.0, -2.0])  # (chosen − ref) − (rejected − ref)
-    beta = 0.1
-    sigmoid = pair_losses(policy, reference, beta, "sigmoid", tokens)
-    assert torch.allclose(sigmoid, torch.log1p(torch.exp(-beta * delta)))
-    assert torch.allclose(pair_losses(policy, reference, beta, "hinge", tokens), torch.relu(1 - beta * delta))
-    ipo = pair_losses(policy, reference, beta, "ipo", tokens)
-    assert torch.allclose(ipo, torch.tensor([(1 / 2 + 1 / 4 - 5) ** 2, (0 - 2 - 5) ** 2]))
+    beta = 0.1  # margins (chosen − ref) − (rejected − ref): +2 and −2, so beta times them: +0.2 and −0.2
+    # worked by hand: sigmoid log(1 + e^∓0.2); hinge max(0, 1 ∓ 0.2); IPO on per-token averages, whose margins are
+    # (1/2 − (−1/4)) = 0.75 and (0 − 2) = −2, against 1/(2 beta) = 5
+    expected = {
+        "sigmoid": [0.5981388693815918, 0.7981388693815918],
+        "hinge": [0.8, 1.2],
+        "ipo": [(0.75 - 5) ** 2, (-2 - 5) ** 2],
+    }
+    for loss, values in expected.items():
+        assert pair_losses(policy, reference, beta, loss, tokens).tolist() == pytest.approx(values, abs=1e-6), loss
+    assert float(pair_losses(policy, reference, 2.0, "hinge", tokens)[0]) == 0.0  # a margin past 1/beta costs nothing
     assert math.isclose(float(pair_losses(reference, reference, beta, "sigmoid", tokens)[0]), math.log(2), rel_tol=1e-6)
 
 
@@ -224,12 +231,13 @@ def test_beta_must_be_positive() -> None:
 
 def dpo_config(model_dir: Path, data: Path, output: Path, **training: Any) -> RunConfig:
     model = {"name": str(model_dir), **training.pop("model", {})}
+    output_settings = training.pop("output_settings", {})
     return RunConfig.from_dict(
         {
             "model": model,
             "data": {"path": str(data), "max_seq_len": 32, "tokens_per_batch": 64, "eval_fraction": 0.0},
             "training": {"method": "dpo", "learning_rate": 5e-3, "warmup_steps": 0, "seed": 3, **training},
-            "output": {"dir": str(output)},
+            "output": {"dir": str(output), **output_settings},
         }
     )
 
@@ -269,25 +277,77 @@ def test_reference_log_probs_are_computed_once_per_pair(
     assert steps[-1].loss < steps[0].loss and steps[-1].reward_accuracy == 1.0
 
 
-def test_a_run_from_an_earlier_adapter_keeps_the_base_as_reference(tiny_model_dir: Path, tmp_path: Path) -> None:
-    data = write_jsonl(tmp_path / "p.jsonl", TEXT_ROWS)
-    first = events_of(dpo_config(tiny_model_dir, data, tmp_path / "a", max_steps=4))
-    finished = next(e for e in first if isinstance(e, RunFinished))
+@pytest.fixture(scope="module")
+def preferring_adapter(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(pairs, the folder of a run whose adapter learned to prefer their chosen answers)."""
+    folder = tmp_path_factory.mktemp("preferring")
+    data = write_jsonl(folder / "p.jsonl", TEXT_ROWS)
+    first = events_of(dpo_config(tiny_model_dir, data, folder / "a", max_steps=4))
+    return data, Path(next(e for e in first if isinstance(e, RunFinished)).run_dir)
+
+
+def test_a_run_from_an_earlier_adapter_measures_against_it(
+    tiny_model_dir: Path, tmp_path: Path, preferring_adapter: tuple[Path, Path]
+) -> None:
+    data, earlier = preferring_adapter
     config = dpo_config(
-        tiny_model_dir, data, tmp_path / "b", max_steps=1, learning_rate=1e-9,
-        model={"adapter": finished.run_dir},
+        tiny_model_dir, data, tmp_path / "b", max_steps=1, learning_rate=1e-9, model={"adapter": str(earlier)}
+    )
+    events = events_of(config)
+    notices = [e.message for e in events if isinstance(e, Notice)]
+    assert any("starting from the adapter" in n for n in notices) and any(REFERENCE_NOTE in n for n in notices)
+    (step,) = [e for e in events if isinstance(e, StepMetrics)]
+    # the reference is the model the run starts from: its first step has nothing won yet
+    assert step.reward_margin == pytest.approx(0.0, abs=1e-6) and step.loss == pytest.approx(math.log(2), abs=1e-6)
+    based = dataclasses.replace(config, dpo=DpoConfig(reference="base"), output=OutputConfig(dir=str(tmp_path / "c")))
+    (from_base,) = [e for e in events_of(based) if isinstance(e, StepMetrics)]
+    # against the base model, the adapter that learned to prefer the chosen answers starts ahead
+    assert from_base.reward_margin is not None and from_base.reward_margin > 0.05 and from_base.loss < math.log(2)
+    # resumed before its first checkpoint, a run starts from the adapter too (not from a fresh one)
+    (resumed,) = [e for e in run(based, resume=new_run_dir(based)) if isinstance(e, StepMetrics)]
+    assert resumed.reward_margin == pytest.approx(from_base.reward_margin, abs=1e-4)
+    missing = list(run(dpo_config(tiny_model_dir, data, tmp_path / "d", model={"adapter": str(tmp_path / "none")})))
+    assert isinstance(missing[-1], RunFailed) and "no such folder" in missing[-1].message
+
+
+def _resume_from_step_2(config: RunConfig, run_dir: Path, old_checkpoint: bool = False) -> list[Any]:
+    """Resume ``run_dir`` from its step-2 checkpoint (the later ones taken away); ``old_checkpoint``: as if written
+    before checkpoints kept DPO's reference log-probabilities."""
+    checkpoints = run_dir / "checkpoints"
+    for later in [c for c in checkpoints.iterdir() if c.name != checkpoint_name(2)]:
+        shutil.rmtree(later)
+    if old_checkpoint:
+        kept = checkpoints / checkpoint_name(2)
+        (kept / "reference.safetensors").unlink()
+        manifest = json.loads((kept / "manifest.json").read_text())
+        del manifest["reference.safetensors"]
+        (kept / "manifest.json").write_text(json.dumps(manifest))
+    events = list(run(config, resume=run_dir))
+    assert not any(isinstance(e, RunFailed) for e in events), events
+    return events
+
+
+def test_a_resumed_run_keeps_the_reference_it_started_with(
+    tiny_model_dir: Path, tmp_path: Path, preferring_adapter: tuple[Path, Path]
+) -> None:
+    data, earlier = preferring_adapter
+    config = dpo_config(
+        tiny_model_dir, data, tmp_path / "runs", max_steps=4, save_every=2, model={"adapter": str(earlier)},
+        output_settings={"keep_checkpoints": 3},
     )  # fmt: skip
     events = events_of(config)
-    assert any(isinstance(e, Notice) and "starting from the adapter" in e.message for e in events)
-    (step,) = [e for e in events if isinstance(e, StepMetrics)]
-    # the adapter that learned to prefer the chosen answers starts ahead of the base model, its reference
-    assert step.reward_margin is not None and step.reward_margin > 0.05 and step.loss < math.log(2)
-    # resumed before its first checkpoint, a run starts from the adapter too (not from a fresh one)
-    folder = new_run_dir(config)
-    (resumed,) = [e for e in run(config, resume=folder) if isinstance(e, StepMetrics)]
-    assert resumed.reward_margin == pytest.approx(step.reward_margin, abs=1e-4)
-    missing = list(run(dpo_config(tiny_model_dir, data, tmp_path / "c", model={"adapter": str(tmp_path / "none")})))
-    assert isinstance(missing[-1], RunFailed) and "no such folder" in missing[-1].message
+    whole = [e for e in events if isinstance(e, StepMetrics)]
+    run_dir = Path(next(e for e in events if isinstance(e, RunFinished)).run_dir)
+    assert (run_dir / "checkpoints" / checkpoint_name(2) / "reference.safetensors").exists()
+    resumed = [e for e in _resume_from_step_2(config, run_dir) if isinstance(e, StepMetrics)]
+    assert [s.step for s in resumed] == [3, 4]
+    for again, first in zip(resumed, whole[2:], strict=True):  # measured against the start, not the step-2 model
+        assert again.reward_margin == pytest.approx(first.reward_margin, abs=1e-5)
+        assert again.loss == pytest.approx(first.loss, abs=1e-5)
+    assert abs(whole[2].reward_margin or 0.0) > 1e-2, "two steps moved the rewards: a comparison that can fail"
+    older = _resume_from_step_2(config, run_dir, old_checkpoint=True)
+    assert any(isinstance(e, Notice) and "keeps no reference log-probabilities" in e.message for e in older)
+    assert [e.step for e in older if isinstance(e, StepMetrics)] == [3, 4]
 
 
 def test_qlora_dpo_trains(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -328,7 +388,7 @@ def test_tunedeck_train_method_dpo(tiny_model_dir: Path, tmp_path: Path) -> None
     assert 0.0 <= evaluation["reward_accuracy"] <= 1.0 and evaluation["eval_loss"] > 0
     assert [e for e in events if e["kind"] == "EvalMetrics"][-1]["reward_accuracy"] == evaluation["reward_accuracy"]
     saved = json.loads((tmp_path / "dpo" / "config.json").read_text())
-    assert saved["training"]["method"] == "dpo" and saved["dpo"] == {"beta": 0.2, "loss": "ipo"}
+    assert saved["training"]["method"] == "dpo" and saved["dpo"] == {"beta": 0.2, "loss": "ipo", "reference": "start"}
     assert (tmp_path / "dpo" / "adapter" / "adapter_model.safetensors").exists()
 
 

@@ -3,7 +3,9 @@ training reads, and "train on my preferences" as a real DPO run from a run's ada
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -209,6 +211,27 @@ def test_train_on_my_preferences_is_a_dpo_run_from_the_runs_adapter(
     saved = json.loads((Path(finished.run_dir) / "config.json").read_text(encoding="utf-8"))
     assert saved["training"]["method"] == "dpo" and saved["model"]["adapter"] == str(best.folder)
     assert (Path(finished.run_dir) / "adapter" / "adapter_model.safetensors").exists()
+
+
+def first_step(config: Any) -> StepMetrics:
+    events = list(run(config))
+    assert not [e for e in events if isinstance(e, RunFailed)], events
+    return next(e for e in events if isinstance(e, StepMetrics))
+
+
+def test_training_on_my_preferences_starts_level_with_the_fine_tune(home: Path, run_folder: Path) -> None:
+    """Pairs of "the fine-tune's answer over the base's" are not won before the run has learned anything: the
+    reference is the fine-tune the run starts from. Against the base model (``--dpo-reference base``) they are."""
+    save(PreferenceStore.for_run(run_folder), 6)
+    config = train_on_preferences(run_folder)
+    assert config.dpo.reference == "start"
+    one_step = dataclasses.replace(config, training=dataclasses.replace(config.training, max_steps=1))
+    step = first_step(one_step)
+    assert step.rewards_chosen == pytest.approx(0.0, abs=1e-6) and step.rewards_rejected == pytest.approx(0.0, abs=1e-6)
+    assert step.reward_margin == pytest.approx(0.0, abs=1e-6) and step.loss == pytest.approx(math.log(2), abs=1e-6)
+    against_base = first_step(dataclasses.replace(one_step, dpo=dataclasses.replace(config.dpo, reference="base")))
+    assert against_base.reward_margin is not None and abs(against_base.reward_margin) > 1e-2
+    assert abs(against_base.loss - math.log(2)) > 1e-3
 
 
 def tunedeck(home: Path, *args: str) -> subprocess.CompletedProcess[str]:

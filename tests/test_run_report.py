@@ -12,12 +12,16 @@ from typing import Any
 
 import pytest
 import test_best_adapter
+import torch
 from helpers import write_jsonl
 from test_best_adapter import config, finished
 
 from engine.cli.progress import run_with_progress
 from engine.cli.runs import report_main
+from engine.config import RunConfig
 from engine.data.packing import IGNORE_INDEX, TokenizedExample
+from engine.data.prepare import prepare_data
+from engine.model.load import load_tokenizer
 from engine.run.control import RunControl
 from engine.run.report import (
     REPORT_JSON,
@@ -26,6 +30,7 @@ from engine.run.report import (
     build_report,
     forgetting_line,
     general_text_files,
+    preferred_share,
     read_report,
     report_after_run,
     write_report,
@@ -75,21 +80,70 @@ def test_tunedeck_report_prints_the_written_report_and_measures_a_run_without_on
     assert json.loads(capsys.readouterr().out)["run"] == "as written"
 
 
-def test_a_dpo_report_scores_the_held_out_pairs(fitting_model: Path, tmp_path: Path) -> None:
-    pairs = [{"prompt": f"say {i}: ", "chosen": "number one", "rejected": "the fox"} for i in range(6)]
-    train = write_jsonl(tmp_path / "pairs.jsonl", pairs)
-    held_out = write_jsonl(tmp_path / "held-out-pairs.jsonl", pairs[:4])
+def test_the_share_preferred_compares_answers_per_token() -> None:
+    # worked by hand: pair 1 sums -4 over 2 tokens (-2 each) against -6 over 4 (-1.5 each): the longer rejected
+    # answer is likelier per token although its sum is lower; pair 2: -3 over 3 against -8 over 4; pair 3 a tie
+    log_probs = torch.tensor([[-4.0, -6.0], [-3.0, -8.0], [-2.0, -2.0]])
+    tokens = torch.tensor([[2.0, 4.0], [3.0, 4.0], [1.0, 1.0]])
+    assert preferred_share(log_probs, tokens) == pytest.approx(1 / 3)
+    assert preferred_share(log_probs[:1], torch.ones(1, 2)) == 1.0  # by sums, pair 1 is preferred
+
+
+def per_token_log_probs(model: Any, document: TokenizedExample) -> float:
+    """A document's mean log-probability of its learned tokens, by a plain forward of it alone."""
+    ids = torch.tensor([list(document.input_ids)])
+    labels = torch.tensor(list(document.labels))
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, :-1].float()
+    learned = labels[1:] != IGNORE_INDEX
+    picked = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+    return float(picked[learned].mean())
+
+
+def share_preferred(model: Any, pairs: list[Any]) -> float:
+    wins = 0
+    for pair in pairs:
+        chosen, rejected = pair.documents()
+        wins += per_token_log_probs(model, chosen) > per_token_log_probs(model, rejected)
+    return wins / len(pairs)
+
+
+def test_a_dpo_report_compares_the_start_with_each_adapter(fitting_model: Path, tmp_path: Path) -> None:
+    from dpo_reference import preference_rows, save_starting_adapter
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    rows = preference_rows(chat=False, count=24)
+    train = write_jsonl(tmp_path / "pairs.jsonl", rows[:16])
+    held_out = write_jsonl(tmp_path / "held-out-pairs.jsonl", rows[16:])
+    start = save_starting_adapter(fitting_model, tmp_path / "start", trained=True)
     settings = config(fitting_model, tmp_path, method="dpo", max_steps=4, eval_every=2, learning_rate=5e-3)
     raw = settings.to_dict()
-    raw["data"].update(path=str(train), eval_path=str(held_out))
+    raw["data"].update(path=str(train), eval_path=str(held_out), tokens_per_batch=128, max_seq_len=64)
+    raw["model"]["adapter"] = str(start)
     done = finished(list(run(type(settings).from_dict(raw))))
     report = build_report(done.run_dir)
-    base, best = report.models[:2]
+    before, best = report.models[:2]
+    assert before.label == "starting adapter"
+    # the run's own evaluation measured against the same reference (the start) as the report
     recorded = evaluations(Path(done.run_dir))[done.best_step]
     assert best.held_out_loss == pytest.approx(recorded["eval_loss"], rel=1e-4)
     assert best.reward_accuracy == pytest.approx(recorded["reward_accuracy"])
-    assert base.held_out_loss == pytest.approx(math.log(2)) and base.reward_accuracy == 0.0
-    assert "held-out reward accuracy" in report.markdown()
+    # before the run, no reward against a reference: only what means something without one
+    assert before.held_out_loss is None and before.reward_accuracy is None
+
+    # the share preferred, from a plain transformers forward of each answer alone
+    pairs = prepare_data(RunConfig.from_dict(raw).data, load_tokenizer(RunConfig.from_dict(raw).model), 42, "dpo").eval
+    base = AutoModelForCausalLM.from_pretrained(fitting_model, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(start), adapter_name="start").eval()
+    model.load_adapter(str(Path(done.run_dir) / "adapter-best"), adapter_name="best")
+    expected_before = share_preferred(model, pairs)
+    model.set_adapter("best")
+    assert (before.preferred, best.preferred) == pytest.approx((expected_before, share_preferred(model, pairs)))
+    assert before.preferred != 0.0  # not zero by construction: the model before the run, scored on its own
+    table = report.markdown()
+    assert "held-out pairs preferred" in table and "chance is 50%" in table
+    assert f"held-out pairs preferred: {before.preferred:.0%} → {best.preferred:.0%}" in table
 
 
 def test_tunedeck_train_writes_and_prints_the_report_when_a_run_ends(

@@ -1,11 +1,12 @@
-"""Report page: a run's before/after report, base model and tuned side by side.
+"""Report page: a run's before/after report, the model before the run and tuned side by side.
 
-The report (engine.run.report) scores the base model and the run's adapters on the run's held-out examples (loss,
-perplexity, exact match and token F1 of short answers, DPO reward accuracy) and on a fixed general-English text, the
-forgetting check. It is built when a run in this window ends, or for any run from the Runs page's Report button, in
-a background job: reading or measuring it imports torch and loads the model, never on the GUI thread. The page shows
-the forgetting check in words, a bar chart of every figure and the report's Markdown text, as written to
-``report.md`` in the run folder.
+The report (engine.run.report) scores the model before the run (the base model, or a DPO run's starting adapter) and
+the run's adapters on the run's held-out examples (loss, perplexity, exact match and token F1 of short answers; for
+DPO the share of held-out pairs preferred, where chance is 50%, and reward accuracy against the run's reference) and
+on a fixed general-English text, the forgetting check. It is built when a run in this window ends, or for any run
+from the Runs page's Report button, in a background job: reading or measuring it imports torch and loads the model,
+never on the GUI thread. The page shows the forgetting check in words, a bar chart of every figure and the report's
+Markdown text, as written to ``report.md`` in the run folder.
 """
 
 from __future__ import annotations

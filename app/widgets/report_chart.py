@@ -1,9 +1,10 @@
-"""A run's before/after report as a picture: one group of bars per figure, one bar per model (base and tuned).
+"""A run's before/after report as a picture: one group of bars per figure, one bar per model (before and tuned).
 
 The figures have different units (a loss near 2, a perplexity in the thousands, a share of answers), so each group
 is drawn against its own largest value and every bar carries its figure as text: the bars compare the models within
 a figure, the text gives the value. Each figure's name says which way is better. Colours come from the palette for
-text and axes (and follow the light or dark look); the models keep one colour each.
+text and axes (and follow the light or dark look); the models keep one colour each. A figure where guessing scores
+something (a DPO run's share of held-out pairs preferred: chance is 50%) carries a dashed line at chance.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pyqtgraph as pg
+from PySide6.QtCore import Qt
 from PySide6.QtGui import QFontMetrics
 from PySide6.QtWidgets import QWidget
 
@@ -22,9 +24,10 @@ if TYPE_CHECKING:
     from engine.run.report import RunReport
 
 MODEL_COLORS = ("#8c8c8c", "#2ca02c", "#1f77b4", "#ff7f0e")
-"""Base model grey, then the adapters (best, last)."""
-TITLE = "Base model and tuned, side by side (each figure against its largest)"
+"""The model before the run grey (the base model, or a DPO run's starting adapter), then the adapters (best, last)."""
+TITLE = "Before and after, side by side (each figure against its largest)"
 GROUP_HEIGHT = 0.8
+DASH = Qt.PenStyle.DashLine
 TEXT_ROOM = 0.45
 """Room right of the longest bar (a share of it) for its figure's text."""
 
@@ -37,26 +40,23 @@ class Figure:
     values: tuple[float | None, ...]
     spec: str
     """How its values are written: a format spec (".3f", ".0%")."""
+    chance: float | None = None
+    """What guessing scores (a DPO run's pairs preferred: 50%), marked across the group; None: no such mark."""
 
     def text(self, value: float | None) -> str:
         return "-" if value is None else format(value, self.spec)
 
 
 def report_figures(report: RunReport) -> list[Figure]:
-    """The report's figures, top to bottom: held-out loss and perplexity, short answers, reward accuracy, and the
-    forgetting check. Figures no model has are left out."""
-    models = report.models
-    pairs = report.method == "dpo"
-    figures = [
-        Figure(("held-out DPO loss" if pairs else "held-out loss") + " (lower is better)",
-               tuple(m.held_out_loss for m in models), ".3f"),
-        Figure("held-out perplexity (lower is better)", tuple(m.held_out_perplexity for m in models), ",.1f"),
-        Figure("short answers: exact match (higher is better)", tuple(m.exact_match for m in models), ".0%"),
-        Figure("short answers: token F1 (higher is better)", tuple(m.token_f1 for m in models), ".0%"),
-        Figure("held-out reward accuracy (higher is better)", tuple(m.reward_accuracy for m in models), ".0%"),
-        Figure("general English perplexity: forgetting (lower is better)",
-               tuple(m.general_perplexity for m in models), ",.1f"),
-    ]  # fmt: skip
+    """The report's figures, top to bottom, as the report lists them (engine.run.report.measures), each name saying
+    which way is better and, where guessing scores something, what chance is. Figures no model has are left out."""
+    figures = []
+    for measure in report.measures():
+        better = f"{measure.better} is better"
+        if measure.chance is not None:
+            better += f"; chance is {measure.chance:.0%}"
+        values = tuple(measure.value(m) for m in report.models)
+        figures.append(Figure(f"{measure.short_name} ({better})", values, measure.short, measure.chance))
     return [figure for figure in figures if any(value is not None for value in figure.values)]
 
 
@@ -116,6 +116,11 @@ class ReportChart(pg.PlotWidget):
             label = pg.TextItem(f" {figure.text(value)}", color=text_color, anchor=(0, 0.5))
             label.setPos(length, y)
             self._add(label)
+        if figure.chance is not None:  # a dashed line where guessing lands, across the group's bars
+            x = figure.chance / largest
+            half = GROUP_HEIGHT / 2
+            line = pg.PlotDataItem([x, x], [centre - half, centre + half], pen=pg.mkPen(text_color, style=DASH))
+            self._add(line)
 
     def _title_with_key(self) -> str:
         """The title, then a coloured square and the name of each model."""

@@ -30,6 +30,8 @@ from engine.errors import TuneDeckError
 CHECKPOINT_PREFIX = "step-"
 STATE_FILE = "trainer_state.json"
 MANIFEST_FILE = "manifest.json"
+REFERENCE_FILE = "reference.safetensors"
+"""A DPO run's reference log-probabilities (engine.run.preference), in its checkpoints."""
 DISK_FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
 NO_PERMISSION = (errno.EACCES, errno.EPERM, errno.EROFS)
 
@@ -153,15 +155,17 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     keep: int,
+    reference: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write a checkpoint atomically and prune all but the newest ``keep``; returns its folder."""
+    """Write a checkpoint atomically and prune all but the newest ``keep``; returns its folder. ``reference``: a DPO
+    run's reference log-probabilities, kept so that a resumed run measures against the same reference."""
     final = folder / checkpoint_name(state.step)
     tmp = folder / f".tmp-{final.name}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        _write_checkpoint_files(tmp, state, adapter_state, optimizer, scheduler)
+        _write_checkpoint_files(tmp, state, adapter_state, optimizer, scheduler, reference)
         commit_folder(tmp, final)
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -171,11 +175,18 @@ def save_checkpoint(
 
 
 def _write_checkpoint_files(
-    tmp: Path, state: TrainerState, adapter_state: dict[str, torch.Tensor], optimizer: Any, scheduler: Any
+    tmp: Path,
+    state: TrainerState,
+    adapter_state: dict[str, torch.Tensor],
+    optimizer: Any,
+    scheduler: Any,
+    reference: dict[str, torch.Tensor] | None = None,
 ) -> None:
     from safetensors.torch import save_file
 
     save_file({k: v.detach().contiguous().cpu() for k, v in adapter_state.items()}, tmp / "adapter.safetensors")
+    if reference is not None:
+        save_file({k: v.detach().contiguous().cpu() for k, v in reference.items()}, tmp / REFERENCE_FILE)
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     torch.save(rng_state(), tmp / "rng.pt")
@@ -243,3 +254,12 @@ def load_checkpoint(checkpoint: Path, optimizer: torch.optim.Optimizer, schedule
     scheduler.load_state_dict(torch.load(checkpoint / "scheduler.pt", weights_only=True))
     restore_rng_state(torch.load(checkpoint / "rng.pt", weights_only=True))
     return load_file(checkpoint / "adapter.safetensors")
+
+
+def load_reference(checkpoint: Path) -> dict[str, torch.Tensor] | None:
+    """A DPO checkpoint's reference log-probabilities, or None where it holds none (not DPO, or written before
+    checkpoints kept them)."""
+    from safetensors.torch import load_file
+
+    path = checkpoint / REFERENCE_FILE
+    return load_file(path) if path.is_file() else None

@@ -4,10 +4,23 @@ a reference model.
 Pairs pack like documents: a pair is one packed item, its chosen document (prompt + chosen answer) followed by its
 rejected one, with positions restarting at each, so the packed attention path and its metadata cache keep them
 apart and one forward over a row scores every answer in it. Logits are computed only at the answer tokens
-(transformers' ``logits_to_keep``), never for the whole row. The reference is the same base model with the adapter
-switched off (peft's ``disable_adapter``), run in eval mode under ``no_grad``: no second copy of the model, no
-dropout, no recompute. Its log-probabilities never change, so each pair's are kept once computed (two floats a pair
-on the device) and every pass after the first skips the reference forward.
+(transformers' ``logits_to_keep``), never for the whole row.
+
+The reference is the model the run starts from, as the DPO paper and TRL define it (``dpo.reference`` "start"), or
+the base model with the adapter off (``dpo.reference`` "base"). It is never a second copy of the model:
+
+* a run from an earlier adapter (``model.adapter``) with the "start" reference scores every pair, training and
+  held-out, once before its first step with the model exactly as it starts (TRL's ``precompute_ref_log_probs``),
+  and checkpoints keep those log-probabilities, so a resumed run measures against the same start. A frozen copy of
+  the starting adapter beside the trained one (TRL's "ref" adapter) would cost no more memory, but every speed
+  switch that wraps or re-routes the LoRA layers (the 16-bit LoRA path, its grouped A products, the stand-ins of
+  engine.speed.stand_in) would then have to keep two adapters apart and switch between them inside a step; a pass
+  before the first step runs the model as it trains, with nothing to switch;
+* otherwise the reference is the base model: a fresh adapter's B matrices are zero, so the model as it starts *is*
+  the base, and the reference pass runs with peft's adapters switched off (``adapters_off``, which sees through the
+  speed stand-ins) the first time a pair is met; its two floats are kept and every later pass skips it.
+
+Either way the reference pass runs in eval mode under ``no_grad``: no dropout, no recompute.
 
 The loss and the logged rewards follow TRL's DPOTrainer (``loss_type`` sigmoid, ipo, hinge; ``rewards/chosen``,
 ``rewards/rejected``, ``rewards/margins``, ``rewards/accuracies``), averaged over the pairs of an optimizer step.
@@ -29,10 +42,18 @@ from engine.data.packing import PackedBatch
 from engine.events import StepMetrics
 
 REFERENCE_NOTE = (
+    "the reference is the model as the run starts, its starting adapter on; every pair's log-probabilities are "
+    "computed once before the first step and kept in checkpoints"
+)
+BASE_REFERENCE_NOTE = (
     "the reference is the base model with the adapter switched off; its log-probabilities are kept for every pair "
     "after the first pass over the data"
 )
-STEP_GRAPHS_REFUSED = "DPO runs a reference pass with the adapter switched off beside each micro-batch"
+FRESH_START_NOTE = (
+    "the reference is the model as the run starts, which with a fresh adapter is the base model: the adapter is "
+    "switched off for it, and its log-probabilities are kept for every pair after the first pass over the data"
+)
+STEP_GRAPHS_REFUSED = "a DPO step may run a reference pass beside its micro-batch"
 FUSED_LOSS_REFUSED = "DPO scores answers by their log-probabilities: logits only at answer tokens instead"
 
 
@@ -83,6 +104,22 @@ class ReferenceCache:
         for i in pairs:
             self.known[i] = True
 
+    def complete(self) -> bool:
+        return all(self.known)
+
+    def saved(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values, known) on the host, for a checkpoint."""
+        return self.values.detach().cpu(), torch.tensor(self.known, dtype=torch.bool)
+
+    def restore(self, values: torch.Tensor, known: torch.Tensor) -> bool:
+        """Take kept values back from a checkpoint; False (nothing taken) when they are for another number of
+        pairs."""
+        if tuple(values.shape) != tuple(self.values.shape) or known.numel() != len(self.known):
+            return False
+        self.values.copy_(values.to(self.values.device, torch.float32))
+        self.known = [bool(k) for k in known.tolist()]
+        return True
+
 
 @dataclass
 class RewardTotals:
@@ -126,17 +163,51 @@ class PreferenceTraining:
     settings: DpoConfig
     train_reference: ReferenceCache
     eval_reference: ReferenceCache
+    from_start: bool = False
+    """The reference is the starting adapter's model, scored for every pair before the first step (a run from an
+    earlier adapter, ``dpo.reference`` start); False: the base model, scored with the adapter off as pairs come."""
+    starts_from_adapter: bool = False
     totals: RewardTotals = field(default_factory=RewardTotals)
     eval_accuracy: float | None = None
 
     @classmethod
     def for_run(
-        cls, settings: DpoConfig, train_pairs: int, eval_pairs: int, device: torch.device
+        cls, settings: DpoConfig, train_pairs: int, eval_pairs: int, device: torch.device, starts_from_adapter: bool
     ) -> PreferenceTraining:
-        return cls(settings, ReferenceCache(train_pairs, device), ReferenceCache(eval_pairs, device))
+        from_start = starts_from_adapter and settings.reference == "start"
+        caches = ReferenceCache(train_pairs, device), ReferenceCache(eval_pairs, device)
+        return cls(settings, *caches, from_start=from_start, starts_from_adapter=starts_from_adapter)
 
     def describe(self) -> str:
-        return f"DPO: beta {self.settings.beta:g}, {self.settings.loss} loss; {REFERENCE_NOTE}"
+        if self.from_start:
+            note = REFERENCE_NOTE
+        else:
+            note = BASE_REFERENCE_NOTE if self.starts_from_adapter else FRESH_START_NOTE
+        return f"DPO: beta {self.settings.beta:g}, {self.settings.loss} loss; {note}"
+
+    def saved(self) -> dict[str, torch.Tensor]:
+        """The reference log-probabilities kept so far, as a checkpoint holds them."""
+        train, train_known = self.train_reference.saved()
+        held_out, held_out_known = self.eval_reference.saved()
+        return {"train": train, "train_known": train_known, "eval": held_out, "eval_known": held_out_known}
+
+    def restore(self, saved: dict[str, torch.Tensor] | None) -> bool:
+        """Take the reference log-probabilities back from a checkpoint; False when it held none for these pairs."""
+        if saved is None or not {"train", "train_known", "eval", "eval_known"} <= set(saved):
+            return False
+        train = self.train_reference.restore(saved["train"], saved["train_known"])
+        return train and self.eval_reference.restore(saved["eval"], saved["eval_known"])
+
+    def missing_start(self) -> bool:
+        """The start's reference is not (all) known: it must be scored before the first step."""
+        return self.from_start and not (self.train_reference.complete() and self.eval_reference.complete())
+
+    def fall_back_to_base(self) -> None:
+        """Measure against the base model from now on (a checkpoint made before the start's log-probabilities were
+        kept in checkpoints was trained against the base)."""
+        self.from_start = False
+        self.train_reference = ReferenceCache(len(self.train_reference.known), self.train_reference.values.device)
+        self.eval_reference = ReferenceCache(len(self.eval_reference.known), self.eval_reference.values.device)
 
 
 @dataclass(frozen=True)

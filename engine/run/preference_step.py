@@ -1,14 +1,17 @@
-"""A DPO run's steps: the reference pass (kept per pair after the first), the pairs of an optimizer step scored and
-backpropagated micro-batch by micro-batch, and the held-out pairs' loss and reward accuracy
-(:mod:`engine.run.preference` holds the losses, the kept reference and the run's settings)."""
+"""A DPO run's steps: the reference pass (before the first step for a run measured against its starting adapter,
+else kept per pair after the first), the pairs of an optimizer step scored and backpropagated micro-batch by
+micro-batch, and the held-out pairs' loss and reward accuracy (:mod:`engine.run.preference` holds the losses, the
+kept reference and the run's settings)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from engine.data.packing import PackedBatch, TokenizedExample, TokenizedPair, collate
+from engine.events import Event, Notice
 from engine.run import guard
 from engine.run.preference import PairScores, ReferenceCache, RewardTotals, document_log_probs, pair_losses
 from engine.run.session import Session
@@ -16,21 +19,48 @@ from engine.speed.stand_in import adapters_off
 
 
 def _reference(session: Session, batch: PackedBatch, pairs: Sequence[int], cache: ReferenceCache) -> torch.Tensor:
-    """(P, 2) reference log-probabilities: kept ones, or one pass with the adapter off."""
+    """(P, 2) reference log-probabilities: kept ones, or one pass with the adapter off (the base model)."""
     kept = cache.get(pairs)
     if kept is not None:
         return kept
+    assert session.preference is not None
+    if session.preference.from_start:  # the start was scored before the first step; the model has moved since
+        raise RuntimeError("the starting model's reference log-probabilities were not computed before training")
+    values = _reference_pass(session, batch, adapter_on=False)
+    cache.put(pairs, values)
+    return values
+
+
+def _reference_pass(session: Session, batch: PackedBatch, adapter_on: bool) -> torch.Tensor:
+    """(P, 2) log-probabilities of ``batch``'s pairs in eval mode, without gradients, the adapter on or off."""
     model = session.model
     training = model.training
     model.eval()  # no dropout; transformers' checkpointing runs only in training mode
     try:
-        with torch.no_grad(), adapters_off(model):
+        with torch.no_grad(), contextlib.nullcontext() if adapter_on else adapters_off(model):
             inputs = session.speed.model_inputs(batch, timed=False)
-            values = document_log_probs(model, inputs, batch).view(-1, 2)
+            return document_log_probs(model, inputs, batch).view(-1, 2)
     finally:
         model.train(training)
-    cache.put(pairs, values)
-    return values
+
+
+def score_start(session: Session) -> Iterator[Event]:
+    """Score every training and held-out pair with the model as it starts (its starting adapter on), before the
+    first step, where the run's reference is its start; nothing to do otherwise or once they are known (a run
+    resumed from a checkpoint that kept them)."""
+    state = session.preference
+    if state is None or not state.missing_start():
+        return
+    data = session.data
+    yield Notice(f"scoring the {len(data.train) + len(data.eval)} pairs with the starting adapter: DPO's reference")
+    for examples, rows, cache in (
+        (data.train, data.train_rows, state.train_reference),
+        (data.eval, data.eval_rows, state.eval_reference),
+    ):
+        for row in rows:
+            for pairs in _micro_batches(session, examples, row):
+                batch = collate([examples[i] for i in pairs]).to(session.device)
+                cache.put(pairs, _reference_pass(session, batch, adapter_on=True))
 
 
 def score_pairs(

@@ -2,9 +2,14 @@
 
 The base model and each of the run's adapters (the best by held-out loss and the last) are scored side by side on
 the run's own held-out examples (the split the run made, with its seed): the mean loss per learned token and its
-perplexity, and for short answers the exact match and token F1 of greedy replies (engine.run.short_answers); a DPO
-run scores its held-out pairs instead (their mean DPO loss against the base as reference, the share ranked right,
-and the perplexity of the chosen answers). The forgetting check is the perplexity of a fixed
+perplexity, and for short answers the exact match and token F1 of greedy replies (engine.run.short_answers).
+
+A DPO run compares like with like: its first column is the model the run started from (the starting adapter, or the
+base model), and every column is measured by what means something before training: the share of held-out pairs
+whose chosen answer the model gives the higher log-probability per token (chance is 50%), and the chosen answers'
+perplexity. The adapters also get the held-out DPO loss and reward accuracy against the run's own reference; the
+starting model has none (against itself, every reward is zero by definition). The forgetting check is the perplexity
+of a fixed
 general-English text shipped in ``resources/general_text`` (public-domain prose, a few thousand tokens): a tuned
 model that reads it much worse than its base has lost some of what it knew. One loaded base serves every column
 (peft switches adapters), in the run's dtype on its device kind. ``report.md`` and ``report.json`` go into the
@@ -21,7 +26,7 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -65,21 +70,84 @@ def general_text_files() -> list[Path]:
 
 @dataclass(frozen=True)
 class ModelScores:
-    """One column of the report: the base model or one of the run's adapters."""
+    """One column of the report: the model before the run (the base model, or a DPO run's starting adapter) or one of
+    the run's adapters. A new measure (a knowledge check, say) is a field here and a :class:`Measure` row."""
 
     label: str
     held_out_loss: float | None
-    """SFT: mean loss per learned token of the held-out examples; DPO: the held-out pairs' mean DPO loss."""
+    """SFT: mean loss per learned token of the held-out examples; DPO: the held-out pairs' mean DPO loss against the
+    run's reference (None for the model the run started from)."""
     held_out_perplexity: float | None
     """exp of the mean loss per learned token (DPO: of the chosen answers)."""
     reward_accuracy: float | None
-    """DPO: the share of held-out pairs whose chosen answer gets the higher reward (None for SFT)."""
+    """DPO: the share of held-out pairs whose chosen answer gets the higher reward against the run's reference (None
+    for the model the run started from, and for SFT)."""
     general_perplexity: float
     """Perplexity of the general-English text (the forgetting check)."""
     exact_match: float | None = None
     """SFT: the share of short held-out answers the model says exactly (SQuAD-normalised; None when not scored)."""
     token_f1: float | None = None
     """SFT: the mean token F1 of its replies against the short held-out answers (None when not scored)."""
+    preferred: float | None = None
+    """DPO: the share of held-out pairs whose chosen answer the model gives the higher log-probability per token
+    than the rejected one (no reference; chance is 50%)."""
+
+
+CHANCE = 0.5
+"""Where a model that cannot tell a pair's answers apart lands on the share of pairs preferred."""
+
+
+@dataclass(frozen=True)
+class Measure:
+    """One row of the report: which :class:`ModelScores` field, what it is called (``name`` in the text,
+    ``short_name`` on the app's chart), which way is better, how it is written (``spec`` in the text, ``short`` on
+    the chart), and ``chance``, where guessing scores something."""
+
+    field: str
+    name: str
+    short_name: str
+    better: Literal["lower", "higher"]
+    spec: str
+    short: str
+    chance: float | None = None
+
+    def value(self, scores: ModelScores) -> float | None:
+        value = getattr(scores, self.field)
+        return None if value is None else float(value)
+
+    def text(self, value: float | None) -> str:
+        return "-" if value is None else format(value, self.spec)
+
+
+def measures(method: str, answers_scored: bool) -> list[Measure]:
+    """The report's rows, top to bottom, for a run of ``method``."""
+    rows: list[Measure] = []
+    if method == "dpo":
+        rows += [
+            Measure("preferred", "held-out pairs preferred (chosen likelier per token; chance is 50%)",
+                    "held-out pairs preferred", "higher", ".0%", ".0%", CHANCE),
+            Measure("held_out_loss", "held-out DPO loss (against the run's reference)",
+                    "held-out DPO loss, against the reference", "lower", ".4f", ".3f"),
+            Measure("reward_accuracy", "held-out reward accuracy (against the run's reference)",
+                    "held-out reward accuracy, against the reference", "higher", ".0%", ".0%"),
+            Measure("held_out_perplexity", "held-out perplexity (chosen answers)",
+                    "held-out perplexity of the chosen answers", "lower", ",.2f", ",.1f"),
+        ]  # fmt: skip
+    else:
+        rows += [
+            Measure("held_out_loss", "held-out loss", "held-out loss", "lower", ".4f", ".3f"),
+            Measure("held_out_perplexity", "held-out perplexity", "held-out perplexity", "lower", ",.2f", ",.1f"),
+        ]
+    if answers_scored:
+        rows += [
+            Measure("exact_match", "short answers: exact match", "short answers: exact match", "higher", ".0%", ".0%"),
+            Measure("token_f1", "short answers: token F1", "short answers: token F1", "higher", ".0%", ".0%"),
+        ]
+    rows.append(
+        Measure("general_perplexity", "general-text perplexity (forgetting)", "general English perplexity: forgetting",
+                "lower", ",.2f", ",.1f")
+    )  # fmt: skip
+    return rows
 
 
 @dataclass(frozen=True)
@@ -102,28 +170,22 @@ class RunReport:
     def from_dict(cls, raw: dict[str, Any]) -> RunReport:
         return cls(**{**raw, "models": [ModelScores(**m) for m in raw["models"]]})
 
+    def measures(self) -> list[Measure]:
+        return measures(self.method, bool(self.answers_scored))
+
     def markdown(self) -> str:
         pairs = self.method == "dpo"
         held_out = (
             f"{self.held_out_examples} held-out {'pairs' if pairs else 'examples'} ({self.held_out_tokens} tokens)"
         )
-        rows = [
-            ("held-out " + ("DPO loss" if pairs else "loss"), [_num(m.held_out_loss) for m in self.models]),
-            ("held-out perplexity" + (" (chosen answers)" if pairs else ""),
-             [_num(m.held_out_perplexity, ",.2f") for m in self.models]),
-        ]  # fmt: skip
-        if pairs:
-            rows.append(("held-out reward accuracy", [_share(m.reward_accuracy) for m in self.models]))
-        if self.answers_scored:
-            rows.append(("short answers: exact match", [_share(m.exact_match) for m in self.models]))
-            rows.append(("short answers: token F1", [_share(m.token_f1) for m in self.models]))
-        rows.append(("general-text perplexity (forgetting)", [_num(m.general_perplexity, ",.2f") for m in self.models]))
+        rows = [(m.name, [m.text(m.value(scores)) for scores in self.models]) for m in self.measures()]
         lines = [
             f"# Before and after: {self.run}",
             "",
             f"{held_out}; forgetting check: {self.general_tokens} tokens of public-domain English prose "
             "(resources/general_text).",
             "",
+            *([PAIRS_NOTE, ""] if pairs else []),
             "| | " + " | ".join(m.label for m in self.models) + " |",
             "|---|" + "---:|" * len(self.models),
             *(f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows),
@@ -134,14 +196,31 @@ class RunReport:
         return "\n".join(lines) + "\n"
 
     def _verdict(self) -> list[str]:
-        """One line per adapter: better or worse than the base on held-out data, and how much it forgot."""
-        base, lines = self.models[0], []
+        """One line per adapter: better or worse than the model before the run on held-out data, and how much it
+        forgot."""
+        before, lines = self.models[0], []
         for tuned in self.models[1:]:
-            if tuned.held_out_loss is not None and base.held_out_loss is not None:
-                change = "lower (better)" if tuned.held_out_loss < base.held_out_loss else "higher (worse)"
-                lines.append(f"* {tuned.label}: held-out loss {change} than the base model's.")
-            lines.append(f"* {tuned.label}: {forgetting_line(base, tuned)}.")
+            if tuned.preferred is not None and before.preferred is not None:
+                lines.append(f"* {tuned.label}: {preferred_line(before, tuned)}.")
+            elif tuned.held_out_loss is not None and before.held_out_loss is not None:
+                change = "lower (better)" if tuned.held_out_loss < before.held_out_loss else "higher (worse)"
+                lines.append(f"* {tuned.label}: held-out loss {change} than the {before.label}'s.")
+            lines.append(f"* {tuned.label}: {forgetting_line(before, tuned)}.")
         return lines
+
+
+PAIRS_NOTE = (
+    "The first column is the model the run started from. Pairs preferred: the share of held-out pairs whose chosen "
+    "answer the model gives a higher log-probability per token than the rejected one; chance is 50%, and it needs no "
+    "reference, so it compares the model before the run with each adapter. DPO loss and reward accuracy are "
+    "measured against the run's reference, against which the starting model has no reward to show."
+)
+
+
+def preferred_line(before: ModelScores, tuned: ModelScores) -> str:
+    """The held-out pairs preferred, before and after: "held-out pairs preferred: 50% → 75% (chance is 50%)"."""
+    assert before.preferred is not None and tuned.preferred is not None
+    return f"held-out pairs preferred: {before.preferred:.0%} → {tuned.preferred:.0%} (chance is 50%)"
 
 
 FORGETTING_WORDS = ((0.0, "nothing forgotten"), (0.10, "little forgotten"), (0.50, "some forgotten"))
@@ -205,30 +284,49 @@ def _text_loss(
 
 
 @torch.no_grad()
-def _pair_scores(
-    model: Any,
-    pairs: Sequence[TokenizedExample],
-    config: RunConfig,
-    device: torch.device,
-    adapter_on: bool,
-    cancelled: Cancelled = never,
-) -> tuple[float, float, float]:
-    """(mean DPO loss, reward accuracy, chosen answers' perplexity) of the held-out pairs, the base model (adapter
-    off) as reference; the base model itself (``adapter_on`` False) is its own reference: a zero margin for all."""
-    losses, right, chosen_loss, chosen_tokens = 0.0, 0, 0.0, 0
+def pair_log_probs(
+    model: Any, pairs: Sequence[TokenizedExample], device: torch.device, cancelled: Cancelled = never
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(P, 2) summed log-probabilities of each pair's chosen and rejected answer by ``model`` as it is (its active
+    adapter), and (P, 2) their token counts."""
+    scores, counts = [], []
     for chunk in _chunks(pairs, cancelled):
-        with model.disable_adapter():
-            reference = _log_probs(model, chunk, device).view(-1, 2)
-        policy = _log_probs(model, chunk, device).view(-1, 2) if adapter_on else reference
-        counts = [item.answer_tokens if isinstance(item, TokenizedPair) else (1, 1) for item in chunk]
-        answer_tokens = torch.tensor(counts, dtype=torch.float32, device=policy.device)
-        losses += float(pair_losses(policy, reference, config.dpo.beta, config.dpo.loss, answer_tokens).sum())
-        ratios = policy - reference
-        right += int((ratios[:, 0] > ratios[:, 1]).sum())
-        chosen_loss -= float(policy[:, 0].sum())
-        chosen_tokens += int(answer_tokens[:, 0].sum())
-    count = max(len(pairs), 1)
-    return losses / count, right / count, math.exp(chosen_loss / max(chosen_tokens, 1))
+        scores.append(_log_probs(model, chunk, device).view(-1, 2).cpu())
+        counts += [item.answer_tokens if isinstance(item, TokenizedPair) else (1, 1) for item in chunk]
+    if not scores:
+        return torch.zeros(0, 2), torch.zeros(0, 2)
+    return torch.cat(scores), torch.tensor(counts, dtype=torch.float32)
+
+
+def preferred_share(log_probs: torch.Tensor, answer_tokens: torch.Tensor) -> float:
+    """The share of pairs whose chosen answer has the higher log-probability per token (a tie is not preferred)."""
+    per_token = log_probs / answer_tokens.clamp(min=1)
+    return float((per_token[:, 0] > per_token[:, 1]).float().mean()) if len(per_token) else 0.0
+
+
+@dataclass(frozen=True)
+class PairScores:
+    """A column's figures on the held-out pairs."""
+
+    preferred: float
+    chosen_perplexity: float
+    dpo_loss: float | None
+    reward_accuracy: float | None
+
+
+def pair_scores(
+    policy: torch.Tensor, answer_tokens: torch.Tensor, reference: torch.Tensor | None, config: RunConfig
+) -> PairScores:
+    """The held-out pairs' figures from the column's log-probabilities (``policy``) and the run's reference (None for
+    the model the run started from: measured against itself, every reward would be zero)."""
+    chosen_loss = -float(policy[:, 0].sum()) / max(float(answer_tokens[:, 0].sum()), 1.0)
+    if reference is None:
+        return PairScores(preferred_share(policy, answer_tokens), math.exp(chosen_loss), None, None)
+    losses = pair_losses(policy, reference, config.dpo.beta, config.dpo.loss, answer_tokens)
+    ratios = policy - reference
+    right = float((ratios[:, 0] > ratios[:, 1]).float().mean()) if len(ratios) else 0.0
+    loss = float(losses.mean()) if len(losses) else 0.0
+    return PairScores(preferred_share(policy, answer_tokens), math.exp(chosen_loss), loss, right)
 
 
 def general_examples(tokenizer: Any, window: int) -> list[TokenizedExample]:
@@ -300,27 +398,100 @@ def build_report(run_dir: str | Path, device: str | None = None, cancelled: Canc
     model = PeftModel.from_pretrained(base, str(adapters[0].folder), adapter_name=names[0])
     for name, adapter in zip(names[1:], adapters[1:], strict=True):
         model.load_adapter(str(adapter.folder), adapter_name=name)
+    start = _starting_adapter(config)
+    if start is not None:
+        model.load_adapter(str(start), adapter_name=START)
     model.eval()
-    answers, note = _short_answers(config, data.eval)
-    base_scores = _scores(model, "base model", data.eval, general, config, torch_device, False, cancelled)
+    held_out_tokens = sum(len(item) for item in data.eval)
+    general_tokens = sum(len(g) for g in general)
+    if config.training.method == "dpo":
+        labels = [_label(adapter, last_step) for adapter in adapters]
+        columns = _pair_columns(
+            model, list(zip(names, labels, strict=True)), data.eval, general, config, torch_device, start is not None,
+            cancelled,
+        )  # fmt: skip
+        note = "not scored: a preference run is judged by the pairs it prefers"
+        return RunReport(run_dir.name, "dpo", len(data.eval), held_out_tokens, general_tokens, columns, 0, note)
+    answers, note = short_answers(data.eval)
+    base_scores = _scores(model, "base model", data.eval, general, torch_device, False, cancelled)
     _check(cancelled)
     columns = [_with_answers(base_scores, model, tokenizer, answers, torch_device, adapter_on=False)]
     for name, adapter in zip(names, adapters, strict=True):
         model.set_adapter(name)
-        scores = _scores(model, _label(adapter, last_step), data.eval, general, config, torch_device, True, cancelled)
+        scores = _scores(model, _label(adapter, last_step), data.eval, general, torch_device, True, cancelled)
         _check(cancelled)
         columns.append(_with_answers(scores, model, tokenizer, answers, torch_device))
-    held_out_tokens = sum(len(item) for item in data.eval)
     return RunReport(
-        run_dir.name, config.training.method, len(data.eval), held_out_tokens, sum(len(g) for g in general), columns,
-        len(answers), note,
+        run_dir.name, config.training.method, len(data.eval), held_out_tokens, general_tokens, columns, len(answers),
+        note,
     )  # fmt: skip
 
 
-def _short_answers(config: RunConfig, held_out: Sequence[TokenizedExample]) -> tuple[list[ShortAnswer], str]:
-    if config.training.method == "dpo":
-        return [], "not scored: a preference run is judged by its reward accuracy"
-    return short_answers(held_out)
+START = "starting_adapter"
+"""The adapter name of a DPO run's starting adapter, loaded beside the run's own for the first column."""
+
+
+def _starting_adapter(config: RunConfig) -> Path | None:
+    """The adapter a DPO run started from (its "before"), or None where it started from the base model."""
+    if config.training.method != "dpo" or config.model.adapter is None:
+        return None
+    from engine.run.session import starting_adapter_folder
+
+    return starting_adapter_folder(config.model.adapter)
+
+
+def _pair_columns(
+    model: Any,
+    adapters: Sequence[tuple[str, str]],
+    held_out: Sequence[TokenizedExample],
+    general: Sequence[TokenizedExample],
+    config: RunConfig,
+    device: torch.device,
+    starts_from_adapter: bool,
+    cancelled: Cancelled = never,
+) -> list[ModelScores]:
+    """A DPO run's columns: the model it started from, then each of ``adapters`` (peft name, label)."""
+    with _as_started(model, starts_from_adapter):
+        start, tokens = pair_log_probs(model, held_out, device, cancelled)
+        general_loss, _ = _text_loss(model, general, device, cancelled)
+    reference = start
+    if starts_from_adapter and config.dpo.reference == "base":
+        with model.disable_adapter():
+            reference, _ = pair_log_probs(model, held_out, device, cancelled)
+    label = "starting adapter" if starts_from_adapter else "base model"
+    columns = [_pair_column(label, start, tokens, None, config, general_loss, bool(held_out))]
+    for name, adapter_label in adapters:
+        model.set_adapter(name)
+        policy, _ = pair_log_probs(model, held_out, device, cancelled)
+        general_loss, _ = _text_loss(model, general, device, cancelled)
+        columns.append(_pair_column(adapter_label, policy, tokens, reference, config, general_loss, bool(held_out)))
+    return columns
+
+
+def _pair_column(
+    label: str,
+    policy: torch.Tensor,
+    tokens: torch.Tensor,
+    reference: torch.Tensor | None,
+    config: RunConfig,
+    general_loss: float,
+    any_pairs: bool,
+) -> ModelScores:
+    if not any_pairs:
+        return ModelScores(label, None, None, None, math.exp(general_loss))
+    scores = pair_scores(policy, tokens, reference, config)
+    return ModelScores(
+        label, scores.dpo_loss, scores.chosen_perplexity, scores.reward_accuracy, math.exp(general_loss),
+        preferred=scores.preferred,
+    )  # fmt: skip
+
+
+def _as_started(model: Any, starts_from_adapter: bool) -> Any:
+    """The model as a DPO run started: its starting adapter on, or every adapter off (the base model)."""
+    if not starts_from_adapter:
+        return model.disable_adapter()
+    model.set_adapter(START)
+    return contextlib.nullcontext()
 
 
 def _with_answers(
@@ -344,16 +515,11 @@ def _scores(
     label: str,
     held_out: Sequence[TokenizedExample],
     general: Sequence[TokenizedExample],
-    config: RunConfig,
     device: torch.device,
     adapter_on: bool = True,
     cancelled: Cancelled = never,
 ) -> ModelScores:
-    if config.training.method == "dpo" and held_out:
-        loss, accuracy, perplexity = _pair_scores(model, held_out, config, device, adapter_on, cancelled)
-        with _adapter(model, adapter_on):
-            general_loss, _ = _text_loss(model, general, device, cancelled)
-        return ModelScores(label, loss, perplexity, accuracy, math.exp(general_loss))
+    """An SFT column: held-out loss and perplexity, and the forgetting check."""
     with _adapter(model, adapter_on):
         general_loss, _ = _text_loss(model, general, device, cancelled)
         held_out_loss = _text_loss(model, held_out, device, cancelled)[0] if held_out else None

@@ -251,12 +251,17 @@ def _with_adapter(config: RunConfig, base: Any) -> Generator[Event, None, Any]:
     replaces its weights, where the run has one)."""
     if config.model.adapter is None:
         return add_lora(base, config.lora, config.model.qlora)
-    folder = adapter_folder(_adapter_location(config.model.adapter))
+    folder = starting_adapter_folder(config.model.adapter)
     lora = adapter_lora(folder, config.lora)
     model = add_lora(base, lora, config.model.qlora)
     load_adapter_weights(model, folder)
     yield Notice(f"starting from the adapter in {folder} (rank {lora.rank}, alpha {lora.alpha:g})")
     return model
+
+
+def starting_adapter_folder(reference: str) -> Path:
+    """The adapter folder that ``model.adapter`` names (a folder, or a run by id or name in the run history)."""
+    return adapter_folder(_adapter_location(reference))
 
 
 def _adapter_location(reference: str) -> Path:
@@ -276,7 +281,7 @@ def _prefer(session: Session) -> Iterator[Event]:
     """Make ``session`` a DPO run: pair-aware steps, and the switches that cannot serve its loss turned off."""
     config = session.config
     session.preference = PreferenceTraining.for_run(
-        config.dpo, len(session.data.train), len(session.data.eval), session.device
+        config.dpo, len(session.data.train), len(session.data.eval), session.device, config.model.adapter is not None
     )
     session.speed.refuse_step_graphs(STEP_GRAPHS_REFUSED)
     session.speed.refuse_fused_loss(FUSED_LOSS_REFUSED)
@@ -368,6 +373,14 @@ def _restore(session: Session) -> Iterator[Event]:
         yield Notice(f"checkpoint {checkpoint.name} was skipped: {problem}")
     else:
         yield Notice(f"{session.run_dir} has no usable checkpoint yet; training starts from the beginning")
+    preference = session.preference
+    if preference is not None and session.step > 0 and preference.missing_start():
+        preference.fall_back_to_base()  # the model has moved: its start cannot be scored again
+        yield Notice(
+            "this run's checkpoint keeps no reference log-probabilities (it was made before checkpoints kept "
+            "them, when DPO measured against the base model): the reference stays the base model with the adapter "
+            "switched off"
+        )
     if session.tokens_per_batch < session.config.data.tokens_per_batch:
         yield Notice(
             f"micro-batches stay at {session.tokens_per_batch} tokens, as lowered after running out of memory "
@@ -417,6 +430,8 @@ def _load_checkpoint(session: Session, checkpoint: Path) -> str | None:
         sharded = get_peft_model_state_dict(session.model) if session.ranks.mode == "fsdp" else {}
         weights = session.ranks.shard_like(sharded, {k: v.to(session.device) for k, v in weights.items()})
         set_peft_model_state_dict(session.model, weights)
+    if session.preference is not None:
+        session.preference.restore(ckpt.load_reference(checkpoint))
     session.step, session.micro_batches = state.step, state.micro_batches
     if 0 < state.tokens_per_batch < session.tokens_per_batch:  # memory ran short before: do not hit it again
         session.tokens_per_batch = state.tokens_per_batch
