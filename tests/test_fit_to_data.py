@@ -130,7 +130,11 @@ def test_automatic_settings_are_filled_and_explicit_ones_win() -> None:
 def test_explicit_steps_keep_their_length_and_evaluations_follow_them() -> None:
     config = RunConfig.from_dict({"training": {"max_steps": 300}})
     resolved, _ = apply_fit(config, fit_to_data(facts(70)))
-    assert resolved.training.max_steps == 300 and resolved.training.eval_every == 20 and resolved.training.warmup_steps == 15
+    assert (
+        resolved.training.max_steps == 300
+        and resolved.training.eval_every == 20
+        and resolved.training.warmup_steps == 15
+    )
 
 
 def test_nothing_held_out_means_no_evaluations_and_no_early_stop() -> None:

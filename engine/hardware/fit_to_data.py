@@ -226,7 +226,9 @@ def _fill_training(
     if training.early_stop is None:
         evaluates = has_eval and changes.get("eval_every", training.eval_every) != 0
         changes["early_stop"] = PATIENCE if evaluates else 0
-        why = chosen["early stop"] if evaluates else "off (nothing held out)" if not has_eval else "off (no evaluations)"
+        why = (
+            chosen["early stop"] if evaluates else "off (nothing held out)" if not has_eval else "off (no evaluations)"
+        )
         lines.append(f"early stop: {why}")
     if training.warmup_steps is None:
         steps = training.max_steps or fit.max_steps

@@ -95,7 +95,7 @@ class Session:
     """The held-out losses so far: where the best adapter comes from, rises in a row, early stopping."""
 
     def __post_init__(self) -> None:
-        self.eval_watch = EvalWatch(self.config.training.early_stop)
+        self.eval_watch = EvalWatch(self.config.training.early_stop or 0)
         self.schedule = RowSchedule(len(self.data.train_rows), self.config.training.seed)
         self.tokens_per_batch = self.config.data.tokens_per_batch
         self.non_finite = guard.NonFiniteCounter(self.config.training.max_bad_steps)
@@ -348,7 +348,7 @@ def _make_session(
     optimizer = adamw(params, training.learning_rate, training.weight_decay, training.optimizer, device)
     total_steps = _total_steps(config, len(data.train_rows))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(config.training.schedule, config.training.warmup_steps, total_steps)
+        optimizer, lr_lambda(config.training.schedule, config.training.warmup_steps or 0, total_steps)
     )
     scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 and device.type == "cuda" else None
     speed = SpeedController(model, config.speed, device)
@@ -390,7 +390,7 @@ def _restore(session: Session) -> Iterator[Event]:
         truncate_log(session.run_dir / METRICS_FILE, session.step)
         truncate_log(session.run_dir / EVAL_FILE, session.step)
     session.eval_watch = EvalWatch.resumed(
-        session.config.training.early_stop, _eval_losses(session.run_dir / EVAL_FILE, session.step), session.run_dir
+        session.config.training.early_stop or 0, _eval_losses(session.run_dir / EVAL_FILE, session.step), session.run_dir
     )
 
 
