@@ -235,6 +235,12 @@ class LoraConfig:
         ["all-linear"], "module names to adapt; 'all-linear' adapts every linear layer but the output head"
     )
 
+    def sized(self) -> LoraConfig:
+        """This adapter with a rank and alpha to build: an automatic rank (0) not yet fitted to the data takes 16,
+        an automatic alpha twice the rank."""
+        rank = self.rank or 16
+        return dataclasses.replace(self, rank=rank, alpha=self.alpha or 2.0 * rank)
+
     def __post_init__(self) -> None:
         _require(self.rank >= 0, "lora.rank", f"must be at least 1 (or 0: automatic), got {self.rank}")
         _require(self.alpha >= 0, "lora.alpha", f"must be positive (or 0: automatic), got {self.alpha}")

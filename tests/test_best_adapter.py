@@ -52,7 +52,7 @@ def config(model: Path, folder: Path, **training: Any) -> RunConfig:
     train = chats(folder / "train.jsonl", "number one")
     held_out = chats(folder / "held-out.jsonl", "number two")
     data = {"path": str(train), "eval_path": str(held_out), "max_seq_len": 32, "tokens_per_batch": 64}
-    settings = {"max_steps": STEPS, "learning_rate": 2e-2, "warmup_steps": 0, "schedule": "constant"}
+    settings = {"max_steps": STEPS, "learning_rate": 2e-2, "warmup_steps": 0, "schedule": "constant", "early_stop": 0}
     return RunConfig.from_dict(
         {
             "model": {"name": str(model)},

@@ -35,7 +35,7 @@ def test_missing_data_is_a_usage_error() -> None:
 
 
 def test_bad_flag_value_names_the_setting() -> None:
-    result = tunedeck("train", "--data", "x.jsonl", "--lora-rank", "0")
+    result = tunedeck("train", "--data", "x.jsonl", "--lora-rank", "-1")
     assert result.returncode == 2 and "lora.rank" in result.stderr and "Traceback" not in result.stderr
 
 

@@ -230,8 +230,8 @@ def with_lora(model: Any, variant: str) -> Any:
 
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     config = PeftLoraConfig(
-        r=lora.rank,
-        lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft annotates int; a float alpha works
+        r=lora.sized().rank,
+        lora_alpha=lora.sized().alpha,  # type: ignore[arg-type]  # peft annotates int; a float alpha works
         target_modules="all-linear",
         task_type="CAUSAL_LM",
     )

@@ -282,8 +282,8 @@ def add_lora(model: torch.nn.Module, lora: LoraConfig, qlora: bool) -> Any:
         model = prepare_quantized_for_training(model, _compute_dtype(model))
     _check_targets_outside_experts(model, lora)
     peft_config = PeftLoraConfig(
-        r=lora.rank,
-        lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft annotates int; a float alpha works
+        r=lora.sized().rank,
+        lora_alpha=lora.sized().alpha,  # type: ignore[arg-type]  # peft annotates int; a float alpha works
         lora_dropout=lora.dropout,
         target_modules=_targets_for(model, lora),
         task_type="CAUSAL_LM",

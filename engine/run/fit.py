@@ -59,7 +59,7 @@ def fit_run(
     resolved, lines = apply_fit(config, fit_to_data(facts))
     if lines:
         yield Notice("automatic settings for this data (a flag sets any of them):\n  " + "\n  ".join(lines))
-    if run_dir is not None:
+    if run_dir is not None and run_dir.is_dir():
         ckpt.write_text_atomic(run_dir / CONFIG_FILE, json.dumps(resolved.to_dict(), indent=2) + "\n")
     return resolved
 
