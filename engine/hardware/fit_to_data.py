@@ -38,9 +38,9 @@ PATIENCE = 4
 """Early stopping: evaluations in a row without a lower held-out loss before the run ends."""
 WARMUP_SHARE = 0.05
 MAX_WARMUP = 100
-REPLAY_SHARE = 1.0
+REPLAY_SHARE = 0.5
 """Replay examples (the base model's own answers to general prompts) per training example, for a small set."""
-MIN_REPLAY, MAX_REPLAY = 16, 160
+MIN_REPLAY, MAX_REPLAY = 16, 192
 MEMORY_RANK = 16
 """The rank memory is planned for while the rank is still automatic (the larger of the common choices)."""
 
