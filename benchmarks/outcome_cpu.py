@@ -71,9 +71,9 @@ def train(task: str, way: str, work: Path) -> dict[str, Any]:
     if result.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
     events = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    started_event = next(e for e in events if e.get("event") == "RunStarted")
-    finished = next(e for e in events if e.get("event") == "RunFinished")
-    notices = [e["message"] for e in events if e.get("event") == "Notice"]
+    started_event = next(e for e in events if e.get("kind") == "RunStarted")
+    finished = next(e for e in events if e.get("kind") == "RunFinished")
+    notices = [e["message"] for e in events if e.get("kind") == "Notice"]
     return {
         "command": " ".join(
             [
