@@ -142,4 +142,3 @@ class BestAdapterWriter:
         """Let a queued write finish (it stays whole either way) and end the thread; errors were raised by
         :meth:`wait` already, or the run is ending on another error."""
         self._pool.shutdown(wait=True)
-
