@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from engine.config import RunConfig, run_name_problem
 from engine.errors import ConfigError
@@ -171,8 +172,6 @@ def adapter_contents(model: Any, state_dict: dict[str, torch.Tensor] | None = No
 def write_adapter(folder: Path, contents: AdapterContents, tokenizer: Any, extra: dict[str, str] | None = None) -> Path:
     """Write ``contents`` in PEFT format (with the tokenizer and any ``extra`` files) atomically; safe in a thread
     beside training, since it touches only the host copy."""
-    from safetensors.torch import save_file
-
     tmp = folder.with_name(f".tmp-{folder.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
