@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from engine.data.tokenize import CHATML_TEMPLATE
-from engine.run.short_answers import answer_text, stop_token_ids
+from engine.run.short_answers import answer_text, greedy_continuations, pad_token, stop_token_ids
 
 INSTRUCTION = "Answer in a few words."
 """Put after each question: SmolLM2-135M-Instruct then answers in a short phrase that ends its turn."""
@@ -239,29 +239,6 @@ def prompt_ids(tokenizer: Any, question: Question, instruction: str = INSTRUCTIO
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-@torch.no_grad()
-def _replies(
-    model: Any, prompts: Sequence[Sequence[int]], device: torch.device, pad: int, stops: Sequence[int], new: int
-) -> list[list[int]]:
-    """Each prompt's greedy continuation (the prompts as one left-padded batch)."""
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    output = model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=new,
-        do_sample=False,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-        use_cache=True,
-        eos_token_id=list(stops) or None,
-        pad_token_id=pad,
-    )
-    return [row[width:].tolist() for row in output]
-
-
 def ask(
     model: Any,
     tokenizer: Any,
@@ -279,7 +256,7 @@ def ask(
     """
     chosen = tuple(load_questions() if questions is None else questions)
     stops = stop_token_ids(tokenizer, model)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stops[0] if stops else 0)
+    pad = pad_token(tokenizer, stops)
     prompts = [prompt_ids(tokenizer, q, instruction) for q in chosen]
     order = sorted(range(len(chosen)), key=lambda i: len(prompts[i]))
     replies = [""] * len(chosen)
@@ -290,7 +267,7 @@ def ask(
             if cancelled():
                 raise KnowledgeCancelled("the knowledge check was stopped before its end")
             batch = order[start : start + batch_size]
-            made = _replies(model, [prompts[i] for i in batch], device, pad, stops, max_new_tokens)
+            made = greedy_continuations(model, [prompts[i] for i in batch], device, pad, stops, max_new_tokens)
             for index, ids in zip(batch, made, strict=True):
                 replies[index] = answer_text(tokenizer, ids, stops)
     finally:
