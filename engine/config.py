@@ -306,6 +306,12 @@ class TrainingConfig:
         "of an instruction-tuned model)",
         flag="--keep-knowledge",
     )
+    knowledge_share: float | None = setting(
+        None,
+        "with keep_knowledge: the base model's answers mixed in per training example (automatic: 0.5; 1.0 mixes in "
+        "as many as there are examples, at most 192)",
+        flag="--knowledge-share",
+    )
     seed: int = setting(42, "seed for data order, held-out split, LoRA init and dropout", flag="--seed")
     device: str = setting("auto", "'auto', 'cpu', 'cuda' or 'cuda:N'", flag="--device")
     max_bad_steps: int = setting(

@@ -149,3 +149,9 @@ def test_passes_the_user_gave_set_the_evaluations_by_their_own_steps() -> None:
     resolved, _ = apply_fit(RunConfig.from_dict({"training": {"epochs": 2.0}}), fit_to_data(facts(70)))
     assert resolved.training.max_steps == 0 and resolved.training.epochs == 2.0
     assert (resolved.training.eval_every, resolved.training.warmup_steps) == (2, 1)
+
+
+@pytest.mark.parametrize(("share", "replay"), [(None, 31), (1.0, 62), (2.0, 124), (0.0, 0), (10.0, 192)])
+def test_the_knowledge_share_sets_how_many_answers_are_mixed_in(share: float | None, replay: int) -> None:
+    fit = fit_to_data(dataclasses.replace(facts(70), knowledge_share=share))
+    assert fit.replay_examples == replay

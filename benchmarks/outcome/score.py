@@ -23,10 +23,11 @@ from engine.run.short_answers import answer_text, exact_match, generate_replies,
 
 
 def main(model_name: str, test_file: str, columns: list[str]) -> None:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config = ModelConfig(name=model_name)
     tokenizer = load_tokenizer(config)
     ensure_chat_template(tokenizer)
-    model = load_base_model(config, torch.device("cpu"), torch.float32)
+    model = load_base_model(config, device, torch.float32)
     examples, _ = load_examples(test_file, "auto")
     tokenized, _ = tokenize_examples(tokenizer, examples, max_seq_len=4096)
     answers = [answer for answer in map(split_answer, tokenized) if answer is not None]
@@ -48,7 +49,7 @@ def main(model_name: str, test_file: str, columns: list[str]) -> None:
             peft_model.set_adapter(name)
             generator = peft_model
         with torch.no_grad():
-            replies = generate_replies(generator, tokenizer, answers, torch.device("cpu"), stops)
+            replies = generate_replies(generator, tokenizer, answers, device, stops)
         scores[name] = sum(exact_match(r, ref) for r, ref in zip(replies, references, strict=True)) / len(answers)
         print(f"{name}: {scores[name]:.0%}  e.g. {replies[:2]}", file=sys.stderr)
     print(json.dumps(scores))

@@ -62,6 +62,8 @@ class FitFacts:
     method: str
     tokens_per_batch: int
     grad_accum: int = 1
+    knowledge_share: float | None = None
+    """The base model's answers per training example the user asked for (None: automatic)."""
 
 
 @dataclass(frozen=True)
@@ -108,8 +110,10 @@ def rank_for(train_examples: int, parameters: int | None) -> int:
     return 16
 
 
-def replay_count(train_examples: int) -> int:
-    return min(MAX_REPLAY, max(MIN_REPLAY, round(train_examples * REPLAY_SHARE)))
+def replay_count(train_examples: int, share: float | None = None) -> int:
+    """The base model's answers mixed into ``train_examples`` examples: ``share`` of them (automatic when None)."""
+    share = REPLAY_SHARE if share is None else share
+    return min(MAX_REPLAY, max(MIN_REPLAY, round(train_examples * share))) if share > 0 else 0
 
 
 def fit_to_data(facts: FitFacts) -> DataFit:
@@ -117,7 +121,8 @@ def fit_to_data(facts: FitFacts) -> DataFit:
     held_out = 0 if facts.separate_held_out else held_out_count(facts.examples)
     train = max(facts.examples - held_out, 1)
     keep = facts.method == "sft" and facts.instruct and train < SMALL_SET
-    replay = replay_count(train) if keep else 0
+    replay = replay_count(train, facts.knowledge_share) if keep else 0
+    keep = replay > 0
     epochs = epochs_for(train, facts.method)
     tokens_per_example = facts.tokens / max(facts.examples, 1)
     rows = math.ceil((train + replay) * tokens_per_example / max(facts.tokens_per_batch, 1) / 0.9)

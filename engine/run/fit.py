@@ -55,6 +55,7 @@ def fit_run(
         method=config.training.method,
         tokens_per_batch=config.data.tokens_per_batch,
         grad_accum=config.training.grad_accum,
+        knowledge_share=config.training.knowledge_share,
     )
     resolved, lines = apply_fit(config, fit_to_data(facts))
     if lines:

@@ -209,7 +209,7 @@ def _with_replay(
 ) -> Generator[Event, None, PreparedData]:
     """``data`` with the base model's answers to general prompts in its training rows (engine.run.replay): made by
     the first process, read by the others."""
-    wanted = replay_count(len(data.train))
+    wanted = replay_count(len(data.train), config.training.knowledge_share)
     if ranks.is_main:
         rows = yield from replay_rows(model, tokenizer, device, wanted, config.training.seed, run_dir, write=True)
     ranks.barrier()
