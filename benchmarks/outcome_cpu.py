@@ -196,7 +196,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="the JSON record; the Markdown table goes beside it")
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
-    parser.add_argument("--ways", nargs="+", default=list(WAYS), choices=list(WAYS))
+    parser.add_argument("--ways", nargs="*", default=list(WAYS), choices=list(WAYS))
     parser.add_argument(
         "--way", action="append", default=[], metavar="NAME=FLAGS",
         help="another way to train, e.g. 'lr 1e-4=--lr 1e-4' (its flags after the '=')",

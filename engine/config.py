@@ -312,6 +312,13 @@ class TrainingConfig:
         "as many as there are examples, at most 192)",
         flag="--knowledge-share",
     )
+    knowledge_penalty: float | None = setting(
+        None,
+        "with keep_knowledge: the weight of a penalty on drifting from the base model's answers to general prompts "
+        "(the KL divergence over their tokens, a few prompts each step; 0: off; automatic: 1.0 where knowledge is "
+        "kept, on one GPU or the CPU)",
+        flag="--knowledge-penalty",
+    )
     seed: int = setting(42, "seed for data order, held-out split, LoRA init and dropout", flag="--seed")
     device: str = setting("auto", "'auto', 'cpu', 'cuda' or 'cuda:N'", flag="--device")
     max_bad_steps: int = setting(

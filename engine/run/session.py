@@ -31,6 +31,7 @@ from engine.model.load import add_lora, count_parameters, load_base_model, load_
 from engine.model.quantized_experts import experts_notice
 from engine.run import checkpoint as ckpt
 from engine.run import guard, readout
+from engine.run.anchor import BATCH_SIZE, KnowledgeAnchor, anchor_rows
 from engine.run.best import EvalWatch
 from engine.run.estimate import cpu_run_seconds
 from engine.run.fit import fit_run
@@ -91,6 +92,8 @@ class Session:
     """With late readout: the step queued last, whose values the host has not read yet."""
     preference: PreferenceTraining | None = None
     """DPO runs (``training.method`` dpo): settings, reference log-probabilities and the step's rewards."""
+    anchor: KnowledgeAnchor | None = None
+    """The penalty on drifting from the base model on general prompts, added to every step (engine.run.anchor)."""
     eval_watch: EvalWatch = field(init=False)
     """The held-out losses so far: where the best adapter comes from, rises in a row, early stopping."""
 
@@ -159,6 +162,7 @@ def start(
     if ranks.is_main:
         write_compute(run_dir, dtype, device)
     session.ranks, session.loss_module = ranks, loss_module
+    session.anchor = yield from _knowledge_anchor(session)
     session.late_readout, readout_reason = readout.resolve(
         config.training.step_readout, session.optimizer, ranks.distributed, session.scaler is not None
     )
@@ -194,6 +198,28 @@ def start(
     if note is not None:
         yield Notice(note)
     return session
+
+
+def _knowledge_anchor(session: Session) -> Generator[Event, None, KnowledgeAnchor | None]:
+    """The run's knowledge anchor, over the replay rows in its folder; None when the penalty is off."""
+    training = session.config.training
+    weight = training.knowledge_penalty or 0.0
+    if not training.keep_knowledge or weight <= 0 or session.preference is not None:
+        return None
+    if session.ranks.distributed:
+        yield Notice("knowledge penalty: off, it runs in one process only (the replay rows still keep knowledge)")
+        return None
+    rows = anchor_rows(session.tokenizer, read_replay(session.run_dir) or [])
+    if not rows:
+        return None
+    yield Notice(f"knowledge penalty {weight:g}: each step keeps the answers to {BATCH_SIZE} general prompts near "
+                 f"the base model's ({len(rows)} prompts in turn)")  # fmt: skip
+    return KnowledgeAnchor(rows, weight, pad_token_id(session.tokenizer), session.device)
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return int(pad or 0)
 
 
 def _resumed(config: RunConfig) -> Generator[Event, None, RunConfig]:

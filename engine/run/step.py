@@ -128,7 +128,10 @@ def _accumulate_or_lower(session: Session, rows: list[int]) -> Generator[Event, 
     at a time (engine.run.guard) and retry."""
     while True:
         try:
-            return _accumulate(session, rows)
+            total, counted = _accumulate(session, rows)
+            if session.anchor is not None:  # its gradients join the step's before the update reads them
+                session.anchor.backward(session.model)
+            return total, counted
         except Exception as err:
             if not guard.is_out_of_memory(err):
                 raise

@@ -1,0 +1,100 @@
+"""The knowledge anchor: a penalty that pulls the tuned model's answers to general prompts back toward its base."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import RunConfig
+from engine.events import Notice, RunFinished
+from engine.run.anchor import AnchorRow, KnowledgeAnchor, kl_from_base, padded
+from engine.train import run
+
+
+def test_the_divergence_is_zero_for_the_same_distribution_and_counts_only_answer_tokens() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 11)
+    answer = torch.tensor([[0, 0, 1, 1, 0], [0, 1, 1, 1, 1]], dtype=torch.bool)
+    assert kl_from_base(logits, logits, answer).item() == pytest.approx(0.0, abs=1e-6)
+    other = logits.clone()
+    other[0, 0] += 5.0  # a position outside the answers changes nothing
+    assert kl_from_base(logits, other, answer).item() == pytest.approx(0.0, abs=1e-6)
+    other[0, 2] += torch.randn(11) * 3  # one inside does
+    assert kl_from_base(logits, other, answer).item() > 0.01
+
+
+def test_rows_are_right_padded_with_their_answers_marked() -> None:
+    ids, attention, answer = padded([AnchorRow((5, 6, 7, 8), 2), AnchorRow((9, 10), 1)], 0, torch.device("cpu"))
+    assert ids.tolist() == [[5, 6, 7, 8], [9, 10, 0, 0]]
+    assert attention.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert answer.tolist() == [[False, False, True, True], [False, True, False, False]]
+
+
+class _Adapted(torch.nn.Module):
+    """A tiny 'model' with an adapter that can be switched off, as peft's disable_adapter() does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.embed = torch.nn.Embedding(12, 8)
+        self.head = torch.nn.Linear(8, 12)
+        self.delta = torch.nn.Parameter(torch.randn(8, 12) * 0.5)
+        self.off = False
+        for p in (*self.embed.parameters(), *self.head.parameters()):
+            p.requires_grad_(False)
+
+    def disable_adapter(self) -> object:
+        model = self
+
+        class Off:
+            def __enter__(self) -> None:
+                model.off = True
+
+            def __exit__(self, *args: object) -> None:
+                model.off = False
+
+        return Off()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> object:
+        hidden = self.embed(input_ids)
+        logits = self.head(hidden) if self.off else self.head(hidden) + hidden @ self.delta
+
+        class Out:
+            pass
+
+        out = Out()
+        out.logits = logits  # type: ignore[attr-defined]
+        return out
+
+
+def test_steps_on_the_penalty_alone_bring_the_tuned_model_back_to_its_base() -> None:
+    model = _Adapted()
+    rows = [AnchorRow((1, 2, 3, 4, 5), 2), AnchorRow((6, 7, 8), 1), AnchorRow((9, 10, 11, 3), 2)]
+    anchor = KnowledgeAnchor(rows, 1.0, 0, torch.device("cpu"))
+    optimizer = torch.optim.SGD([model.delta], lr=0.5)
+    first = float(anchor.backward(model))
+    for _ in range(60):
+        optimizer.zero_grad()
+        anchor.backward(model)
+        optimizer.step()
+    assert first > 0.05 and float(anchor.backward(model)) < first / 10
+    assert model.training  # the penalty puts the model back in the mode it found it in
+
+
+def test_a_run_with_the_penalty_trains_and_says_so(tmp_path: Path) -> None:
+    from engine.demo import DEMO_EVAL_FILE
+
+    config = RunConfig.from_dict(
+        {
+            "model": {"name": "demo"},
+            "data": {"path": str(DEMO_EVAL_FILE), "eval_fraction": 0.0},
+            "training": {"max_steps": 3, "keep_knowledge": True, "knowledge_penalty": 2.0},
+            "output": {"dir": str(tmp_path / "runs"), "name": "anchored"},
+        }
+    )
+    events = list(run(config))
+    notes = [e.message for e in events if isinstance(e, Notice)]
+    assert any(n.startswith("knowledge penalty 2:") for n in notes)
+    assert any(isinstance(e, RunFinished) and e.step == 3 for e in events)
