@@ -22,8 +22,10 @@ from PySide6.QtWidgets import (
 )
 
 from app.app_state import AppState
+from app.background.worker import TaskRunner
 from app.widgets.config_form import ConfigForm
 from app.widgets.model_words import machine_name
+from app.widgets.reward_panel import RewardPanel
 from engine.config import DEMO_MODEL, DataConfig, RunConfig
 from engine.errors import TuneDeckError
 from engine.hardware.recipes import (
@@ -41,6 +43,8 @@ from engine.run.estimate import TimeEstimate, before_start, format_duration
 CHOSEN_ELSEWHERE = frozenset({"model.name", "data.path"})
 GIB = 1 << 30
 ERROR_COLOUR = "#b00020"
+REWARD_METHOD = "grpo"
+"""The training method that learns from rewards: the reward builder shows only for it."""
 
 
 def recipe_config(name: str, base: RunConfig | None = None) -> RunConfig:
@@ -109,7 +113,7 @@ class SetupPanel(QWidget):
     changed = Signal()
     """The recipe, a setting or the verdict changed (the guide bar listens)."""
 
-    def __init__(self, state: AppState) -> None:
+    def __init__(self, state: AppState, tasks: TaskRunner | None = None) -> None:
         super().__init__()
         self.state = state
         self.buttons: dict[str, QRadioButton] = {}
@@ -117,6 +121,8 @@ class SetupPanel(QWidget):
         self.summaries: dict[str, QLabel] = {}
         self.group = QButtonGroup(self)
         self.form = ConfigForm(CHOSEN_ELSEWHERE)
+        self.rewards = RewardPanel(state, tasks or TaskRunner(self))
+        """The rewards of training by reward (GRPO), shown only for that method."""
         self.warning = QLabel("")
         self.warning.setWordWrap(True)
         self.warning.setStyleSheet(f"color:{ERROR_COLOUR}")
@@ -125,6 +131,7 @@ class SetupPanel(QWidget):
         content = QWidget()
         column = QVBoxLayout(content)
         column.addWidget(self._recipe_box())
+        column.addWidget(self.rewards)
         column.addWidget(self.form, 1)
         scroll = QScrollArea()
         scroll.setWidget(content)
@@ -139,11 +146,17 @@ class SetupPanel(QWidget):
             for signal in ("textChanged", "valueChanged", "currentTextChanged", "toggled"):
                 if hasattr(editor, signal):
                     getattr(editor, signal).connect(self._check_timer.start)
+        method = self.form.editor("training.method")
+        method.currentTextChanged.connect(self._method_changed)  # type: ignore[attr-defined]
+        self._method_changed(method.currentText())  # type: ignore[attr-defined]
         state.model_changed.connect(self._model_changed)
         state.data_changed.connect(self._data_changed)
         state.hardware_changed.connect(self.check_fit)
         self.choose_recipe(DEMO_RECIPE)
         self._update_chosen()
+
+    def _method_changed(self, method: str) -> None:
+        self.rewards.setVisible(method == REWARD_METHOD)
 
     def _recipe_box(self) -> QGroupBox:
         box = QGroupBox("Recipe: a starting point for the settings below")
