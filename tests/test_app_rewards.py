@@ -121,15 +121,17 @@ def test_try_scores_a_tiny_models_answers(qtbot: Any, panel: Any, tmp_path: Path
     panel.state.model_name = str(tiny_model_dir)
     panel.state.data_path = str(write_jsonl(tmp_path / "prompts.jsonl", rows))
     panel.add_reward("reference").option.setCurrentIndex(1)
-    panel.add_reward("length").text.setText("10-60")
+    length = panel.add_reward("length")
+    length.text.setText("10-60")
+    length.weight.setValue(0.5)
     with qtbot.waitSignal(panel.tried, timeout=HANG_MS):
         panel.try_button.click()
         assert not panel.try_button.isEnabled()  # one trial at a time
     table = panel.results
     assert not table.isHidden() and table.rowCount() == TRIAL_PROMPTS, panel.trial_status.text()
     headers = [table.horizontalHeaderItem(c).text() for c in range(table.columnCount())]
-    assert headers == ["Row", "Prompt", "Answer", "reference", "length", "Total"]
-    answers = [table.item(r, 2).text() for r in range(TRIAL_PROMPTS)]
+    assert headers == ["Row", "Prompt", "Answer", "reference", "length ×0.5", "Total"]
+    answers = [table.item(r, 2).toolTip() for r in range(TRIAL_PROMPTS)]  # the cell shows it on one line
     expected = score_completions(
         build_rewards(panel.specs()),
         [row["prompt"] for row in rows[:TRIAL_PROMPTS]],

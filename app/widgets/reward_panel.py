@@ -89,6 +89,8 @@ class RewardPanel(QGroupBox):
 
     def remove_reward(self, row: RewardRow) -> None:
         self.rows.remove(row)
+        self.list.removeWidget(row)
+        row.hide()
         row.deleteLater()
         self.check()
 
@@ -138,10 +140,11 @@ class RewardPanel(QGroupBox):
 
             return try_rewards(model, data, specs, limit=TRIAL_PROMPTS)
 
-        self.tasks.start(job, self._show_trial, self._failed)
+        self.tasks.start(job, lambda trial: self._show_trial(trial, specs), self._failed)
 
-    def _show_trial(self, trial: RewardTrial) -> None:
-        names = list(trial.scores.names)
+    def _show_trial(self, trial: RewardTrial, specs: tuple[RewardSpec, ...]) -> None:
+        pairs = zip(trial.scores.names, specs, strict=True)
+        names = [name if spec.weight == 1 else f"{name} ×{spec.weight:g}" for name, spec in pairs]
         table = self.results
         table.setColumnCount(4 + len(names))
         table.setHorizontalHeaderLabels(["Row", "Prompt", "Answer", *names, "Total"])
@@ -150,7 +153,7 @@ class RewardPanel(QGroupBox):
             scores = [per[index] for per in trial.scores.per_reward]
             cells = [str(prompt.row_number), prompt.prompt, answer, *(f"{s:.2f}" for s in scores)]
             for column, text in enumerate([*cells, f"{trial.scores.total[index]:.2f}"]):
-                item = QTableWidgetItem(text)
+                item = QTableWidgetItem(" ".join(text.split()))  # one line a row; the tooltip keeps the lines
                 item.setToolTip(text)
                 table.setItem(index, column, item)
         header = table.horizontalHeader()
