@@ -104,7 +104,8 @@ class RewardPanel(QGroupBox):
         elif bad:
             self.status.setText(f"{bad} of {len(self.rows)} rewards cannot be built: see under each.")
         else:
-            self.status.setText(f"{len(self.rows)} rewards; an answer's total is the weighted sum of their scores.")
+            count = f"{len(self.rows)} reward" + ("s" if len(self.rows) > 1 else "")
+            self.status.setText(f"{count}; an answer's total is the weighted sum of their scores.")
         self.try_button.setEnabled(bool(self.rows) and not bad and not self.trying)
         self.changed.emit()
         return checked

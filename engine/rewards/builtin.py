@@ -11,9 +11,10 @@ settings, which it checks when built (a bad regular expression fails before any 
 - ``json``: 1 when the completion is one JSON object holding every key in ``keys``, else 0. With ``fenced=True``
   (default) a completion that is only a fenced block (```json ... ``` or ``` ... ```) counts too, since chat
   models write JSON that way; text before or after the object or fence scores 0.
-- ``length``: 1 when the completion's length in ``unit`` ("chars", default, or "words") is within
-  [``min``, ``max``]; outside, partial credit falling linearly to 0 (at length 0 below the window, at twice
-  ``max`` above it), so a group of answers that are all too long still has a gradient toward the window.
+- ``length``: 1 when the completion's length in ``unit`` ("chars", default, not counting surrounding whitespace,
+  or "words") is within [``min``, ``max``]; outside, partial credit falling linearly to 0 (at length 0 below the
+  window, at twice ``max`` above it), so a group of answers that are all too long still has a gradient toward the
+  window.
 """
 
 from __future__ import annotations
