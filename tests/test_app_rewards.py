@@ -149,3 +149,24 @@ def test_try_without_a_dataset_says_so(panel: Any) -> None:
     panel.add_reward("json")
     panel.try_button.click()
     assert "no dataset chosen" in panel.trial_status.text()
+
+
+def test_start_waits_for_buildable_rewards(qtbot: Any) -> None:
+    page = SetupPanel(AppState())
+    qtbot.addWidget(page)
+    method = page.form.editor("training.method")
+    if method.findText(REWARD_METHOD) < 0:
+        method.addItem(REWARD_METHOD)
+    assert page.step_status()[0]
+    with qtbot.waitSignal(page.changed):
+        method.setCurrentText(REWARD_METHOD)
+    ready, said = page.step_status()
+    assert not ready and "Fix the rewards: no reward chosen" in said
+    row = page.rewards.add_reward("regex")
+    row.text.setText("[")
+    qtbot.waitUntil(lambda: "not a valid regular expression" in page.step_status()[1], timeout=HANG_MS)
+    row.text.setText("[a-z]+")
+    qtbot.waitUntil(lambda: page.step_status()[0], timeout=HANG_MS)
+    method.setCurrentText("sft")
+    page.rewards.add_reward("regex")  # an unbuilt reward of a method that takes none stops nothing
+    assert page.step_status()[0]

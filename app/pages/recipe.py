@@ -12,6 +12,7 @@ from typing import Any
 from PySide6.QtCore import QTimer, Signal
 from PySide6.QtWidgets import (
     QButtonGroup,
+    QComboBox,
     QGridLayout,
     QGroupBox,
     QLabel,
@@ -38,6 +39,7 @@ from engine.hardware.recipes import (
     estimate_recipe,
     find_recipe,
 )
+from engine.rewards import RewardError
 from engine.run.estimate import TimeEstimate, before_start, format_duration
 
 CHOSEN_ELSEWHERE = frozenset({"model.name", "data.path"})
@@ -146,6 +148,7 @@ class SetupPanel(QWidget):
             for signal in ("textChanged", "valueChanged", "currentTextChanged", "toggled"):
                 if hasattr(editor, signal):
                     getattr(editor, signal).connect(self._check_timer.start)
+        self.rewards.changed.connect(self.changed)
         method = self.form.editor("training.method")
         method.currentTextChanged.connect(self._method_changed)  # type: ignore[attr-defined]
         self._method_changed(method.currentText())  # type: ignore[attr-defined]
@@ -157,6 +160,7 @@ class SetupPanel(QWidget):
 
     def _method_changed(self, method: str) -> None:
         self.rewards.setVisible(method == REWARD_METHOD)
+        self.changed.emit()
 
     def _recipe_box(self) -> QGroupBox:
         box = QGroupBox("Recipe: a starting point for the settings below")
@@ -256,7 +260,17 @@ class SetupPanel(QWidget):
         problem = self.warning.text()
         if problem:
             return False, f"Change the recipe: {problem[:1].lower()}{problem[1:]}"
+        if self.learns_from_rewards():
+            try:
+                self.rewards.specs()
+            except RewardError as error:
+                return False, f"Fix the rewards: {error.message}"
         return True, f"{self.recipe_name()} recipe"
+
+    def learns_from_rewards(self) -> bool:
+        """Whether the chosen method trains by reward (the reward builder shows, and its rewards must build)."""
+        method = self.form.editor("training.method")
+        return isinstance(method, QComboBox) and method.currentText() == REWARD_METHOD
 
     def _model_changed(self) -> None:
         demo = self.state.model_name == DEMO_MODEL

@@ -114,7 +114,7 @@ class RewardPanel(QGroupBox):
         """The chosen rewards for the run's config; RewardError when there are none or one cannot be built."""
         if not self.rows:
             raise RewardError("no reward chosen", hint="add one in the Recipe page's rewards")
-        checked = self.check()
+        checked = [row.check() for row in self.rows]
         for row, spec in zip(self.rows, checked, strict=True):
             if spec is None:
                 raise RewardError(f"{row.title}: {row.error.text()}")
