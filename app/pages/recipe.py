@@ -148,7 +148,7 @@ class SetupPanel(QWidget):
             for signal in ("textChanged", "valueChanged", "currentTextChanged", "toggled"):
                 if hasattr(editor, signal):
                     getattr(editor, signal).connect(self._check_timer.start)
-        self.rewards.changed.connect(self.changed)
+        self.rewards.changed.connect(self._check_timer.start)  # the rewards are part of the config
         method = self.form.editor("training.method")
         method.currentTextChanged.connect(self._method_changed)  # type: ignore[attr-defined]
         self._method_changed(method.currentText())  # type: ignore[attr-defined]
@@ -197,18 +197,24 @@ class SetupPanel(QWidget):
         self.form.set_config(recipe_config(name, self._form_config() or RunConfig()))
         self.check_fit()
 
+    def _settings(self) -> dict[str, Any]:
+        """The form's values with the chosen model and, when the method trains by reward, the rewards (a
+        RewardError when one cannot be built)."""
+        raw = self.form.values()
+        raw["model"]["name"] = self.state.model_name
+        if self.learns_from_rewards():
+            raw["training"]["rewards"] = list(self.rewards.specs())
+        return raw
+
     def _form_config(self) -> RunConfig | None:
         try:
-            raw = self.form.values()
-            raw["model"]["name"] = self.state.model_name
-            return RunConfig.from_dict(raw)
+            return RunConfig.from_dict(self._settings())
         except TuneDeckError:
             return None
 
     def build_config(self) -> RunConfig:
         """The run's config: the form, the chosen model and dataset; raises ConfigError on a bad value."""
-        raw = self.form.values()
-        raw["model"]["name"] = self.state.model_name
+        raw = self._settings()
         raw["data"]["path"] = self.state.data_path
         if not self.state.data_path:
             raise TuneDeckError("no dataset chosen", hint="open one on the Dataset page")
@@ -225,9 +231,7 @@ class SetupPanel(QWidget):
     def check_fit(self) -> None:
         """The verdict on the current settings, and each recipe's estimate with the user's other choices."""
         try:
-            raw = self.form.values()
-            raw["model"]["name"] = self.state.model_name
-            config = RunConfig.from_dict(raw)
+            config = RunConfig.from_dict(self._settings())
         except TuneDeckError as err:
             self.warning.setText(str(err))
             self.changed.emit()
