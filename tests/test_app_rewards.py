@@ -3,6 +3,7 @@ specs, a bad one says why under itself, and "Try" scores a tiny model's answers 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -151,22 +152,49 @@ def test_try_without_a_dataset_says_so(panel: Any) -> None:
     assert "no dataset chosen" in panel.trial_status.text()
 
 
-def test_start_waits_for_buildable_rewards(qtbot: Any) -> None:
-    page = SetupPanel(AppState())
-    qtbot.addWidget(page)
-    method = page.form.editor("training.method")
-    if method.findText(REWARD_METHOD) < 0:
-        method.addItem(REWARD_METHOD)
+def test_start_waits_for_buildable_rewards(qtbot: Any, tmp_path: Path) -> None:
+    page = reward_tuning_page(qtbot, tmp_path)
     assert page.step_status()[0]
-    with qtbot.waitSignal(page.changed):
-        method.setCurrentText(REWARD_METHOD)
-    ready, said = page.step_status()
-    assert not ready and "Fix the rewards: no reward chosen" in said
+    page.form.editor("training.method").setCurrentText(REWARD_METHOD)
+    assert "no reward chosen" in page.step_status()[1]
     row = page.rewards.add_reward("regex")
     row.text.setText("[")
     qtbot.waitUntil(lambda: "not a valid regular expression" in page.step_status()[1], timeout=HANG_MS)
     row.text.setText("[a-z]+")
     qtbot.waitUntil(lambda: page.step_status()[0], timeout=HANG_MS)
-    method.setCurrentText("sft")
+    page.form.editor("training.method").setCurrentText("sft")
     page.rewards.add_reward("regex")  # an unbuilt reward of a method that takes none stops nothing
-    assert page.step_status()[0]
+    qtbot.waitUntil(lambda: page.step_status()[0], timeout=HANG_MS)
+
+
+def reward_tuning_page(qtbot: Any, tmp_path: Path) -> Any:
+    """The Recipe page with a dataset of prompts, where the config takes rewards (skipped where it does not yet)."""
+    from engine.config import TrainingConfig
+
+    if "rewards" not in {field.name for field in dataclasses.fields(TrainingConfig)}:
+        pytest.skip("this build's config has no rewards to fill")
+    state = AppState()
+    state.data_path = str(write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "2+2?", "answer": "4"}]))
+    page = SetupPanel(state)
+    qtbot.addWidget(page)
+    return page
+
+
+def test_the_run_config_gets_the_chosen_rewards(qtbot: Any, tmp_path: Path) -> None:
+    page = reward_tuning_page(qtbot, tmp_path)
+    page.form.editor("training.method").setCurrentText(REWARD_METHOD)
+    qtbot.waitUntil(lambda: "no reward chosen" in page.warning.text(), timeout=HANG_MS)
+    assert not page.step_status()[0]
+    page.rewards.add_reward("reference").option.setCurrentIndex(1)
+    page.rewards.add_reward("regex").text.setText(r"\d")
+    qtbot.waitUntil(lambda: page.warning.text() == "" and page.step_status()[0], timeout=HANG_MS)
+    config = page.build_config()
+    assert config.training.method == REWARD_METHOD
+    assert (
+        config.training.rewards
+        == page.rewards.specs()
+        == (
+            RewardSpec("reference", settings=(("mode", "contains"),)),
+            RewardSpec("regex", settings=(("pattern", r"\d"),)),
+        )
+    )
