@@ -86,7 +86,7 @@ class MainWindow(QMainWindow):
         self.controller.state_changed.connect(self.state.follow_state)
         self.hardware_panel = HardwarePanel(self.state, self.tasks)
         self.model_panel = ModelPanel(self.state, self.tasks)
-        self.setup_panel = SetupPanel(self.state)
+        self.setup_panel = SetupPanel(self.state, self.tasks)
         self.data_panel = DataPanel(self.state, self.tasks, self.setup_panel.data_settings)
         self.run_panel = RunPanel(self.state, self.controller, self.setup_panel.build_config)
         self.speed_panel = SpeedPanel(self.state, self.controller)

@@ -12,6 +12,7 @@ from typing import Any
 from PySide6.QtCore import QTimer, Signal
 from PySide6.QtWidgets import (
     QButtonGroup,
+    QComboBox,
     QGridLayout,
     QGroupBox,
     QLabel,
@@ -22,8 +23,10 @@ from PySide6.QtWidgets import (
 )
 
 from app.app_state import AppState
+from app.background.worker import TaskRunner
 from app.widgets.config_form import ConfigForm
 from app.widgets.model_words import machine_name
+from app.widgets.reward_panel import RewardPanel
 from engine.config import DEMO_MODEL, DataConfig, RunConfig
 from engine.errors import TuneDeckError
 from engine.hardware.recipes import (
@@ -36,11 +39,14 @@ from engine.hardware.recipes import (
     estimate_recipe,
     find_recipe,
 )
+from engine.rewards import RewardError
 from engine.run.estimate import TimeEstimate, before_start, format_duration
 
 CHOSEN_ELSEWHERE = frozenset({"model.name", "data.path"})
 GIB = 1 << 30
 ERROR_COLOUR = "#b00020"
+REWARD_METHOD = "grpo"
+"""The training method that learns from rewards: the reward builder shows only for it."""
 
 
 def recipe_config(name: str, base: RunConfig | None = None) -> RunConfig:
@@ -109,7 +115,7 @@ class SetupPanel(QWidget):
     changed = Signal()
     """The recipe, a setting or the verdict changed (the guide bar listens)."""
 
-    def __init__(self, state: AppState) -> None:
+    def __init__(self, state: AppState, tasks: TaskRunner | None = None) -> None:
         super().__init__()
         self.state = state
         self.buttons: dict[str, QRadioButton] = {}
@@ -117,6 +123,8 @@ class SetupPanel(QWidget):
         self.summaries: dict[str, QLabel] = {}
         self.group = QButtonGroup(self)
         self.form = ConfigForm(CHOSEN_ELSEWHERE)
+        self.rewards = RewardPanel(state, tasks or TaskRunner(self))
+        """The rewards of training by reward (GRPO), shown only for that method."""
         self.warning = QLabel("")
         self.warning.setWordWrap(True)
         self.warning.setStyleSheet(f"color:{ERROR_COLOUR}")
@@ -125,6 +133,7 @@ class SetupPanel(QWidget):
         content = QWidget()
         column = QVBoxLayout(content)
         column.addWidget(self._recipe_box())
+        column.addWidget(self.rewards)
         column.addWidget(self.form, 1)
         scroll = QScrollArea()
         scroll.setWidget(content)
@@ -139,11 +148,19 @@ class SetupPanel(QWidget):
             for signal in ("textChanged", "valueChanged", "currentTextChanged", "toggled"):
                 if hasattr(editor, signal):
                     getattr(editor, signal).connect(self._check_timer.start)
+        self.rewards.changed.connect(self._check_timer.start)  # the rewards are part of the config
+        method = self.form.editor("training.method")
+        method.currentTextChanged.connect(self._method_changed)  # type: ignore[attr-defined]
+        self._method_changed(method.currentText())  # type: ignore[attr-defined]
         state.model_changed.connect(self._model_changed)
         state.data_changed.connect(self._data_changed)
         state.hardware_changed.connect(self.check_fit)
         self.choose_recipe(DEMO_RECIPE)
         self._update_chosen()
+
+    def _method_changed(self, method: str) -> None:
+        self.rewards.setVisible(method == REWARD_METHOD)
+        self.changed.emit()
 
     def _recipe_box(self) -> QGroupBox:
         box = QGroupBox("Recipe: a starting point for the settings below")
@@ -180,18 +197,24 @@ class SetupPanel(QWidget):
         self.form.set_config(recipe_config(name, self._form_config() or RunConfig()))
         self.check_fit()
 
+    def _settings(self) -> dict[str, Any]:
+        """The form's values with the chosen model and, when the method trains by reward, the rewards (a
+        RewardError when one cannot be built)."""
+        raw = self.form.values()
+        raw["model"]["name"] = self.state.model_name
+        if self.learns_from_rewards():
+            raw["training"]["rewards"] = list(self.rewards.specs())
+        return raw
+
     def _form_config(self) -> RunConfig | None:
         try:
-            raw = self.form.values()
-            raw["model"]["name"] = self.state.model_name
-            return RunConfig.from_dict(raw)
+            return RunConfig.from_dict(self._settings())
         except TuneDeckError:
             return None
 
     def build_config(self) -> RunConfig:
         """The run's config: the form, the chosen model and dataset; raises ConfigError on a bad value."""
-        raw = self.form.values()
-        raw["model"]["name"] = self.state.model_name
+        raw = self._settings()
         raw["data"]["path"] = self.state.data_path
         if not self.state.data_path:
             raise TuneDeckError("no dataset chosen", hint="open one on the Dataset page")
@@ -208,9 +231,7 @@ class SetupPanel(QWidget):
     def check_fit(self) -> None:
         """The verdict on the current settings, and each recipe's estimate with the user's other choices."""
         try:
-            raw = self.form.values()
-            raw["model"]["name"] = self.state.model_name
-            config = RunConfig.from_dict(raw)
+            config = RunConfig.from_dict(self._settings())
         except TuneDeckError as err:
             self.warning.setText(str(err))
             self.changed.emit()
@@ -243,7 +264,17 @@ class SetupPanel(QWidget):
         problem = self.warning.text()
         if problem:
             return False, f"Change the recipe: {problem[:1].lower()}{problem[1:]}"
+        if self.learns_from_rewards():
+            try:
+                self.rewards.specs()
+            except RewardError as error:
+                return False, f"Fix the rewards: {error.message}"
         return True, f"{self.recipe_name()} recipe"
+
+    def learns_from_rewards(self) -> bool:
+        """Whether the chosen method trains by reward (the reward builder shows, and its rewards must build)."""
+        method = self.form.editor("training.method")
+        return isinstance(method, QComboBox) and method.currentText() == REWARD_METHOD
 
     def _model_changed(self) -> None:
         demo = self.state.model_name == DEMO_MODEL
