@@ -155,3 +155,14 @@ def test_passes_the_user_gave_set_the_evaluations_by_their_own_steps() -> None:
 def test_the_knowledge_share_sets_how_many_answers_are_mixed_in(share: float | None, replay: int) -> None:
     fit = fit_to_data(dataclasses.replace(facts(70), knowledge_share=share))
     assert fit.replay_examples == replay
+
+
+@pytest.mark.parametrize(
+    ("keep", "penalty", "expected"), [(None, None, 4.0), (False, None, 0.0), (None, 1.5, 1.5), (True, 0.0, 0.0)]
+)
+def test_the_knowledge_penalty_follows_knowledge_keeping_unless_given(
+    keep: bool | None, penalty: float | None, expected: float
+) -> None:
+    config = RunConfig.from_dict({"training": {"keep_knowledge": keep, "knowledge_penalty": penalty}})
+    resolved, _ = apply_fit(config, fit_to_data(facts(70)))
+    assert resolved.training.knowledge_penalty == expected

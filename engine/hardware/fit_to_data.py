@@ -41,6 +41,8 @@ MAX_WARMUP = 100
 REPLAY_SHARE = 0.5
 """Replay examples (the base model's own answers to general prompts) per training example, for a small set."""
 MIN_REPLAY, MAX_REPLAY = 16, 192
+KNOWLEDGE_PENALTY = 4.0
+"""The weight of the knowledge penalty (engine.run.anchor) where knowledge is kept and the weight is automatic."""
 MEMORY_RANK = 16
 """The rank memory is planned for while the rank is still automatic (the larger of the common choices)."""
 
@@ -191,7 +193,10 @@ def _rank_reason(train: int, rank: int) -> str:
 
 def _keep_reason(facts: FitFacts, train: int, replay: int) -> str:
     if replay:
-        return f"on: {replay} of the base model's own answers to general prompts are mixed in, so it keeps what it knew"
+        return (
+            f"on: {replay} of the base model's own answers to general prompts are mixed in, and each step is held near "
+            "the base model's answers to a few of them, so it keeps what it knew"
+        )
     if facts.method != "sft":
         return f"off: {facts.method} runs keep the base close by their own loss"
     if not facts.instruct:
@@ -248,4 +253,7 @@ def _fill_training(
     if training.keep_knowledge is None:
         changes["keep_knowledge"] = fit.keep_knowledge
         lines.append(f"keep knowledge: {chosen['keep knowledge']}")
+    if training.knowledge_penalty is None:
+        keeps = bool(changes.get("keep_knowledge", training.keep_knowledge))
+        changes["knowledge_penalty"] = KNOWLEDGE_PENALTY if keeps else 0.0
     return dataclasses.replace(training, **changes), lines  # type: ignore[arg-type]

@@ -32,7 +32,14 @@ def has_automatic(config: RunConfig) -> bool:
         config.data.eval_fraction is None
         or (training.max_steps == 0 and training.epochs == 0)
         or training.learning_rate == 0
-        or None in (training.eval_every, training.early_stop, training.warmup_steps, training.keep_knowledge)
+        or None
+        in (
+            training.eval_every,
+            training.early_stop,
+            training.warmup_steps,
+            training.keep_knowledge,
+            training.knowledge_penalty,
+        )
         or lora.rank == 0
         or lora.alpha == 0
     )

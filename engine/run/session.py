@@ -223,9 +223,15 @@ def pad_token_id(tokenizer: Any) -> int:
 
 
 def _resumed(config: RunConfig) -> Generator[Event, None, RunConfig]:
-    """A run folder from before knowledge keeping was a setting trains on as it did: without it."""
-    if config.training.keep_knowledge is None:
-        config = dataclasses.replace(config, training=dataclasses.replace(config.training, keep_knowledge=False))
+    """A run folder from before knowledge keeping (or its penalty) was a setting trains on as it did: without it."""
+    training = config.training
+    if training.keep_knowledge is None or training.knowledge_penalty is None:
+        kept = dataclasses.replace(
+            training,
+            keep_knowledge=bool(training.keep_knowledge),
+            knowledge_penalty=training.knowledge_penalty or 0.0,
+        )
+        config = dataclasses.replace(config, training=kept)
     yield from ()
     return config
 
