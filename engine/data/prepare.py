@@ -27,6 +27,7 @@ from engine.data.packing import (
 )
 from engine.data.tokenize import TokenizeReport, ensure_chat_template, tokenize_examples
 from engine.errors import ConfigError, DataError
+from engine.methods.facts import facts_for
 
 
 @dataclass
@@ -134,15 +135,16 @@ def _check_pairs_fit(examples: Sequence[TokenizedExample], budget: int) -> None:
 
 
 def check_method(data_format: str, method: str, path: str) -> None:
-    """Preference pairs train with DPO and only with DPO."""
-    if method == "dpo" and data_format != "preference":
+    """Preference pairs train with the method made for them (DPO) and only with it."""
+    facts, pairs = facts_for(method), data_format == "preference"
+    if facts.pairs and not pairs:
         raise DataError(
-            f"DPO needs preference pairs, but this is {data_format} data",
+            f"{facts.title} needs preference pairs, but this is {data_format} data",
             path=path,
             hint="each row needs a prompt and a chosen and a rejected answer: prompt/chosen/rejected text, or "
             "chosen/rejected message lists that start with the same prompt turns",
         )
-    if method != "dpo" and data_format == "preference":
+    if pairs and not facts.pairs:
         raise DataError(
             "this dataset holds preference pairs (chosen/rejected answers)",
             path=path,

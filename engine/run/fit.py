@@ -20,6 +20,7 @@ from engine.data.packing import TokenizedPair
 from engine.data.tokenize import ensure_chat_template, tokenize_examples
 from engine.events import Event, Notice
 from engine.hardware.fit_to_data import FitFacts, apply_fit, fit_to_data
+from engine.methods import method_for
 from engine.run import checkpoint as ckpt
 from engine.run.folder import CONFIG_FILE
 from engine.run.rows import model_shape
@@ -45,7 +46,7 @@ def fit_run(
     if not has_automatic(config):
         return config
     shape = model_shape(config.model)
-    examples, tokens = dataset_size(config, tokenizer)
+    examples, tokens = method_for(config.training.method).dataset_size(config, tokenizer)
     facts = FitFacts(
         examples=examples,
         tokens=tokens,

@@ -49,7 +49,6 @@ from engine.run.folder import (
     save_adapter,
     write_error_log,
 )
-from engine.run.preference_step import score_start
 from engine.run.ranks import Ranks
 from engine.run.session import Session, start
 from engine.run.step import climb_back, evaluate, read_in_flight, train_step
@@ -110,7 +109,7 @@ def on_one_gpu(config: RunConfig, gpus: list[int]) -> RunConfig:
 
 
 def _train(session: Session, control: RunControl) -> Iterator[Event]:
-    yield from score_start(session)  # a DPO run measured against its start: the reference before any update
+    yield from session.method.before_first_step(session)
     writer = BestAdapterWriter(session.run_dir) if session.ranks.is_main else None
     try:
         yield from _steps(session, control, writer)
@@ -255,7 +254,7 @@ def _save_checkpoint(session: Session) -> CheckpointSaved:
             optimizer,
             session.scheduler,
             session.config.output.keep_checkpoints,
-            reference=session.preference.saved() if session.preference is not None else None,
+            reference=session.method.kept_state(),
         )
     ranks.barrier()  # nobody goes on before the checkpoint is whole
     return CheckpointSaved(session.step, str(path))

@@ -27,6 +27,7 @@ from engine.events import Event, Notice
 from engine.hardware.cpu_threads import busy_cores, cpu_threads
 from engine.hardware.row_lengths import RowLengths, choose_row_lengths
 from engine.hardware.shapes import ModelShape
+from engine.methods import facts_for, method_for
 from engine.run import checkpoint as ckpt
 from engine.run.folder import CONFIG_FILE
 
@@ -56,11 +57,11 @@ def resolve_rows(
         on_gpu=on_gpu,
         max_seq_len=data.max_seq_len,
         tokens_per_batch=data.tokens_per_batch,
-        longest_document=None if on_gpu else longest_example(data, tokenizer),
+        longest_document=None if on_gpu else method_for(config.training.method).longest_document(data, tokenizer),
         shape=None if on_gpu else model_shape(config.model),
         cpu_cores=torch.get_num_threads(),
         qlora=config.model.qlora,
-        documents_per_item=2 if config.training.method == "dpo" else 1,  # a pair's two answers share a row
+        documents_per_item=facts_for(config.training.method).documents_per_item,  # a pair's answers share a row
     )
     if not on_gpu:
         for line in rows.lines():
