@@ -8,12 +8,22 @@ from pathlib import Path
 
 import pytest
 
-from engine.methods import FACTS, SWITCHES, facts_for, method_for
-from engine.methods.facts import FUSED_LOSS, KEEP_KNOWLEDGE, LATE_READOUT, SEVERAL_GPUS, STEP_GRAPHS
+from engine.method_facts import (
+    FACTS,
+    FUSED_LOSS,
+    KEEP_KNOWLEDGE,
+    LATE_READOUT,
+    PACKING,
+    SEVERAL_GPUS,
+    STEP_GRAPHS,
+    SWITCHES,
+    facts_for,
+)
+from engine.run.methods import method_for
 
 ROOT = Path(__file__).resolve().parents[1]
 READERS = [
-    *sorted((ROOT / "engine" / "run").glob("*.py")),
+    *sorted((ROOT / "engine" / "run").glob("*.py")),  # the methods themselves (run/methods/) may name theirs
     ROOT / "engine" / "data" / "prepare.py",
     ROOT / "engine" / "hardware" / "fit_to_data.py",
     ROOT / "engine" / "hardware" / "recipes.py",
@@ -51,6 +61,7 @@ def test_the_name_check_finds_a_branch(tmp_path: Path) -> None:
 REFUSALS = {
     "sft": set(),
     "dpo": {SEVERAL_GPUS, STEP_GRAPHS, FUSED_LOSS, LATE_READOUT, KEEP_KNOWLEDGE},
+    "grpo": {SEVERAL_GPUS, STEP_GRAPHS, FUSED_LOSS, LATE_READOUT, KEEP_KNOWLEDGE, PACKING},
 }
 
 
@@ -65,5 +76,5 @@ def test_each_method_refuses_its_switches_and_says_why(name: str) -> None:
 
 def test_every_method_is_tabled_and_an_unknown_one_is_named() -> None:
     assert set(REFUSALS) <= set(FACTS)
-    with pytest.raises(ValueError, match="known: sft, dpo"):
+    with pytest.raises(ValueError, match="known: sft, dpo, grpo"):
         method_for("ppo")

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 
 from engine.config import TOO_FEW_TO_HOLD_OUT, DataConfig, RunConfig, TrainingConfig, held_out_count
-from engine.methods.facts import KEEP_KNOWLEDGE, facts_for
+from engine.method_facts import KEEP_KNOWLEDGE, facts_for
 
 SMALL_SET = 2_000
 """Below this many training examples a set is small: several passes, and the base's answers mixed in."""
@@ -94,7 +94,7 @@ def epochs_for(train_examples: int, method: str) -> float:
 
 
 def learning_rate_for(parameters: int | None, method: str) -> float:
-    """Larger models take smaller steps; other methods a share of supervised tuning's (engine.methods.facts)."""
+    """Larger models take smaller steps; other methods a share of supervised tuning's (engine.method_facts)."""
     size = parameters or 1_000_000_000
     rate = 3e-4 if size < 1e9 else 2e-4 if size < 1.5e10 else 1e-4
     return rate * facts_for(method).rate_share

@@ -18,7 +18,7 @@ from typing import Any
 from engine.config import RunConfig
 from engine.hardware.fit_to_data import MEMORY_RANK, FitFacts, fit_to_data
 from engine.hardware.row_lengths import GPU_TOKENS_PER_BATCH, choose_row_lengths
-from engine.methods.facts import facts_for
+from engine.method_facts import facts_for
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,6 @@ from engine.data.packing import TokenizedPair
 from engine.data.tokenize import ensure_chat_template, tokenize_examples
 from engine.events import Event, Notice
 from engine.hardware.fit_to_data import FitFacts, apply_fit, fit_to_data
-from engine.methods import method_for
 from engine.run import checkpoint as ckpt
 from engine.run.folder import CONFIG_FILE
 from engine.run.rows import model_shape
@@ -40,13 +39,17 @@ def has_automatic(config: RunConfig) -> bool:
 
 
 def fit_run(
-    config: RunConfig, tokenizer: Any, instruct: bool, run_dir: Path | None
+    config: RunConfig,
+    tokenizer: Any,
+    instruct: bool,
+    run_dir: Path | None,
+    measure: Callable[[RunConfig, Any], tuple[int, int]] | None = None,
 ) -> Generator[Event, None, RunConfig]:
     """``config`` with its automatic settings chosen, written to ``run_dir``'s config.json when given."""
     if not has_automatic(config):
         return config
     shape = model_shape(config.model)
-    examples, tokens = method_for(config.training.method).dataset_size(config, tokenizer)
+    examples, tokens = (measure or dataset_size)(config, tokenizer)
     facts = FitFacts(
         examples=examples,
         tokens=tokens,

@@ -49,6 +49,7 @@ from engine.run.folder import (
     save_adapter,
     write_error_log,
 )
+from engine.run.methods import method_for
 from engine.run.ranks import Ranks
 from engine.run.session import Session, start
 from engine.run.step import climb_back, evaluate, read_in_flight, train_step
@@ -62,7 +63,7 @@ def train_in_process(config: RunConfig, run_dir: Path, resuming: bool, control: 
     """A whole run in this process, in ``run_dir`` (already holding its config.json)."""
     session: Session | None = None
     try:
-        session = yield from start(config, run_dir, resuming)
+        session = yield from start(config, run_dir, resuming, method_for(config.training.method))
         yield from _train(session, control)
     except Exception as err:  # the user gets a message and a log, never a dead app
         yield failure(err, session, run_dir, write_log=True)
@@ -75,7 +76,7 @@ def run_rank(
     tokens = known_tokens()
     session: Session | None = None
     try:
-        session = yield from start(config, run_dir, resuming, ranks, device)
+        session = yield from start(config, run_dir, resuming, method_for(config.training.method), ranks, device)
         yield from _train(session, control)
     except Exception as err:
         yield redact_event(failure(err, session, run_dir, write_log=ranks.is_main), tokens)

@@ -33,13 +33,17 @@ import torch
 from engine.config import RunConfig
 from engine.data.packing import TokenizedExample, TokenizedPair, collate
 from engine.data.prepare import PreparedData
-from engine.methods import method_for
+from engine.method_facts import facts_for
 from engine.model.adapter import RunAdapter, run_adapter
 from engine.model.load import load_base_model, load_tokenizer, pick_device, pick_dtype
+from engine.rewards import build_rewards
 from engine.run import checkpoint as ckpt
 from engine.run import knowledge
 from engine.run.folder import load_run_config
 from engine.run.knowledge import KEPT_WARNING
+from engine.run.methods import method_for
+from engine.run.methods.grpo import held_out_reward
+from engine.run.methods.grpo_data import PromptData
 from engine.run.preference import document_log_probs, pair_losses
 from engine.run.short_answers import ShortAnswer, answer_scores, short_answers
 
@@ -102,6 +106,8 @@ class ModelScores:
     """Questions this model answers right that the base model did not."""
     knowledge_kept_share: float | None = None
     """knowledge_kept over the base model's right answers (None when the base got none right)."""
+    mean_reward: float | None = None
+    """GRPO: the mean total reward of the model's greedy answers to the held-out prompts."""
 
 
 CHANCE = 0.5
@@ -154,7 +160,7 @@ def measures(method: str, answers_scored: bool, knowledge: bool = False) -> list
             Measure("knowledge_kept_share", "knowledge kept (of the questions the base model answers right)",
                     "knowledge kept", "higher", ".0%", ".0%")
         )  # fmt: skip
-    rows += method_for(method).report_section().measures
+    rows += SECTIONS[facts_for(method).report].measures
     if answers_scored:
         rows += [
             Measure("exact_match", "short answers: exact match", "short answers: exact match", "higher", ".0%", ".0%"),
@@ -209,7 +215,7 @@ class RunReport:
         )
 
     def markdown(self) -> str:
-        section = method_for(self.method).report_section()
+        section = SECTIONS[facts_for(self.method).report]
         held_out = f"{self.held_out_examples} held-out {section.noun} ({self.held_out_tokens} tokens)"
         rows = [(m.name, [m.text(m.value(scores)) for scores in self.models]) for m in self.measures()]
         lines = [
@@ -250,6 +256,10 @@ class RunReport:
             elif tuned.held_out_loss is not None and before.held_out_loss is not None:
                 change = "lower (better)" if tuned.held_out_loss < before.held_out_loss else "higher (worse)"
                 lines.append(f"* {tuned.label}: held-out loss {change} than the {before.label}'s.")
+            elif tuned.mean_reward is not None and before.mean_reward is not None:
+                lines.append(
+                    f"* {tuned.label}: held-out mean reward {before.mean_reward:.3f} → {tuned.mean_reward:.3f}."
+                )
             if tuned.knowledge_kept is not None:
                 lines.append(f"* {tuned.label}: {knowledge_line(self.knowledge_base_right, tuned)}.")
             lines.append(f"* {tuned.label}: {forgetting_line(before, tuned)}.")
@@ -458,7 +468,7 @@ def build_report(run_dir: str | Path, device: str | None = None, cancelled: Canc
     model.eval()
     labels = [_label(adapter, last_step) for adapter in adapters]
     inputs = ReportInputs(model, tokenizer, list(zip(names, labels, strict=True)), data, general, config, torch_device)
-    built = method.report_section().columns(inputs, cancelled)
+    built = SECTIONS[method.facts.report].columns(inputs, cancelled)
     held_out_tokens = sum(len(item) for item in data.eval)
     general_tokens = sum(len(g) for g in general)
     report = RunReport(
@@ -536,6 +546,37 @@ def pair_columns(inputs: ReportInputs, cancelled: Cancelled = never) -> BuiltCol
 
 DOCUMENTS_SECTION = ReportSection("examples", None, DOCUMENT_MEASURES, document_columns)
 PAIRS_SECTION = ReportSection("pairs", PAIRS_NOTE, PAIR_MEASURES, pair_columns)
+REWARD_MEASURES = (
+    Measure("mean_reward", "held-out mean reward (greedy answers)", "held-out mean reward", "higher", ".3f", ".2f"),
+)
+
+
+def reward_columns(inputs: ReportInputs, cancelled: Cancelled = never) -> BuiltColumns:
+    """Learning from rewards: the base model, then each adapter, by the mean reward of its greedy answers to the
+    held-out prompts (the run's own rewards), and the forgetting check."""
+    model, data = inputs.model, inputs.data
+    assert isinstance(data, PromptData), "a GRPO run's held-out data are prompts"
+    rewards = build_rewards(inputs.config.training.rewards)
+    new = inputs.config.training.max_new_tokens
+
+    def column(label: str) -> ModelScores:
+        general_loss, _ = _text_loss(model, inputs.general, inputs.device, cancelled)
+        reward = held_out_reward(model, inputs.tokenizer, data.eval_prompts, rewards, new)[0] if data.eval else None
+        _check(cancelled)
+        return ModelScores(label, None, None, None, math.exp(general_loss), mean_reward=reward)
+
+    with model.disable_adapter():
+        columns = [column("base model")]
+    for name, label in inputs.adapters:
+        model.set_adapter(name)
+        columns.append(column(label))
+    note = "not scored: a run that learns from rewards is judged by its rewards"
+    return BuiltColumns(columns, [None, *(name for name, _ in inputs.adapters)], 0, note)
+
+
+REWARDS_SECTION = ReportSection("prompts", None, REWARD_MEASURES, reward_columns)
+SECTIONS = {"documents": DOCUMENTS_SECTION, "pairs": PAIRS_SECTION, "rewards": REWARDS_SECTION}
+"""Each report kind a method's facts name (engine.method_facts.MethodFacts.report), and its section."""
 
 
 def _with_knowledge(

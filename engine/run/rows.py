@@ -13,7 +13,7 @@ import dataclasses
 import json
 import os
 import sys
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from engine.events import Event, Notice
 from engine.hardware.cpu_threads import busy_cores, cpu_threads
 from engine.hardware.row_lengths import RowLengths, choose_row_lengths
 from engine.hardware.shapes import ModelShape
-from engine.methods import facts_for, method_for
+from engine.method_facts import facts_for
 from engine.run import checkpoint as ckpt
 from engine.run.folder import CONFIG_FILE
 
@@ -39,7 +39,11 @@ CPU_QLORA_NOTE = (
 
 
 def resolve_rows(
-    config: RunConfig, tokenizer: Any, device: torch.device, run_dir: Path | None
+    config: RunConfig,
+    tokenizer: Any,
+    device: torch.device,
+    run_dir: Path | None,
+    longest_document: Callable[[DataConfig, Any], int] | None = None,
 ) -> Generator[Event, None, RunConfig]:
     """The config with both values set, written to ``run_dir``'s config.json when given (by the process that owns
     the folder); on a CPU, a Notice says what was chosen and why."""
@@ -57,7 +61,7 @@ def resolve_rows(
         on_gpu=on_gpu,
         max_seq_len=data.max_seq_len,
         tokens_per_batch=data.tokens_per_batch,
-        longest_document=None if on_gpu else method_for(config.training.method).longest_document(data, tokenizer),
+        longest_document=None if on_gpu else (longest_document or longest_example)(data, tokenizer),
         shape=None if on_gpu else model_shape(config.model),
         cpu_cores=torch.get_num_threads(),
         qlora=config.model.qlora,

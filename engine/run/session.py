@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from engine import method_facts as facts
 from engine.config import RunConfig
 from engine.data.prepare import PreparedData, RowSchedule
 from engine.errors import ConfigError
@@ -25,8 +26,6 @@ from engine.events import Event, Notice, RunStarted, SpeedChanged
 from engine.hardware import allocator
 from engine.hardware.fit_to_data import replay_count
 from engine.hardware.row_lengths import cpu_step_seconds
-from engine.methods import facts, method_for
-from engine.methods.base import TrainingMethod
 from engine.model.adapter import adapter_folder, adapter_lora, load_adapter_weights
 from engine.model.gguf_import import prepare_gguf_model
 from engine.model.load import add_lora, count_parameters, load_base_model, load_tokenizer, pick_device, pick_dtype
@@ -37,6 +36,7 @@ from engine.run.best import EvalWatch
 from engine.run.estimate import cpu_run_seconds
 from engine.run.fit import fit_run
 from engine.run.folder import CHECKPOINT_DIR, EVAL_FILE, METRICS_FILE, truncate_log, write_compute
+from engine.run.methods.base import TrainingMethod
 from engine.run.optimizer import adamw
 from engine.run.ranks import Ranks
 from engine.run.registry import Registry, RegistryError, data_dir
@@ -70,6 +70,8 @@ class Session:
     scaler: torch.amp.GradScaler | None
     speed: SpeedController
     total_steps: int
+    method: TrainingMethod
+    """What the run's training method does in its steps, evaluations and checkpoints (engine.run.methods)."""
     step: int = 0
     micro_batches: int = 0
     schedule: RowSchedule = field(init=False)
@@ -90,13 +92,10 @@ class Session:
     """Each step's loss and gradient norm are read one step late (engine.run.readout)."""
     in_flight: readout.InFlight | None = None
     """With late readout: the step queued last, whose values the host has not read yet."""
-    method: TrainingMethod = field(init=False)
-    """What the run's training method does in its steps, evaluations and checkpoints (engine.methods)."""
     eval_watch: EvalWatch = field(init=False)
     """The held-out losses so far: where the best adapter comes from, rises in a row, early stopping."""
 
     def __post_init__(self) -> None:
-        self.method = method_for(self.config.training.method)
         self.eval_watch = EvalWatch(self.config.training.early_stop or 0)
         self.schedule = RowSchedule(len(self.data.train_rows), self.config.training.seed)
         self.tokens_per_batch = self.config.data.tokens_per_batch
@@ -113,21 +112,20 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _total_steps(config: RunConfig, num_rows: int) -> int:
-    if config.training.max_steps:
-        return config.training.max_steps
-    return max(1, math.ceil(config.training.epochs * num_rows / config.training.grad_accum))
-
-
 def start(
-    config: RunConfig, run_dir: Path, resuming: bool, ranks: Ranks | None = None, device: torch.device | None = None
+    config: RunConfig,
+    run_dir: Path,
+    resuming: bool,
+    method: TrainingMethod,
+    ranks: Ranks | None = None,
+    device: torch.device | None = None,
 ) -> Generator[Event, None, Session]:
+    """The session of a run of ``method`` (engine.run.methods.method_for(config.training.method))."""
     ranks = ranks or Ranks.single()
     _seed_everything(config.training.seed)
     device = device or pick_device(config.training.device)
     dtype = pick_dtype(config.model.dtype, device)
     config = yield from _fit_to_ranks(config, ranks, device, dtype)
-    method = method_for(config.training.method)
     refusals = method.facts.refusals
     if ranks.distributed and facts.SEVERAL_GPUS in refusals:
         raise ConfigError(refusals[facts.SEVERAL_GPUS], hint="pass --gpus 1")
@@ -135,8 +133,12 @@ def start(
     tokenizer = load_tokenizer(config.model)
     instruct = bool(getattr(tokenizer, "chat_template", None))  # before a fallback template is given
     owner_dir = None if resuming or not ranks.is_main else run_dir
-    config = yield from resolve_rows(config, tokenizer, device, owner_dir)
-    config = yield from fit_run(config, tokenizer, instruct, owner_dir) if not resuming else _resumed(config)
+    config = yield from resolve_rows(config, tokenizer, device, owner_dir, method.longest_document)
+    config = (
+        yield from fit_run(config, tokenizer, instruct, owner_dir, method.dataset_size)
+        if not resuming
+        else _resumed(config)
+    )
     data = method.prepare(config.data, tokenizer, config.training.seed)
     _check_early_stop(config, data)
     for message in data.notices:
@@ -159,8 +161,7 @@ def start(
     ranks.shard_layers(model, device)
     loss_module = ranks.wrap(model, device)
     use_compile_cache(data_dir())  # before anything compiles: kernels a run of this model compiled before load
-    session = _make_session(config, run_dir, device, dtype, tokenizer, model, data)
-    session.method = method
+    session = _make_session(config, run_dir, device, dtype, tokenizer, model, data, method)
     if ranks.is_main:
         write_compute(run_dir, dtype, device)
     session.ranks, session.loss_module = ranks, loss_module
@@ -289,7 +290,7 @@ def _adapter_location(reference: str) -> Path:
 
 
 def _refuse_switches(session: Session, readout_reason: str) -> Iterator[Event]:
-    """Turn off the switches the run's method cannot train with (engine.methods.facts), saying why where the user
+    """Turn off the switches the run's method cannot train with (engine.method_facts), saying why where the user
     asked for one."""
     refusals = session.method.facts.refusals
     if facts.STEP_GRAPHS in refusals:
@@ -355,19 +356,26 @@ def _device_label(device: torch.device, ranks: Ranks) -> str:
 
 
 def _make_session(
-    config: RunConfig, run_dir: Path, device: torch.device, dtype: torch.dtype, tokenizer: Any, model: Any, data: Any
+    config: RunConfig,
+    run_dir: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    tokenizer: Any,
+    model: Any,
+    data: Any,
+    method: TrainingMethod,
 ) -> Session:
     params = [p for p in model.parameters() if p.requires_grad]
     training = config.training
     optimizer = adamw(params, training.learning_rate, training.weight_decay, training.optimizer, device)
-    total_steps = _total_steps(config, len(data.train_rows))
+    total_steps = method.total_steps(config, len(data.train_rows))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(config.training.schedule, config.training.warmup_steps or 0, total_steps)
     )
     scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 and device.type == "cuda" else None
     speed = SpeedController(model, config.speed, device)
     return Session(
-        config, run_dir, device, dtype, tokenizer, model, data, optimizer, scheduler, scaler, speed, total_steps
+        config, run_dir, device, dtype, tokenizer, model, data, optimizer, scheduler, scaler, speed, total_steps, method
     )
 
 

@@ -21,10 +21,10 @@ import torch
 from engine.data.packing import IGNORE_INDEX, PackedBatch, TokenizedExample, collate
 from engine.events import EvalMetrics, Event, OomRecovered, SpeedChanged, SpeedRestored, StepMetrics, StepSkipped
 from engine.hardware import vram
-from engine.methods.base import HeldOut, StepTokens
 from engine.run import checkpoint as ckpt
 from engine.run import guard, readout
 from engine.run.folder import CHECKPOINT_DIR, EVAL_FILE, MEMORY_FILE, append_jsonl
+from engine.run.methods.base import HeldOut, StepTokens
 from engine.run.ranks import plain_number
 from engine.run.session import Session
 from engine.speed import GRAPHS_SHORT_OF_MEMORY, usable_device_memory
@@ -94,7 +94,7 @@ def _rank_batches(session: Session, per_row: list[list[list[TokenizedExample]]])
 
 
 def _accumulate(session: Session, rows: list[int]) -> tuple[torch.Tensor, StepTokens]:
-    """Forward and backward over the step's rows, as the run's training method makes them (engine.methods)."""
+    """Forward and backward over the step's rows, as the run's training method makes them (engine.run.methods)."""
     return session.method.accumulate(session, rows)
 
 
@@ -433,9 +433,12 @@ def evaluate(session: Session) -> Iterator[Event]:
         return
     loss, tokens, accuracy = result.loss, result.tokens, result.reward_accuracy
     session.last_eval = loss
+    reward = result.reward_mean
     if session.ranks.is_main:
         record = {"step": session.step, "eval_loss": loss, "tokens": tokens}
         if accuracy is not None:
             record["reward_accuracy"] = accuracy
+        if reward is not None:
+            record["reward_mean"] = reward
         append_jsonl(session.run_dir / EVAL_FILE, record)
-    yield EvalMetrics(session.step, loss, tokens, accuracy)
+    yield EvalMetrics(session.step, loss, tokens, accuracy, reward)

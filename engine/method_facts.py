@@ -11,9 +11,11 @@ STEP_GRAPHS = "step_graphs"
 FUSED_LOSS = "fused_loss"
 LATE_READOUT = "late_readout"
 KEEP_KNOWLEDGE = "keep_knowledge"
-SWITCHES = (SEVERAL_GPUS, STEP_GRAPHS, FUSED_LOSS, LATE_READOUT, KEEP_KNOWLEDGE)
-"""What a method may refuse: training over several GPUs, the step graphs, the fused loss, late step readout, and the
-knowledge-keeping replay of the base model's answers (engine.run.replay)."""
+PACKING = "packing"
+SWITCHES = (SEVERAL_GPUS, STEP_GRAPHS, FUSED_LOSS, LATE_READOUT, KEEP_KNOWLEDGE, PACKING)
+"""What a method may refuse: training over several GPUs, the step graphs, the fused loss, late step readout, the
+knowledge-keeping replay of the base model's answers (engine.run.replay), and packing several documents into a
+row (a method that refuses it prepares one item a row)."""
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,8 @@ class MethodFacts:
     """The method's name in messages ("DPO")."""
     pairs: bool = False
     """It trains on preference pairs, and only it does."""
+    report: str = "documents"
+    """Which section of the before/after report measures its runs (engine.run.report.SECTIONS)."""
     documents_per_item: int = 1
     """Documents one item packs as (a preference pair's two answers share a row)."""
     visits_share: float = 1.0
@@ -43,6 +47,7 @@ FACTS = {
         "dpo",
         "DPO",
         pairs=True,
+        report="pairs",
         documents_per_item=2,
         visits_share=0.5,  # preferences move a model that already answers
         rate_share=0.25,
@@ -53,6 +58,24 @@ FACTS = {
             FUSED_LOSS: "DPO scores answers by their log-probabilities: logits only at answer tokens instead",
             LATE_READOUT: "DPO reads the step's rewards with its loss",
             KEEP_KNOWLEDGE: "DPO measures against a reference model, which already holds the tuned model near it",
+        },
+    ),
+    "grpo": MethodFacts(
+        "grpo",
+        "GRPO",
+        report="rewards",
+        visits_share=0.5,  # each visit samples a whole group of answers
+        rate_share=1 / 30,
+        rate_note="a thirtieth for learning from rewards (a policy update moves every sampled answer)",
+        refusals={
+            SEVERAL_GPUS: "GRPO trains on one GPU: its answers are sampled in the training process",
+            STEP_GRAPHS: "each GRPO step samples answers of new lengths between its updates",
+            FUSED_LOSS: "the clipped objective needs each answer token's log-probability: logits only at answer "
+            "tokens instead",
+            LATE_READOUT: "GRPO reads the step's rewards, KL and clip fraction with its loss",
+            KEEP_KNOWLEDGE: "GRPO learns from the model's own sampled answers, with no written answers to mix "
+            "replay into (a KL penalty, --beta, holds it near the base instead)",
+            PACKING: "sampled answers train as padded batches of one prompt's group, each answer in its own row",
         },
     ),
 }

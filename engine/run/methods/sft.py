@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.methods.base import HeldOut, StepTokens, TrainingMethod
-from engine.methods.facts import FACTS
+from engine.method_facts import FACTS
+from engine.run.methods.base import HeldOut, StepTokens
+from engine.run.methods.documents import DocumentMethod
+from engine.run.step import accumulate_documents, evaluate_documents
 
 if TYPE_CHECKING:
     import torch
@@ -14,16 +16,12 @@ if TYPE_CHECKING:
     from engine.run.session import Session
 
 
-class SftMethod(TrainingMethod):
+class SftMethod(DocumentMethod):
     facts = FACTS["sft"]
 
     def accumulate(self, session: Session, rows: list[int]) -> tuple[torch.Tensor, StepTokens]:
-        from engine.run.step import accumulate_documents
-
         return accumulate_documents(session, rows)
 
     def evaluate(self, session: Session) -> HeldOut | None:
-        from engine.run.step import evaluate_documents
-
         result = evaluate_documents(session)
         return None if result is None else HeldOut(*result)

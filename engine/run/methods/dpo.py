@@ -7,19 +7,19 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from engine.events import Event, Notice, StepMetrics
-from engine.methods.base import HeldOut, StepTokens, TrainingMethod
-from engine.methods.facts import FACTS
+from engine.method_facts import FACTS
 from engine.run import preference_step
+from engine.run.methods.base import HeldOut, StepTokens
+from engine.run.methods.documents import DocumentMethod
 from engine.run.preference import PreferenceTraining
 
 if TYPE_CHECKING:
     import torch
 
-    from engine.run.report import ReportSection
     from engine.run.session import Session
 
 
-class DpoMethod(TrainingMethod):
+class DpoMethod(DocumentMethod):
     facts = FACTS["dpo"]
 
     def __init__(self) -> None:
@@ -66,8 +66,3 @@ class DpoMethod(TrainingMethod):
 
     def restore_state(self, saved: dict[str, torch.Tensor] | None) -> None:
         self.state.restore(saved)
-
-    def report_section(self) -> ReportSection:
-        from engine.run.report import PAIRS_SECTION
-
-        return PAIRS_SECTION
