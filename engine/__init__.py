@@ -5,16 +5,17 @@ The folders are the layers. Each may import only layers listed above it, so depe
 
 1. errors, events, quiet, redact, demo, crash_guard: the error type, the events every long job reports, library
    noise, token redaction, the built-in demo task, native crashes kept from the window (and logged);
-2. config: the one typed config tree (``from engine.config import RunConfig``), method_facts: what each training
+2. rewards: scoring a model's answers for training by reward (plain Python, no torch);
+3. config: the one typed config tree (``from engine.config import RunConfig``), method_facts: what each training
    method packs, refuses and reports, known before any model loads;
-3. data (files, tokenizing, packing), hardware (GPU detection, memory planner, telemetry), setup (installing
+4. data (files, tokenizing, packing), hardware (GPU detection, memory planner, telemetry), setup (installing
    torch, repairing the environment);
-4. model (loading a base model with LoRA, chat), speed (the speed switches);
-5. run (the training loop of one process: session, step, checkpoints, guard, control, schedule, run folder,
+5. model (loading a base model with LoRA, chat), speed (the speed switches);
+6. run (the training loop of one process: session, step, checkpoints, guard, control, schedule, run folder,
    registry), export (adapter and merged-model exports);
-6. distributed (a run over several GPUs: torchrun launch, process group, control relay);
-7. train: the public entry point, ``from engine.train import run``, on one process or several;
-8. cli (the ``tunedeck`` commands, progress printer, demo run);
-9. bench (the benchmark programs, which time the product through its own entry points; ``tunedeck bench`` reaches
+7. distributed (a run over several GPUs: torchrun launch, process group, control relay);
+8. train: the public entry point, ``from engine.train import run``, on one process or several;
+9. cli (the ``tunedeck`` commands, progress printer, demo run);
+10. bench (the benchmark programs, which time the product through its own entry points; ``tunedeck bench`` reaches
    them by name, so the command line never imports them).
 """

@@ -13,8 +13,6 @@ precision and recall of their shared words. Examples trained on all their tokens
 
 from __future__ import annotations
 
-import re
-import string
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +21,7 @@ from typing import Any
 import torch
 
 from engine.data.packing import IGNORE_INDEX, TokenizedExample
+from engine.rewards.matching import normalize_answer
 
 SHORT_ANSWER_TOKENS = 32
 """An answer of at most this many tokens (its end-of-turn tokens included) is short enough to score by matching."""
@@ -49,13 +48,6 @@ class AnswerScores:
     """The share of replies equal to their answer once normalised."""
     token_f1: float
     """The mean token F1 of reply against answer."""
-
-
-def normalize_answer(text: str) -> str:
-    """SQuAD's normalisation: lower case, no punctuation, no articles, single spaces."""
-    text = "".join(ch for ch in text.lower() if ch not in set(string.punctuation))
-    text = re.sub(r"\b(a|an|the)\b", " ", text)
-    return " ".join(text.split())
 
 
 def exact_match(prediction: str, reference: str) -> float:
