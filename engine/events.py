@@ -180,6 +180,17 @@ class SpeedChanged(Event):
 
 
 @dataclass(frozen=True)
+class AnswersSampled(Event):
+    """GRPO: a few of the answers a step trained on, for the user to read: one prompt's group, each answer with its
+    total reward (the app shows them beside the reward charts)."""
+
+    step: int
+    prompt: str
+    answers: list[str]
+    rewards: list[float]
+
+
+@dataclass(frozen=True)
 class OomRecovered(Event):
     """A step ran out of accelerator memory; memory was released and the step is retried with less.
 

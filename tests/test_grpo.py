@@ -18,7 +18,7 @@ from helpers import write_jsonl
 
 from engine.config import RunConfig
 from engine.errors import ConfigError, DataError
-from engine.events import RunFailed, StepMetrics
+from engine.events import BestAdapterKept, EvalMetrics, RunFailed, StepMetrics
 from engine.rewards import RewardSpec
 from engine.run import checkpoint as ckpt
 from engine.run.methods.grpo_data import read_prompts
@@ -56,6 +56,9 @@ def test_tunedeck_train_grpo_logs_rewards_and_writes_the_run(tiny_model_dir: Pat
         assert step["reward_mean"] is not None and set(step["reward_means"]) == {"regex", "length"}
         assert step["kl"] is not None and step["kl"] >= 0 and step["completion_length"] > 0
         assert step["update_tokens_per_s"] > 0 and step["generation_tokens_per_s"] > 0
+    shown = [e for e in events if e["kind"] == "AnswersSampled"]
+    assert [e["step"] for e in shown] == [1, 2, 3], "each step's new answers, a few of them, with their rewards"
+    assert all(0 < len(e["answers"]) == len(e["rewards"]) <= 4 and e["prompt"] for e in shown)
     evaluations = [e for e in events if e["kind"] == "EvalMetrics"]
     assert evaluations and evaluations[-1]["reward_mean"] is not None, "held-out prompts scored at the end"
     folder = tmp_path / "runs" / "grpo"
@@ -136,6 +139,42 @@ def test_a_reward_that_raises_stops_the_run_naming_row_and_reward(tiny_model_dir
     written = ckpt.list_checkpoints(folder)
     assert len(done) == 2 and len(written) == 2, "the run stopped at the third step, after two checkpoints"
     assert all(ckpt.checkpoint_problem(path) is None for path in written), "every checkpoint written is whole"
+
+
+def grpo_config(model_dir: Path, data: Path, output: Path, **training: object) -> RunConfig:
+    return RunConfig.from_dict(
+        {
+            "model": {"name": str(model_dir), "dtype": "float32"},
+            "data": {"path": str(data), "eval_fraction": 0.34, "max_seq_len": 64, "tokens_per_batch": 256},
+            "lora": {"rank": 4},
+            "training": {
+                "method": "grpo", "grad_accum": 1, "device": "cpu", "group_size": 2, "max_new_tokens": 4,
+                "keep_knowledge": False, "learning_rate": 1e-2, "rewards": [{"kind": "length", "settings":
+                {"min": 1, "max": 3}}], **training,
+            },
+            "output": {"dir": str(output), "name": "resumed"},
+        }
+    )  # fmt: skip
+
+
+def test_a_stopped_grpo_run_resumes_and_keeps_its_best_adapter(tiny_model_dir: Path, tmp_path: Path) -> None:
+    data = write_jsonl(tmp_path / "prompts.jsonl", prompt_rows(6))
+    config = grpo_config(tiny_model_dir, data, tmp_path / "runs", max_steps=4, save_every=1, eval_every=1)
+    events = run(config)
+    for event in events:  # stopped as a closed window stops it: at the second step's metrics
+        assert not isinstance(event, RunFailed), event
+        if isinstance(event, StepMetrics) and event.step == 2:
+            break
+    events.close()  # type: ignore[attr-defined]
+    folder = tmp_path / "runs" / "resumed"
+    assert [p.name for p in ckpt.list_checkpoints(folder / "checkpoints")] == [ckpt.checkpoint_name(1)]
+    resumed = list(run(config, resume=folder))
+    assert not [e for e in resumed if isinstance(e, RunFailed)], resumed
+    assert [e.step for e in resumed if isinstance(e, StepMetrics)] == [2, 3, 4], "on from its checkpoint"
+    rewards = [e.reward_mean for e in resumed if isinstance(e, EvalMetrics)]
+    assert len(rewards) == 3 and all(r is not None for r in rewards), "held-out prompts scored by mean reward"
+    assert [e for e in resumed if isinstance(e, BestAdapterKept)] or (folder / "adapter-best").exists()
+    assert (folder / "adapter-best" / "adapter_model.safetensors").exists(), "the best adapter by held-out reward"
 
 
 def test_advantages_follow_trl_scale_choices() -> None:

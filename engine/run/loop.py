@@ -172,6 +172,7 @@ def _reported(session: Session, done: list[StepMetrics], writer: BestAdapterWrit
         if session.ranks.is_main:
             append_jsonl(session.run_dir / METRICS_FILE, _metrics_record(metrics))
         yield metrics
+        yield from session.method.after_step(metrics.step)
         if _every(session, session.step, "eval_every"):
             yield from _evaluate(session, writer)
         if _every(session, session.step, "save_every"):

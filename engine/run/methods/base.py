@@ -98,6 +98,10 @@ class TrainingMethod(ABC):
         """``metrics`` with the method's own figures of the step just taken."""
         return metrics
 
+    def after_step(self, step: int) -> Iterator[Event]:
+        """Events beside a step's metrics (GRPO: a few of its sampled answers)."""
+        yield from ()
+
     @abstractmethod
     def evaluate(self, session: Any) -> HeldOut | None:
         """The held-out figure the best adapter is chosen by, or None without held-out data."""

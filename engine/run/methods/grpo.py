@@ -26,7 +26,7 @@ import torch
 
 from engine.config import DataConfig, RunConfig
 from engine.data.files import Example
-from engine.events import Event, Notice, StepMetrics
+from engine.events import AnswersSampled, Event, Notice, StepMetrics
 from engine.method_facts import FACTS
 from engine.rewards import Reward, RewardScores, build_rewards, score_completions
 from engine.run.methods.base import HeldOut, StepTokens, TrainingMethod
@@ -36,6 +36,9 @@ from engine.run.methods.grpo_sampling import AnswerBatch, SampleSettings, answer
 from engine.run.session import Session
 from engine.run.short_answers import pad_token, stop_token_ids
 from engine.speed.stand_in import adapters_off
+
+SHOWN_ANSWERS = 4
+"""Sampled answers a step shows the user (AnswersSampled)."""
 
 
 @dataclass
@@ -61,6 +64,8 @@ class Generation:
     """Prompt and answer tokens of the whole generation (what one update pass reads)."""
     answer_lengths: list[int]
     sampled_per_s: float | None
+    shown: AnswersSampled | None = None
+    """The first prompt's group as text with its rewards (step 0: set when a step reports it)."""
     uses: int = 0
 
 
@@ -173,7 +178,14 @@ class GrpoMethod(TrainingMethod):
         tokens = sum(len(prompts[i // settings.group].input_ids) + len(a) for i, a in enumerate(answers))
         lengths = [len(a) for a in answers]
         per_s = sum(lengths) / sampled_s if sampled_s > 0 else None
-        return Generation(groups, scores, shape, tokens, lengths, per_s)
+        group = settings.group
+        shown = AnswersSampled(
+            0,
+            prompts[0].text,
+            [reward_text(session.tokenizer, a, self.stops) for a in answers[:group][:SHOWN_ANSWERS]],
+            list(scores.total[:group][:SHOWN_ANSWERS]),
+        )
+        return Generation(groups, scores, shape, tokens, lengths, per_s, shown)
 
     def _score(self, session: Session, prompts: list[PromptRow], answers: list[list[int]], group: int) -> RewardScores:
         repeated = [prompt for prompt in prompts for _ in range(group)]
@@ -215,6 +227,12 @@ class GrpoMethod(TrainingMethod):
             generation_tokens_per_s=figures.generation_tokens_per_s,
             update_tokens_per_s=figures.update_tokens_per_s,
         )
+
+    def after_step(self, step: int) -> Iterator[Event]:
+        """A few answers of a new sampling, once, at the step that trained on them first."""
+        generation = self.generation
+        if generation is not None and generation.uses == 1 and generation.shown is not None:
+            yield dataclasses.replace(generation.shown, step=step)
 
     def evaluate(self, session: Session) -> HeldOut | None:
         """The mean reward of greedy answers to the held-out prompts (greedy, so two evaluations compare the
