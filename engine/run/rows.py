@@ -43,7 +43,7 @@ def resolve_rows(
     tokenizer: Any,
     device: torch.device,
     run_dir: Path | None,
-    longest_document: Callable[[DataConfig, Any], int] | None = None,
+    longest_document: Callable[[RunConfig, Any], int] | None = None,
 ) -> Generator[Event, None, RunConfig]:
     """The config with both values set, written to ``run_dir``'s config.json when given (by the process that owns
     the folder); on a CPU, a Notice says what was chosen and why."""
@@ -61,7 +61,7 @@ def resolve_rows(
         on_gpu=on_gpu,
         max_seq_len=data.max_seq_len,
         tokens_per_batch=data.tokens_per_batch,
-        longest_document=None if on_gpu else (longest_document or longest_example)(data, tokenizer),
+        longest_document=None if on_gpu else (longest_document or _longest_example)(config, tokenizer),
         shape=None if on_gpu else model_shape(config.model),
         cpu_cores=torch.get_num_threads(),
         qlora=config.model.qlora,
@@ -74,6 +74,10 @@ def resolve_rows(
     if run_dir is not None:
         ckpt.write_text_atomic(run_dir / CONFIG_FILE, json.dumps(resolved.to_dict(), indent=2) + "\n")
     return resolved
+
+
+def _longest_example(config: RunConfig, tokenizer: Any) -> int:
+    return longest_example(config.data, tokenizer)
 
 
 def use_free_cores() -> str | None:

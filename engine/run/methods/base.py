@@ -68,8 +68,8 @@ class TrainingMethod(ABC):
         """(examples, tokens) of the training file, for the automatic settings."""
 
     @abstractmethod
-    def longest_document(self, data: DataConfig, tokenizer: Any) -> int:
-        """The most tokens one row must hold, uncut: what the row length must hold on a CPU."""
+    def longest_document(self, config: RunConfig, tokenizer: Any) -> int:
+        """The most tokens one document must hold, uncut: what the row length must hold on a CPU."""
 
     def total_steps(self, config: RunConfig, rows: int) -> int:
         """Optimizer steps of the run over ``rows`` training rows (``max_steps``, else ``epochs`` passes)."""

@@ -25,5 +25,5 @@ class DocumentMethod(TrainingMethod):
     def dataset_size(self, config: RunConfig, tokenizer: Any) -> tuple[int, int]:
         return dataset_size(config, tokenizer)
 
-    def longest_document(self, data: DataConfig, tokenizer: Any) -> int:
-        return longest_example(data, tokenizer)
+    def longest_document(self, config: RunConfig, tokenizer: Any) -> int:
+        return longest_example(config.data, tokenizer)

@@ -107,8 +107,13 @@ class GrpoMethod(TrainingMethod):
         prompts = read_prompts(config.data.path, tokenizer)
         return len(prompts), math.ceil(len(prompts) * config.data.tokens_per_batch * 0.9)
 
-    def longest_document(self, data: DataConfig, tokenizer: Any) -> int:
-        return 0  # rows are padded groups, sized by the prompt and max_new_tokens, not packed documents
+    def longest_document(self, config: RunConfig, tokenizer: Any) -> int:
+        """The longest prompt with the longest answer it may be given."""
+        data = config.data
+        prompts = read_prompts(data.path, tokenizer) + (
+            read_prompts(data.eval_path, tokenizer) if data.eval_path else []
+        )
+        return max(len(p.input_ids) for p in prompts) + config.training.max_new_tokens
 
     def total_steps(self, config: RunConfig, rows: int) -> int:
         """Every sampling serves ``num_iterations`` steps."""
