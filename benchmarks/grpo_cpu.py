@@ -95,7 +95,7 @@ def flags(way: str, files: dict[str, Path], args: argparse.Namespace) -> list[st
         return [
             "--method", "grpo", "--data", str(files["grpo_train"]), "--eval-path", str(files["grpo_test"]),
             "--reward", "reference", "--reward", "0.5*reference:contains", "--group-size", str(args.group_size),
-            "--max-new-tokens", "16", "--grad-accum", str(args.prompts_per_step), "--beta", "0.04",
+            "--max-new-tokens", str(args.max_new_tokens), "--grad-accum", str(args.prompts_per_step), "--beta", "0.04",
             "--temperature", "0.8", *common,
         ]  # fmt: skip
     return ["--data", str(files["sft_train"]), "--eval-path", str(files["sft_test"]), *common]
@@ -188,6 +188,10 @@ def main() -> None:
     parser.add_argument("--test", type=int, default=60, help="unseen test problems")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps of each run")
     parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=64,
+        help="the base model answers at length, its number late: at 16 nearly every answer was cut before it",
+    )  # fmt: skip
     parser.add_argument("--prompts-per-step", type=int, default=2)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--work", type=Path, help="folder for the task and the runs (default: a temporary folder)")
