@@ -6,7 +6,8 @@ The folders are the layers. Each may import only layers listed above it, so depe
 1. errors, events, quiet, redact, demo, crash_guard: the error type, the events every long job reports, library
    noise, token redaction, the built-in demo task, native crashes kept from the window (and logged);
 2. rewards: scoring a model's answers for training by reward (plain Python, no torch);
-3. config: the one typed config tree (``from engine.config import RunConfig``);
+3. config: the one typed config tree (``from engine.config import RunConfig``), method_facts: what each training
+   method packs, refuses and reports, known before any model loads;
 4. data (files, tokenizing, packing), hardware (GPU detection, memory planner, telemetry), setup (installing
    torch, repairing the environment);
 5. model (loading a base model with LoRA, chat), speed (the speed switches);

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_type_hints
 
 from engine.errors import ConfigError
+from engine.rewards import RewardSpec, parse_reward_flag
 
 DEMO_MODEL = "demo"
 """``model.name`` of the built-in demo model, which ships with TuneDeck (see :func:`demo_model_dir`)."""
@@ -252,10 +253,11 @@ class LoraConfig:
 class TrainingConfig:
     """The optimisation loop."""
 
-    method: Literal["sft", "dpo"] = setting(
+    method: Literal["sft", "dpo", "grpo"] = setting(
         "sft",
         "sft: learn the answers of the examples; dpo: learn to prefer the chosen answer of each pair over the "
-        "rejected one (direct preference optimization; needs prompt/chosen/rejected data)",
+        "rejected one (direct preference optimization; needs prompt/chosen/rejected data); grpo: learn from rewards "
+        "that score answers the model samples itself (group relative policy optimization; needs prompts and --reward)",
         flag="--method",
     )
     max_steps: int = setting(
@@ -337,7 +339,51 @@ class TrainingConfig:
         flag="--parallel",
     )
 
+    rewards: tuple[RewardSpec, ...] = setting(
+        (),
+        "GRPO: a reward that scores each sampled answer, [WEIGHT*]KIND[:ARGUMENT]: 'regex:^\\d+$', reference "
+        "(equals the row's answer), reference:contains, 'json:keys=name,age', length:20-200, python:FILE (a "
+        "reward(prompt, completion, **row) function); repeat for several",
+        flag="--reward",
+    )
+    group_size: int = setting(
+        8, "GRPO: answers sampled for each prompt, whose rewards are compared within the group (TRL's "
+        "num_generations)", flag="--group-size",
+    )  # fmt: skip
+    temperature: float = setting(1.0, "GRPO: sampling temperature of the answers", flag="--temperature")
+    top_p: float = setting(1.0, "GRPO: nucleus sampling share of the answers (1: off)", flag="--top-p")
+    max_new_tokens: int = setting(
+        256, "GRPO: most tokens a sampled answer has; longer ones are cut (TRL's max_completion_length; TRL's "
+        "default is 512)", flag="--max-new-tokens",
+    )  # fmt: skip
+    kl_beta: float = setting(
+        0.0, "GRPO: weight of the KL penalty that holds the model near the base model (the adapter switched off; "
+        "0: none, TRL's default)", flag="--beta",
+    )  # fmt: skip
+    loss_type: Literal["dapo", "grpo", "bnpo", "dr_grpo"] = setting(
+        "dapo", "GRPO: how token losses are averaged, as TRL names them: dapo (all tokens of the step; TRL's "
+        "default), grpo (each answer's tokens, then the answers), bnpo (all tokens), dr_grpo (tokens over answers × "
+        "max new tokens)", flag="--loss-type",
+    )  # fmt: skip
+    epsilon: float = setting(0.2, "GRPO: clipping range of the probability ratio (TRL's default)", flag="--epsilon")
+    epsilon_high: float | None = setting(
+        None, "GRPO: upper clipping range, where it differs from epsilon (DAPO suggests 0.28; automatic: epsilon)"
+    )
+    scale_rewards: Literal["group", "batch", "none"] = setting(
+        "group", "GRPO: divide advantages by the standard deviation of the group's rewards, the step's, or not at all"
+    )
+    num_iterations: int = setting(
+        1, "GRPO: optimizer steps taken on each sampled group (TRL's num_iterations; above 1 the clipping acts)"
+    )
+    importance_sampling_level: Literal["token", "sequence"] = setting(
+        "token", "GRPO: probability ratio per token, or one per answer (GSPO)"
+    )
+    mask_truncated_completions: bool = setting(
+        False, "GRPO: answers cut at max new tokens teach nothing (their tokens leave the loss)"
+    )
+
     def __post_init__(self) -> None:
+        self._check_grpo()
         _require(self.max_bad_steps >= 1, "training.max_bad_steps", f"must be at least 1, got {self.max_bad_steps}")
         _require(_gpus_spec_ok(self.gpus), "training.gpus", f"must be a count, 'all' or GPU indices, got {self.gpus!r}")
         _require(self.max_steps >= 0, "training.max_steps", f"must be >= 0, got {self.max_steps}")
@@ -375,6 +421,25 @@ class TrainingConfig:
             "training.device",
             f"must be auto, cpu, cuda or cuda:N, got {self.device!r}",
         )
+
+    def _check_grpo(self) -> None:
+        if self.method == "grpo" and not self.rewards:
+            raise ConfigError(
+                "training.rewards: --method grpo needs at least one reward to score the sampled answers",
+                hint="add --reward, e.g. --reward reference (the row's 'answer' column) or --reward 'regex:^\\d+$'",
+            )
+        _require(self.group_size >= 2, "training.group_size", f"must be at least 2, got {self.group_size}")
+        _require(self.temperature > 0, "training.temperature", f"must be positive, got {self.temperature}")
+        _require(0 < self.top_p <= 1, "training.top_p", f"must be in (0, 1], got {self.top_p}")
+        _require(self.max_new_tokens >= 1, "training.max_new_tokens", f"must be at least 1, got {self.max_new_tokens}")
+        _require(self.kl_beta >= 0, "training.kl_beta", f"must be >= 0, got {self.kl_beta}")
+        _require(0 < self.epsilon < 1, "training.epsilon", f"must be in (0, 1), got {self.epsilon}")
+        _require(
+            self.epsilon_high is None or self.epsilon_high > 0,
+            "training.epsilon_high",
+            f"must be positive, got {self.epsilon_high}",
+        )
+        _require(self.num_iterations >= 1, "training.num_iterations", f"must be at least 1, got {self.num_iterations}")
 
 
 @dataclass
@@ -536,7 +601,9 @@ class RunConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        raw = dataclasses.asdict(self)
+        raw["training"]["rewards"] = [spec.to_json() for spec in self.training.rewards]
+        return raw
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> RunConfig:
@@ -640,6 +707,8 @@ def coerce_value(name: str, annotation: Any, value: Any) -> Any:
             return None
         inner = [opt for opt in options if opt is not type(None)]
         return coerce_value(name, inner[0], value)
+    if origin is tuple:
+        return _reward_specs(name, value)
     if origin is list:
         if isinstance(value, str):
             value = [part.strip() for part in value.split(",") if part.strip()]
@@ -647,6 +716,23 @@ def coerce_value(name: str, annotation: Any, value: Any) -> Any:
             raise ConfigError(f"{name}: must be a list of strings, got {value!r}")
         return value
     return _coerce_scalar(name, annotation, value)
+
+
+def _reward_specs(name: str, value: Any) -> tuple[RewardSpec, ...]:
+    """Rewards as config.json keeps them (objects), as ``--reward`` gives them (text) or as built."""
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{name}: must be a list of rewards, got {value!r}")
+    specs = []
+    for item in value:
+        if isinstance(item, RewardSpec):
+            specs.append(item)
+        elif isinstance(item, str):
+            specs.append(parse_reward_flag(item))
+        elif isinstance(item, dict):
+            specs.append(RewardSpec.from_json(item))
+        else:
+            raise ConfigError(f"{name}: a reward must be an object or --reward text, got {item!r}")
+    return tuple(specs)
 
 
 def _coerce_scalar(name: str, annotation: Any, value: Any) -> Any:
@@ -685,6 +771,10 @@ def flag_options(spec: dataclasses.Field[Any], annotation: Any, default: Any) ->
         kwargs["action"] = argparse.BooleanOptionalAction
         shown = "auto" if default is None else ("on" if default else "off")
         kwargs["help"] = f"{help_text} (default: {shown})"
+    elif getattr(annotation, "__origin__", None) is tuple:
+        kwargs["action"] = "append"
+        kwargs["metavar"] = "SPEC"
+        kwargs["help"] = f"{help_text} (default: none)"
     elif getattr(annotation, "__origin__", None) is Literal:
         kwargs["choices"] = options
         kwargs["help"] = f"{help_text} (default: {default})"

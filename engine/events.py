@@ -74,6 +74,23 @@ class StepMetrics(Event):
     """DPO: mean of chosen minus rejected reward (TRL's ``rewards/margins``)."""
     reward_accuracy: float | None = None
     """DPO: share of the step's pairs whose chosen reward beats the rejected one (TRL's ``rewards/accuracies``)."""
+    reward_mean: float | None = None
+    """GRPO runs (None otherwise): the mean total reward of the answers the step trained on (TRL's ``reward``);
+    ``reward_std`` their standard deviation (``reward_std``)."""
+    reward_std: float | None = None
+    reward_means: dict[str, float] | None = None
+    """GRPO: each reward's mean score before its weight (TRL's ``rewards/NAME/mean``)."""
+    completion_length: float | None = None
+    """GRPO: the answers' mean length in tokens."""
+    kl: float | None = None
+    """GRPO with a KL penalty: mean KL to the base model per answer token (TRL's ``kl``)."""
+    clip_fraction: float | None = None
+    """GRPO: share of answer tokens whose probability ratio was clipped (TRL's ``clip_ratio/region_mean``)."""
+    generation_tokens_per_s: float | None = None
+    """GRPO: tokens sampled per second, on steps that sampled a new group (None on steps that reuse one)."""
+    update_tokens_per_s: float | None = None
+    """GRPO: prompt and answer tokens per second of the update pass alone (``tokens_per_s`` counts the sampling
+    time too)."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +101,9 @@ class EvalMetrics(Event):
     reward_accuracy: float | None = None
     """DPO runs: share of held-out pairs whose chosen answer gets the higher reward (``loss`` is then the mean DPO
     loss over the pairs and ``tokens`` counts their answers' tokens)."""
+    reward_mean: float | None = None
+    """GRPO runs: the mean total reward of greedy answers to the held-out prompts (``loss`` is then its negative,
+    so the best adapter is the one with the highest reward, and ``tokens`` counts the answers' tokens)."""
 
 
 @dataclass(frozen=True)
@@ -157,6 +177,17 @@ class SpeedChanged(Event):
 
     step: int
     state: dict[str, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class AnswersSampled(Event):
+    """GRPO: a few of the answers a step trained on, for the user to read: one prompt's group, each answer with its
+    total reward (the app shows them beside the reward charts)."""
+
+    step: int
+    prompt: str
+    answers: list[str]
+    rewards: list[float]
 
 
 @dataclass(frozen=True)

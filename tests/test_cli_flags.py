@@ -76,6 +76,8 @@ TEXT_VALUES = {
     "training.warmup_steps": "3",
     "training.eval_every": "5",
     "training.early_stop": "2",
+    "training.epsilon_high": "0.28",
+    "training.rewards": r"regex:^\d+$",
 }
 
 

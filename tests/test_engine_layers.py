@@ -18,7 +18,7 @@ ENGINE = Path(__file__).resolve().parent.parent / "engine"
 LAYERS: list[set[str]] = [
     {"errors", "events", "quiet", "redact", "demo", "crash_guard"},
     {"rewards"},
-    {"config"},
+    {"config", "method_facts"},
     {"data", "hardware", "setup"},
     {"model", "speed"},
     {"run", "export"},

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from engine.config import RunConfig, SpeedConfig
+from engine.run.methods import method_for
 from engine.run.session import Session, start
 from engine.speed import SpeedController, fused_kernels, reuse, step_graphs, warm_up
 from engine.speed.reuse import DecisionKey, DecisionStore, GraphTrial, Measured
@@ -299,7 +300,7 @@ def test_a_session_hands_its_controller_the_run_length_and_the_data_folder(
         "lora": {"rank": 4},
         "training": {"max_steps": 5, "grad_accum": 2, "device": "cpu"},
     })  # fmt: skip
-    session = drive(start(config, tmp_path / "run", resuming=False))
+    session = drive(start(config, tmp_path / "run", False, method_for(config.training.method)))
     longest = max(sum(len(session.data.train[i]) for i in row) for row in session.data.train_rows)
     assert session.speed.warm_up.length == RunLength(steps=5, micro_batches_per_step=2, row_tokens=longest)
     assert session.speed.warm_up.store == DecisionStore(tmp_path / "home" / reuse.DECISIONS_FILE)

@@ -337,6 +337,6 @@ def _field_specs(skip: frozenset[str]) -> dict[str, tuple[Any, Any]]:
         hints = get_type_hints(section_type)
         for spec in dataclasses.fields(section_type):
             key = f"{section.name}.{spec.name}"
-            if key not in skip:
+            if key not in skip and get_origin(hints[spec.name]) is not tuple:  # rewards have a builder of their own
                 specs[key] = (spec, hints[spec.name])
     return specs

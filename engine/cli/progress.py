@@ -56,8 +56,7 @@ class ProgressPrinter:
         elif isinstance(event, StepMetrics):
             self._stepped(event)
         elif isinstance(event, EvalMetrics):
-            accuracy = "" if event.reward_accuracy is None else f", reward accuracy {event.reward_accuracy:.0%}"
-            self.write(f"step {event.step}: eval loss {event.loss:.4f}{accuracy}")
+            self.write(eval_line(event))
         elif isinstance(event, (CheckpointSaved, BestAdapterKept)):
             pass  # frequent; the final folders are reported at the end
         elif isinstance(event, EvalRising):
@@ -89,8 +88,7 @@ class ProgressPrinter:
         if event.driver_memory_bytes is not None:
             self.driver_memory = max(self.driver_memory or 0, event.driver_memory_bytes)
         if self.bar is not None:
-            rewards = "" if event.reward_margin is None else f"  margin {event.reward_margin:.3f}"
-            self.bar.set_postfix_str(f"loss {event.loss:.4f}{rewards}  {event.tokens_per_s:,.0f} tok/s", refresh=False)
+            self.bar.set_postfix_str(f"loss {event.loss:.4f}{step_figures(event)}", refresh=False)
             self.bar.update(event.step - self.bar.n)
 
     def _started(self, event: RunStarted) -> None:
@@ -135,6 +133,32 @@ class ProgressPrinter:
             f"{memory}\n"
             f"adapter: {done.adapter_dir}{best_adapter_line(done)}"
         )
+
+
+def eval_line(event: EvalMetrics) -> str:
+    """An evaluation as one line: the held-out loss, or a GRPO run's mean reward of greedy held-out answers."""
+    if event.reward_mean is not None:
+        return f"step {event.step}: held-out mean reward {event.reward_mean:.3f} (greedy answers)"
+    accuracy = "" if event.reward_accuracy is None else f", reward accuracy {event.reward_accuracy:.0%}"
+    return f"step {event.step}: eval loss {event.loss:.4f}{accuracy}"
+
+
+def step_figures(event: StepMetrics) -> str:
+    """What the progress bar shows after a step's loss: DPO's margin; GRPO's rewards, answer length, KL, clip
+    fraction and the sampling and update speeds; then tokens per second."""
+    if event.reward_mean is None:
+        margin = "" if event.reward_margin is None else f"  margin {event.reward_margin:.3f}"
+        return f"{margin}  {event.tokens_per_s:,.0f} tok/s"
+    parts = [f"reward {event.reward_mean:.3f}±{event.reward_std or 0:.3f}"]
+    parts += [f"{name} {value:.2f}" for name, value in (event.reward_means or {}).items()]
+    parts.append(f"len {event.completion_length or 0:.0f}")
+    if event.kl is not None:
+        parts.append(f"kl {event.kl:.4f}")
+    parts.append(f"clip {event.clip_fraction or 0:.0%}")
+    if event.generation_tokens_per_s is not None:
+        parts.append(f"sample {event.generation_tokens_per_s:,.0f} tok/s")
+    parts.append(f"update {event.update_tokens_per_s or 0:,.0f} tok/s")
+    return "  " + "  ".join(parts)
 
 
 def best_adapter_line(done: RunFinished) -> str:

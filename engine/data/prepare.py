@@ -27,6 +27,7 @@ from engine.data.packing import (
 )
 from engine.data.tokenize import TokenizeReport, ensure_chat_template, tokenize_examples
 from engine.errors import ConfigError, DataError
+from engine.method_facts import facts_for
 
 
 @dataclass
@@ -48,7 +49,7 @@ class PreparedData:
         return [collate([self.eval[i] for i in row]) for row in self.eval_rows]
 
 
-def _split(examples: Sequence[Any], fraction: float | None, seed: int) -> tuple[list[Any], list[Any]]:
+def split_held_out(examples: Sequence[Any], fraction: float | None, seed: int) -> tuple[list[Any], list[Any]]:
     """Held-out examples chosen with the run's seed: ``fraction`` of them, or (None) the automatic count."""
     n_eval = held_out_count(len(examples)) if fraction is None else max(1, round(len(examples) * fraction))
     if (fraction is not None and fraction <= 0) or len(examples) < 2 or n_eval == 0:
@@ -104,7 +105,7 @@ def prepare_data(
         eval_raw, eval_format = load_examples(config.eval_path, config.format)
         check_method(eval_format, method, config.eval_path)
     else:
-        train_raw, eval_raw = _split(examples, config.eval_fraction, seed)
+        train_raw, eval_raw = split_held_out(examples, config.eval_fraction, seed)
     train, report = _tokenize(tokenizer, [*train_raw, *extra_train], config)
     evaluation, _ = _tokenize(tokenizer, eval_raw, config)
     if not train:
@@ -134,15 +135,16 @@ def _check_pairs_fit(examples: Sequence[TokenizedExample], budget: int) -> None:
 
 
 def check_method(data_format: str, method: str, path: str) -> None:
-    """Preference pairs train with DPO and only with DPO."""
-    if method == "dpo" and data_format != "preference":
+    """Preference pairs train with the method made for them (DPO) and only with it."""
+    facts, pairs = facts_for(method), data_format == "preference"
+    if facts.pairs and not pairs:
         raise DataError(
-            f"DPO needs preference pairs, but this is {data_format} data",
+            f"{facts.title} needs preference pairs, but this is {data_format} data",
             path=path,
             hint="each row needs a prompt and a chosen and a rejected answer: prompt/chosen/rejected text, or "
             "chosen/rejected message lists that start with the same prompt turns",
         )
-    if method != "dpo" and data_format == "preference":
+    if pairs and not facts.pairs:
         raise DataError(
             "this dataset holds preference pairs (chosen/rejected answers)",
             path=path,

@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 
 from engine.config import TOO_FEW_TO_HOLD_OUT, DataConfig, RunConfig, TrainingConfig, held_out_count
+from engine.method_facts import KEEP_KNOWLEDGE, facts_for
 
 SMALL_SET = 2_000
 """Below this many training examples a set is small: several passes, and the base's answers mixed in."""
@@ -92,15 +93,15 @@ class DataFit:
 
 def epochs_for(train_examples: int, method: str) -> float:
     """Passes over the data: enough visits for a small set to be learned, one pass for a large one."""
-    visits = TARGET_VISITS / 2 if method == "dpo" else TARGET_VISITS  # preferences move a model that answers
+    visits = TARGET_VISITS * facts_for(method).visits_share
     return float(min(MAX_EPOCHS, max(1.0, round(visits / max(train_examples, 1)))))
 
 
 def learning_rate_for(parameters: int | None, method: str) -> float:
-    """Larger models take smaller steps; preference tuning a quarter of supervised tuning's."""
+    """Larger models take smaller steps; other methods a share of supervised tuning's (engine.method_facts)."""
     size = parameters or 1_000_000_000
     rate = 3e-4 if size < 1e9 else 2e-4 if size < 1.5e10 else 1e-4
-    return rate / 4 if method == "dpo" else rate
+    return rate * facts_for(method).rate_share
 
 
 def rank_for(train_examples: int, parameters: int | None) -> int:
@@ -122,7 +123,7 @@ def fit_to_data(facts: FitFacts) -> DataFit:
     """The automatic settings for a run with these facts."""
     held_out = 0 if facts.separate_held_out else held_out_count(facts.examples)
     train = max(facts.examples - held_out, 1)
-    keep = facts.method == "sft" and facts.instruct and train < SMALL_SET
+    keep = KEEP_KNOWLEDGE not in facts_for(facts.method).refusals and facts.instruct and train < SMALL_SET
     replay = replay_count(train, facts.knowledge_share) if keep else 0
     keep = replay > 0
     epochs = epochs_for(train, facts.method)
@@ -181,7 +182,8 @@ def _steps_reason(train: int, epochs: float, steps: int, raw: int) -> str:
 
 def _rate_reason(rate: float, facts: FitFacts) -> str:
     size = f"{facts.parameters / 1e9:.2g}B parameters" if facts.parameters else "a model of unknown size"
-    extra = ", a quarter for preference tuning" if facts.method == "dpo" else ""
+    note = facts_for(facts.method).rate_note
+    extra = f", {note}" if note else ""
     return f"{rate:g} for {size}{extra}"
 
 
@@ -197,7 +199,7 @@ def _keep_reason(facts: FitFacts, train: int, replay: int) -> str:
             f"on: {replay} of the base model's own answers to general prompts are mixed in, and each step is held near "
             "the base model's answers to a few of them, so it keeps what it knew"
         )
-    if facts.method != "sft":
+    if KEEP_KNOWLEDGE in facts_for(facts.method).refusals:
         return f"off: {facts.method} runs keep the base close by their own loss"
     if not facts.instruct:
         return "off: the model is not instruction-tuned (no chat template), so its answers are not worth keeping"

@@ -18,6 +18,7 @@ from typing import Any
 from engine.config import RunConfig
 from engine.hardware.fit_to_data import MEMORY_RANK, FitFacts, fit_to_data
 from engine.hardware.row_lengths import GPU_TOKENS_PER_BATCH, choose_row_lengths
+from engine.method_facts import facts_for
 
 
 @dataclass(frozen=True)
@@ -180,7 +181,7 @@ def estimate_recipe(
         shape=shape,
         cpu_cores=device.cpu_cores,
         qlora=config.model.qlora,
-        documents_per_item=2 if config.training.method == "dpo" else 1,
+        documents_per_item=facts_for(config.training.method).documents_per_item,
     )
     data = dataclasses.replace(config.data, max_seq_len=rows.max_seq_len, tokens_per_batch=rows.tokens_per_batch)
     config = dataclasses.replace(config, data=data)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
 
@@ -46,13 +46,17 @@ def has_automatic(config: RunConfig) -> bool:
 
 
 def fit_run(
-    config: RunConfig, tokenizer: Any, instruct: bool, run_dir: Path | None
+    config: RunConfig,
+    tokenizer: Any,
+    instruct: bool,
+    run_dir: Path | None,
+    measure: Callable[[RunConfig, Any], tuple[int, int]] | None = None,
 ) -> Generator[Event, None, RunConfig]:
     """``config`` with its automatic settings chosen, written to ``run_dir``'s config.json when given."""
     if not has_automatic(config):
         return config
     shape = model_shape(config.model)
-    examples, tokens = dataset_size(config, tokenizer)
+    examples, tokens = (measure or dataset_size)(config, tokenizer)
     facts = FitFacts(
         examples=examples,
         tokens=tokens,

@@ -49,7 +49,7 @@ from engine.run.folder import (
     save_adapter,
     write_error_log,
 )
-from engine.run.preference_step import score_start
+from engine.run.methods import method_for
 from engine.run.ranks import Ranks
 from engine.run.session import Session, start
 from engine.run.step import climb_back, evaluate, read_in_flight, train_step
@@ -63,7 +63,7 @@ def train_in_process(config: RunConfig, run_dir: Path, resuming: bool, control: 
     """A whole run in this process, in ``run_dir`` (already holding its config.json)."""
     session: Session | None = None
     try:
-        session = yield from start(config, run_dir, resuming)
+        session = yield from start(config, run_dir, resuming, method_for(config.training.method))
         yield from _train(session, control)
     except Exception as err:  # the user gets a message and a log, never a dead app
         yield failure(err, session, run_dir, write_log=True)
@@ -76,7 +76,7 @@ def run_rank(
     tokens = known_tokens()
     session: Session | None = None
     try:
-        session = yield from start(config, run_dir, resuming, ranks, device)
+        session = yield from start(config, run_dir, resuming, method_for(config.training.method), ranks, device)
         yield from _train(session, control)
     except Exception as err:
         yield redact_event(failure(err, session, run_dir, write_log=ranks.is_main), tokens)
@@ -110,7 +110,7 @@ def on_one_gpu(config: RunConfig, gpus: list[int]) -> RunConfig:
 
 
 def _train(session: Session, control: RunControl) -> Iterator[Event]:
-    yield from score_start(session)  # a DPO run measured against its start: the reference before any update
+    yield from session.method.before_first_step(session)
     writer = BestAdapterWriter(session.run_dir) if session.ranks.is_main else None
     try:
         yield from _steps(session, control, writer)
@@ -172,6 +172,7 @@ def _reported(session: Session, done: list[StepMetrics], writer: BestAdapterWrit
         if session.ranks.is_main:
             append_jsonl(session.run_dir / METRICS_FILE, _metrics_record(metrics))
         yield metrics
+        yield from session.method.after_step(metrics.step)
         if _every(session, session.step, "eval_every"):
             yield from _evaluate(session, writer)
         if _every(session, session.step, "save_every"):
@@ -255,7 +256,7 @@ def _save_checkpoint(session: Session) -> CheckpointSaved:
             optimizer,
             session.scheduler,
             session.config.output.keep_checkpoints,
-            reference=session.preference.saved() if session.preference is not None else None,
+            reference=session.method.kept_state(),
         )
     ranks.barrier()  # nobody goes on before the checkpoint is whole
     return CheckpointSaved(session.step, str(path))

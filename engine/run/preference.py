@@ -53,8 +53,6 @@ FRESH_START_NOTE = (
     "the reference is the model as the run starts, which with a fresh adapter is the base model: the adapter is "
     "switched off for it, and its log-probabilities are kept for every pair after the first pass over the data"
 )
-STEP_GRAPHS_REFUSED = "a DPO step may run a reference pass beside its micro-batch"
-FUSED_LOSS_REFUSED = "DPO scores answers by their log-probabilities: logits only at answer tokens instead"
 
 
 def pair_losses(

@@ -13,18 +13,26 @@ import torch
 from engine.data.packing import PackedBatch, TokenizedExample, TokenizedPair, collate
 from engine.events import Event, Notice
 from engine.run import guard
-from engine.run.preference import PairScores, ReferenceCache, RewardTotals, document_log_probs, pair_losses
+from engine.run.preference import (
+    PairScores,
+    PreferenceTraining,
+    ReferenceCache,
+    RewardTotals,
+    document_log_probs,
+    pair_losses,
+)
 from engine.run.session import Session
 from engine.speed.stand_in import adapters_off
 
 
-def _reference(session: Session, batch: PackedBatch, pairs: Sequence[int], cache: ReferenceCache) -> torch.Tensor:
+def _reference(
+    session: Session, state: PreferenceTraining, batch: PackedBatch, pairs: Sequence[int], cache: ReferenceCache
+) -> torch.Tensor:
     """(P, 2) reference log-probabilities: kept ones, or one pass with the adapter off (the base model)."""
     kept = cache.get(pairs)
     if kept is not None:
         return kept
-    assert session.preference is not None
-    if session.preference.from_start:  # the start was scored before the first step; the model has moved since
+    if state.from_start:  # the start was scored before the first step; the model has moved since
         raise RuntimeError("the starting model's reference log-probabilities were not computed before training")
     values = _reference_pass(session, batch, adapter_on=False)
     cache.put(pairs, values)
@@ -44,12 +52,11 @@ def _reference_pass(session: Session, batch: PackedBatch, adapter_on: bool) -> t
         model.train(training)
 
 
-def score_start(session: Session) -> Iterator[Event]:
+def score_start(session: Session, state: PreferenceTraining) -> Iterator[Event]:
     """Score every training and held-out pair with the model as it starts (its starting adapter on), before the
     first step, where the run's reference is its start; nothing to do otherwise or once they are known (a run
     resumed from a checkpoint that kept them)."""
-    state = session.preference
-    if state is None or not state.missing_start():
+    if not state.missing_start():
         return
     data = session.data
     yield Notice(f"scoring the {len(data.train) + len(data.eval)} pairs with the starting adapter: DPO's reference")
@@ -64,17 +71,20 @@ def score_start(session: Session) -> Iterator[Event]:
 
 
 def score_pairs(
-    session: Session, pairs: Sequence[int], examples: Sequence[TokenizedExample], cache: ReferenceCache
+    session: Session,
+    state: PreferenceTraining,
+    pairs: Sequence[int],
+    examples: Sequence[TokenizedExample],
+    cache: ReferenceCache,
 ) -> PairScores:
     """Forward one micro-batch of pairs (indices into ``examples``) through the reference and the policy."""
     items = [examples[i] for i in pairs]
     batch = collate(items).to(session.device)
-    reference = _reference(session, batch, pairs, cache)
+    reference = _reference(session, state, batch, pairs, cache)
     policy = document_log_probs(session.model, session.speed.model_inputs(batch), batch).view(-1, 2)
     counts = [item.answer_tokens if isinstance(item, TokenizedPair) else (1, 1) for item in items]
     answer_tokens = torch.tensor(counts, dtype=torch.float32, device=policy.device)
-    assert session.preference is not None
-    settings = session.preference.settings
+    settings = state.settings
     losses = pair_losses(policy, reference, settings.beta, settings.loss, answer_tokens)
     rewards = settings.beta * (policy - reference).detach()
     return PairScores(losses, rewards[:, 0], rewards[:, 1])
@@ -86,18 +96,16 @@ def _micro_batches(session: Session, examples: Sequence[TokenizedExample], row: 
     return [[row[position] for position in group] for group in groups]
 
 
-def accumulate_pairs(session: Session, rows: Sequence[int]) -> tuple[torch.Tensor, int, int]:
+def accumulate_pairs(session: Session, state: PreferenceTraining, rows: Sequence[int]) -> tuple[torch.Tensor, int, int]:
     """Forward and backward over the step's packed rows of pairs: (the step's loss on the device, tokens in its
-    rows, learned answer tokens). The step's reward sums go to ``session.preference.totals``."""
-    state = session.preference
-    assert state is not None
+    rows, learned answer tokens). The step's reward sums go to ``state.totals``."""
     data = session.data
     items = [i for r in rows for i in data.train_rows[r]]
     state.totals = RewardTotals()
     total = torch.zeros((), device=session.device)
     for r in rows:
         for pairs in _micro_batches(session, data.train, data.train_rows[r]):
-            scores = score_pairs(session, pairs, data.train, state.train_reference)
+            scores = score_pairs(session, state, pairs, data.train, state.train_reference)
             loss = scores.losses.sum() / len(items)
             (session.scaler.scale(loss) if session.scaler is not None else loss).backward()
             total += loss.detach().float()
@@ -107,11 +115,9 @@ def accumulate_pairs(session: Session, rows: Sequence[int]) -> tuple[torch.Tenso
 
 
 @torch.no_grad()
-def evaluate_pairs(session: Session) -> tuple[float, int] | None:
+def evaluate_pairs(session: Session, state: PreferenceTraining) -> tuple[float, int] | None:
     """Mean DPO loss over the held-out pairs and their learned tokens, or None without an eval split; the share of
-    pairs ranked right goes to ``session.preference.eval_accuracy``."""
-    state = session.preference
-    assert state is not None
+    pairs ranked right goes to ``state.eval_accuracy``."""
     data = session.data
     if not data.eval_rows:
         return None
@@ -120,7 +126,7 @@ def evaluate_pairs(session: Session) -> tuple[float, int] | None:
     try:
         for row in data.eval_rows:
             for pairs in _micro_batches(session, data.eval, row):
-                scores = score_pairs(session, pairs, data.eval, state.eval_reference)
+                scores = score_pairs(session, state, pairs, data.eval, state.eval_reference)
                 loss += scores.losses.sum()
                 totals.add(scores.chosen_rewards, scores.rejected_rewards)
     finally:

@@ -32,13 +32,18 @@ import torch
 
 from engine.config import RunConfig
 from engine.data.packing import TokenizedExample, TokenizedPair, collate
-from engine.data.prepare import prepare_data
+from engine.data.prepare import PreparedData
+from engine.method_facts import facts_for
 from engine.model.adapter import RunAdapter, run_adapter
 from engine.model.load import load_base_model, load_tokenizer, pick_device, pick_dtype
+from engine.rewards import build_rewards
 from engine.run import checkpoint as ckpt
 from engine.run import knowledge
 from engine.run.folder import load_run_config
 from engine.run.knowledge import KEPT_WARNING
+from engine.run.methods import method_for
+from engine.run.methods.grpo import held_out_reward
+from engine.run.methods.grpo_data import PromptData
 from engine.run.preference import document_log_probs, pair_losses
 from engine.run.short_answers import ShortAnswer, answer_scores, short_answers
 
@@ -101,6 +106,8 @@ class ModelScores:
     """Questions this model answers right that the base model did not."""
     knowledge_kept_share: float | None = None
     """knowledge_kept over the base model's right answers (None when the base got none right)."""
+    mean_reward: float | None = None
+    """GRPO: the mean total reward of the model's greedy answers to the held-out prompts."""
 
 
 CHANCE = 0.5
@@ -129,30 +136,31 @@ class Measure:
         return "-" if value is None else format(value, self.spec)
 
 
+PAIR_MEASURES = (
+    Measure("preferred", "held-out pairs preferred (chosen likelier per token; chance is 50%)",
+            "held-out pairs preferred", "higher", ".0%", ".0%", CHANCE),
+    Measure("held_out_loss", "held-out DPO loss (against the run's reference)",
+            "held-out DPO loss, against the reference", "lower", ".4f", ".3f"),
+    Measure("reward_accuracy", "held-out reward accuracy (against the run's reference)",
+            "held-out reward accuracy, against the reference", "higher", ".0%", ".0%"),
+    Measure("held_out_perplexity", "held-out perplexity (chosen answers)",
+            "held-out perplexity of the chosen answers", "lower", ",.2f", ",.1f"),
+)  # fmt: skip
+DOCUMENT_MEASURES = (
+    Measure("held_out_loss", "held-out loss", "held-out loss", "lower", ".4f", ".3f"),
+    Measure("held_out_perplexity", "held-out perplexity", "held-out perplexity", "lower", ",.2f", ",.1f"),
+)
+
+
 def measures(method: str, answers_scored: bool, knowledge: bool = False) -> list[Measure]:
-    """The report's rows, top to bottom, for a run of ``method``."""
+    """The report's rows, top to bottom, for a run of ``method`` (its own rows come from its report section)."""
     rows: list[Measure] = []
     if knowledge:
         rows.append(
             Measure("knowledge_kept_share", "knowledge kept (of the questions the base model answers right)",
                     "knowledge kept", "higher", ".0%", ".0%")
         )  # fmt: skip
-    if method == "dpo":
-        rows += [
-            Measure("preferred", "held-out pairs preferred (chosen likelier per token; chance is 50%)",
-                    "held-out pairs preferred", "higher", ".0%", ".0%", CHANCE),
-            Measure("held_out_loss", "held-out DPO loss (against the run's reference)",
-                    "held-out DPO loss, against the reference", "lower", ".4f", ".3f"),
-            Measure("reward_accuracy", "held-out reward accuracy (against the run's reference)",
-                    "held-out reward accuracy, against the reference", "higher", ".0%", ".0%"),
-            Measure("held_out_perplexity", "held-out perplexity (chosen answers)",
-                    "held-out perplexity of the chosen answers", "lower", ",.2f", ",.1f"),
-        ]  # fmt: skip
-    else:
-        rows += [
-            Measure("held_out_loss", "held-out loss", "held-out loss", "lower", ".4f", ".3f"),
-            Measure("held_out_perplexity", "held-out perplexity", "held-out perplexity", "lower", ",.2f", ",.1f"),
-        ]
+    rows += SECTIONS[facts_for(method).report].measures
     if answers_scored:
         rows += [
             Measure("exact_match", "short answers: exact match", "short answers: exact match", "higher", ".0%", ".0%"),
@@ -207,10 +215,8 @@ class RunReport:
         )
 
     def markdown(self) -> str:
-        pairs = self.method == "dpo"
-        held_out = (
-            f"{self.held_out_examples} held-out {'pairs' if pairs else 'examples'} ({self.held_out_tokens} tokens)"
-        )
+        section = SECTIONS[facts_for(self.method).report]
+        held_out = f"{self.held_out_examples} held-out {section.noun} ({self.held_out_tokens} tokens)"
         rows = [(m.name, [m.text(m.value(scores)) for scores in self.models]) for m in self.measures()]
         lines = [
             f"# Before and after: {self.run}",
@@ -218,7 +224,7 @@ class RunReport:
             f"{held_out}; forgetting check: {self.general_tokens} tokens of public-domain English prose "
             "(resources/general_text).",
             "",
-            *([PAIRS_NOTE, ""] if pairs else []),
+            *([section.note, ""] if section.note else []),
             "| | " + " | ".join(m.label for m in self.models) + " |",
             "|---|" + "---:|" * len(self.models),
             *(f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows),
@@ -250,6 +256,10 @@ class RunReport:
             elif tuned.held_out_loss is not None and before.held_out_loss is not None:
                 change = "lower (better)" if tuned.held_out_loss < before.held_out_loss else "higher (worse)"
                 lines.append(f"* {tuned.label}: held-out loss {change} than the {before.label}'s.")
+            elif tuned.mean_reward is not None and before.mean_reward is not None:
+                lines.append(
+                    f"* {tuned.label}: held-out mean reward {before.mean_reward:.3f} → {tuned.mean_reward:.3f}."
+                )
             if tuned.knowledge_kept is not None:
                 lines.append(f"* {tuned.label}: {knowledge_line(self.knowledge_base_right, tuned)}.")
             lines.append(f"* {tuned.label}: {forgetting_line(before, tuned)}.")
@@ -444,7 +454,8 @@ def build_report(run_dir: str | Path, device: str | None = None, cancelled: Canc
     torch_device = pick_device(device or config.training.device)
     model_config = config.model if torch_device.type == "cuda" else dataclasses.replace(config.model, qlora=False)
     tokenizer = load_tokenizer(model_config)
-    data = prepare_data(config.data, tokenizer, config.training.seed, config.training.method)
+    method = method_for(config.training.method)
+    data = method.prepare(config.data, tokenizer, config.training.seed)
     _check(cancelled)
     base = load_base_model(model_config, torch_device, pick_dtype(model_config.dtype, torch_device))
     _check(cancelled)
@@ -454,36 +465,118 @@ def build_report(run_dir: str | Path, device: str | None = None, cancelled: Canc
     model = PeftModel.from_pretrained(base, str(adapters[0].folder), adapter_name=names[0])
     for name, adapter in zip(names[1:], adapters[1:], strict=True):
         model.load_adapter(str(adapter.folder), adapter_name=name)
-    start = _starting_adapter(config)
-    if start is not None:
-        model.load_adapter(str(start), adapter_name=START)
     model.eval()
+    labels = [_label(adapter, last_step) for adapter in adapters]
+    inputs = ReportInputs(model, tokenizer, list(zip(names, labels, strict=True)), data, general, config, torch_device)
+    built = SECTIONS[method.facts.report].columns(inputs, cancelled)
     held_out_tokens = sum(len(item) for item in data.eval)
     general_tokens = sum(len(g) for g in general)
-    if config.training.method == "dpo":
-        labels = [_label(adapter, last_step) for adapter in adapters]
-        columns = _pair_columns(
-            model, list(zip(names, labels, strict=True)), data.eval, general, config, torch_device, start is not None,
-            cancelled,
-        )  # fmt: skip
-        note = "not scored: a preference run is judged by the pairs it prefers"
-        report = RunReport(run_dir.name, "dpo", len(data.eval), held_out_tokens, general_tokens, columns, 0, note)
-        first = START if start is not None else None
-        return _with_knowledge(report, model, tokenizer, torch_device, [first, *names], cancelled)
-    answers, note = short_answers(data.eval)
-    base_scores = _scores(model, "base model", data.eval, general, torch_device, False, cancelled)
-    _check(cancelled)
-    columns = [_with_answers(base_scores, model, tokenizer, answers, torch_device, adapter_on=False)]
-    for name, adapter in zip(names, adapters, strict=True):
-        model.set_adapter(name)
-        scores = _scores(model, _label(adapter, last_step), data.eval, general, torch_device, True, cancelled)
-        _check(cancelled)
-        columns.append(_with_answers(scores, model, tokenizer, answers, torch_device))
     report = RunReport(
-        run_dir.name, config.training.method, len(data.eval), held_out_tokens, general_tokens, columns, len(answers),
-        note,
+        run_dir.name, method.name, len(data.eval), held_out_tokens, general_tokens, built.columns,
+        built.answers_scored, built.answers_note,
     )  # fmt: skip
-    return _with_knowledge(report, model, tokenizer, torch_device, [None, *names], cancelled)
+    return _with_knowledge(report, model, tokenizer, torch_device, built.adapters, cancelled)
+
+
+@dataclass(frozen=True)
+class ReportInputs:
+    """What a report section measures its columns with: one loaded base with every adapter of the run in it
+    (``adapters``: peft name, column label), the run's held-out data and the general text."""
+
+    model: Any
+    tokenizer: Any
+    adapters: list[tuple[str, str]]
+    data: PreparedData
+    general: list[TokenizedExample]
+    config: RunConfig
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class BuiltColumns:
+    """A report section's columns, the peft adapter each was measured with (None: the base model), and the short
+    answers scored (with the note that says which, or why none)."""
+
+    columns: list[ModelScores]
+    adapters: list[str | None]
+    answers_scored: int = 0
+    answers_note: str = ""
+
+
+@dataclass(frozen=True)
+class ReportSection:
+    """What a training method's report says: what its held-out items are called, a note above the table, its own
+    rows, and how its columns are measured."""
+
+    noun: str
+    note: str | None
+    measures: tuple[Measure, ...]
+    columns: Callable[[ReportInputs, Cancelled], BuiltColumns]
+
+
+def document_columns(inputs: ReportInputs, cancelled: Cancelled = never) -> BuiltColumns:
+    """Supervised tuning's columns: held-out loss and perplexity, short answers and the forgetting check."""
+    model, tokenizer, data, device = inputs.model, inputs.tokenizer, inputs.data, inputs.device
+    answers, note = short_answers(data.eval)
+    base_scores = _scores(model, "base model", data.eval, inputs.general, device, False, cancelled)
+    _check(cancelled)
+    columns = [_with_answers(base_scores, model, tokenizer, answers, device, adapter_on=False)]
+    for name, label in inputs.adapters:
+        model.set_adapter(name)
+        scores = _scores(model, label, data.eval, inputs.general, device, True, cancelled)
+        _check(cancelled)
+        columns.append(_with_answers(scores, model, tokenizer, answers, device))
+    return BuiltColumns(columns, [None, *(name for name, _ in inputs.adapters)], len(answers), note)
+
+
+def pair_columns(inputs: ReportInputs, cancelled: Cancelled = never) -> BuiltColumns:
+    """Preference tuning's columns: the model the run started from, then each adapter, on the held-out pairs."""
+    start = _starting_adapter(inputs.config)
+    if start is not None:
+        inputs.model.load_adapter(str(start), adapter_name=START)
+        inputs.model.eval()
+    columns = _pair_columns(
+        inputs.model, inputs.adapters, inputs.data.eval, inputs.general, inputs.config, inputs.device,
+        start is not None, cancelled,
+    )  # fmt: skip
+    first = START if start is not None else None
+    note = "not scored: a preference run is judged by the pairs it prefers"
+    return BuiltColumns(columns, [first, *(name for name, _ in inputs.adapters)], 0, note)
+
+
+DOCUMENTS_SECTION = ReportSection("examples", None, DOCUMENT_MEASURES, document_columns)
+PAIRS_SECTION = ReportSection("pairs", PAIRS_NOTE, PAIR_MEASURES, pair_columns)
+REWARD_MEASURES = (
+    Measure("mean_reward", "held-out mean reward (greedy answers)", "held-out mean reward", "higher", ".3f", ".2f"),
+)
+
+
+def reward_columns(inputs: ReportInputs, cancelled: Cancelled = never) -> BuiltColumns:
+    """Learning from rewards: the base model, then each adapter, by the mean reward of its greedy answers to the
+    held-out prompts (the run's own rewards), and the forgetting check."""
+    model, data = inputs.model, inputs.data
+    assert isinstance(data, PromptData), "a GRPO run's held-out data are prompts"
+    rewards = build_rewards(inputs.config.training.rewards)
+    new = inputs.config.training.max_new_tokens
+
+    def column(label: str) -> ModelScores:
+        general_loss, _ = _text_loss(model, inputs.general, inputs.device, cancelled)
+        reward = held_out_reward(model, inputs.tokenizer, data.eval_prompts, rewards, new)[0] if data.eval else None
+        _check(cancelled)
+        return ModelScores(label, None, None, None, math.exp(general_loss), mean_reward=reward)
+
+    with model.disable_adapter():
+        columns = [column("base model")]
+    for name, label in inputs.adapters:
+        model.set_adapter(name)
+        columns.append(column(label))
+    note = "not scored: a run that learns from rewards is judged by its rewards"
+    return BuiltColumns(columns, [None, *(name for name, _ in inputs.adapters)], 0, note)
+
+
+REWARDS_SECTION = ReportSection("prompts", None, REWARD_MEASURES, reward_columns)
+SECTIONS = {"documents": DOCUMENTS_SECTION, "pairs": PAIRS_SECTION, "rewards": REWARDS_SECTION}
+"""Each report kind a method's facts name (engine.method_facts.MethodFacts.report), and its section."""
 
 
 def _with_knowledge(
@@ -523,7 +616,7 @@ START = "starting_adapter"
 
 def _starting_adapter(config: RunConfig) -> Path | None:
     """The adapter a DPO run started from (its "before"), or None where it started from the base model."""
-    if config.training.method != "dpo" or config.model.adapter is None:
+    if config.model.adapter is None:
         return None
     from engine.run.session import starting_adapter_folder
 

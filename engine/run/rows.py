@@ -13,7 +13,7 @@ import dataclasses
 import json
 import os
 import sys
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from engine.events import Event, Notice
 from engine.hardware.cpu_threads import busy_cores, cpu_threads
 from engine.hardware.row_lengths import RowLengths, choose_row_lengths
 from engine.hardware.shapes import ModelShape
+from engine.method_facts import facts_for
 from engine.run import checkpoint as ckpt
 from engine.run.folder import CONFIG_FILE
 
@@ -38,7 +39,11 @@ CPU_QLORA_NOTE = (
 
 
 def resolve_rows(
-    config: RunConfig, tokenizer: Any, device: torch.device, run_dir: Path | None
+    config: RunConfig,
+    tokenizer: Any,
+    device: torch.device,
+    run_dir: Path | None,
+    longest_document: Callable[[RunConfig, Any], int] | None = None,
 ) -> Generator[Event, None, RunConfig]:
     """The config with both values set, written to ``run_dir``'s config.json when given (by the process that owns
     the folder); on a CPU, a Notice says what was chosen and why."""
@@ -56,11 +61,11 @@ def resolve_rows(
         on_gpu=on_gpu,
         max_seq_len=data.max_seq_len,
         tokens_per_batch=data.tokens_per_batch,
-        longest_document=None if on_gpu else longest_example(data, tokenizer),
+        longest_document=None if on_gpu else (longest_document or _longest_example)(config, tokenizer),
         shape=None if on_gpu else model_shape(config.model),
         cpu_cores=torch.get_num_threads(),
         qlora=config.model.qlora,
-        documents_per_item=2 if config.training.method == "dpo" else 1,  # a pair's two answers share a row
+        documents_per_item=facts_for(config.training.method).documents_per_item,  # a pair's answers share a row
     )
     if not on_gpu:
         for line in rows.lines():
@@ -69,6 +74,10 @@ def resolve_rows(
     if run_dir is not None:
         ckpt.write_text_atomic(run_dir / CONFIG_FILE, json.dumps(resolved.to_dict(), indent=2) + "\n")
     return resolved
+
+
+def _longest_example(config: RunConfig, tokenizer: Any) -> int:
+    return longest_example(config.data, tokenizer)
 
 
 def use_free_cores() -> str | None:

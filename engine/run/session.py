@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
+from engine import method_facts as facts
 from engine.config import RunConfig
-from engine.data.prepare import PreparedData, RowSchedule, prepare_data
+from engine.data.prepare import PreparedData, RowSchedule
 from engine.errors import ConfigError
 from engine.events import Event, Notice, RunStarted, SpeedChanged
 from engine.hardware import allocator
@@ -36,8 +37,8 @@ from engine.run.best import EvalWatch
 from engine.run.estimate import cpu_run_seconds
 from engine.run.fit import fit_run
 from engine.run.folder import CHECKPOINT_DIR, EVAL_FILE, METRICS_FILE, truncate_log, write_compute
+from engine.run.methods.base import TrainingMethod
 from engine.run.optimizer import adamw
-from engine.run.preference import FUSED_LOSS_REFUSED, STEP_GRAPHS_REFUSED, PreferenceTraining
 from engine.run.ranks import Ranks
 from engine.run.registry import Registry, RegistryError, data_dir
 from engine.run.replay import as_examples, read_replay, replay_rows
@@ -70,6 +71,8 @@ class Session:
     scaler: torch.amp.GradScaler | None
     speed: SpeedController
     total_steps: int
+    method: TrainingMethod
+    """What the run's training method does in its steps, evaluations and checkpoints (engine.run.methods)."""
     step: int = 0
     micro_batches: int = 0
     schedule: RowSchedule = field(init=False)
@@ -90,8 +93,6 @@ class Session:
     """Each step's loss and gradient norm are read one step late (engine.run.readout)."""
     in_flight: readout.InFlight | None = None
     """With late readout: the step queued last, whose values the host has not read yet."""
-    preference: PreferenceTraining | None = None
-    """DPO runs (``training.method`` dpo): settings, reference log-probabilities and the step's rewards."""
     anchor: KnowledgeAnchor | None = None
     """The penalty on drifting from the base model on general prompts, added to every step (engine.run.anchor)."""
     eval_watch: EvalWatch = field(init=False)
@@ -114,29 +115,34 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _total_steps(config: RunConfig, num_rows: int) -> int:
-    if config.training.max_steps:
-        return config.training.max_steps
-    return max(1, math.ceil(config.training.epochs * num_rows / config.training.grad_accum))
-
-
 def start(
-    config: RunConfig, run_dir: Path, resuming: bool, ranks: Ranks | None = None, device: torch.device | None = None
+    config: RunConfig,
+    run_dir: Path,
+    resuming: bool,
+    method: TrainingMethod,
+    ranks: Ranks | None = None,
+    device: torch.device | None = None,
 ) -> Generator[Event, None, Session]:
+    """The session of a run of ``method`` (engine.run.methods.method_for(config.training.method))."""
     ranks = ranks or Ranks.single()
     _seed_everything(config.training.seed)
     device = device or pick_device(config.training.device)
     dtype = pick_dtype(config.model.dtype, device)
     config = yield from _fit_to_ranks(config, ranks, device, dtype)
-    if config.training.method == "dpo" and ranks.distributed:
-        raise ConfigError("DPO trains on one GPU", hint="pass --gpus 1")
+    refusals = method.facts.refusals
+    if ranks.distributed and facts.SEVERAL_GPUS in refusals:
+        raise ConfigError(refusals[facts.SEVERAL_GPUS], hint="pass --gpus 1")
     yield from prepare_gguf_model(config.model.name, dtype, config.model.qlora)
     tokenizer = load_tokenizer(config.model)
     instruct = bool(getattr(tokenizer, "chat_template", None))  # before a fallback template is given
     owner_dir = None if resuming or not ranks.is_main else run_dir
-    config = yield from resolve_rows(config, tokenizer, device, owner_dir)
-    config = yield from fit_run(config, tokenizer, instruct, owner_dir) if not resuming else _resumed(config)
-    data = prepare_data(config.data, tokenizer, config.training.seed, config.training.method)
+    config = yield from resolve_rows(config, tokenizer, device, owner_dir, method.longest_document)
+    config = (
+        yield from fit_run(config, tokenizer, instruct, owner_dir, method.dataset_size)
+        if not resuming
+        else _resumed(config)
+    )
+    data = method.prepare(config.data, tokenizer, config.training.seed)
     _check_early_stop(config, data)
     for message in data.notices:
         yield Notice(message)
@@ -145,8 +151,8 @@ def start(
     # FSDP2 shards from host memory, so a model too big for one card never lands whole on one
     load_device = torch.device("cpu") if ranks.mode == "fsdp" else device
     model = yield from _with_adapter(config, load_base_model(config.model, load_device, dtype))
-    if config.training.keep_knowledge and config.training.method == "sft":
-        data = yield from _with_replay(config, run_dir, tokenizer, model, load_device, data, ranks)
+    if config.training.keep_knowledge and facts.KEEP_KNOWLEDGE not in refusals:
+        data = yield from _with_replay(config, run_dir, tokenizer, model, load_device, data, ranks, method)
     experts_message = experts_notice(model)
     if experts_message is not None:
         yield Notice(experts_message)
@@ -158,7 +164,7 @@ def start(
     ranks.shard_layers(model, device)
     loss_module = ranks.wrap(model, device)
     use_compile_cache(data_dir())  # before anything compiles: kernels a run of this model compiled before load
-    session = _make_session(config, run_dir, device, dtype, tokenizer, model, data)
+    session = _make_session(config, run_dir, device, dtype, tokenizer, model, data, method)
     if ranks.is_main:
         write_compute(run_dir, dtype, device)
     session.ranks, session.loss_module = ranks, loss_module
@@ -166,10 +172,8 @@ def start(
     session.late_readout, readout_reason = readout.resolve(
         config.training.step_readout, session.optimizer, ranks.distributed, session.scaler is not None
     )
-    if config.training.method == "dpo":
-        yield from _prefer(session)
-    elif config.training.step_readout == "late" and not session.late_readout:
-        yield Notice(readout_reason)
+    yield from _refuse_switches(session, readout_reason)
+    yield from method.begin(session)
     graphs_refused = _step_graphs_refused(session)
     if graphs_refused is not None:
         session.speed.refuse_step_graphs(graphs_refused)
@@ -204,7 +208,7 @@ def _knowledge_anchor(session: Session) -> Generator[Event, None, KnowledgeAncho
     """The run's knowledge anchor, over the replay rows in its folder; None when the penalty is off."""
     training = session.config.training
     weight = training.knowledge_penalty or 0.0
-    if not training.keep_knowledge or weight <= 0 or session.preference is not None:
+    if not training.keep_knowledge or weight <= 0 or facts.KEEP_KNOWLEDGE in session.method.facts.refusals:
         return None
     if session.ranks.distributed:
         yield Notice("knowledge penalty: off, it runs in one process only (the replay rows still keep knowledge)")
@@ -237,7 +241,14 @@ def _resumed(config: RunConfig) -> Generator[Event, None, RunConfig]:
 
 
 def _with_replay(
-    config: RunConfig, run_dir: Path, tokenizer: Any, model: Any, device: torch.device, data: PreparedData, ranks: Ranks
+    config: RunConfig,
+    run_dir: Path,
+    tokenizer: Any,
+    model: Any,
+    device: torch.device,
+    data: PreparedData,
+    ranks: Ranks,
+    method: TrainingMethod,
 ) -> Generator[Event, None, PreparedData]:
     """``data`` with the base model's answers to general prompts in its training rows (engine.run.replay): made by
     the first process, read by the others."""
@@ -249,7 +260,7 @@ def _with_replay(
         rows = read_replay(run_dir) or []
     extra = as_examples(rows[:wanted])
     yield Notice(f"keep knowledge: {len(extra)} of the base model's own answers join {len(data.train)} examples")
-    return prepare_data(config.data, tokenizer, config.training.seed, config.training.method, extra_train=extra)
+    return method.prepare(config.data, tokenizer, config.training.seed, extra_train=extra)
 
 
 def _expected_time(session: Session) -> tuple[float | None, str]:
@@ -310,18 +321,21 @@ def _adapter_location(reference: str) -> Path:
         raise ConfigError(f"--adapter {reference}: no such folder, and the run history cannot be read: {err}") from err
 
 
-def _prefer(session: Session) -> Iterator[Event]:
-    """Make ``session`` a DPO run: pair-aware steps, and the switches that cannot serve its loss turned off."""
-    config = session.config
-    session.preference = PreferenceTraining.for_run(
-        config.dpo, len(session.data.train), len(session.data.eval), session.device, config.model.adapter is not None
-    )
-    session.speed.refuse_step_graphs(STEP_GRAPHS_REFUSED)
-    session.speed.refuse_fused_loss(FUSED_LOSS_REFUSED)
-    if session.late_readout or config.training.step_readout == "late":
-        session.late_readout = False
-        yield Notice("step readout: every step before its update (DPO reads the step's rewards with its loss)")
-    yield Notice(session.preference.describe())
+def _refuse_switches(session: Session, readout_reason: str) -> Iterator[Event]:
+    """Turn off the switches the run's method cannot train with (engine.method_facts), saying why where the user
+    asked for one."""
+    refusals = session.method.facts.refusals
+    if facts.STEP_GRAPHS in refusals:
+        session.speed.refuse_step_graphs(refusals[facts.STEP_GRAPHS])
+    if facts.FUSED_LOSS in refusals:
+        session.speed.refuse_fused_loss(refusals[facts.FUSED_LOSS])
+    asked_late = session.config.training.step_readout == "late"
+    if facts.LATE_READOUT in refusals:
+        if session.late_readout or asked_late:
+            session.late_readout = False
+            yield Notice(f"step readout: every step before its update ({refusals[facts.LATE_READOUT]})")
+    elif asked_late and not session.late_readout:
+        yield Notice(readout_reason)
 
 
 def expected_run(session: Session) -> RunLength:
@@ -374,19 +388,26 @@ def _device_label(device: torch.device, ranks: Ranks) -> str:
 
 
 def _make_session(
-    config: RunConfig, run_dir: Path, device: torch.device, dtype: torch.dtype, tokenizer: Any, model: Any, data: Any
+    config: RunConfig,
+    run_dir: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    tokenizer: Any,
+    model: Any,
+    data: Any,
+    method: TrainingMethod,
 ) -> Session:
     params = [p for p in model.parameters() if p.requires_grad]
     training = config.training
     optimizer = adamw(params, training.learning_rate, training.weight_decay, training.optimizer, device)
-    total_steps = _total_steps(config, len(data.train_rows))
+    total_steps = method.total_steps(config, len(data.train_rows))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(config.training.schedule, config.training.warmup_steps or 0, total_steps)
     )
     scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 and device.type == "cuda" else None
     speed = SpeedController(model, config.speed, device)
     return Session(
-        config, run_dir, device, dtype, tokenizer, model, data, optimizer, scheduler, scaler, speed, total_steps
+        config, run_dir, device, dtype, tokenizer, model, data, optimizer, scheduler, scaler, speed, total_steps, method
     )
 
 
@@ -406,14 +427,7 @@ def _restore(session: Session) -> Iterator[Event]:
         yield Notice(f"checkpoint {checkpoint.name} was skipped: {problem}")
     else:
         yield Notice(f"{session.run_dir} has no usable checkpoint yet; training starts from the beginning")
-    preference = session.preference
-    if preference is not None and session.step > 0 and preference.missing_start():
-        preference.fall_back_to_base()  # the model has moved: its start cannot be scored again
-        yield Notice(
-            "this run's checkpoint keeps no reference log-probabilities (it was made before checkpoints kept "
-            "them, when DPO measured against the base model): the reference stays the base model with the adapter "
-            "switched off"
-        )
+    yield from session.method.after_restore(session)
     if session.tokens_per_batch < session.config.data.tokens_per_batch:
         yield Notice(
             f"micro-batches stay at {session.tokens_per_batch} tokens, as lowered after running out of memory "
@@ -465,8 +479,7 @@ def _load_checkpoint(session: Session, checkpoint: Path) -> str | None:
         sharded = get_peft_model_state_dict(session.model) if session.ranks.mode == "fsdp" else {}
         weights = session.ranks.shard_like(sharded, {k: v.to(session.device) for k, v in weights.items()})
         set_peft_model_state_dict(session.model, weights)
-    if session.preference is not None:
-        session.preference.restore(ckpt.load_reference(checkpoint))
+    session.method.restore_state(ckpt.load_reference(checkpoint))
     session.step, session.micro_batches = state.step, state.micro_batches
     if 0 < state.tokens_per_batch < session.tokens_per_batch:  # memory ran short before: do not hit it again
         session.tokens_per_batch = state.tokens_per_batch

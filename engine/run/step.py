@@ -15,7 +15,6 @@ import dataclasses
 import math
 import time
 from collections.abc import Generator, Iterator
-from dataclasses import dataclass
 
 import torch
 
@@ -25,7 +24,7 @@ from engine.hardware import vram
 from engine.run import checkpoint as ckpt
 from engine.run import guard, readout
 from engine.run.folder import CHECKPOINT_DIR, EVAL_FILE, MEMORY_FILE, append_jsonl
-from engine.run.preference_step import accumulate_pairs, evaluate_pairs
+from engine.run.methods.base import HeldOut, StepTokens
 from engine.run.ranks import plain_number
 from engine.run.session import Session
 from engine.speed import GRAPHS_SHORT_OF_MEMORY, usable_device_memory
@@ -94,21 +93,14 @@ def _rank_batches(session: Session, per_row: list[list[list[TokenizedExample]]])
     return mine + [_without_labels(collate(shortest))] * missing
 
 
-@dataclass(frozen=True)
-class StepTokens:
-    """What a step trained on, over all ranks: tokens in its rows and tokens that count in the loss."""
-
-    tokens: int
-    trained: int
-
-
 def _accumulate(session: Session, rows: list[int]) -> tuple[torch.Tensor, StepTokens]:
-    """Forward and backward over the step's rows (this rank's share of them); the loss is the sum over trained
-    tokens / their count over the whole step, this rank's part of it under several ranks. DPO: the mean loss over
-    the step's pairs (engine.run.preference)."""
-    if session.preference is not None:
-        total, tokens, trained = accumulate_pairs(session, rows)
-        return total, StepTokens(tokens, trained)
+    """Forward and backward over the step's rows, as the run's training method makes them (engine.run.methods)."""
+    return session.method.accumulate(session, rows)
+
+
+def accumulate_documents(session: Session, rows: list[int]) -> tuple[torch.Tensor, StepTokens]:
+    """Forward and backward over the step's packed rows of documents (this rank's share of them); the loss is the
+    sum over trained tokens / their count over the whole step, this rank's part of it under several ranks."""
     data = session.data
     documents = [data.train[i] for r in rows for i in data.train_rows[r]]
     counted = StepTokens(sum(len(ex) for ex in documents), sum(ex.trained_tokens for ex in documents))
@@ -332,7 +324,7 @@ def _good_step(
         memory_bytes=memory_bytes,
         rank_memory_bytes=rank_memory,
     )
-    return session.preference.totals.reported(metrics) if session.preference is not None else metrics
+    return session.method.reported(metrics)
 
 
 def _queue_and_read_previous(session: Session) -> Generator[Event, None, list[StepMetrics]]:
@@ -396,11 +388,14 @@ def _memory_bytes(device: torch.device) -> int:
     return vram.read_step_peak(device, driver=False).true_peak
 
 
+def evaluate_loss(session: Session) -> HeldOut | None:
+    """The run's held-out figures as its training method measures them, or None without an eval split."""
+    return session.method.evaluate(session)
+
+
 @torch.no_grad()
-def evaluate_loss(session: Session) -> tuple[float, int] | None:
-    """Mean loss per trained token over the held-out rows (DPO: per pair), or None without an eval split."""
-    if session.preference is not None:
-        return evaluate_pairs(session)
+def evaluate_documents(session: Session) -> tuple[float, int] | None:
+    """Mean loss per trained token over the held-out rows of documents, or None without an eval split."""
     data = session.data
     groups = [[g] for row in data.eval_rows for g in _row_groups(data.eval, row, session.tokens_per_batch)]
     if not groups:
@@ -439,12 +434,14 @@ def evaluate(session: Session) -> Iterator[Event]:
             yield from _lower_memory(session, session.data.eval_rows, session.data.eval)
     if result is None:
         return
-    loss, tokens = result
+    loss, tokens, accuracy = result.loss, result.tokens, result.reward_accuracy
     session.last_eval = loss
-    accuracy = session.preference.eval_accuracy if session.preference is not None else None
+    reward = result.reward_mean
     if session.ranks.is_main:
         record = {"step": session.step, "eval_loss": loss, "tokens": tokens}
         if accuracy is not None:
             record["reward_accuracy"] = accuracy
+        if reward is not None:
+            record["reward_mean"] = reward
         append_jsonl(session.run_dir / EVAL_FILE, record)
-    yield EvalMetrics(session.step, loss, tokens, accuracy)
+    yield EvalMetrics(session.step, loss, tokens, accuracy, reward)
