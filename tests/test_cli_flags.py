@@ -77,6 +77,8 @@ TEXT_VALUES = {
     "training.eval_every": "5",
     "training.early_stop": "2",
     "training.epsilon_high": "0.28",
+    "training.knowledge_share": "1.5",
+    "training.knowledge_penalty": "2",
     "training.rewards": r"regex:^\d+$",
 }
 
