@@ -30,6 +30,7 @@ from app.background.worker import describe_error
 from app.pages.export import ExportDialog
 from app.pages.recipe import fit_warning
 from app.theme import ERROR_COLOR
+from app.widgets.fitted_label import FittedLabel
 from app.widgets.gpu_selector import GpuSelector
 from app.widgets.notices import NoticeList
 from app.widgets.run_charts import RunCharts
@@ -92,33 +93,25 @@ class RunPanel(QWidget):
         self.export_button.clicked.connect(self.export_run)
         self.ended_run: str | None = None
         """The folder of the last run that ended with an adapter (what Export… exports)."""
-        self.report_status = QLabel("")
+        self.report_status = FittedLabel("", lines=0)
         """Where the before/after report of the run that just ended is: being built, written, or why not."""
         self.open_report_button = QPushButton("Open report")
         self.open_report_button.setToolTip("Base model and tuned side by side on the run's held-out examples")
         self.open_report_button.clicked.connect(lambda: self.open_report_requested.emit(self.ended_run or ""))
         self.open_report_button.hide()
-        self.status = QLabel("Ready: choose a model and a dataset, then Start.")
-        self.status.setWordWrap(True)
-        self.summary = QLabel("")
-        self.summary.setWordWrap(True)
-        self.plan = QLabel("")
+        self.status = FittedLabel("Ready: choose a model and a dataset, then Start.", lines=2)
+        self.summary = FittedLabel("", lines=2)
+        self.plan = FittedLabel("")
         """Before Start: the plan's predicted peak and how long training takes on this machine."""
-        self.plan.setWordWrap(True)
         self.summary.setToolTip(
             "Memory measured during the run (GPU memory reserved, or the process's resident memory on a CPU run) "
             "beside the plan's prediction (the training's tensors alone)"
         )
-        self.error = QLabel("")
-        self.error.setWordWrap(True)
+        self.error = FittedLabel("", lines=2)
         self.error.setStyleSheet(f"color:{ERROR_COLOR}; font-weight:bold")
         self.progress = QProgressBar()
         self.eta = QLabel("")
         self.eta.setFixedWidth(120)
-        # Fixed heights: a label that grows re-lays out the charts below it, and repainting them all at once
-        # blocked the window for over 100 ms on a busy two-core machine.
-        for label, lines in ((self.plan, 1), (self.status, 2), (self.summary, 2), (self.error, 2)):
-            label.setFixedHeight(label.fontMetrics().lineSpacing() * lines + 6)
         self.charts = RunCharts()
         self.gpu_selector = GpuSelector()
         self.warnings = NoticeList()
@@ -140,15 +133,17 @@ class RunPanel(QWidget):
         for button in (self.start_button, self.pause_button, self.resume_button, self.stop_button):
             buttons.addWidget(button)
         buttons.addStretch(1)
-        buttons.addWidget(self.report_status)
-        buttons.addWidget(self.open_report_button)
-        buttons.addWidget(self.export_button)
+        after = QHBoxLayout()  # a row of its own: beside the run's buttons, these went past a small window's edge
+        after.addWidget(self.report_status, 1)
+        after.addWidget(self.open_report_button)
+        after.addWidget(self.export_button)
         progress = QHBoxLayout()
         progress.addWidget(self.progress, 1)
         progress.addWidget(self.eta)
         layout = QVBoxLayout(self)
         layout.addWidget(self.gpu_selector)
         layout.addLayout(buttons)
+        layout.addLayout(after)
         layout.addWidget(self.plan)
         layout.addWidget(self.status)
         layout.addWidget(self.summary)
@@ -281,9 +276,7 @@ class RunPanel(QWidget):
 
     def report_failed(self, folder: str, note: str) -> None:
         if folder == self.ended_run:
-            shown = note if len(note) <= 80 else note[:79] + "…"  # the whole note in the tooltip: a row of buttons
-            self.report_status.setText(f"No before/after report: {shown}")
-            self.report_status.setToolTip(note)
+            self.report_status.setText(f"No before/after report: {note}")
 
     def _on_step(self, event: StepMetrics) -> None:
         self.charts.add_step(event.step, event.loss, event.tokens_per_s)

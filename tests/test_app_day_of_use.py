@@ -1,0 +1,65 @@
+"""After a day of real use: on a 1366x768 laptop screen and at the window's smallest size, every page still fits,
+agrees with the others and follows the run history (a demo run just ended, runs deleted and renamed)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from app_demo import prepare_demo
+from hang import HANG_MS
+from PySide6.QtCore import QPoint, QSize
+from PySide6.QtWidgets import QAbstractButton, QLabel, QScrollArea
+
+from app.background import run_controller as rc
+
+pytest_plugins = ["app_fixtures"]
+
+LAPTOP = QSize(1366, 768)
+
+
+def run_demo(qtbot: Any, window: Any, steps: int = 3) -> str:
+    """A short demo run started from the Run page, to its end and its before/after report; its folder."""
+    prepare_demo(qtbot, window, max_steps=steps)
+    window.resize(LAPTOP)
+    window.run_panel.start_button.click()
+    qtbot.waitUntil(lambda: window.controller.state == rc.FINISHED, timeout=HANG_MS)
+    panel = window.run_panel
+    qtbot.waitUntil(lambda: panel.open_report_button.isVisible() or "No before" in panel.report_status.text(),
+                    timeout=HANG_MS)  # fmt: skip
+    assert panel.ended_run is not None
+    return panel.ended_run
+
+
+def cut_off(page: Any, scroll: QScrollArea) -> list[str]:
+    """What a user cannot read on ``page``: buttons narrower than their text or outside the visible part of the
+    page, word-wrapped labels shorter than their text."""
+    viewport = scroll.viewport()
+    problems = []
+    for button in page.findChildren(QAbstractButton):
+        if not button.isVisibleTo(page):
+            continue
+        if button.width() < button.sizeHint().width():
+            problems.append(f"button {button.text()!r} is {button.width()} wide, needs {button.sizeHint().width()}")
+        right = button.mapTo(viewport, QPoint(button.width(), 0)).x()
+        if right > viewport.width():
+            problems.append(f"button {button.text()!r} ends at {right}, past the page's {viewport.width()}")
+    for label in page.findChildren(QLabel):
+        if label.isVisibleTo(page) and label.wordWrap() and label.text():
+            needed = label.heightForWidth(label.contentsRect().width()) + label.height() - label.contentsRect().height()
+            if label.height() < needed:
+                problems.append(f"label {label.text()[:60]!r} is {label.height()} high, needs {needed}")
+    if scroll.horizontalScrollBar().isVisible():
+        problems.append("a horizontal scrollbar")
+    return problems
+
+
+def test_the_run_page_fits_after_a_run_on_a_laptop_and_at_the_smallest_size(qtbot: Any, window: Any) -> None:
+    run_demo(qtbot, window)
+    window.show_page("Run")
+    scroll = window.pages.currentWidget().findChild(QScrollArea)
+    for size in (LAPTOP, window.minimumSizeHint()):
+        window.resize(size)
+        wanted = size.expandedTo(window.minimumSizeHint())
+        qtbot.waitUntil(lambda wanted=wanted: window.size() == wanted)
+        qtbot.wait(50)  # layouts settle on the next passes of the event loop
+        assert cut_off(window.run_panel, scroll) == [], f"at {size.toTuple()}"
