@@ -44,7 +44,7 @@ from app.widgets.guide import GuideBar, GuidedPage
 from app.widgets.page_header import Page
 from engine.hardware.allocator import set_at_process_start
 from engine.run.estimate import MeasuredRow
-from engine.run.registry import Registry
+from engine.run.registry import Registry, RunRecord
 from engine.run.summary import measured_rows
 
 DEFAULT_SIZE = (1280, 820)
@@ -116,6 +116,8 @@ class MainWindow(QMainWindow):
                 page.report_requested.connect(self.open_report)
             if hasattr(page, "train_requested"):  # the Chat page: a DPO run on the preferences saved there
                 page.train_requested.connect(self.run_panel.start_config)
+            if hasattr(page, "history_changed"):  # the Runs page's run list: the one source of which runs exist
+                page.history_changed.connect(self._follow_history)
         self._follow_reports()
         self.controller.state_changed.connect(self._run_ended)
         self.state.run_changed.connect(self._show_live_run)
@@ -213,6 +215,13 @@ class MainWindow(QMainWindow):
             page = self.page(title)
             if page is not None and hasattr(page, "show_live"):
                 page.show_live(self.state.run)
+
+    def _follow_history(self, records: list[RunRecord]) -> None:
+        """Every page that names a run follows the run list: a deleted run leaves them, a renamed one is renamed."""
+        self.run_panel.follow_history(records)
+        chat = self.page("Chat")
+        if chat is not None:
+            chat.show_runs(records)  # type: ignore[attr-defined]
 
     def _run_ended(self, state: str) -> None:
         """Pages listing runs show a run's end (finished, stopped or failed) at once, not at their next poll."""

@@ -3,8 +3,10 @@ agrees with the others and follows the run history (a demo run just ended, runs 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import pytest
 from app_demo import prepare_demo
 from hang import HANG_MS
 from PySide6.QtCore import QPoint, QSize
@@ -63,3 +65,26 @@ def test_the_run_page_fits_after_a_run_on_a_laptop_and_at_the_smallest_size(qtbo
         qtbot.waitUntil(lambda wanted=wanted: window.size() == wanted)
         qtbot.wait(50)  # layouts settle on the next passes of the event loop
         assert cut_off(window.run_panel, scroll) == [], f"at {size.toTuple()}"
+
+
+def chat_names(window: Any) -> dict[str, str]:
+    chat = window.page("Chat")
+    return {chat.runs.itemData(i): chat.runs.itemText(i) for i in range(chat.runs.count())}
+
+
+def test_pages_follow_the_run_list_when_a_run_is_renamed_then_deleted(
+    qtbot: Any, window: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = run_demo(qtbot, window)
+    runs, panel = window.page("Runs"), window.run_panel
+    assert folder in chat_names(window) and panel.export_button.isEnabled()
+    record = next(record for record in runs.records if record.folder == folder)
+    runs.select_runs([record.id])
+    runs.rename_selected("dates-v2")
+    assert chat_names(window)[folder].startswith("dates-v2"), chat_names(window)
+    monkeypatch.setattr(runs, "confirm_delete", lambda record: True)  # the user answers Yes
+    runs.delete_selected()
+    assert not Path(folder, "adapter").exists()
+    assert folder not in chat_names(window)
+    assert not panel.open_report_button.isVisibleTo(panel) and not panel.export_button.isEnabled()
+    assert "deleted" in panel.status.text()

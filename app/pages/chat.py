@@ -242,6 +242,11 @@ class ChatView(QWidget):
         except Exception as err:  # a broken history must not break chatting with a folder
             self.status.setText(f"cannot read the run history: {err}")
             return
+        self.show_runs(records)
+
+    def show_runs(self, records: list[RunRecord]) -> None:
+        """List ``records`` (the run history, newest first) that have an adapter: a deleted run goes, a renamed one
+        shows its new name, the chosen one stays chosen."""
         chosen = self.runs.currentData()
         listed = {self.runs.itemData(i) for i in range(self.runs.count())}
         self.runs.blockSignals(True)

@@ -50,6 +50,7 @@ from engine.events import (
     StepMetrics,
 )
 from engine.run.estimate import describe_time, format_duration
+from engine.run.registry import RunRecord
 from engine.run.summary import describe, format_gib
 
 SHORT_NAMES = {"metadata_cache": "cache", "cudnn_attention": "cudnn attention", "fused_loss": "fused loss",
@@ -68,6 +69,10 @@ def speed_label(before: dict[str, dict[str, object]], after: dict[str, dict[str,
         if before.get(key, {}).get("mode") != after.get(key, {}).get("mode"):
             parts.append(f"{short} {after.get(key, {}).get('mode')}")
     return ", ".join(parts)
+
+
+def _same_folder(first: str, second: str) -> bool:
+    return Path(first).resolve() == Path(second).resolve()
 
 
 class RunPanel(QWidget):
@@ -262,6 +267,18 @@ class RunPanel(QWidget):
         elif isinstance(event, RunFailed):
             self.show_error(event.message, event.hint)
             self.status.setText(f"The run stopped at step {event.step}.")
+
+    def follow_history(self, records: list[RunRecord]) -> None:
+        """The run list changed: a run that ended here and is gone from it (deleted) has nothing left to open."""
+        if self.ended_run is None or any(_same_folder(record.folder, self.ended_run) for record in records):
+            return
+        name = Path(self.ended_run).name
+        self.ended_run = None
+        self.open_report_button.hide()
+        self.export_button.setEnabled(False)
+        self.report_status.setText("")
+        if not self.controller.active:
+            self.status.setText(f"The run that ended here ({name}) was deleted on the Runs page.")
 
     def report_building(self, folder: str) -> None:
         """The before/after report of ``folder`` is being measured (said only for the run that just ended here)."""

@@ -107,6 +107,9 @@ class RunsView(QWidget):
     resume_requested = Signal(str)
     report_requested = Signal(str)
     """Report: the before/after report of the selected run (its folder), measured first where it has none."""
+    history_changed = Signal(list)
+    """The run list (RunRecords, newest first) after a run was added, renamed, deleted or changed state: the other
+    pages follow it, so none shows a deleted run or an old name."""
 
     def __init__(self, registry: Registry | None = None, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -115,6 +118,7 @@ class RunsView(QWidget):
         self.live = RunSummary()
         """The run going on in this window (the main window passes it on)."""
         self._summaries: dict[str, tuple[tuple[object, ...], RunSummary]] = {}
+        self._history: tuple[tuple[str, str, str, str], ...] | None = None
         self.export_dialog: ExportDialog | None = None
         self.rename_dialog: RenameDialog | None = None
         self.table = self._build_table()
@@ -192,6 +196,10 @@ class RunsView(QWidget):
         self._select_ids(chosen)  # rows move when a run is added or deleted: select by id, never by row
         self.table.blockSignals(False)
         self._selection_changed()
+        history = tuple((record.id, record.name, record.folder, record.status) for record in self.records)
+        if history != self._history:
+            self._history = history
+            self.history_changed.emit(list(self.records))
 
     def summary(self, record: RunRecord) -> RunSummary:
         """The run's summary: the live one while this window runs it, else from its folder (read again only when
