@@ -152,7 +152,7 @@ class MainWindow(QMainWindow):
 
     def _follow_reports(self) -> None:
         """A run that ends here gets its before/after report in the background; the Run page says where it is."""
-        self.controller.run_over.connect(self.report_page.build)
+        self.controller.run_over.connect(self.report_page.follow_run)
         self.report_page.building.connect(self.run_panel.report_building)
         self.report_page.ready.connect(self.run_panel.report_ready)
         self.report_page.failed.connect(self.run_panel.report_failed)

@@ -88,3 +88,13 @@ def test_pages_follow_the_run_list_when_a_run_is_renamed_then_deleted(
     assert folder not in chat_names(window)
     assert not panel.open_report_button.isVisibleTo(panel) and not panel.export_button.isEnabled()
     assert "deleted" in panel.status.text()
+
+
+def test_the_report_page_shows_a_finished_runs_report_without_open_report(qtbot: Any, window: Any) -> None:
+    report_page = window.page("Report")
+    folder = run_demo(qtbot, window)
+    assert window.run_panel.open_report_button.isVisible()  # written; Open report is not pressed
+    window.show_page("Report")
+    qtbot.waitUntil(lambda: report_page.report is not None and not report_page.busy(), timeout=HANG_MS)
+    assert report_page.folder == folder and Path(folder).name in report_page.heading.text()
+    assert "No report shown yet" not in report_page.status.text() and report_page.figures.isVisible()
