@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 from app_demo import prepare_demo
 from hang import HANG_MS
-from PySide6.QtCore import QPoint, QSize
-from PySide6.QtWidgets import QAbstractButton, QLabel, QScrollArea
+from PySide6.QtCore import QPoint, QPointF, QSize, Qt
+from PySide6.QtGui import QWheelEvent
+from PySide6.QtWidgets import QAbstractButton, QApplication, QLabel, QScrollArea
 
 from app.background import run_controller as rc
 
@@ -98,3 +99,37 @@ def test_the_report_page_shows_a_finished_runs_report_without_open_report(qtbot:
     qtbot.waitUntil(lambda: report_page.report is not None and not report_page.busy(), timeout=HANG_MS)
     assert report_page.folder == folder and Path(folder).name in report_page.heading.text()
     assert "No report shown yet" not in report_page.status.text() and report_page.figures.isVisible()
+
+
+def wheel_down(widget: Any) -> None:
+    """One notch of the mouse wheel over the middle of ``widget`` (a chart: its viewport gets the event)."""
+    target = widget.viewport() if hasattr(widget, "viewport") else widget
+    middle = QPointF(target.width() / 2, target.height() / 2)
+    event = QWheelEvent(middle, target.mapToGlobal(middle), QPoint(), QPoint(0, -120), Qt.MouseButton.NoButton,
+                        Qt.KeyboardModifier.NoModifier, Qt.ScrollPhase.NoScrollPhase, False)  # fmt: skip
+    QApplication.sendEvent(target, event)
+
+
+def test_the_wheel_scrolls_the_run_page_and_each_run_starts_with_its_charts_fitted(qtbot: Any, window: Any) -> None:
+    run_demo(qtbot, window)
+    charts = window.run_panel.charts
+    speed = charts.speed.getViewBox()
+    speed.setYRange(-200_000, -100_000)  # zoomed by hand, far from any speed this run or the next has
+    window.resize(window.minimumSizeHint())  # the page scrolls at the window's smallest size
+    window.show_page("Run")
+    scroll = window.pages.currentWidget().findChild(QScrollArea)
+    qtbot.waitUntil(lambda: scroll.verticalScrollBar().maximum() > 0)
+    before = [plot.getViewBox().viewRange() for plot in (charts.loss, charts.speed)]
+    for plot in (charts.loss, charts.speed):
+        scroll.ensureWidgetVisible(plot, 0, 0)
+        position = scroll.verticalScrollBar().value()
+        wheel_down(plot)
+        assert scroll.verticalScrollBar().value() > position or position == scroll.verticalScrollBar().maximum()
+    assert [plot.getViewBox().viewRange() for plot in (charts.loss, charts.speed)] == before, "a chart zoomed"
+    window.resize(LAPTOP)
+    window.run_panel.start_button.click()
+    qtbot.waitUntil(lambda: window.controller.state == rc.FINISHED, timeout=HANG_MS)
+    charts.redraw_all()
+    speeds = charts.buffers["speed"]
+    low, high = speed.viewRange()[1]
+    assert speeds and low <= min(speeds) and max(speeds) <= high, (low, high, speeds)

@@ -29,6 +29,7 @@ from PySide6.QtWidgets import (
 from app.app_state import AppState
 from app.background.worker import ErrorInfo, TaskRunner
 from app.theme import current_chart_colors, style_plot
+from app.widgets.page_chart import PageChart
 from engine.config import DEMO_MODEL, DataConfig
 from engine.run.data_report import NO_TOKENIZER, DatasetReport, analyze_dataset
 
@@ -51,7 +52,7 @@ def preview_html(pieces: list[tuple[str, bool]]) -> str:
     return f"<pre style='white-space:pre-wrap'>{spans}</pre>"
 
 
-class LengthHistogram(pg.PlotWidget):
+class LengthHistogram(PageChart):
     """Tokens per example as bars in the palette's accent on the chart's own background, redrawn in the new colours
     when the look changes (bars of a fixed colour sank into the dark background)."""
 

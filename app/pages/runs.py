@@ -36,6 +36,7 @@ from PySide6.QtWidgets import (
 
 from app.pages.export import ExportDialog
 from app.theme import current_chart_colors, style_plot
+from app.widgets.page_chart import PageChart
 from app.widgets.rename_dialog import RenameDialog
 from app.widgets.tables import read_only_table
 from engine.errors import TuneDeckError
@@ -145,7 +146,7 @@ class RunsView(QWidget):
         return table
 
     def _build_chart(self) -> pg.PlotWidget:
-        chart = pg.PlotWidget(title="Loss of the selected runs")
+        chart = PageChart(title="Loss of the selected runs")
         chart.setLabel("bottom", "step")
         chart.setLabel("left", "loss")
         chart.showGrid(x=True, y=True, alpha=0.2)
@@ -263,6 +264,7 @@ class RunsView(QWidget):
     def draw(self, records: list[RunRecord]) -> None:
         """Overlay the train and eval loss of ``records``, one colour per run."""
         self.chart.clear()
+        self.chart.getViewBox().enableAutoRange()  # fitted to the runs now selected
         self.curves: dict[str, LossCurves] = {}
         for index, record in enumerate(records):
             curves = read_curves(record.folder)
