@@ -43,9 +43,10 @@ def cut_off(page: Any, scroll: QScrollArea) -> list[str]:
             continue
         if button.width() < button.sizeHint().width():
             problems.append(f"button {button.text()!r} is {button.width()} wide, needs {button.sizeHint().width()}")
-        right = button.mapTo(viewport, QPoint(button.width(), 0)).x()
-        if right > viewport.width():
-            problems.append(f"button {button.text()!r} ends at {right}, past the page's {viewport.width()}")
+        room = viewport if scroll.isAncestorOf(button) else page  # what scrolls, or what stays put below it
+        right = button.mapTo(room, QPoint(button.width(), 0)).x()
+        if right > room.width():
+            problems.append(f"button {button.text()!r} ends at {right}, past the page's {room.width()}")
     for label in page.findChildren(QLabel):
         if label.isVisibleTo(page) and label.wordWrap() and label.text():
             needed = label.heightForWidth(label.contentsRect().width()) + label.height() - label.contentsRect().height()
@@ -133,3 +134,38 @@ def test_the_wheel_scrolls_the_run_page_and_each_run_starts_with_its_charts_fitt
     speeds = charts.buffers["speed"]
     low, high = speed.viewRange()[1]
     assert speeds and low <= min(speeds) and max(speeds) <= high, (low, high, speeds)
+
+
+def test_the_export_dialog_says_only_what_is_so_and_fits_its_instructions(
+    qtbot: Any, window: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engine.export.install import LMSTUDIO_URL_VARIABLE
+
+    home = tmp_path / "no-lm-studio"  # a machine without LM Studio, its server not running either
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv(LMSTUDIO_URL_VARIABLE, "http://127.0.0.1:9")
+    monkeypatch.setattr("shutil.which", lambda name, *args, **kwargs: None)
+    run_demo(qtbot, window)
+    window.run_panel.export_button.click()
+    dialog = window.run_panel.export_dialog
+    qtbot.waitExposed(dialog)
+    dialog.kinds["merged"].setChecked(True)
+    dialog.export_button.click()
+    qtbot.waitUntil(lambda: dialog.result is not None and not dialog.busy(), timeout=HANG_MS)
+    assert "merged" in dialog.status.text()
+    dialog.kinds["gguf"].setChecked(True)
+    assert "Exported to" not in dialog.status.text() and not dialog.open_button.isEnabled()
+    dialog.export_button.click()
+    qtbot.waitUntil(lambda: dialog.result is not None and not dialog.busy(), timeout=HANG_MS)
+    assert dialog.error.text() == "" and "gguf" in dialog.status.text()
+    dialog.install.buttons["lmstudio"].click()
+    qtbot.waitUntil(lambda: dialog.install.report is not None and not dialog.busy(), timeout=HANG_MS)
+    said = dialog.install.status.text()
+    assert "not installed" in said and "lmstudio.ai" in said, said
+    assert not (home / ".lmstudio").exists() and not (home / ".cache").exists(), "LM Studio's folder made for nothing"
+    scroll = dialog.findChild(QScrollArea)
+    for size in (QSize(640, 700), dialog.minimumSizeHint()):
+        dialog.resize(size)
+        qtbot.wait(50)  # layouts settle on the next passes of the event loop
+        assert cut_off(dialog, scroll) == [], f"at {size.toTuple()}: {cut_off(dialog, scroll)}"

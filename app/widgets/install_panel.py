@@ -25,6 +25,7 @@ from PySide6.QtWidgets import (
 
 from app.background.worker import ErrorInfo, TaskRunner
 from app.theme import ERROR_COLOR
+from app.widgets.fitted_label import FittedLabel
 
 RUNTIMES = {"ollama": "Install in Ollama", "lmstudio": "Install in LM Studio"}
 
@@ -44,7 +45,7 @@ class InstallPanel(QGroupBox):
         self.report: Any = None  # the last InstallReport (tests read it)
         self.buttons = {runtime: QPushButton(text) for runtime, text in RUNTIMES.items()}
         self.question = QLineEdit(DEFAULT_QUESTION)
-        self.status = QLabel("")
+        self.status = FittedLabel("", lines=0)  # its commands hold long paths: they wrap, never widen the dialog
         self.runtime_label = QLabel("")
         self.tunedeck_label = QLabel("<b>TuneDeck's answer</b>")
         self.runtime_answer = QLabel("")
@@ -85,6 +86,9 @@ class InstallPanel(QGroupBox):
         ``adapter`` (best or last: TuneDeck's own answer uses the same)."""
         self.run_folder, self.export_folder, self.adapter = run_folder, export_folder, adapter
         ready = export_folder is not None and (export_folder / "Modelfile").exists()
+        if export_folder is None:  # nothing exported (or another choice since): no word of an earlier install
+            self.status.setText("")
+            self._show_answers(None)
         for button in self.buttons.values():
             button.setEnabled(ready)
             button.setToolTip("" if ready else "Export a GGUF file first")
