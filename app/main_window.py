@@ -132,6 +132,8 @@ class MainWindow(QMainWindow):
         self.guide = GuideBar(guided, self.controller, self.state)
         self.guide.page_requested.connect(self.show_page)
         self.guide.start_clicked.connect(self.run_panel.start)
+        self.guide.ready_changed.connect(self.run_panel.show_readiness)  # the Run page says what the guide says
+        self.run_panel.show_readiness(self.guide.ready_text)
         body = QWidget()
         column = QVBoxLayout(body)
         column.addWidget(self.guide)

@@ -11,7 +11,7 @@ from app_demo import prepare_demo
 from hang import HANG_MS
 from PySide6.QtCore import QPoint, QPointF, QSize, Qt
 from PySide6.QtGui import QWheelEvent
-from PySide6.QtWidgets import QAbstractButton, QApplication, QLabel, QScrollArea
+from PySide6.QtWidgets import QAbstractButton, QApplication, QLabel, QScrollArea, QWidget
 
 from app.background import run_controller as rc
 
@@ -169,3 +169,19 @@ def test_the_export_dialog_says_only_what_is_so_and_fits_its_instructions(
         dialog.resize(size)
         qtbot.wait(50)  # layouts settle on the next passes of the event loop
         assert cut_off(dialog, scroll) == [], f"at {size.toTuple()}: {cut_off(dialog, scroll)}"
+
+
+def test_words_before_a_run_are_so_on_a_machine_without_a_gpu(qtbot: Any, window: Any) -> None:
+    prepare_demo(qtbot, window, max_steps=3)
+    status = window.run_panel.status.text()
+    assert window.guide.missing() == [] and status.startswith("Ready") and "choose" not in status, status
+    if window.state.hardware.gpus:
+        pytest.skip("this machine has a GPU: its words may name it")
+    said = []
+    for title in window.page_titles():
+        window.show_page(title)
+        page = window.pages.currentWidget()
+        said += [label.text() for label in page.findChildren(QLabel)]
+        said += [widget.toolTip() for widget in page.findChildren(QWidget)]
+    wrong = [text for text in said if any(word in text for word in ("this GPU", "this card", "GPU class"))]
+    assert wrong == []

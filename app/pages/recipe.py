@@ -157,7 +157,7 @@ class SetupPanel(QWidget):
             summary.setWordWrap(True)
             estimate = QLabel("")
             estimate.setMinimumWidth(260)
-            estimate.setToolTip("The planner's prediction on this card: peak memory, steps and training time")
+            estimate.setToolTip("The planner's prediction on this computer: peak memory, steps and training time")
             self.group.addButton(button)
             self.buttons[recipe.name], self.estimates[recipe.name] = button, estimate
             self.summaries[recipe.name] = summary

@@ -104,7 +104,7 @@ class RunPanel(QWidget):
         self.open_report_button.setToolTip("Base model and tuned side by side on the run's held-out examples")
         self.open_report_button.clicked.connect(lambda: self.open_report_requested.emit(self.ended_run or ""))
         self.open_report_button.hide()
-        self.status = FittedLabel("Ready: choose a model and a dataset, then Start.", lines=2)
+        self.status = FittedLabel("", lines=2)
         self.summary = FittedLabel("", lines=2)
         self.plan = FittedLabel("")
         """Before Start: the plan's predicted peak and how long training takes on this machine."""
@@ -267,6 +267,12 @@ class RunPanel(QWidget):
         elif isinstance(event, RunFailed):
             self.show_error(event.message, event.hint)
             self.status.setText(f"The run stopped at step {event.step}.")
+
+    def show_readiness(self, text: str) -> None:
+        """Before the first run, what the guide bar says is next (a step missing, or all ready): never a stale
+        "choose a model" once everything is chosen. After a run, its own status stays."""
+        if text and self.controller.state == rc.IDLE:
+            self.status.setText(text)
 
     def follow_history(self, records: list[RunRecord]) -> None:
         """The run list changed: a run that ended here and is gone from it (deleted) has nothing left to open."""

@@ -39,7 +39,7 @@ from engine.config import SpeedConfig
 from engine.events import RunFailed, RunFinished, SpeedChanged, StepMetrics
 
 CHECKPOINT_MODES = ("none", "standard", "offloaded")
-PLANNED_AT_START = "Decided when the run starts, from the model and this GPU"
+PLANNED_AT_START = "Decided when the run starts, from the model and the machine it trains on"
 SHORT_TITLES = {
     ALL: "all on vs all off",
     "metadata_cache": "metadata cache",
@@ -83,7 +83,7 @@ class SpeedPanel(QWidget):
         self.compare_button.clicked.connect(lambda: self.start_compare())
         self.all_button = QPushButton("All on vs all off")
         self.all_button.setToolTip(
-            "TuneDeck's speed switches as chosen for this GPU against all of them off (stock transformers and "
+            "TuneDeck's speed switches as chosen for this machine against all of them off (stock transformers and "
             "peft). Memory savers (checkpointing, chunked MLP, host embedding) stay as they are."
         )
         self.all_button.clicked.connect(lambda: self.start_compare([ALL]))

@@ -108,11 +108,13 @@ def before_start(
         step_s = statistics.median((tokens_per_step or row.tokens_per_batch) / row.tokens_per_s for row in chosen)
         overhead = statistics.median(row.overhead_s for row in chosen)
         if not here:
-            return TimeEstimate(steps * step_s, "from TuneDeck's measured steps on this GPU class", "measured")
+            where = "on this CPU class" if gpu_class == "cpu" else "on this GPU class"
+            return TimeEstimate(steps * step_s, f"from TuneDeck's measured steps {where}", "measured")
         runs = f"{len(chosen)} earlier run{'s' if len(chosen) > 1 else ''}"
         return TimeEstimate(steps * step_s + overhead, f"from {runs} of this model here", "measured")
     if planner_tokens_per_s and tokens_per_step:
-        return TimeEstimate(steps * tokens_per_step / planner_tokens_per_s, "from the planner's figure for this card",
+        device = "this computer's CPU" if gpu_class == "cpu" else "this card"
+        return TimeEstimate(steps * tokens_per_step / planner_tokens_per_s, f"from the planner's figure for {device}",
                             "planner")  # fmt: skip
     return NO_ESTIMATE
 
