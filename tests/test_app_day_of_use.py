@@ -185,3 +185,53 @@ def test_words_before_a_run_are_so_on_a_machine_without_a_gpu(qtbot: Any, window
         said += [widget.toolTip() for widget in page.findChildren(QWidget)]
     wrong = [text for text in said if any(word in text for word in ("this GPU", "this card", "GPU class"))]
     assert wrong == []
+
+
+def indicator_contrast(button: QAbstractButton, ground: str) -> tuple[float, float]:
+    """(the indicator's most visible pixel against the window's colour ``ground``, the most visible pixel inside
+    it against its own fill), from the drawn button: a ring that reads, and a dot or tick that reads."""
+    from PySide6.QtGui import QColor
+    from PySide6.QtWidgets import QRadioButton, QStyle
+
+    from app.theme import contrast_ratio
+
+    metric = QStyle.PixelMetric
+    radio = isinstance(button, QRadioButton)
+    size = button.style().pixelMetric(metric.PM_ExclusiveIndicatorWidth if radio else metric.PM_IndicatorWidth)
+    image = button.grab().toImage()
+    top = (button.height() - size) // 2
+    pixels = [QColor(image.pixel(x, y)).name() for x in range(size) for y in range(top, top + size)]
+    fill = QColor(image.pixel(3, top + size // 2)).name()  # just inside the ring
+    inner = [QColor(image.pixel(x, y)).name() for x in range(4, size - 4) for y in range(top + 4, top + size - 4)]
+    return max(contrast_ratio(pixel, ground) for pixel in pixels), max(contrast_ratio(p, fill) for p in inner)
+
+
+def test_radio_buttons_and_check_boxes_read_in_the_dark_look(qtbot: Any, window: Any) -> None:
+    from PySide6.QtGui import QPalette
+    from PySide6.QtWidgets import QCheckBox
+
+    window.resize(LAPTOP)
+    window.show_page("Recipe")
+    panel = window.setup_panel
+    qtbot.waitExposed(window)
+    checked = next(button for button in panel.buttons.values() if button.isChecked())
+    unchecked = next(button for button in panel.buttons.values() if not button.isChecked())
+    box = next(box for box in panel.findChildren(QCheckBox) if box.isVisible())
+    box.setChecked(True)
+    buttons = (checked, unchecked, box)
+    try:
+        for dark in (True, False):
+            window.set_look(dark)
+            look = "dark" if dark else "light"
+            for widget in (window, *buttons):  # the new palette reaches the widgets through the event loop
+                qtbot.waitUntil(
+                    lambda w=widget, d=dark: (w.palette().color(QPalette.ColorRole.Base).lightness() < 128) == d
+                )
+            ground = window.palette().color(QPalette.ColorRole.Window)
+            for button in buttons:
+                ring, mark = indicator_contrast(button, ground.name())
+                assert ring >= 3.0, f"{button.text()!r}'s indicator against the window in the {look} look: {ring:.2f}"
+                if button.isChecked():
+                    assert mark >= 3.0, f"{button.text()!r}'s mark in the {look} look: {mark:.2f}"
+    finally:
+        window.set_look(False)
