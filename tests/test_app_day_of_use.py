@@ -235,3 +235,24 @@ def test_radio_buttons_and_check_boxes_read_in_the_dark_look(qtbot: Any, window:
                     assert mark >= 3.0, f"{button.text()!r}'s mark in the {look} look: {mark:.2f}"
     finally:
         window.set_look(False)
+
+
+def test_a_resumed_run_marks_no_switch_change_when_none_was_flipped(qtbot: Any, window: Any) -> None:
+    from engine.events import RunStarted, StepMetrics
+
+    prepare_demo(qtbot, window, max_steps=200)
+    steps: list[int] = []
+    starts: list[RunStarted] = []
+    window.controller.run_event.connect(lambda e: steps.append(e.step) if isinstance(e, StepMetrics) else None)
+    window.controller.run_event.connect(lambda e: starts.append(e) if isinstance(e, RunStarted) else None)
+    panel = window.run_panel
+    panel.start_button.click()
+    qtbot.waitUntil(lambda: len(steps) >= 2, timeout=HANG_MS)
+    panel.stop_button.click()
+    qtbot.waitUntil(lambda: window.controller.state == rc.FINISHED, timeout=HANG_MS)
+    stopped_at = steps[-1]
+    panel.resume_run(starts[-1].run_dir)
+    qtbot.waitUntil(lambda: len(starts) == 2 and steps[-1] > stopped_at + 1, timeout=HANG_MS)
+    panel.stop_button.click()
+    qtbot.waitUntil(lambda: window.controller.state == rc.FINISHED, timeout=HANG_MS)
+    assert panel.charts.marks == [], "no switch was flipped"

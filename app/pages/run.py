@@ -240,7 +240,8 @@ class RunPanel(QWidget):
             )
         elif isinstance(event, SpeedChanged):
             label = speed_label(self.speed_state, event.state)
-            if event.step > 0 and label:
+            # a run's first plan (a resumed run's, at its start step too) is where it starts, not a change
+            if event.step > 0 and label and self.speed_state:
                 self.charts.mark_speed_change(event.step, label)
             self.speed_state = event.state
         elif isinstance(event, Notice):
