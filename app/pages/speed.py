@@ -239,14 +239,18 @@ class SpeedPanel(QWidget):
 
     def _run_ended_during_compare(self) -> None:
         """The run ended first: what was measured stays, the rest is said, and nothing more is asked of the run."""
-        assert self.compare is not None
-        left = [self.compare.switch, *self.queue]
+        current = self.compare
+        assert current is not None
+        rounds = len(current.result.ratios)  # a switch cut short keeps the rounds it finished, and says so
+        left = [*([] if rounds else [current.switch]), *self.queue]
         self.queue.clear()
         self._finish_switch()
-        names = ", ".join(TITLES.get(name, name) for name in left)
+        parts = [f"{TITLES.get(current.switch, current.switch)} measured over {rounds} of {current.rounds} "
+                 f"round{'s' if current.rounds > 1 else ''}" if rounds else "",
+                 f"{', '.join(TITLES.get(name, name) for name in left)} not measured" if left else ""]  # fmt: skip
         self.compare_status.setText(
-            f"The run ended before Compare finished: {names} not measured in full. A longer run (more steps) "
-            "leaves room to measure every switch."
+            f"The run ended before Compare finished: {'; '.join(part for part in parts if part)}. A longer run "
+            "(more steps) leaves room to measure every switch."
         )
 
     def _finish_switch(self) -> None:
