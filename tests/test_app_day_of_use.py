@@ -139,6 +139,19 @@ def test_the_wheel_scrolls_the_run_page_and_each_run_starts_with_its_charts_fitt
     qtbot.waitUntil(fitted)
 
 
+def held_out_questions(run_folder: str) -> set[str]:
+    """The questions of the examples the run held out (as the run's data preparation chose them)."""
+    from engine.config import RunConfig
+    from engine.data.files import load_examples
+    from engine.data.split import first_question, split_examples
+
+    config = RunConfig.load(Path(run_folder) / "config.json")
+    examples, _ = load_examples(config.data.path, config.data.format)
+    held_out = split_examples(examples, config.data.eval_fraction, config.training.seed)[1]
+    assert held_out, "the demo run holds examples out"
+    return {first_question(example) for example in held_out}
+
+
 def test_the_export_dialog_says_only_what_is_so_and_fits_its_instructions(
     qtbot: Any, window: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -162,6 +175,8 @@ def test_the_export_dialog_says_only_what_is_so_and_fits_its_instructions(
     dialog.export_button.click()
     qtbot.waitUntil(lambda: dialog.result is not None and not dialog.busy(), timeout=HANG_MS)
     assert dialog.error.text() == "" and "gguf" in dialog.status.text()
+    qtbot.waitUntil(lambda: "France" not in dialog.install.question.text() and not dialog.busy())
+    assert dialog.install.question.text() in held_out_questions(window.run_panel.ended_run)
     dialog.install.buttons["lmstudio"].click()
     qtbot.waitUntil(lambda: dialog.install.report is not None and not dialog.busy(), timeout=HANG_MS)
     said = dialog.install.status.text()

@@ -84,6 +84,8 @@ class InstallPanel(QGroupBox):
     def set_export(self, run_folder: Path | None, export_folder: Path | None, adapter: str = "best") -> None:
         """The GGUF export to install (None: nothing to install yet, the buttons wait), made from the run's
         ``adapter`` (best or last: TuneDeck's own answer uses the same)."""
+        if run_folder is not None and run_folder != self.run_folder:  # a run's own held-out question, read aside
+            self._ask_from(run_folder)
         self.run_folder, self.export_folder, self.adapter = run_folder, export_folder, adapter
         ready = export_folder is not None and (export_folder / "Modelfile").exists()
         if export_folder is None:  # nothing exported (or another choice since): no word of an earlier install
@@ -92,6 +94,16 @@ class InstallPanel(QGroupBox):
         for button in self.buttons.values():
             button.setEnabled(ready)
             button.setToolTip("" if ready else "Export a GGUF file first")
+
+    def _ask_from(self, run_folder: Path) -> None:
+        """Put one of the run's held-out questions in the question box (the box keeps what the user typed)."""
+        from engine.export.install import DEFAULT_QUESTION, held_out_question
+
+        def put(question: Any) -> None:
+            if question and self.run_folder == run_folder and self.question.text() in ("", DEFAULT_QUESTION):
+                self.question.setText(str(question))
+
+        self.tasks.start(lambda: held_out_question(run_folder), put, lambda _error: None)
 
     def busy(self) -> bool:
         return self.tasks.busy()

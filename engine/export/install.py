@@ -378,6 +378,28 @@ def install_lmstudio(
 # ------------------------------------------------------------------------------------------------------ both
 
 
+def held_out_question(run_folder: str | Path, longest: int = 300) -> str | None:
+    """The first of the run's held-out questions no longer than ``longest`` characters, as the run held them out
+    (its data, fraction and seed from ``config.json``): what to ask an installed model, rather than a question the
+    run never trained for. None when the run held nothing out or its data cannot be read."""
+    from engine.config import RunConfig
+    from engine.data.files import load_examples
+    from engine.data.split import first_question, split_examples
+
+    try:
+        config = RunConfig.load(Path(run_folder) / "config.json")
+        data = config.data
+        if data.eval_path:
+            held_out, _ = load_examples(data.eval_path, data.format)
+        else:
+            examples, _ = load_examples(data.path, data.format)
+            held_out = split_examples(examples, data.eval_fraction, config.training.seed)[1]
+    except (TuneDeckError, OSError, ValueError):
+        return None
+    questions = (first_question(example) for example in held_out)
+    return next((question for question in questions if question and len(question) <= longest), None)
+
+
 def tunedeck_answer(run_folder: str | Path, question: str, adapter: str = "best") -> str:
     """TuneDeck's own answer to ``question``: the run's model (base + ``adapter``, best or last, as exported),
     greedy, as the Chat page runs it."""
