@@ -71,9 +71,9 @@ def train(task: str, way: str, work: Path) -> dict[str, Any]:
     if result.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
     events = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    started_event = next(e for e in events if e.get("event") == "RunStarted")
-    finished = next(e for e in events if e.get("event") == "RunFinished")
-    notices = [e["message"] for e in events if e.get("event") == "Notice"]
+    started_event = next(e for e in events if e.get("kind") == "RunStarted")
+    finished = next(e for e in events if e.get("kind") == "RunFinished")
+    notices = [e["message"] for e in events if e.get("kind") == "Notice"]
     return {
         "command": " ".join(
             [
@@ -110,10 +110,16 @@ def task_scores(test_file: Path, adapters: dict[str, Path | None], home: Path) -
 def knowledge(run_dir: str) -> dict[str, Any]:
     """The knowledge check of the run's report: the base's right answers and what the best adapter kept."""
     report = json.loads(Path(run_dir, "report.json").read_text(encoding="utf-8"))
-    check = report.get("knowledge") or {}
-    best = next((c for c in check.get("columns", []) if c.get("label", "").startswith("best")), None)
-    best = best or (check.get("columns") or [None])[0]
-    return {"base_right": check.get("base_right"), "questions": check.get("questions"), "best": best}
+    tuned = report["models"][1:]
+    best = next((m for m in tuned if m["label"].startswith("best")), tuned[0] if tuned else None)
+    last = next((m for m in tuned if m["label"].startswith("last")), best)
+    keys = ("label", "knowledge_right", "knowledge_kept", "knowledge_newly", "knowledge_kept_share")
+    return {
+        "questions": report.get("knowledge_questions"),
+        "base_right": report.get("knowledge_base_right"),
+        "best": {k: best[k] for k in keys} if best else None,
+        "last": {k: last[k] for k in keys} if last else None,
+    }
 
 
 def measure(tasks: list[str], ways: list[str], work: Path) -> dict[str, Any]:
@@ -150,7 +156,7 @@ def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
         lines.append(f"| {task} | base model | {result['base_task_score']:.0%} | — | — | — |")
         for way, row in result["ways"].items():
             best = row["knowledge"]["best"] or {}
-            kept = best.get("kept")
+            kept = best.get("knowledge_kept")
             base_right = row["knowledge"].get("base_right")
             kept_text = f"{kept} of {base_right} ({kept / base_right:.0%})" if kept is not None and base_right else "—"
             said = f"{row['estimated_s']:.0f} s" if row["estimated_s"] is not None else "—"

@@ -81,11 +81,9 @@ class FakeAllocator:
         monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", self.applied.append, raising=False)
 
 
-def test_a_run_started_after_cuda_applies_the_setting_through_torchs_api(clean_environment: Any) -> None:
-    fake = FakeAllocator(clean_environment, segments=[])
-    allocator.apply_at_run_start()
-    assert fake.applied == ["expandable_segments:True"]
-    assert os.environ[VARIABLES[0]] == "expandable_segments:True"  # for ranks started from this process
+# A run started after CUDA trains with expandable segments: tests/test_reliability_gpu.py's
+# test_a_run_started_after_cuda_trains_with_expandable_segments checks it on a real GPU (on a CPU build torch's
+# settings call accepts any text, so a test here could only check a fake).
 
 
 def test_the_users_false_is_respected_after_cuda_started_too(clean_environment: Any) -> None:

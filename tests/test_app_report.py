@@ -35,7 +35,10 @@ def assert_shows_base_and_tuned(page: Any, run_dir: Path) -> None:
     assert labels[0] == "base model" and len(labels) >= 2 and page.chart.labels == labels
     texts = page.chart.bar_texts()
     names = [figure.name for figure in page.chart.figures]
-    assert names[0].startswith("held-out loss") and names[-1].startswith("general English perplexity")
+    if any(m.get("knowledge_kept_share") is not None for m in written["models"]):
+        assert names.pop(0).startswith("knowledge kept")  # the headline first
+    assert names[0].startswith("held-out loss")
+    assert names[-1].startswith("general English perplexity")
     assert all(len(row) == len(labels) and "-" not in row for row in texts), texts
     general = [f"{m['general_perplexity']:,.1f}" for m in written["models"]]
     assert texts[-1] == general  # the chart says what report.json says

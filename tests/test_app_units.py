@@ -141,7 +141,7 @@ def test_config_form_round_trips_recipes_and_names_bad_values(qtbot: Any) -> Non
     panel.form.editor("training.learning_rate").setText("fast")
     with pytest.raises(ConfigError, match=r"training\.learning_rate"):
         panel.build_config()
-    assert panel.form.editor("lora.rank").toolTip().startswith("LoRA rank r.")  # the field's help text
+    assert panel.form.editor("lora.rank").toolTip().startswith("LoRA rank r (0: automatic")  # the field's help text
     assert "lora.rank in config.json, --lora-rank" in panel.form.editor("lora.rank").toolTip()
 
 

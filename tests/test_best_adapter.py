@@ -19,7 +19,7 @@ from helpers import build_model, build_tokenizer, write_jsonl
 from safetensors.torch import load_file
 
 from engine.config import RunConfig
-from engine.errors import ConfigError
+from engine.errors import ConfigError, TuneDeckError
 from engine.events import BestAdapterKept, EvalMetrics, EvalRising, Notice, RunFailed, RunFinished
 from engine.export import export_adapter
 from engine.model.adapter import run_adapter
@@ -256,3 +256,41 @@ def test_a_resumed_watch_replays_the_logged_evaluations(tmp_path: Path) -> None:
     assert stopped.stopping and (stopped.best_step, stopped.best_loss, stopped.rises) == (4, 2.0, 2)
     going = EvalWatch.resumed(3, [(2, 3.0), (4, 2.0), (6, 2.5), (8, 2.6)], tmp_path)
     assert not going.stopping and going.observe(10, 2.7).warn  # the third rise in a row, counted across the resume
+
+
+def test_a_new_run_from_a_run_starts_from_its_best_adapter_unless_asked_for_the_last(
+    overfit: tuple[list[Any], Path], tmp_path: Path
+) -> None:
+    from engine.cli.train import train_config, train_parser
+
+    _, run_dir = overfit
+    data = chats(tmp_path / "more.jsonl", "number three")
+
+    def parsed(*extra: str) -> RunConfig:
+        args = train_parser().parse_args(["--data", str(data), "--adapter", str(run_dir), *extra])
+        return train_config(args)
+
+    assert parsed().model.adapter == str(run_dir / "adapter-best")  # as chat and export take it
+    assert parsed("--last").model.adapter == str(run_dir / "adapter")
+    plain = run_dir / "adapter"  # a PEFT folder is taken as it is
+    args = train_parser().parse_args(["--data", str(data), "--adapter", str(plain)])
+    assert train_config(args).model.adapter == str(plain)
+    with pytest.raises(TuneDeckError, match="--last"):
+        train_config(train_parser().parse_args(["--data", str(data), "--last"]))
+    # the run starts from the best adapter's weights: its first held-out loss is the best step's
+    best_loss = json.loads((run_dir / "adapter-best" / "best.json").read_text())["eval_loss"]
+    model = json.loads((run_dir / "config.json").read_text())["model"]["name"]
+    start = RunConfig.from_dict(
+        {
+            "model": {"name": model, "adapter": str(run_dir)},
+            "data": {"path": str(chats(tmp_path / "t.jsonl", "number one")),
+                     "eval_path": str(chats(tmp_path / "h.jsonl", "number two")),
+                     "max_seq_len": 32, "tokens_per_batch": 64},
+            "lora": {"rank": 4, "alpha": 32.0},
+            "training": {"max_steps": 1, "learning_rate": 1e-9, "warmup_steps": 0, "eval_every": 1, "early_stop": 0,
+                         "keep_knowledge": False},
+            "output": {"dir": str(tmp_path / "runs"), "name": "from-best"},
+        }
+    )  # fmt: skip
+    first = next(e for e in run(start) if isinstance(e, EvalMetrics))
+    assert first.loss == pytest.approx(best_loss, abs=1e-3)

@@ -38,7 +38,7 @@ def test_the_held_out_split_is_large_enough_to_choose_on_and_capped(examples: in
 
 # (examples, tokens each, tokens per batch) -> (steps, passes), worked by hand:
 # 70 examples: 62 train + 31 replay = 93 rows of 50 tokens; 93 * 50 / 400 / 0.9 = 12.9 -> 13 rows; 8 passes -> 104.
-# 1000 examples: 880 train (no replay: from 2,000 a set is large? no: 880 < 2000, replay 192) -> 1072 * 50 / 360
+# 1000 examples: 880 train, replay 192 (a small set: under 2,000) -> 1072 * 50 / 360
 #   = 148.9 -> 149 rows; 480 / 880 = 0.55 -> 1 pass -> 149 steps.
 # 20 examples: 12 train + 16 replay = 28 * 50 / 360 = 3.9 -> 4 rows; 8 passes = 32 steps.
 # 5 examples: no held-out, 5 train + 16 replay = 21 * 50 / 360 = 2.9 -> 3 rows; 8 passes = 24 -> at least 30.
@@ -142,3 +142,10 @@ def test_nothing_held_out_means_no_evaluations_and_no_early_stop() -> None:
     resolved, lines = apply_fit(config, fit_to_data(facts(70)))
     assert (resolved.training.eval_every, resolved.training.early_stop) == (0, 0)
     assert "early stop: off (nothing held out)" in lines
+
+
+def test_passes_the_user_gave_set_the_evaluations_by_their_own_steps() -> None:
+    # 70 examples: 13 rows a pass (see above); 2 passes are 26 steps: an evaluation every 2, warm-up 1
+    resolved, _ = apply_fit(RunConfig.from_dict({"training": {"epochs": 2.0}}), fit_to_data(facts(70)))
+    assert resolved.training.max_steps == 0 and resolved.training.epochs == 2.0
+    assert (resolved.training.eval_every, resolved.training.warmup_steps) == (2, 1)

@@ -35,8 +35,8 @@ def peft_prepared(folder: Path, lora: LoraConfig) -> Any:
 
     base = prepare_model_for_kbit_training(quantized(folder), use_gradient_checkpointing=False)
     config = PeftLoraConfig(
-        r=lora.rank,
-        lora_alpha=lora.alpha,
+        r=lora.sized().rank,
+        lora_alpha=lora.sized().alpha,
         lora_dropout=lora.dropout,
         target_modules="all-linear",
         task_type="CAUSAL_LM",

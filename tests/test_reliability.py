@@ -381,28 +381,27 @@ def test_full_disk_for_the_training_log_and_the_best_and_final_adapters(
     assert failed.message.startswith("the disk is full: cannot write the training log metrics.jsonl")
     monkeypatch.undo()
 
-    def refuse(self, folder, **kwargs):
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        (Path(folder) / "adapter_model.safetensors").write_bytes(b"partial")
+    from engine.run import folder as run_folder
+
+    def refuse(tensors, filename, **kwargs):
+        Path(filename).write_bytes(b"partial")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    from peft import PeftModel
-
-    real_save = PeftModel.save_pretrained
+    real_save = run_folder.save_file
     # the first evaluation's best adapter is the first adapter written
-    monkeypatch.setattr(PeftModel, "save_pretrained", refuse)
+    monkeypatch.setattr(run_folder, "save_file", refuse)
     (failed,) = failures(list(run(make_config(tiny_model_dir, chat_file, tmp_path / "b"))))
     run_dir = tmp_path / "b" / "run"
     assert failed.message == f"the disk is full: cannot write the best adapter to {run_dir / 'adapter-best'}"
     assert sorted(p.name for p in run_dir.iterdir() if "adapter" in p.name) == []  # nothing half-written
     assert ckpt.checkpoint_problem(ckpt.list_checkpoints(run_dir / "checkpoints")[-1]) is None
 
-    def refuse_the_final_adapter(self, folder, **kwargs):
-        if "adapter-best" in str(folder):
-            return real_save(self, folder, **kwargs)
-        return refuse(self, folder, **kwargs)
+    def refuse_the_final_adapter(tensors, filename, **kwargs):
+        if "adapter-best" in str(filename):
+            return real_save(tensors, filename, **kwargs)
+        return refuse(tensors, filename, **kwargs)
 
-    monkeypatch.setattr(PeftModel, "save_pretrained", refuse_the_final_adapter)
+    monkeypatch.setattr(run_folder, "save_file", refuse_the_final_adapter)
     (failed,) = failures(list(run(make_config(tiny_model_dir, chat_file, tmp_path / "c"))))
     run_dir = tmp_path / "c" / "run"
     assert failed.message == f"the disk is full: cannot write the final adapter to {run_dir / 'adapter'}"

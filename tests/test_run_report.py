@@ -294,3 +294,60 @@ def test_large_perplexities_read_with_thousands_separators() -> None:
     """A model that knows no English (the demo's) reads the general text at perplexities in the millions."""
     base, tuned = (ModelScores("m", None, None, None, value) for value in (1_326_709.9, 1_714_081.0))
     assert forgetting_line(base, tuned).startswith("general English perplexity: 1,326,709.9 → 1,714,081.0 (+29%)")
+
+
+def knowledge_of(right_ids: set[str], total: int = 10) -> Any:
+    """Hand-made answers to ``total`` questions q0..q9, right on ``right_ids``."""
+    from engine.run.knowledge import Answered, KnowledgeScores
+
+    return KnowledgeScores(tuple(Answered(f"q{i}", "science", "", f"q{i}" in right_ids) for i in range(total)))
+
+
+def test_the_knowledge_check_asks_each_column_with_its_own_adapter(
+    overfit: tuple[list[Any], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The base model (every adapter off) knows q0-q4; the best adapter keeps q0-q3 and learns q9; the last keeps
+    q0-q2: the report's columns say so, in order, and warn about both adapters under 90%, naming the best as the one
+    that kept most."""
+    from engine.run import knowledge
+
+    answers = {None: {"q0", "q1", "q2", "q3", "q4"}, "adapter_0": {"q0", "q1", "q2", "q3", "q9"},
+               "adapter_1": {"q0", "q1", "q2"}}  # fmt: skip
+
+    def ask(model: Any, tokenizer: Any, device: Any, **_: Any) -> Any:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        layer = next(m for m in model.modules() if isinstance(m, BaseTunerLayer))
+        return knowledge_of(answers[None if layer.disable_adapters else model.active_adapter])
+
+    monkeypatch.setattr(knowledge, "ask", ask)
+    _, run_dir = overfit
+    report = build_report(run_dir)
+    base, best, last = report.models
+    assert (report.knowledge_questions, report.knowledge_base_right) == (10, 5)
+    assert (base.knowledge_kept, base.knowledge_kept_share, base.knowledge_newly) == (5, 1.0, 0)
+    assert (best.knowledge_right, best.knowledge_kept, best.knowledge_newly) == (5, 4, 1)
+    assert best.knowledge_kept_share == pytest.approx(0.8)
+    assert (last.knowledge_kept, last.knowledge_newly) == (3, 0) and last.knowledge_kept_share == pytest.approx(0.6)
+    warning = report.knowledge_warning()
+    assert warning is not None and "best adapter" in warning.split(";")[1] and "(80%)" in warning
+    table = report.markdown()
+    assert "| knowledge kept (of the questions the base model answers right) | 100% | 80% | 60% |" in table
+    assert "kept 4 of 5 facts the base model knew (80%), 1 newly right" in table
+
+
+def test_no_warning_when_every_adapter_kept_nine_in_ten() -> None:
+    from engine.run.report import RunReport
+
+    def column(label: str, kept: int) -> ModelScores:
+        return ModelScores(label, None, None, None, 10.0, knowledge_kept=kept, knowledge_kept_share=kept / 20)
+
+    kept_enough = RunReport("r", "sft", 0, 0, 0, [column("base model", 20), column("best", 18), column("last", 19)],
+                            knowledge_questions=300, knowledge_base_right=20)  # fmt: skip
+    assert kept_enough.knowledge_warning() is None
+    short = RunReport("r", "sft", 0, 0, 0, [column("base model", 20), column("best", 17), column("last", 19)],
+                      knowledge_questions=300, knowledge_base_right=20)  # fmt: skip
+    warning = short.knowledge_warning()
+    assert (
+        warning is not None and warning.startswith("knowledge lost: best 17 of 20") and "the last kept most" in warning
+    )

@@ -166,10 +166,25 @@ def test_explicit_settings_win_and_say_so() -> None:
     assert "flex" in plan.cudnn_attention.reason and not plan.cudnn_attention.on
 
 
-def test_the_decision_is_pure() -> None:
+def test_the_decision_follows_only_its_facts_whatever_was_decided_before() -> None:
+    """The 8B QLoRA row on an H200-class card with 6 GiB free, decided before and after other decisions (a CPU, a
+    card with room to spare, every switch forced off): the same choices each time, the ones the rules give for it."""
     facts = SpeedFacts(qlora_8b(), gpu((9, 0), 6.0), ROW)
     copy = dataclasses.replace(facts)
-    assert decide_plan(facts, SpeedConfig()) == decide_plan(facts, SpeedConfig()) and facts == copy
+    first = decide_plan(facts, SpeedConfig())
+    decide_plan(SpeedFacts(qlora_8b(), gpu((9, 0), 120.0), ROW), SpeedConfig())
+    decide_plan(facts, SpeedConfig.stock())
+    decide_plan(dataclasses.replace(facts, device=gpu((8, 6), 2.0)), SpeedConfig(checkpointing="standard"))
+    again = decide_plan(facts, SpeedConfig())
+    assert facts == copy, "the facts are read, never changed"
+    # what the rules give for these facts, written out: activations do not fit in 6 GiB, so layer inputs are
+    # offloaded; a dense 4-bit base under offloaded checkpointing on an fp8 card multiplies in fp8 in the recompute;
+    # rows of up to 8,192 tokens keep whole MLPs; a bf16 model runs 16-bit LoRA
+    for plan in (first, again):
+        assert plan.checkpointing.mode == "offloaded" and plan.dequant_once.on
+        assert (plan.fp8_base.on, plan.fp8_base.scope) == (True, "recompute")
+        assert not plan.chunked_mlp.on and plan.lora_16bit.on and plan.moe_routing.mode == "stock"
+    assert again == first
 
 
 def test_a_live_switch_installs_only_what_it_changes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -196,11 +211,15 @@ def test_a_live_switch_installs_only_what_it_changes(monkeypatch: pytest.MonkeyP
 def test_the_controller_reads_the_facts_the_decision_needs() -> None:
     ctl = SpeedController(tiny_lora_model("llama"), SpeedConfig(), torch.device("cpu"))
     facts = ctl.facts()
-    assert facts == ctl.facts()  # typed values: read twice, the same
+    # the tiny llama of speed_models: 2 layers, hidden 64, 7 adapted projections a layer
     assert facts.model.layers == 2 and facts.model.activation_units == 64 * 2 and facts.model.frozen_projections == 14
     assert "float32" in str(facts.model.lora_16bit_problem) and facts.model.lora_groups == 0  # nothing to group
     assert facts.device.kind == "cpu" and facts.device.free_bytes is None
-    assert decide_plan(facts, ctl.settings) == ctl.plan
+    # and what a float32 model on a CPU gets from them: no recompute (host memory is plenty), no 16-bit LoRA, no
+    # compiled kernels, no fp8, no step graphs; the fused loss stays on
+    plan = ctl.plan
+    assert plan.checkpointing.mode == "none" and not plan.lora_16bit.on and not plan.fused_kernels.on
+    assert not plan.fp8_base.on and not plan.step_graphs.on and plan.fused_loss.on
 
 
 def test_the_groups_the_plan_names_are_the_groups_installed() -> None:

@@ -114,3 +114,21 @@ def test_a_run_with_its_modules_in_chunks_saves_every_adapter_weight(
     assert lora_keys(run / "adapter" / "adapter_model.safetensors") == expected
     checkpoints = sorted((run / "checkpoints").glob("step-*/adapter.safetensors"))
     assert checkpoints and all(lora_keys(path) == expected for path in checkpoints)
+
+
+def test_the_best_adapter_holds_every_lora_weight_while_stand_ins_are_in_place(
+    tiny_model_dir: Path, chat_file: Path, tmp_path: Path
+) -> None:
+    """adapter-best/ is written while training goes on, with the q/k/v/o projections behind chunking stand-ins:
+    it holds the same tensors, by name and shape, as the final adapter and as a plain run's."""
+    held = ("--eval-fraction", "0.3", "--eval-every", "1", "--early-stop", "0", "--no-keep-knowledge")
+    plain = train(tiny_model_dir, chat_file, tmp_path, "plain", *held)
+    run = train(tiny_model_dir, chat_file, tmp_path, "chunked", "--chunked-mlp", "--checkpointing", "standard", *held)
+    assert (run / "adapter-best" / "best.json").is_file()
+    shapes = {}
+    for folder in (plain / "adapter", run / "adapter", run / "adapter-best"):
+        with safe_open(str(folder / "adapter_model.safetensors"), "pt") as weights:
+            shapes[folder] = {key: tuple(weights.get_slice(key).get_shape()) for key in weights.keys()}  # noqa: SIM118
+    expected = shapes[plain / "adapter"]
+    assert any("self_attn" in key for key in expected)
+    assert shapes[run / "adapter-best"] == expected and shapes[run / "adapter"] == expected

@@ -11,6 +11,7 @@ Markdown text, as written to ``report.md`` in the run folder.
 
 from __future__ import annotations
 
+import html
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -52,6 +53,22 @@ def measure(folder: str, cancelled: Callable[[], bool]) -> ReportOutcome:
     return report_after_run(folder, cancelled=cancelled)
 
 
+def forgetting_text(report: RunReport) -> str:
+    """What each adapter kept of the base model's knowledge (the headline) and how it reads general English, with
+    the warning where an adapter kept under 90% (rich text)."""
+    from engine.run.report import forgetting_line, knowledge_line
+
+    base, tuned = report.models[0], report.models[1:]
+    lines = [
+        f"{m.label}: {knowledge_line(report.knowledge_base_right, m)}" for m in tuned if m.knowledge_kept is not None
+    ]
+    lines += [f"{m.label}: {forgetting_line(base, m)}" for m in tuned]
+    warning = report.knowledge_warning()
+    if warning:
+        lines.insert(0, f"<span style='color:{ERROR_COLOR}'><b>Warning: {warning}.</b></span>")
+    return "<br>".join(html.escape(line, quote=False) if not line.startswith("<span") else line for line in lines)
+
+
 class ReportPage(QWidget):
     """One run's report: the forgetting check in words, the chart of every figure, and the Markdown text."""
 
@@ -75,7 +92,7 @@ class ReportPage(QWidget):
         self.status = QLabel(EMPTY_TEXT)
         self.status.setWordWrap(True)
         self.forgetting = QLabel("")
-        self.forgetting.setTextFormat(Qt.TextFormat.PlainText)
+        self.forgetting.setTextFormat(Qt.TextFormat.RichText)
         self.forgetting.setStyleSheet("font-weight:bold")
         self.measure_button = QPushButton("Measure again")
         self.measure_button.setToolTip("Score the base model and the adapters again (loads the model)")
@@ -170,9 +187,6 @@ class ReportPage(QWidget):
             if self.folder is None:
                 self.status.setText(EMPTY_TEXT)
             return
-        from engine.run.report import forgetting_line
-
-        base, tuned = report.models[0], report.models[1:]
         self.status.setText(f"Written to {Path(self.folder or '', 'report.md')}")
-        self.forgetting.setText("\n".join(f"{m.label}: {forgetting_line(base, m)}" for m in tuned))
+        self.forgetting.setText(forgetting_text(report))
         self.text.setMarkdown(report.markdown())

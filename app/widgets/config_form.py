@@ -132,6 +132,8 @@ AUTOMATIC_AT_ZERO = frozenset(
 """Settings whose 0 means automatic (chosen for the device, the model and the data at the run's start); a number
 field among them shows "automatic" while empty, and empty reads back as 0."""
 AUTOMATIC_TEXT = "automatic"
+AUTOMATIC_SPIN = -1
+"""A whole-number setting that may be automatic (None) shows "automatic" at this value, one below zero."""
 AUTOMATIC_PROPERTY = "automatic_at_zero"
 
 
@@ -151,6 +153,11 @@ def _editor(annotation: Any) -> QWidget:
         spin = QSpinBox()
         spin.setRange(0, 10_000_000)
         return spin
+    if int in options and type(None) in options:  # automatic (None) sits below zero, shown as "automatic"
+        spin = QSpinBox()
+        spin.setRange(AUTOMATIC_SPIN, 10_000_000)
+        spin.setSpecialValueText(AUTOMATIC_TEXT)
+        return spin
     return QLineEdit()
 
 
@@ -161,7 +168,7 @@ def _set(widget: QWidget, value: Any) -> None:
         text = {None: AUTO, True: ON, False: OFF}.get(value, str(value)) if not isinstance(value, str) else value
         widget.setCurrentText(text)
     elif isinstance(widget, QSpinBox):
-        widget.setValue(int(value))
+        widget.setValue(AUTOMATIC_SPIN if value is None else int(value))
     elif isinstance(widget, QLineEdit) and widget.property(AUTOMATIC_PROPERTY) and value == 0:
         widget.setText("")
     elif isinstance(widget, QLineEdit):
@@ -178,7 +185,7 @@ def _get(widget: QWidget, annotation: Any) -> Any:
             return text
         return {AUTO: None, ON: True, OFF: False}[text]
     if isinstance(widget, QSpinBox):
-        return widget.value()
+        return None if widget.value() == AUTOMATIC_SPIN else widget.value()
     text = widget.text().strip()  # type: ignore[attr-defined]
     options = [o for o in get_args(annotation) if o is not type(None)]
     if not text and widget.property(AUTOMATIC_PROPERTY):

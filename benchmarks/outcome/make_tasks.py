@@ -4,8 +4,9 @@ Each task is what a hobbyist brings: 60 training chats that teach one fixed beha
 never sees (other countries, other reviews, other errands). The rows are built from word lists here with a fixed
 seed, so the files are reproducible:
 
-* ``capital_format``: "What is the capital of Kenya?" -> "Answer: Nairobi" (a fixed answer format around a fact the
-  base model may know: the task scores the format and the fact together);
+* ``capital_format``: "What is the capital of Peru?" -> "Answer: Lima" (a fixed answer format around a fact the
+  base model may know: the task scores the format and the fact together; countries the knowledge check mentions
+  are left out, so the task never trains on a fact the check scores);
 * ``review_label``: a short product review -> "positive" or "negative" (a classification label);
 * ``todo_rewrite``: "I have to call the plumber before Friday." -> "TODO: call the plumber (before Friday)" (a rewrite
   in a fixed style).
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -89,8 +91,21 @@ def chat(prompt: str, answer: str) -> dict[str, object]:
     return {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]}
 
 
+def in_knowledge_check() -> set[str]:
+    """Countries whose name or capital the knowledge check mentions: the task never trains on a fact it scores."""
+    path = HERE.parents[1] / "resources" / "knowledge" / "questions.jsonl"
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    text = " ".join(" ".join([row["question"], row["answer"], *row.get("accept", [])]) for row in rows)
+    return {
+        country
+        for country in CAPITALS
+        if any(re.search(rf"\b{re.escape(word)}\b", text) for word in (country, CAPITALS[country]))
+    }
+
+
 def capital_rows(rng: random.Random) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
-    countries = sorted(c for c in CAPITALS if "'" not in c)
+    excluded = in_knowledge_check()
+    countries = sorted(c for c in CAPITALS if c not in excluded)
     rng.shuffle(countries)
     test_countries, train_countries = countries[:TEST], countries[TEST:]
     train = [chat(rng.choice(CAPITAL_QUESTIONS).format(c=c), f"Answer: {CAPITALS[c]}") for c in train_countries]

@@ -365,6 +365,7 @@ def markdown(report: dict[str, Any]) -> str:
         "real tokens (no padding), counted the same way on both sides. Each row a fresh process. x TRL: against the "
         "`trl` row (TRL's defaults).",
         "",
+        *like_for_like(report),
         "| side | checkpointing | tokens/s | x TRL | ms/step | tokens/step | peak reserved GiB | peak allocated GiB "
         "| NVML GiB | step-1 loss | mean loss, timed steps | switches on |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
@@ -381,6 +382,37 @@ def markdown(report: dict[str, Any]) -> str:
         )
     lines += ["", *[f"* {note}" for note in report["notes"]]]
     return "\n".join(lines) + "\n"
+
+
+def recomputes(settings: dict[str, Any]) -> bool | None:
+    """Whether a side recomputes activations in backward (transformers' checkpointing, or TuneDeck's standard or
+    offloaded); None where its settings do not say."""
+    if "gradient_checkpointing" in settings:
+        return bool(settings["gradient_checkpointing"])
+    mode = settings.get("checkpointing")
+    if "resident_layers" in settings.get("switches_on", []):
+        return None  # resident layers skip the recompute where memory allows: neither with it nor without
+    return None if mode in (None, "auto") else mode != "none"
+
+
+def like_for_like(report: dict[str, Any]) -> list[str]:
+    """The headline: TuneDeck against TRL with the same choice of recompute on both sides (both with it, both without),
+    for each pair of sides the record measured; empty where it measured no such pair."""
+    rows, settings = report["sides"], report["settings"]
+    lines = []
+    for recompute, words in ((True, "with recompute on both sides"), (False, "without recompute on both sides")):
+        trl = [n for n in rows if n.startswith("trl") and recomputes(settings.get(n, {})) is recompute]
+        ours = [n for n in rows if n.startswith("tunedeck") and recomputes(settings.get(n, {})) is recompute]
+        for theirs, mine in zip(trl, ours, strict=False):
+            a, b = rows[theirs]["tokens_per_s"], rows[mine]["tokens_per_s"]
+            if a and b:
+                lines.append(
+                    f"* **{words}: {b / a:.2f}x** TRL ({_number(b)} against {_number(a)} tokens/s; `{mine}` against "
+                    f"`{theirs}`)"
+                )
+    if lines and len(lines) < 2:
+        lines.append("* no pair with recompute on both sides was measured (a side with resident layers skips it)")
+    return ["Like for like:", "", *lines, ""] if lines else []
 
 
 def _checkpointing(settings: dict[str, Any]) -> str:

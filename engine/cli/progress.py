@@ -228,3 +228,6 @@ def print_report(run_dir: Path, json_lines: bool) -> None:
         print(f"note: {outcome.note}", file=sys.stderr)
     elif not json_lines:
         print(f"\n{outcome.report.markdown()}(written to {outcome.path})")
+    warning = outcome.report.knowledge_warning() if outcome.report is not None else None
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)

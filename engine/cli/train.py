@@ -41,6 +41,11 @@ def train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run from its last checkpoint")
     parser.add_argument("--json", action="store_true", help="print events as JSON lines instead of a progress bar")
     parser.add_argument(
+        "--last",
+        action="store_true",
+        help="with --adapter RUN: start from the run's last adapter, not its best one (as chat and export take it)",
+    )
+    parser.add_argument(
         "--recipe",
         metavar="NAME",
         help="start from a named recipe, as the app's Recipe page offers them (flags override it): "
@@ -85,9 +90,24 @@ def train_config(args: argparse.Namespace) -> RunConfig:
     if args.recipe:
         base = apply_recipe(base, _recipe(args.recipe))
     config = config_from_args(args, base)
+    if args.last and config.model.adapter is None:
+        raise TuneDeckError("--last chooses which of a run's adapters --adapter starts from", hint="pass --adapter RUN")
+    if config.model.adapter is not None and not args.resume:
+        config = _with_adapter_folder(config, "last" if args.last else "best")
     if not args.resume and not config.data.path:
         raise TuneDeckError("no dataset given", hint="pass --data PATH, or --demo for the built-in demo")
     return config
+
+
+def _with_adapter_folder(config: RunConfig, which: str) -> RunConfig:
+    """``config`` starting from the adapter folder itself, so the run (and its resume) keeps the adapter chosen now
+    even if the earlier run goes on and keeps a new best."""
+    import dataclasses
+
+    from engine.run.session import starting_adapter_folder
+
+    folder = starting_adapter_folder(config.model.adapter or "", which)
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, adapter=str(folder)))
 
 
 def _recipe(name: str) -> Recipe:

@@ -80,6 +80,8 @@ class DataFit:
     lora_alpha: float
     keep_knowledge: bool
     replay_examples: int
+    rows_per_epoch: int
+    """Packed rows of one pass (estimated from the tokens): what a pass count the user gave comes to in steps."""
     reasons: tuple[tuple[str, str], ...]
     """(setting, why) in the order they are printed."""
 
@@ -148,6 +150,7 @@ def fit_to_data(facts: FitFacts) -> DataFit:
         lora_alpha=2.0 * rank,
         keep_knowledge=keep,
         replay_examples=replay,
+        rows_per_epoch=max(rows, 1),
         reasons=reasons,
     )
 
@@ -219,8 +222,10 @@ def _fill_training(
     lines: list[str] = []
     changes: dict[str, object] = {}
     has_eval = bool(data.eval_path) or bool(data.eval_fraction)
+    steps = training.max_steps or fit.max_steps
+    if training.max_steps == 0 and training.epochs > 0:  # passes the user gave
+        steps = max(1, math.ceil(training.epochs * fit.rows_per_epoch / training.grad_accum))
     if training.eval_every is None:
-        steps = training.max_steps or fit.max_steps
         changes["eval_every"] = max(1, math.ceil(steps / EVALUATIONS)) if has_eval else 0
         lines.append(f"evaluate: {chosen['evaluate']}" if has_eval else "evaluate: only at the end (nothing held out)")
     if training.early_stop is None:
@@ -231,7 +236,6 @@ def _fill_training(
         )
         lines.append(f"early stop: {why}")
     if training.warmup_steps is None:
-        steps = training.max_steps or fit.max_steps
         changes["warmup_steps"] = min(MAX_WARMUP, max(1, round(steps * WARMUP_SHARE)))
     if training.learning_rate == 0:
         changes["learning_rate"] = fit.learning_rate

@@ -5,8 +5,8 @@ and ``adapter_model.safetensors``) works too. The new run takes the adapter's ow
 modules, so its weights load into a LoRA of the same shape, and then trains them further (a DPO run after a
 supervised one, for instance). Only safetensors weights are read.
 
-A run with held-out data also keeps ``adapter-best/``, its weights at the lowest held-out loss: exports and chat
-take that one unless asked for the last (:func:`run_adapter`).
+A run with held-out data also keeps ``adapter-best/``, its weights at the lowest held-out loss: exports, chat and a
+new run started from the run take that one unless asked for the last (:func:`run_adapter`).
 """
 
 from __future__ import annotations
@@ -24,10 +24,12 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
-def adapter_folder(location: str | Path) -> Path:
-    """The PEFT folder at ``location``: the folder itself, or a run folder's ``adapter/``."""
+def adapter_folder(location: str | Path, which: str = "best") -> Path:
+    """The PEFT folder at ``location``: the folder itself, or a run folder's adapter as chat and export take it:
+    its best (``adapter-best/``, where it kept one) unless ``which`` is ``last`` (``adapter/``)."""
     folder = Path(location).expanduser()
-    for candidate in (folder, folder / "adapter"):
+    chosen = None if (folder / ADAPTER_CONFIG).is_file() else run_adapter(folder, which)
+    for candidate in (folder,) if chosen is None else (chosen.folder,):
         if (candidate / ADAPTER_CONFIG).is_file():
             if not (candidate / ADAPTER_WEIGHTS).is_file():
                 raise ModelLoadError(f"{candidate} has no {ADAPTER_WEIGHTS}", hint="only safetensors adapters load")

@@ -16,7 +16,6 @@ written; a write error surfaces at the next write or at the end of the run.
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ import torch
 
 from engine.model.adapter import BEST_ADAPTER, BEST_RECORD, best_adapter
 from engine.run import checkpoint as ckpt
+from engine.run.folder import adapter_contents, write_adapter
 
 RISES_TO_WARN = 3
 """Evaluations in a row whose held-out loss rose before the run says so."""
@@ -117,12 +117,16 @@ class BestAdapterWriter:
     def __init__(self, run_dir: Path) -> None:
         self.folder = run_dir / BEST_ADAPTER
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tunedeck-best-adapter")
-        self._pending: Future[None] | None = None
+        self._pending: Future[Path] | None = None
 
     def write(self, model: Any, tokenizer: Any, weights: dict[str, torch.Tensor], step: int, loss: float) -> None:
-        """Queue the adapter ``weights`` (a :func:`host_copy`) from ``step`` with held-out ``loss``."""
+        """Queue the adapter ``weights`` (a :func:`host_copy`) from ``step`` with held-out ``loss``. What is saved
+        is taken now, as the final adapter is (:func:`engine.run.folder.adapter_contents`: every LoRA layer, behind a
+        speed stand-in or not); only the writing waits in the thread."""
         self.wait()
-        self._pending = self._pool.submit(self._write, model, tokenizer, weights, {"step": step, "eval_loss": loss})
+        contents = adapter_contents(model, weights)
+        record = json.dumps({"step": step, "eval_loss": loss}) + "\n"
+        self._pending = self._pool.submit(write_adapter, self.folder, contents, tokenizer, {BEST_RECORD: record})
 
     def wait(self) -> None:
         """Until the queued write is on disk; raises the error that stopped it (a full disk, say)."""
@@ -138,15 +142,3 @@ class BestAdapterWriter:
         """Let a queued write finish (it stays whole either way) and end the thread; errors were raised by
         :meth:`wait` already, or the run is ending on another error."""
         self._pool.shutdown(wait=True)
-
-    def _write(self, model: Any, tokenizer: Any, weights: dict[str, torch.Tensor], record: dict[str, Any]) -> None:
-        tmp = self.folder.with_name(f".tmp-{self.folder.name}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            model.save_pretrained(tmp, safe_serialization=True, state_dict=weights)
-            tokenizer.save_pretrained(tmp)
-            (tmp / BEST_RECORD).write_text(json.dumps(record) + "\n", encoding="utf-8")
-            ckpt.commit_folder(tmp, self.folder)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise

@@ -17,11 +17,13 @@ import re
 import shutil
 import traceback
 import unicodedata
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from engine.config import RunConfig, run_name_problem
 from engine.errors import ConfigError
@@ -29,6 +31,7 @@ from engine.model.adapter import BEST_ADAPTER
 from engine.redact import redact
 from engine.run import checkpoint as ckpt
 from engine.run.ownership import new_run_id, write_marker
+from engine.speed.stand_in import own_tree
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -143,18 +146,51 @@ def _line_step(line: str) -> int:
         return 1 << 62  # a torn last line from a crash is dropped
 
 
-def save_adapter(model: Any, tokenizer: Any, folder: Path, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write the adapter in PEFT format (with the tokenizer) atomically; ``state_dict``: weights gathered by FSDP2."""
+@dataclass(frozen=True)
+class AdapterContents:
+    """An adapter as PEFT saves it: its weights under peft's names, on the host, and its config."""
+
+    weights: dict[str, torch.Tensor]
+    config: Any
+
+
+def adapter_contents(model: Any, state_dict: dict[str, torch.Tensor] | None = None) -> AdapterContents:
+    """The model's adapter as it is now, taken with the speed stand-ins seen through (peft finds its LoRA layers by
+    class, and a layer behind a stand-in would be left out). Between steps only: it swaps modules for a moment.
+    ``state_dict``: the trainable weights gathered by FSDP2."""
+    import copy
+
+    from peft import get_peft_model_state_dict
+
+    with own_tree(model):
+        weights = get_peft_model_state_dict(model, state_dict=state_dict)
+    config = copy.deepcopy(model.peft_config[model.active_adapter])
+    config.inference_mode = True
+    return AdapterContents({k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights.items()}, config)
+
+
+def write_adapter(folder: Path, contents: AdapterContents, tokenizer: Any, extra: dict[str, str] | None = None) -> Path:
+    """Write ``contents`` in PEFT format (with the tokenizer and any ``extra`` files) atomically; safe in a thread
+    beside training, since it touches only the host copy."""
     tmp = folder.with_name(f".tmp-{folder.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": state_dict} if state_dict else {}))
+        tmp.mkdir(parents=True)
+        save_file(contents.weights, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        contents.config.save_pretrained(str(tmp))
         tokenizer.save_pretrained(tmp)
+        for name, text in (extra or {}).items():
+            (tmp / name).write_text(text, encoding="utf-8")
         ckpt.commit_folder(tmp, folder)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return folder
+
+
+def save_adapter(model: Any, tokenizer: Any, folder: Path, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write the adapter in PEFT format (with the tokenizer) atomically; ``state_dict``: weights gathered by FSDP2."""
+    return write_adapter(folder, adapter_contents(model, state_dict), tokenizer)
 
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:

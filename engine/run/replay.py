@@ -23,7 +23,7 @@ import torch
 from engine.data.files import Conversation, Message
 from engine.events import Event, Notice
 from engine.run import checkpoint as ckpt
-from engine.run.short_answers import ShortAnswer, answer_text, stop_token_ids
+from engine.run.short_answers import answer_text, greedy_continuations, pad_token, stop_token_ids
 from engine.speed.stand_in import adapters_off
 
 REPLAY_FILE = "replay.jsonl"
@@ -69,7 +69,7 @@ def write_replay(run_dir: Path, rows: Sequence[dict[str, str]]) -> None:
 def base_answers(model: Any, tokenizer: Any, prompts: Sequence[str], device: torch.device) -> list[dict[str, str]]:
     """Each prompt with the base model's greedy answer (adapter off); answers that did not end are left out."""
     stops = stop_token_ids(tokenizer, model)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stops[0] if stops else 0)
+    pad = pad_token(tokenizer, stops)
     rows: list[dict[str, str]] = []
     was_training = model.training
     model.eval()
@@ -78,49 +78,29 @@ def base_answers(model: Any, tokenizer: Any, prompts: Sequence[str], device: tor
             for start in range(0, len(prompts), BATCH_SIZE):
                 batch = list(prompts[start : start + BATCH_SIZE])
                 encoded = [_prompt_ids(tokenizer, prompt) for prompt in batch]
-                rows += _answer_batch(model, tokenizer, batch, encoded, device, stops, pad)
+                made = greedy_continuations(model, encoded, device, pad, stops, MAX_NEW_TOKENS)
+                rows += _finished(tokenizer, batch, made, stops)
     finally:
         model.train(was_training)
     return rows
 
 
-def _prompt_ids(tokenizer: Any, prompt: str) -> ShortAnswer:
+def _prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
     ids = tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
     )
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
-    return ShortAnswer(tuple(int(i) for i in ids), ())
+    return [int(i) for i in ids]
 
 
-def _answer_batch(
-    model: Any,
-    tokenizer: Any,
-    prompts: list[str],
-    encoded: list[ShortAnswer],
-    device: torch.device,
-    stops: Sequence[int],
-    pad: int,
+def _finished(
+    tokenizer: Any, prompts: Sequence[str], made: Sequence[Sequence[int]], stops: Sequence[int]
 ) -> list[dict[str, str]]:
-    width = max(len(e.prompt) for e in encoded)
-    ids = torch.tensor([[pad] * (width - len(e.prompt)) + list(e.prompt) for e in encoded], device=device)
-    mask = torch.tensor([[0] * (width - len(e.prompt)) + [1] * len(e.prompt) for e in encoded], device=device)
-    output = model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=MAX_NEW_TOKENS,
-        do_sample=False,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-        use_cache=True,
-        eos_token_id=list(stops) or None,
-        pad_token_id=pad,
-    )
+    """The prompts whose answer ended within the limit, with the answer's text."""
     stop_set = set(stops)
     rows = []
-    for prompt, row in zip(prompts, output, strict=True):
-        new = row[width:].tolist()
+    for prompt, new in zip(prompts, made, strict=True):
         if not any(token in stop_set for token in new):
             continue  # cut off at the token limit
         answer = answer_text(tokenizer, new, stops)

@@ -36,7 +36,9 @@ from engine.data.prepare import prepare_data
 from engine.model.adapter import RunAdapter, run_adapter
 from engine.model.load import load_base_model, load_tokenizer, pick_device, pick_dtype
 from engine.run import checkpoint as ckpt
+from engine.run import knowledge
 from engine.run.folder import load_run_config
+from engine.run.knowledge import KEPT_WARNING
 from engine.run.preference import document_log_probs, pair_losses
 from engine.run.short_answers import ShortAnswer, answer_scores, short_answers
 
@@ -91,6 +93,14 @@ class ModelScores:
     preferred: float | None = None
     """DPO: the share of held-out pairs whose chosen answer the model gives the higher log-probability per token
     than the rejected one (no reference; chance is 50%)."""
+    knowledge_right: int | None = None
+    """The knowledge check (engine.run.knowledge): how many of its questions the model answers right."""
+    knowledge_kept: int | None = None
+    """Of the questions the base model answers right, how many this model still does (the base: all of them)."""
+    knowledge_newly: int | None = None
+    """Questions this model answers right that the base model did not."""
+    knowledge_kept_share: float | None = None
+    """knowledge_kept over the base model's right answers (None when the base got none right)."""
 
 
 CHANCE = 0.5
@@ -119,9 +129,14 @@ class Measure:
         return "-" if value is None else format(value, self.spec)
 
 
-def measures(method: str, answers_scored: bool) -> list[Measure]:
+def measures(method: str, answers_scored: bool, knowledge: bool = False) -> list[Measure]:
     """The report's rows, top to bottom, for a run of ``method``."""
     rows: list[Measure] = []
+    if knowledge:
+        rows.append(
+            Measure("knowledge_kept_share", "knowledge kept (of the questions the base model answers right)",
+                    "knowledge kept", "higher", ".0%", ".0%")
+        )  # fmt: skip
     if method == "dpo":
         rows += [
             Measure("preferred", "held-out pairs preferred (chosen likelier per token; chance is 50%)",
@@ -162,6 +177,10 @@ class RunReport:
     """How many short held-out answers exact match and token F1 were measured on (0: not scored)."""
     answers_note: str = ""
     """Which answers were scored, or why none were."""
+    knowledge_questions: int = 0
+    """Questions the knowledge check asked each model (0: not measured)."""
+    knowledge_base_right: int = 0
+    """Of those, the ones the base model answers right."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -171,7 +190,21 @@ class RunReport:
         return cls(**{**raw, "models": [ModelScores(**m) for m in raw["models"]]})
 
     def measures(self) -> list[Measure]:
-        return measures(self.method, bool(self.answers_scored))
+        return measures(self.method, bool(self.answers_scored), bool(self.knowledge_questions))
+
+    def knowledge_warning(self) -> str | None:
+        """Where an adapter kept under 90% of what the base model knew: which, and which adapter kept most (None
+        when every adapter kept enough, or the check was not measured)."""
+        tuned = [m for m in self.models[1:] if m.knowledge_kept_share is not None]
+        low = [m for m in tuned if m.knowledge_kept_share is not None and m.knowledge_kept_share < KEPT_WARNING]
+        if not low:
+            return None
+        most = max(tuned, key=lambda m: (m.knowledge_kept_share or 0.0, m.knowledge_kept or 0))
+        which = ", ".join(f"{m.label} {m.knowledge_kept} of {self.knowledge_base_right}" for m in low)
+        return (
+            f"knowledge lost: {which} of the questions the base model answers right were kept, under "
+            f"{KEPT_WARNING:.0%}; the {most.label} kept most ({most.knowledge_kept_share:.0%})"
+        )
 
     def markdown(self) -> str:
         pairs = self.method == "dpo"
@@ -191,9 +224,21 @@ class RunReport:
             *(f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows),
             "",
             *([f"Exact match and token F1: {self.answers_note}.", ""] if self.answers_note else []),
+            *self._knowledge_note(),
             *self._verdict(),
         ]
         return "\n".join(lines) + "\n"
+
+    def _knowledge_note(self) -> list[str]:
+        if not self.knowledge_questions:
+            return []
+        note = (
+            f"Knowledge check: {self.knowledge_questions} short general-knowledge questions (resources/knowledge), "
+            f"answered greedily; the base model answers {self.knowledge_base_right} right, and each column keeps a "
+            "share of those."
+        )
+        warning = self.knowledge_warning()
+        return [note, "", *([f"**Warning: {warning}.**", ""] if warning else [])]
 
     def _verdict(self) -> list[str]:
         """One line per adapter: better or worse than the model before the run on held-out data, and how much it
@@ -205,8 +250,19 @@ class RunReport:
             elif tuned.held_out_loss is not None and before.held_out_loss is not None:
                 change = "lower (better)" if tuned.held_out_loss < before.held_out_loss else "higher (worse)"
                 lines.append(f"* {tuned.label}: held-out loss {change} than the {before.label}'s.")
+            if tuned.knowledge_kept is not None:
+                lines.append(f"* {tuned.label}: {knowledge_line(self.knowledge_base_right, tuned)}.")
             lines.append(f"* {tuned.label}: {forgetting_line(before, tuned)}.")
         return lines
+
+
+def knowledge_line(base_right: int, tuned: ModelScores) -> str:
+    """The knowledge check in words: "kept 41 of 52 facts the base model knew (79%), 3 newly right"."""
+    share = "" if tuned.knowledge_kept_share is None else f" ({tuned.knowledge_kept_share:.0%})"
+    return (
+        f"knowledge: kept {tuned.knowledge_kept} of {base_right} facts the base model knew{share}, "
+        f"{tuned.knowledge_newly} newly right"
+    )
 
 
 PAIRS_NOTE = (
@@ -411,7 +467,9 @@ def build_report(run_dir: str | Path, device: str | None = None, cancelled: Canc
             cancelled,
         )  # fmt: skip
         note = "not scored: a preference run is judged by the pairs it prefers"
-        return RunReport(run_dir.name, "dpo", len(data.eval), held_out_tokens, general_tokens, columns, 0, note)
+        report = RunReport(run_dir.name, "dpo", len(data.eval), held_out_tokens, general_tokens, columns, 0, note)
+        first = START if start is not None else None
+        return _with_knowledge(report, model, tokenizer, torch_device, [first, *names], cancelled)
     answers, note = short_answers(data.eval)
     base_scores = _scores(model, "base model", data.eval, general, torch_device, False, cancelled)
     _check(cancelled)
@@ -421,10 +479,42 @@ def build_report(run_dir: str | Path, device: str | None = None, cancelled: Canc
         scores = _scores(model, _label(adapter, last_step), data.eval, general, torch_device, True, cancelled)
         _check(cancelled)
         columns.append(_with_answers(scores, model, tokenizer, answers, torch_device))
-    return RunReport(
+    report = RunReport(
         run_dir.name, config.training.method, len(data.eval), held_out_tokens, general_tokens, columns, len(answers),
         note,
     )  # fmt: skip
+    return _with_knowledge(report, model, tokenizer, torch_device, [None, *names], cancelled)
+
+
+def _with_knowledge(
+    report: RunReport,
+    model: Any,
+    tokenizer: Any,
+    device: torch.device,
+    adapters: Sequence[str | None],
+    cancelled: Cancelled = never,
+) -> RunReport:
+    """``report`` with the knowledge check: the base model's answers, and what each column (``adapters``: the peft
+    adapter of each column, None for the base model) kept of them."""
+    try:
+        with model.disable_adapter():
+            base = knowledge.ask(model, tokenizer, device, cancelled=cancelled)
+        columns = []
+        for scores, adapter in zip(report.models, adapters, strict=True):
+            tuned = base
+            if adapter is not None:
+                model.set_adapter(adapter)
+                tuned = knowledge.ask(model, tokenizer, device, cancelled=cancelled)
+            kept = knowledge.compare(base, tuned)
+            columns.append(
+                dataclasses.replace(
+                    scores, knowledge_right=tuned.right, knowledge_kept=kept.kept, knowledge_newly=kept.newly_right,
+                    knowledge_kept_share=kept.kept_share,
+                )
+            )  # fmt: skip
+    except knowledge.KnowledgeCancelled as err:
+        raise ReportCancelled(str(err)) from err
+    return dataclasses.replace(report, models=columns, knowledge_questions=base.total, knowledge_base_right=base.right)
 
 
 START = "starting_adapter"

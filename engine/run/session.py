@@ -259,9 +259,10 @@ def _with_adapter(config: RunConfig, base: Any) -> Generator[Event, None, Any]:
     return model
 
 
-def starting_adapter_folder(reference: str) -> Path:
-    """The adapter folder that ``model.adapter`` names (a folder, or a run by id or name in the run history)."""
-    return adapter_folder(_adapter_location(reference))
+def starting_adapter_folder(reference: str, which: str = "best") -> Path:
+    """The adapter folder that ``model.adapter`` names (a folder, or a run by id or name in the run history, whose
+    best adapter is taken unless ``which`` is ``last``)."""
+    return adapter_folder(_adapter_location(reference), which)
 
 
 def _adapter_location(reference: str) -> Path:
@@ -390,7 +391,9 @@ def _restore(session: Session) -> Iterator[Event]:
         truncate_log(session.run_dir / METRICS_FILE, session.step)
         truncate_log(session.run_dir / EVAL_FILE, session.step)
     session.eval_watch = EvalWatch.resumed(
-        session.config.training.early_stop or 0, _eval_losses(session.run_dir / EVAL_FILE, session.step), session.run_dir
+        session.config.training.early_stop or 0,
+        _eval_losses(session.run_dir / EVAL_FILE, session.step),
+        session.run_dir,
     )
 
 

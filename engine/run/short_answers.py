@@ -135,32 +135,47 @@ def answer_text(tokenizer: Any, ids: Sequence[int], stops: Sequence[int]) -> str
     return text.strip()
 
 
+def pad_token(tokenizer: Any, stops: Sequence[int]) -> int:
+    """The token left-padded batches are padded with: the tokenizer's own, else an end token."""
+    return int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else (stops[0] if stops else 0)
+
+
 @torch.no_grad()
+def greedy_continuations(
+    model: Any, prompts: Sequence[Sequence[int]], device: torch.device, pad: int, stops: Sequence[int], new: int
+) -> list[list[int]]:
+    """Each prompt's greedy continuation of at most ``new`` tokens, ending at any of ``stops``: the prompts as one
+    left-padded batch, with the KV cache (the model as it is: the caller switches the adapter)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    output = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=new,
+        do_sample=False,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+        use_cache=True,
+        eos_token_id=list(stops) or None,
+        pad_token_id=pad,
+    )
+    return [row[width:].tolist() for row in output]
+
+
 def generate_replies(
     model: Any, tokenizer: Any, answers: Sequence[ShortAnswer], device: torch.device, stops: Sequence[int]
 ) -> list[str]:
     """Each prompt's greedy reply, ending at any of ``stops`` (the model as it is: the caller switches the
     adapter)."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stops[0] if stops else 0)
+    pad = pad_token(tokenizer, stops)
     replies: list[str] = []
     for start in range(0, len(answers), BATCH_SIZE):
         batch = answers[start : start + BATCH_SIZE]
-        width = max(len(a.prompt) for a in batch)
-        ids = torch.tensor([[pad] * (width - len(a.prompt)) + list(a.prompt) for a in batch], device=device)
-        mask = torch.tensor([[0] * (width - len(a.prompt)) + [1] * len(a.prompt) for a in batch], device=device)
-        output = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=max(len(a.answer) for a in batch) + EXTRA_NEW_TOKENS,
-            do_sample=False,
-            temperature=None,
-            top_p=None,
-            top_k=None,
-            use_cache=True,
-            eos_token_id=list(stops) or None,
-            pad_token_id=pad,
-        )
-        replies += [answer_text(tokenizer, row[width:].tolist(), stops) for row in output]
+        new = max(len(a.answer) for a in batch) + EXTRA_NEW_TOKENS
+        made = greedy_continuations(model, [a.prompt for a in batch], device, pad, stops, new)
+        replies += [answer_text(tokenizer, ids, stops) for ids in made]
     return replies
 
 
