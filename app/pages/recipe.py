@@ -86,7 +86,7 @@ def time_estimate(estimate: RecipeEstimate, config: RunConfig, state: AppState) 
         planner = estimate.steps * tokens_per_step / estimate.seconds
     return before_start(steps=estimate.steps, tokens_per_step=tokens_per_step, gpu_class=gpu_class,
                         gpu_name=gpu_name, model=config.model.name, qlora=config.model.qlora, rows=state.measured,
-                        planner_tokens_per_s=planner)  # fmt: skip
+                        planner_tokens_per_s=planner, method=config.training.method)  # fmt: skip
 
 
 def dataset_examples(report: Any) -> int | None:
