@@ -58,7 +58,8 @@ RECIPES: tuple[Recipe, ...] = (
     ),
     Recipe(
         "Quick test",
-        "30 steps with a small adapter: checks that the model, the data and the card work together, in minutes.",
+        "Up to 30 steps (never more than one pass over your data) with a small adapter: checks that the model, "
+        "the data and the card work together, in minutes.",
         {
             "training.max_steps": 30,
             "lora.rank": 8,
