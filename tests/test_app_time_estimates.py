@@ -58,9 +58,9 @@ def test_an_earlier_runs_steps_set_the_estimate_scaled_by_steps_without_its_paus
     registry = Registry()
     (record,) = [record for record in registry.runs() if record.folder == folder]
     later = time.time() + 600  # renamed ten minutes on: the record's clock moves, the run's steps do not
-    monkeypatch.setattr("engine.run.registry.time.time", lambda: later)
-    registry.rename(record.id, "renamed-later")
-    monkeypatch.undo()
+    with monkeypatch.context() as patch:  # the window's own patches (its data folder) stay
+        patch.setattr("engine.run.registry.time.time", lambda: later)
+        registry.rename(record.id, "renamed-later")
     window.state.measured = []
     window.load_measured_runs()
     qtbot.waitUntil(lambda: window.state.measured != [], timeout=HANG_MS)  # read again, after the rename
