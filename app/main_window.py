@@ -44,7 +44,7 @@ from app.widgets.guide import GuideBar, GuidedPage
 from app.widgets.page_header import Page
 from engine.hardware.allocator import set_at_process_start
 from engine.run.estimate import MeasuredRow
-from engine.run.registry import Registry
+from engine.run.registry import Registry, RunRecord
 from engine.run.summary import measured_rows
 
 DEFAULT_SIZE = (1280, 820)
@@ -116,6 +116,8 @@ class MainWindow(QMainWindow):
                 page.report_requested.connect(self.open_report)
             if hasattr(page, "train_requested"):  # the Chat page: a DPO run on the preferences saved there
                 page.train_requested.connect(self.run_panel.start_config)
+            if hasattr(page, "history_changed"):  # the Runs page's run list: the one source of which runs exist
+                page.history_changed.connect(self._follow_history)
         self._follow_reports()
         self.controller.state_changed.connect(self._run_ended)
         self.state.run_changed.connect(self._show_live_run)
@@ -130,6 +132,8 @@ class MainWindow(QMainWindow):
         self.guide = GuideBar(guided, self.controller, self.state)
         self.guide.page_requested.connect(self.show_page)
         self.guide.start_clicked.connect(self.run_panel.start)
+        self.guide.ready_changed.connect(self.run_panel.show_readiness)  # the Run page says what the guide says
+        self.run_panel.show_readiness(self.guide.ready_text)
         body = QWidget()
         column = QVBoxLayout(body)
         column.addWidget(self.guide)
@@ -150,7 +154,7 @@ class MainWindow(QMainWindow):
 
     def _follow_reports(self) -> None:
         """A run that ends here gets its before/after report in the background; the Run page says where it is."""
-        self.controller.run_over.connect(self.report_page.build)
+        self.controller.run_over.connect(self.report_page.follow_run)
         self.report_page.building.connect(self.run_panel.report_building)
         self.report_page.ready.connect(self.run_panel.report_ready)
         self.report_page.failed.connect(self.run_panel.report_failed)
@@ -213,6 +217,13 @@ class MainWindow(QMainWindow):
             page = self.page(title)
             if page is not None and hasattr(page, "show_live"):
                 page.show_live(self.state.run)
+
+    def _follow_history(self, records: list[RunRecord]) -> None:
+        """Every page that names a run follows the run list: a deleted run leaves them, a renamed one is renamed."""
+        self.run_panel.follow_history(records)
+        chat = self.page("Chat")
+        if chat is not None:
+            chat.show_runs(records)  # type: ignore[attr-defined]
 
     def _run_ended(self, state: str) -> None:
         """Pages listing runs show a run's end (finished, stopped or failed) at once, not at their next poll."""

@@ -41,6 +41,13 @@ DARK_COLORS = {
     QPalette.ColorRole.Link: "#6aa6ff",
     QPalette.ColorRole.LinkVisited: "#b08cff",
 }
+DARK_INDICATOR_RING = "#c4c7cc"
+"""Fusion darkens the window colour for an indicator's ring: from this grey, a ring of 3:1 or more on the dark look."""
+LIGHT_INDICATOR_RING = "#b4b4b4"
+"""The same for the light look, whose own ring (2.1:1 against the window) was faint too."""
+DARK_INDICATOR_MARK = "#f2f2f2"
+"""A radio button's dot and a check box's tick in the dark look."""
+INDICATOR_CLASSES = ("QRadioButton", "QCheckBox")
 DISABLED_DARK = {
     QPalette.ColorRole.WindowText: "#7c7f84",
     QPalette.ColorRole.Text: "#7c7f84",
@@ -75,6 +82,21 @@ def palette_for(dark: bool) -> QPalette:
         palette.setColor(role, QColor(color))
     for role, color in DISABLED_DARK.items():
         palette.setColor(QPalette.ColorGroup.Disabled, role, QColor(color))
+    return palette
+
+
+def indicator_palette(dark: bool) -> QPalette:
+    """The palette of radio buttons and check boxes: the look's own, with a ring and a mark that read.
+
+    Fusion draws an indicator's ring in the window colour darkened and fills it with the base colour: on the dark
+    palette that is near-black on dark grey (1.2:1), and a user could not see the recipes' radio buttons at all
+    (the light look's was 2.1:1). Fusion fills no background behind these buttons, so their window colour is only
+    the ring's: a grey from which the ring is 3:1 or more against the window in both looks.
+    """
+    palette = palette_for(dark)
+    palette.setColor(QPalette.ColorRole.Window, QColor(DARK_INDICATOR_RING if dark else LIGHT_INDICATOR_RING))
+    if dark:
+        palette.setColor(QPalette.ColorRole.Text, QColor(DARK_INDICATOR_MARK))
     return palette
 
 
@@ -113,6 +135,8 @@ def apply_look(dark: bool) -> None:
         return
     app.setStyle("Fusion")
     app.setPalette(palette_for(dark))
+    for name in INDICATOR_CLASSES:  # a palette for these classes alone: no Python runs while they paint
+        app.setPalette(indicator_palette(dark), name)  # type: ignore[arg-type]  # PySide6 takes the class name as str
     colors = current_chart_colors()
     pg.setConfigOptions(background=colors.background, foreground=colors.foreground)
 

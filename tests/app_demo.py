@@ -21,9 +21,8 @@ def prepare_demo(qtbot: Any, win: Any, max_steps: int) -> None:
     win.data_panel.load(str(DEMO_TRAIN_FILE))
     qtbot.waitUntil(lambda: win.state.data_report is not None, timeout=LOAD_TIMEOUT_MS)
     form = win.setup_panel.form
-    form.editor("training.max_steps").setValue(max_steps)
-    form.editor("training.save_every").setValue(0)
-    form.editor("training.eval_every").setValue(0)
+    # evaluation only at the end (eval_every empty would be automatic)
+    form.set_values({"training.max_steps": max_steps, "training.save_every": 0, "training.eval_every": 0})
     # the demo data loaded for the demo model and the gallery's planning run in threads too: let them end, so a
     # run's timing is measured alone
     qtbot.waitUntil(lambda: not win.tasks.busy(), timeout=LOAD_TIMEOUT_MS)

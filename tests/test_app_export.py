@@ -219,6 +219,7 @@ def test_install_buttons_put_the_gguf_export_into_ollama_and_lm_studio(
     monkeypatch.setenv("PATH", str(bin_folder))  # no ollama command: the API is used
     monkeypatch.setenv("OLLAMA_HOST", address)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home" / ".lmstudio").mkdir(parents=True)  # LM Studio is installed, its server not started
     monkeypatch.setenv(LMSTUDIO_URL_VARIABLE, f"http://{closed_port()}")
     panel = dialog.install
     assert not panel.buttons["ollama"].isEnabled(), "nothing to install before a GGUF export"

@@ -87,3 +87,16 @@ def test_a_family_transformers_cannot_read_is_refused_with_those_it_can(window: 
     qtbot.waitUntil(lambda: bool(panel.problem), timeout=LOAD_TIMEOUT_MS)
     assert "transformers cannot read" in panel.problem
     assert "llama" in panel.details.toPlainText() and not panel.step_status()[0]
+
+
+def test_one_model_is_counted_as_one(
+    window: Any, qtbot: Any, demo_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = tmp_path / "ollama"
+    add_to_ollama_store(store, demo_gguf, "tiny", "latest")
+    monkeypatch.setenv("OLLAMA_MODELS", str(store))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no LM Studio folder
+    panel = window.model_panel
+    panel.on_disk.setChecked(True)
+    qtbot.waitUntil(lambda: panel.local.table.rowCount() == 1, timeout=LOAD_TIMEOUT_MS)
+    assert panel.local.note.text().startswith("1 GGUF model on this computer"), panel.local.note.text()

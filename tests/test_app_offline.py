@@ -66,3 +66,16 @@ def test_choosing_a_gallery_model_sends_nothing_until_asked(
     qtbot.waitUntil(lambda: data.problem != "", timeout=LOAD_TIMEOUT_MS)
     assert asked == ["Qwen/Qwen3-0.6B"]
     assert "cannot reach the hub" in data.problem and data.fetch.isVisibleTo(data), "said, and the button stays"
+
+
+def test_the_dataset_page_shows_nothing_of_the_previous_model_under_the_error(
+    qtbot: Any, window: Any, requests_sent: list[Any]
+) -> None:
+    prepare_demo(qtbot, window, max_steps=5)
+    data = window.data_panel
+    assert data.histogram.bars is not None and data.preview.toPlainText(), "the demo's report is shown"
+    window.model_panel.gallery.select("Qwen/Qwen3-0.6B")
+    window.model_panel.use.click()
+    qtbot.waitUntil(lambda: data.problem != "", timeout=LOAD_TIMEOUT_MS)  # no tokenizer for the new model here
+    assert data.histogram.bars is None and data.histogram.lengths == []
+    assert data.preview.toPlainText() == "" and data.problems.count() == 0

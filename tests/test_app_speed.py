@@ -8,7 +8,7 @@ import pyqtgraph as pg
 import pytest
 
 from app.background import run_controller as rc
-from app.background.ab_compare import ALL, SPEED_SWITCHES, Measurement, switch_settings
+from app.background.ab_compare import ALL, SPEED_SWITCHES, TITLES, Measurement, switch_settings
 from app.widgets.switch_words import describe_plan, describe_state
 from engine.config import SpeedConfig
 from engine.events import RunFinished, SpeedChanged, StepMetrics
@@ -147,9 +147,32 @@ def test_a_run_that_ends_during_compare_leaves_the_page_ready_and_says_what_was_
     controller.run_event.emit(RunFinished(11, "runs/x", "runs/x/adapter", 1.0, None, 5.0, cancelled=True))
     assert panel.compare is None and panel.queue == [] and len(requested) == asked  # nothing asked of an ended run
     status = panel.compare_status.text()
-    assert status.startswith("The run ended before Compare finished: ") and "not measured in full" in status
+    assert status.startswith("The run ended before Compare finished: ") and f"{TITLES[first]}, " in status
+    assert "not measured" in status and "measured over" not in status
     assert panel.measured[first].summary() == "not measured (the run ended first)"
     controller._set_state(rc.FINISHED)
     assert not panel.compare_button.isEnabled()  # a finished run has nothing to compare on
     controller._set_state(rc.RUNNING)
     assert panel.compare_button.isEnabled() and panel.all_button.isEnabled()
+
+
+def test_a_switch_cut_short_by_the_runs_end_says_the_rounds_it_finished(window: Any) -> None:
+    panel, controller = window.speed_panel, window.controller
+    requested: list[SpeedConfig] = []
+    controller.request_speed = requested.append  # no run thread: the test plays the engine
+    controller._set_state(rc.RUNNING)
+    panel.rounds.setValue(2)
+    panel.block.setValue(2)
+    panel.compare_button.click()
+    first = panel.compare.switch
+    step = 10
+    for _block in range(2):  # one round: the switch on, then off
+        controller.run_event.emit(SpeedChanged(step, {}))
+        for rate in (100.0, 1000.0):
+            step += 1
+            controller.run_event.emit(step_event(step, rate))
+    controller.run_event.emit(RunFinished(step, "runs/x", "runs/x/adapter", 1.0, None, 5.0, cancelled=True))
+    status = panel.compare_status.text()
+    assert f"{TITLES[first]} measured over 1 of 2 rounds" in status, status
+    assert f"{TITLES[first]}, " not in status and f"{TITLES[first]} not measured" not in status
+    assert panel.results[first].text() == panel.measured[first].short() and "%" in panel.results[first].text()

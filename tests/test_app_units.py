@@ -15,6 +15,7 @@ from hang import HANG_S
 
 from app.background.ab_compare import ABCompare, nothing_to_do, switch_settings
 from app.background.worker import describe_error, training_threads
+from app.theme import ERROR_COLOR
 from engine.config import SpeedConfig
 from engine.errors import ConfigError, DataError
 
@@ -160,7 +161,7 @@ def test_bad_rows_are_listed_and_missing_models_explained(qtbot: Any, window: An
     window.data_panel.load(str(tmp_path / "broken.jsonl"))
     qtbot.waitUntil(lambda: "broken.jsonl" in window.data_panel.summary.text() and "Reading" not in
                     window.data_panel.summary.text(), timeout=LOAD_TIMEOUT_MS)  # fmt: skip
-    assert "#b00020" in window.data_panel.summary.text()
+    assert ERROR_COLOR in window.data_panel.summary.text()
 
     window.model_panel.choose(str(tmp_path / "no-such-model"))
     qtbot.waitUntil(lambda: "not found" in window.model_panel.status.text(), timeout=LOAD_TIMEOUT_MS)

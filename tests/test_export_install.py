@@ -327,6 +327,7 @@ def test_cli_exports_and_installs(
     address, state = runtime
     monkeypatch.setenv("OLLAMA_HOST", address)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home" / ".lmstudio").mkdir(parents=True)  # LM Studio is installed, its server not started
     monkeypatch.setenv(LMSTUDIO_URL_VARIABLE, f"http://{closed_port()}")
     target = tmp_path / "out"
     args = [str(run_folder), "--to", str(target), "--gguf", "q8_0", "--install", "ollama", "--install", "lmstudio"]

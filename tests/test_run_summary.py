@@ -41,26 +41,28 @@ def started(run_dir: str, total: int = 10, start: int = 0) -> ev.RunStarted:
 
 
 ROWS = (
-    MeasuredRow("cpu", "", "demo", False, 1024, 2048.0, 4.0),
-    MeasuredRow("cpu", "", "demo", False, 1024, 1024.0, 6.0),
-    MeasuredRow("cpu", "", "demo", False, 4096, 9000.0, 0.0),
-    MeasuredRow("cpu", "", "demo", True, 1024, 100.0, 0.0),
-    MeasuredRow("cpu", "", "other", False, 1024, 10.0, 0.0),
-    MeasuredRow("rtx-consumer", "RTX 4090", "demo", False, 1024, 50_000.0, 1.0),
-    MeasuredRow("rtx-consumer", "RTX 3050", "demo", False, 1024, 5_000.0, 1.0),
+    MeasuredRow("cpu", "", "demo", False, 1024, 2048.0),
+    MeasuredRow("cpu", "", "demo", False, 1024, 1024.0),
+    MeasuredRow("cpu", "", "demo", False, 4096, 9000.0),
+    MeasuredRow("cpu", "", "demo", True, 1024, 100.0),
+    MeasuredRow("cpu", "", "demo", False, 1024, 10.0, "dpo"),
+    MeasuredRow("cpu", "", "other", False, 1024, 10.0),
+    MeasuredRow("rtx-consumer", "RTX 4090", "demo", False, 1024, 50_000.0),
+    MeasuredRow("rtx-consumer", "RTX 3050", "demo", False, 1024, 5_000.0),
 )
 
 
 @pytest.mark.parametrize(
     ("case", "gpu_class", "gpu_name", "model", "qlora", "planner", "expected_seconds", "source"),
     [
-        # the two 1,024-token LoRA runs of the model here: steps of 0.5 and 1 s (median 0.75 s), 5 s beside them
-        ("nearest row length, same settings", "cpu", "", "demo", False, None, 60 * 0.75 + 5, "measured"),
+        # the two 1,024-token LoRA runs of the model here: steps of 0.5 and 1 s (median 0.75 s); the DPO run's
+        # steps are its own
+        ("nearest row length, same settings", "cpu", "", "demo", False, None, 60 * 0.75, "measured"),
         ("QLoRA runs only match QLoRA", "cpu", "", "demo", True, None, 60 * 1024 / 100, "measured"),
-        ("the same card before the class", "rtx-consumer", "RTX 4090", "demo", False, None, 60 * 1024 / 50_000 + 1,
+        ("the same card before the class", "rtx-consumer", "RTX 4090", "demo", False, None, 60 * 1024 / 50_000,
          "measured"),
         ("another card of the class", "rtx-consumer", "RTX 4080", "demo", False, None,
-         60 * (1024 / 50_000 + 1024 / 5_000) / 2 + 1, "measured"),
+         60 * (1024 / 50_000 + 1024 / 5_000) / 2, "measured"),
         ("no run of this model: the planner", "rtx-consumer", "RTX 4090", "qwen", False, 2048.0, 30.0, "planner"),
         # no run here, but TuneDeck's own H200 rows of this model: 169 ms a 16,384-token step, scaled to 1,024 tokens
         ("TuneDeck's rows of the GPU class", "hopper", "NVIDIA H200", "Qwen/Qwen3-0.6B", False, 1e9,
@@ -77,6 +79,10 @@ def test_the_estimate_before_start_comes_from_runs_measured_here_first(
     estimate = before_start(steps=60, tokens_per_step=1024, gpu_class=gpu_class, gpu_name=gpu_name, model=model,
                             qlora=qlora, rows=ROWS, planner_tokens_per_s=planner)  # fmt: skip
     assert estimate.source == source, case
+    if case.startswith("nearest"):
+        dpo = before_start(steps=60, tokens_per_step=1024, gpu_class=gpu_class, gpu_name=gpu_name, model=model,
+                           qlora=qlora, rows=ROWS, planner_tokens_per_s=planner, method="dpo")  # fmt: skip
+        assert dpo.seconds == pytest.approx(60 * 1024 / 10.0), "a DPO run's estimate comes from DPO runs"
     assert estimate.seconds == (pytest.approx(expected_seconds) if expected_seconds is not None else None), case
     if "TuneDeck" in case:
         assert estimate.basis == "from TuneDeck's measured steps on this GPU class"

@@ -150,22 +150,30 @@ class ChatView(QWidget):
         self.refresh_runs()
         self._update_buttons()
 
-    def _build_picker(self) -> QHBoxLayout:
+    def _build_picker(self) -> QVBoxLayout:
         self.runs = QComboBox()
-        self.runs.setMinimumWidth(320)
+        self.runs.setMinimumWidth(240)
+        self.runs.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
         self.runs.currentIndexChanged.connect(lambda _index: self.show_run_info())
         self.adapter = AdapterChoice()
         self.load_button = QPushButton("Load")
         self.load_button.clicked.connect(lambda: self.load_run(self.runs.currentData()))
         browse = QPushButton("Open run folder…")
         browse.clicked.connect(self._browse)
-        row = QHBoxLayout()
-        row.addWidget(QLabel("Run:"))
-        row.addWidget(self.runs, 1)
-        row.addWidget(self.adapter)
-        row.addWidget(self.load_button)
-        row.addWidget(browse)
-        return row
+        # the adapter and the buttons take a row of their own: beside a run's name they pushed the page past a
+        # laptop's narrow window, cutting the adapter's words
+        run_row, adapter_row = QHBoxLayout(), QHBoxLayout()
+        run_row.addWidget(QLabel("Run:"))
+        run_row.addWidget(self.runs, 1)
+        adapter_row.addWidget(QLabel("Adapter:"))
+        adapter_row.addWidget(self.adapter)
+        adapter_row.addWidget(self.load_button)
+        adapter_row.addWidget(browse)
+        adapter_row.addStretch(1)
+        rows = QVBoxLayout()
+        rows.addLayout(run_row)
+        rows.addLayout(adapter_row)
+        return rows
 
     def _build_settings(self) -> QGroupBox:
         box = QGroupBox("Generation")
@@ -189,10 +197,13 @@ class ChatView(QWidget):
         ):
             row.addWidget(QLabel(label))
             row.addWidget(widget)
-        row.addWidget(self.compare)
-        row.addWidget(self.pairing)
         row.addStretch(1)
+        pair = QHBoxLayout()  # a row of its own: beside the numbers it was wider than the smallest window's page
+        pair.addWidget(self.compare)
+        pair.addWidget(self.pairing)
+        pair.addStretch(1)
         form.addRow(row)
+        form.addRow(pair)
         return box
 
     def _build_panes(self) -> QHBoxLayout:
@@ -242,6 +253,11 @@ class ChatView(QWidget):
         except Exception as err:  # a broken history must not break chatting with a folder
             self.status.setText(f"cannot read the run history: {err}")
             return
+        self.show_runs(records)
+
+    def show_runs(self, records: list[RunRecord]) -> None:
+        """List ``records`` (the run history, newest first) that have an adapter: a deleted run goes, a renamed one
+        shows its new name, the chosen one stays chosen."""
         chosen = self.runs.currentData()
         listed = {self.runs.itemData(i) for i in range(self.runs.count())}
         self.runs.blockSignals(True)

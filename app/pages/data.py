@@ -28,7 +28,8 @@ from PySide6.QtWidgets import (
 
 from app.app_state import AppState
 from app.background.worker import ErrorInfo, TaskRunner
-from app.theme import current_chart_colors, style_plot
+from app.theme import ERROR_COLOR, current_chart_colors, style_plot
+from app.widgets.page_chart import PageChart
 from engine.config import DEMO_MODEL, DataConfig
 from engine.run.data_report import NO_TOKENIZER, DatasetReport, analyze_dataset
 
@@ -51,7 +52,7 @@ def preview_html(pieces: list[tuple[str, bool]]) -> str:
     return f"<pre style='white-space:pre-wrap'>{spans}</pre>"
 
 
-class LengthHistogram(pg.PlotWidget):
+class LengthHistogram(PageChart):
     """Tokens per example as bars in the palette's accent on the chart's own background, redrawn in the new colours
     when the look changes (bars of a fixed colour sank into the dark background)."""
 
@@ -203,12 +204,15 @@ class DataPanel(QWidget):
 
     def _show_error(self, error: ErrorInfo) -> None:
         self.problem = error.message
+        self.histogram.draw([])  # what an earlier read (another model, another file) found is not so of this one
+        self.problems.clear()
+        self.preview.clear()
         if error.message.startswith(NO_TOKENIZER):  # a hub model's tokenizer not on this computer: ask first
             self.fetch.setText(f"Look up {self.report_model}'s tokenizer on the hub")
             self.fetch.show()
         self.changed.emit()
         self.summary.setText(
-            f"<span style='color:#b00020'>{html.escape(error.message)}</span>"
+            f"<span style='color:{ERROR_COLOR}'>{html.escape(error.message)}</span>"
             + (f"<br>What to do: {html.escape(error.hint)}" if error.hint else "")
         )
 

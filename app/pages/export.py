@@ -24,6 +24,7 @@ from PySide6.QtWidgets import (
     QComboBox,
     QDialog,
     QFileDialog,
+    QFrame,
     QGridLayout,
     QHBoxLayout,
     QLabel,
@@ -31,6 +32,7 @@ from PySide6.QtWidgets import (
     QProgressBar,
     QPushButton,
     QRadioButton,
+    QScrollArea,
     QVBoxLayout,
     QWidget,
 )
@@ -38,6 +40,7 @@ from PySide6.QtWidgets import (
 from app.background.worker import ErrorInfo, TaskRunner
 from app.theme import ERROR_COLOR
 from app.widgets.adapter_choice import AdapterChoice
+from app.widgets.fitted_label import FittedLabel
 from app.widgets.install_panel import InstallPanel
 
 Report = Callable[[str, float, float | None], None]
@@ -139,8 +142,8 @@ class ExportDialog(QDialog):
         self.target = QLineEdit()
         self.overwrite = QCheckBox("Replace what is already in that folder")
         self.progress = QProgressBar()
-        self.status = QLabel("")
-        self.error = QLabel("")
+        self.status = FittedLabel("", lines=0)  # a path is one long word: it wraps anywhere, never widens the dialog
+        self.error = FittedLabel("", lines=0)
         self.export_button = QPushButton("Export")
         self.open_button = QPushButton("Open folder")
         self.close_button = QPushButton("Close")
@@ -169,16 +172,16 @@ class ExportDialog(QDialog):
         folder.addWidget(QLabel("Folder:"))
         folder.addWidget(self.target, 1)
         folder.addWidget(browse)
-        for label in (self.status, self.error):
-            label.setWordWrap(True)
         self.error.setStyleSheet(f"color:{ERROR_COLOR}")
         buttons = QHBoxLayout()
         buttons.addWidget(self.export_button)
         buttons.addWidget(self.open_button)
         buttons.addStretch(1)
         buttons.addWidget(self.close_button)
-        layout = QVBoxLayout(self)
-        layout.addWidget(QLabel(f"Run folder: {html.escape(str(self.run_folder))}"))
+        body = QWidget()
+        layout = QVBoxLayout(body)
+        run = FittedLabel(f"Run folder: {html.escape(str(self.run_folder))}")
+        layout.addWidget(run)
         weights = QHBoxLayout()
         weights.addWidget(QLabel("Weights:"))
         weights.addWidget(self.adapter, 1)
@@ -190,8 +193,17 @@ class ExportDialog(QDialog):
         layout.addWidget(self.status)
         layout.addWidget(self.error)
         layout.addWidget(self.install)
-        layout.addLayout(buttons)
-        self.resize(640, self.sizeHint().height())
+        layout.addStretch(1)
+        scroll = QScrollArea()  # an install's instructions and answers can outgrow a laptop screen: they scroll
+        scroll.setWidgetResizable(True)
+        scroll.setFrameShape(QFrame.Shape.NoFrame)
+        scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        scroll.setWidget(body)
+        scroll.setMinimumWidth(body.minimumSizeHint().width() + scroll.verticalScrollBar().sizeHint().width())
+        outer = QVBoxLayout(self)
+        outer.addWidget(scroll, 1)
+        outer.addLayout(buttons)
+        self.resize(640, min(body.sizeHint().height() + 60, 700))
 
     def _connect(self) -> None:
         for button in self.kinds.values():
@@ -212,6 +224,13 @@ class ExportDialog(QDialog):
     def _suggest_target(self) -> None:
         if not any(button.isChecked() for button in self.kinds.values()):
             return
+        if self.result is not None and not self.busy():  # another choice: what the last export said is not so of it
+            self.result = None
+            self.status.setText("")
+            self.error.setText("")
+            self.progress.setValue(0)
+            self.open_button.setEnabled(False)
+            self.install.set_export(None, None)
         name = "-".join(part for part in (self.kind(), self.option()) if part)
         self.target.setText(str(self.run_folder / "exports" / name))
         self.dtype.setEnabled(self.kind() == "merged")

@@ -7,6 +7,7 @@ a choice costs before the run. The model and dataset come from their pages; a re
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from PySide6.QtCore import QTimer, Signal
@@ -42,6 +43,7 @@ from engine.hardware.recipes import (
 from engine.rewards import RewardError
 from engine.run.estimate import TimeEstimate, before_start, format_duration
 
+QUICK_TEST, ONE_PASS = "Quick test", "Balanced"
 CHOSEN_ELSEWHERE = frozenset({"model.name", "data.path"})
 GIB = 1 << 30
 ERROR_COLOUR = "#b00020"
@@ -92,7 +94,7 @@ def time_estimate(estimate: RecipeEstimate, config: RunConfig, state: AppState) 
         planner = estimate.steps * tokens_per_step / estimate.seconds
     return before_start(steps=estimate.steps, tokens_per_step=tokens_per_step, gpu_class=gpu_class,
                         gpu_name=gpu_name, model=config.model.name, qlora=config.model.qlora, rows=state.measured,
-                        planner_tokens_per_s=planner)  # fmt: skip
+                        planner_tokens_per_s=planner, method=config.training.method)  # fmt: skip
 
 
 def dataset_examples(report: Any) -> int | None:
@@ -174,7 +176,7 @@ class SetupPanel(QWidget):
             summary.setWordWrap(True)
             estimate = QLabel("")
             estimate.setMinimumWidth(260)
-            estimate.setToolTip("The planner's prediction on this card: peak memory, steps and training time")
+            estimate.setToolTip("The planner's prediction on this computer: peak memory, steps and training time")
             self.group.addButton(button)
             self.buttons[recipe.name], self.estimates[recipe.name] = button, estimate
             self.summaries[recipe.name] = summary
@@ -194,7 +196,7 @@ class SetupPanel(QWidget):
         button.setChecked(True)
 
     def apply_recipe(self, name: str) -> None:
-        self.form.set_config(recipe_config(name, self._form_config() or RunConfig()))
+        self.form.set_config(self._with_recipe(self._form_config() or RunConfig(), find_recipe(name)))
         self.check_fit()
 
     def _settings(self) -> dict[str, Any]:
@@ -205,6 +207,20 @@ class SetupPanel(QWidget):
         if self.learns_from_rewards():
             raw["training"]["rewards"] = list(self.rewards.specs())
         return raw
+
+    def _with_recipe(self, config: RunConfig, recipe: Recipe) -> RunConfig:
+        """``config`` with ``recipe``'s settings; a quick test never takes more steps than one pass over the data
+        (Balanced) would on this machine."""
+        settings = apply_recipe(config, recipe)
+        info, hardware = self.state.model_info, self.state.hardware
+        if recipe.name != QUICK_TEST or info is None or info.shape is None or hardware is None:
+            return settings
+        tokens, examples = dataset_tokens(self.state.data_report), dataset_examples(self.state.data_report)
+        one_pass = estimate_recipe(apply_recipe(config, find_recipe(ONE_PASS)), info.shape, hardware, tokens,
+                                   examples).steps  # fmt: skip
+        if one_pass is None or one_pass >= settings.training.max_steps:
+            return settings
+        return dataclasses.replace(settings, training=dataclasses.replace(settings.training, max_steps=one_pass))
 
     def _form_config(self) -> RunConfig | None:
         try:
@@ -251,7 +267,7 @@ class SetupPanel(QWidget):
         tokens, examples = dataset_tokens(self.state.data_report), dataset_examples(self.state.data_report)
         for recipe in RECIPES:
             if self.state.model_name == DEMO_MODEL or not recipe.demo_only:
-                settings = apply_recipe(config, recipe)
+                settings = self._with_recipe(config, recipe)
                 estimate = estimate_recipe(settings, info.shape, hardware, tokens, examples)
                 self.estimates[recipe.name].setText(describe_estimate(estimate, time_estimate(estimate, settings,
                                                                                               self.state)))  # fmt: skip

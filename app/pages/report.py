@@ -125,11 +125,19 @@ class ReportPage(QWidget):
         self._start(self.folder, lambda: read_or_build(str(folder), self._closing.is_set), announce=measuring)
 
     def build(self, folder: str) -> None:
-        """Measure ``folder``'s report again and write it (a run that just ended, or Measure again)."""
+        """Measure ``folder``'s report again and write it (Measure again, or a run that just ended elsewhere)."""
         folder = str(folder)
         if folder == self.folder:
             self.status.setText(BUILDING_TEXT)
         self._start(folder, lambda: measure(folder, self._closing.is_set), announce=True)
+
+    def follow_run(self, folder: str) -> None:
+        """A run just ended in this window: the page shows it, and its report as soon as it is written (not the
+        empty page until Open report is pressed)."""
+        self.folder = str(folder)
+        self.heading.setText(f"<b>{Path(folder).name}</b>")
+        self._show(None)
+        self.build(self.folder)
 
     def busy(self) -> bool:
         return bool(self._jobs)

@@ -30,6 +30,7 @@ from app.background.worker import describe_error
 from app.pages.export import ExportDialog
 from app.pages.recipe import fit_warning
 from app.theme import ERROR_COLOR
+from app.widgets.fitted_label import FittedLabel
 from app.widgets.gpu_selector import GpuSelector
 from app.widgets.notices import NoticeList
 from app.widgets.run_charts import RunCharts
@@ -49,6 +50,7 @@ from engine.events import (
     StepMetrics,
 )
 from engine.run.estimate import describe_time, format_duration
+from engine.run.registry import RunRecord
 from engine.run.summary import describe, format_gib
 
 SHORT_NAMES = {"metadata_cache": "cache", "cudnn_attention": "cudnn attention", "fused_loss": "fused loss",
@@ -67,6 +69,10 @@ def speed_label(before: dict[str, dict[str, object]], after: dict[str, dict[str,
         if before.get(key, {}).get("mode") != after.get(key, {}).get("mode"):
             parts.append(f"{short} {after.get(key, {}).get('mode')}")
     return ", ".join(parts)
+
+
+def _same_folder(first: str, second: str) -> bool:
+    return Path(first).resolve() == Path(second).resolve()
 
 
 class RunPanel(QWidget):
@@ -92,33 +98,25 @@ class RunPanel(QWidget):
         self.export_button.clicked.connect(self.export_run)
         self.ended_run: str | None = None
         """The folder of the last run that ended with an adapter (what Export… exports)."""
-        self.report_status = QLabel("")
+        self.report_status = FittedLabel("", lines=0)
         """Where the before/after report of the run that just ended is: being built, written, or why not."""
         self.open_report_button = QPushButton("Open report")
         self.open_report_button.setToolTip("Base model and tuned side by side on the run's held-out examples")
         self.open_report_button.clicked.connect(lambda: self.open_report_requested.emit(self.ended_run or ""))
         self.open_report_button.hide()
-        self.status = QLabel("Ready: choose a model and a dataset, then Start.")
-        self.status.setWordWrap(True)
-        self.summary = QLabel("")
-        self.summary.setWordWrap(True)
-        self.plan = QLabel("")
+        self.status = FittedLabel("", lines=2)
+        self.summary = FittedLabel("", lines=2)
+        self.plan = FittedLabel("")
         """Before Start: the plan's predicted peak and how long training takes on this machine."""
-        self.plan.setWordWrap(True)
         self.summary.setToolTip(
             "Memory measured during the run (GPU memory reserved, or the process's resident memory on a CPU run) "
             "beside the plan's prediction (the training's tensors alone)"
         )
-        self.error = QLabel("")
-        self.error.setWordWrap(True)
+        self.error = FittedLabel("", lines=2)
         self.error.setStyleSheet(f"color:{ERROR_COLOR}; font-weight:bold")
         self.progress = QProgressBar()
         self.eta = QLabel("")
         self.eta.setFixedWidth(120)
-        # Fixed heights: a label that grows re-lays out the charts below it, and repainting them all at once
-        # blocked the window for over 100 ms on a busy two-core machine.
-        for label, lines in ((self.plan, 1), (self.status, 2), (self.summary, 2), (self.error, 2)):
-            label.setFixedHeight(label.fontMetrics().lineSpacing() * lines + 6)
         self.charts = RunCharts()
         self.gpu_selector = GpuSelector()
         self.warnings = NoticeList()
@@ -140,15 +138,17 @@ class RunPanel(QWidget):
         for button in (self.start_button, self.pause_button, self.resume_button, self.stop_button):
             buttons.addWidget(button)
         buttons.addStretch(1)
-        buttons.addWidget(self.report_status)
-        buttons.addWidget(self.open_report_button)
-        buttons.addWidget(self.export_button)
+        after = QHBoxLayout()  # a row of its own: beside the run's buttons, these went past a small window's edge
+        after.addWidget(self.report_status, 1)
+        after.addWidget(self.open_report_button)
+        after.addWidget(self.export_button)
         progress = QHBoxLayout()
         progress.addWidget(self.progress, 1)
         progress.addWidget(self.eta)
         layout = QVBoxLayout(self)
         layout.addWidget(self.gpu_selector)
         layout.addLayout(buttons)
+        layout.addLayout(after)
         layout.addWidget(self.plan)
         layout.addWidget(self.status)
         layout.addWidget(self.summary)
@@ -240,7 +240,8 @@ class RunPanel(QWidget):
             )
         elif isinstance(event, SpeedChanged):
             label = speed_label(self.speed_state, event.state)
-            if event.step > 0 and label:
+            # a run's first plan (a resumed run's, at its start step too) is where it starts, not a change
+            if event.step > 0 and label and self.speed_state:
                 self.charts.mark_speed_change(event.step, label)
             self.speed_state = event.state
         elif isinstance(event, Notice):
@@ -268,6 +269,24 @@ class RunPanel(QWidget):
             self.show_error(event.message, event.hint)
             self.status.setText(f"The run stopped at step {event.step}.")
 
+    def show_readiness(self, text: str) -> None:
+        """Before the first run, what the guide bar says is next (a step missing, or all ready): never a stale
+        "choose a model" once everything is chosen. After a run, its own status stays."""
+        if text and self.controller.state == rc.IDLE:
+            self.status.setText(text)
+
+    def follow_history(self, records: list[RunRecord]) -> None:
+        """The run list changed: a run that ended here and is gone from it (deleted) has nothing left to open."""
+        if self.ended_run is None or any(_same_folder(record.folder, self.ended_run) for record in records):
+            return
+        name = Path(self.ended_run).name
+        self.ended_run = None
+        self.open_report_button.hide()
+        self.export_button.setEnabled(False)
+        self.report_status.setText("")
+        if not self.controller.active:
+            self.status.setText(f"The run that ended here ({name}) was deleted on the Runs page.")
+
     def report_building(self, folder: str) -> None:
         """The before/after report of ``folder`` is being measured (said only for the run that just ended here)."""
         if folder == self.ended_run:
@@ -281,9 +300,7 @@ class RunPanel(QWidget):
 
     def report_failed(self, folder: str, note: str) -> None:
         if folder == self.ended_run:
-            shown = note if len(note) <= 80 else note[:79] + "…"  # the whole note in the tooltip: a row of buttons
-            self.report_status.setText(f"No before/after report: {shown}")
-            self.report_status.setToolTip(note)
+            self.report_status.setText(f"No before/after report: {note}")
 
     def _on_step(self, event: StepMetrics) -> None:
         self.charts.add_step(event.step, event.loss, event.tokens_per_s)

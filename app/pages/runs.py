@@ -36,6 +36,7 @@ from PySide6.QtWidgets import (
 
 from app.pages.export import ExportDialog
 from app.theme import current_chart_colors, style_plot
+from app.widgets.page_chart import PageChart
 from app.widgets.rename_dialog import RenameDialog
 from app.widgets.tables import read_only_table
 from engine.errors import TuneDeckError
@@ -107,6 +108,9 @@ class RunsView(QWidget):
     resume_requested = Signal(str)
     report_requested = Signal(str)
     """Report: the before/after report of the selected run (its folder), measured first where it has none."""
+    history_changed = Signal(list)
+    """The run list (RunRecords, newest first) after a run was added, renamed, deleted or changed state: the other
+    pages follow it, so none shows a deleted run or an old name."""
 
     def __init__(self, registry: Registry | None = None, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -115,6 +119,7 @@ class RunsView(QWidget):
         self.live = RunSummary()
         """The run going on in this window (the main window passes it on)."""
         self._summaries: dict[str, tuple[tuple[object, ...], RunSummary]] = {}
+        self._history: tuple[tuple[str, str, str, str], ...] | None = None
         self.export_dialog: ExportDialog | None = None
         self.rename_dialog: RenameDialog | None = None
         self.table = self._build_table()
@@ -141,7 +146,7 @@ class RunsView(QWidget):
         return table
 
     def _build_chart(self) -> pg.PlotWidget:
-        chart = pg.PlotWidget(title="Loss of the selected runs")
+        chart = PageChart(title="Loss of the selected runs")
         chart.setLabel("bottom", "step")
         chart.setLabel("left", "loss")
         chart.showGrid(x=True, y=True, alpha=0.2)
@@ -192,6 +197,10 @@ class RunsView(QWidget):
         self._select_ids(chosen)  # rows move when a run is added or deleted: select by id, never by row
         self.table.blockSignals(False)
         self._selection_changed()
+        history = tuple((record.id, record.name, record.folder, record.status) for record in self.records)
+        if history != self._history:
+            self._history = history
+            self.history_changed.emit(list(self.records))
 
     def summary(self, record: RunRecord) -> RunSummary:
         """The run's summary: the live one while this window runs it, else from its folder (read again only when
@@ -255,6 +264,7 @@ class RunsView(QWidget):
     def draw(self, records: list[RunRecord]) -> None:
         """Overlay the train and eval loss of ``records``, one colour per run."""
         self.chart.clear()
+        self.chart.getViewBox().enableAutoRange()  # fitted to the runs now selected
         self.curves: dict[str, LossCurves] = {}
         for index, record in enumerate(records):
             curves = read_curves(record.folder)

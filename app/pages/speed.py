@@ -39,7 +39,7 @@ from engine.config import SpeedConfig
 from engine.events import RunFailed, RunFinished, SpeedChanged, StepMetrics
 
 CHECKPOINT_MODES = ("none", "standard", "offloaded")
-PLANNED_AT_START = "Decided when the run starts, from the model and this GPU"
+PLANNED_AT_START = "Decided when the run starts, from the model and the machine it trains on"
 SHORT_TITLES = {
     ALL: "all on vs all off",
     "metadata_cache": "metadata cache",
@@ -83,7 +83,7 @@ class SpeedPanel(QWidget):
         self.compare_button.clicked.connect(lambda: self.start_compare())
         self.all_button = QPushButton("All on vs all off")
         self.all_button.setToolTip(
-            "TuneDeck's speed switches as chosen for this GPU against all of them off (stock transformers and "
+            "TuneDeck's speed switches as chosen for this machine against all of them off (stock transformers and "
             "peft). Memory savers (checkpointing, chunked MLP, host embedding) stay as they are."
         )
         self.all_button.clicked.connect(lambda: self.start_compare([ALL]))
@@ -239,14 +239,18 @@ class SpeedPanel(QWidget):
 
     def _run_ended_during_compare(self) -> None:
         """The run ended first: what was measured stays, the rest is said, and nothing more is asked of the run."""
-        assert self.compare is not None
-        left = [self.compare.switch, *self.queue]
+        current = self.compare
+        assert current is not None
+        rounds = len(current.result.ratios)  # a switch cut short keeps the rounds it finished, and says so
+        left = [*([] if rounds else [current.switch]), *self.queue]
         self.queue.clear()
         self._finish_switch()
-        names = ", ".join(TITLES.get(name, name) for name in left)
+        parts = [f"{TITLES.get(current.switch, current.switch)} measured over {rounds} of {current.rounds} "
+                 f"round{'s' if current.rounds > 1 else ''}" if rounds else "",
+                 f"{', '.join(TITLES.get(name, name) for name in left)} not measured" if left else ""]  # fmt: skip
         self.compare_status.setText(
-            f"The run ended before Compare finished: {names} not measured in full. A longer run (more steps) "
-            "leaves room to measure every switch."
+            f"The run ended before Compare finished: {'; '.join(part for part in parts if part)}. A longer run "
+            "(more steps) leaves room to measure every switch."
         )
 
     def _finish_switch(self) -> None:

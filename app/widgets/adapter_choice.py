@@ -19,6 +19,7 @@ class AdapterChoice(QComboBox):
 
     def __init__(self) -> None:
         super().__init__()
+        self.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToContents)  # its words follow the run shown
         self.folder: Path | None = None
         """The run whose adapters are listed."""
         self.setToolTip(

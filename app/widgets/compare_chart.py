@@ -16,13 +16,14 @@ from PySide6.QtWidgets import QWidget
 
 from app.background.ab_compare import Measurement
 from app.theme import ERROR_COLOR, current_chart_colors, style_plot
+from app.widgets.page_chart import PageChart
 
 FASTER_COLOR = "#2ca02c"
 SLOWER_COLOR = ERROR_COLOR
 BAR_HEIGHT = 0.6
 
 
-class CompareChart(pg.PlotWidget):
+class CompareChart(PageChart):
     """Speed-up per switch (mean ± spread over rounds) as bars with whiskers."""
 
     def __init__(self, parent: QWidget | None = None) -> None:

@@ -28,6 +28,7 @@ STEP_WIDTH = (150, 260)
 STEP_PADDING = 2 * 10 + 8
 """The style's left and right padding and the button's frame: what the text cannot use of the width."""
 NEXT_LINES = 2
+READY_TEXT = "Ready: model, dataset and recipe are chosen; Start runs them."
 STEP_STYLE = "QPushButton {{ text-align: left; padding: 2px 10px; color: {colour}; }}"
 
 
@@ -132,6 +133,8 @@ class GuideBar(QFrame):
 
     page_requested = Signal(str)
     start_clicked = Signal()
+    ready_changed = Signal(str)
+    """Before a run, what is missing or that all is ready (``ready_text``), each time it changes."""
 
     def __init__(self, steps: Sequence[tuple[str, str, GuidedPage]], controller: Any, state: Any = None) -> None:
         """``steps``: (step name, page title, page); ``controller``: the run controller (active, state_changed);
@@ -142,6 +145,8 @@ class GuideBar(QFrame):
         self.controller = controller
         self.state = state
         self.buttons: list[StepButton] = []
+        self.ready_text = ""
+        """What the next step is before a run (the Run page says the same); "" while a run goes."""
         self.start_button = QPushButton("▶  Start")
         self.start_button.setMinimumHeight(44)
         self.start_button.setStyleSheet("QPushButton { font-size: 15px; font-weight: bold; padding: 0 18px; }")
@@ -179,6 +184,10 @@ class GuideBar(QFrame):
                 button.setStyleSheet(style)
         missing = self.missing()
         running = bool(self.controller.active)
+        said = "" if running else f"Next: {missing[0][1]}" if missing else READY_TEXT
+        if said != self.ready_text:
+            self.ready_text = said
+            self.ready_changed.emit(said)
         self.start_button.setEnabled(not missing and not running)
         if running:
             self.next.show_text(f"{self.run_line()}; watch it on the Run page.")

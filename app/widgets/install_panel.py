@@ -25,6 +25,7 @@ from PySide6.QtWidgets import (
 
 from app.background.worker import ErrorInfo, TaskRunner
 from app.theme import ERROR_COLOR
+from app.widgets.fitted_label import FittedLabel
 
 RUNTIMES = {"ollama": "Install in Ollama", "lmstudio": "Install in LM Studio"}
 
@@ -44,7 +45,7 @@ class InstallPanel(QGroupBox):
         self.report: Any = None  # the last InstallReport (tests read it)
         self.buttons = {runtime: QPushButton(text) for runtime, text in RUNTIMES.items()}
         self.question = QLineEdit(DEFAULT_QUESTION)
-        self.status = QLabel("")
+        self.status = FittedLabel("", lines=0)  # its commands hold long paths: they wrap, never widen the dialog
         self.runtime_label = QLabel("")
         self.tunedeck_label = QLabel("<b>TuneDeck's answer</b>")
         self.runtime_answer = QLabel("")
@@ -83,11 +84,26 @@ class InstallPanel(QGroupBox):
     def set_export(self, run_folder: Path | None, export_folder: Path | None, adapter: str = "best") -> None:
         """The GGUF export to install (None: nothing to install yet, the buttons wait), made from the run's
         ``adapter`` (best or last: TuneDeck's own answer uses the same)."""
+        if run_folder is not None and run_folder != self.run_folder:  # a run's own held-out question, read aside
+            self._ask_from(run_folder)
         self.run_folder, self.export_folder, self.adapter = run_folder, export_folder, adapter
         ready = export_folder is not None and (export_folder / "Modelfile").exists()
+        if export_folder is None:  # nothing exported (or another choice since): no word of an earlier install
+            self.status.setText("")
+            self._show_answers(None)
         for button in self.buttons.values():
             button.setEnabled(ready)
             button.setToolTip("" if ready else "Export a GGUF file first")
+
+    def _ask_from(self, run_folder: Path) -> None:
+        """Put one of the run's held-out questions in the question box (the box keeps what the user typed)."""
+        from engine.export.install import DEFAULT_QUESTION, held_out_question
+
+        def put(question: Any) -> None:
+            if question and self.run_folder == run_folder and self.question.text() in ("", DEFAULT_QUESTION):
+                self.question.setText(str(question))
+
+        self.tasks.start(lambda: held_out_question(run_folder), put, lambda _error: None)
 
     def busy(self) -> bool:
         return self.tasks.busy()

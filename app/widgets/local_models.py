@@ -111,7 +111,8 @@ class LocalModels(QWidget):
                 item.setToolTip(f"{model.path}\n{model.header.describe_types()}")
                 self.table.setItem(index, column, item)
         if models:
-            self.note.setText(f"{len(models)} GGUF models on this computer (double-click one to convert and use it)")
+            count = f"{len(models)} GGUF model" + ("s" if len(models) != 1 else "")
+            self.note.setText(f"{count} on this computer (double-click one to convert and use it)")
         else:
             self.note.setText("No Ollama or LM Studio models on this computer: pick a .gguf file instead.")
 

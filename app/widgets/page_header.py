@@ -13,7 +13,7 @@ PAGE_TEXT = {
     "Model": "The model to fine-tune: the built-in demo, a local folder or a Hugging Face hub id.",
     "Dataset": "The examples to learn from, checked row by row, with the tokens that will be trained.",
     "Setup": "How long and how hard to train: a preset, or every setting under Advanced.",
-    "Recipe": "How long and how hard to train, in plain words, with its memory and time on this card.",
+    "Recipe": "How long and how hard to train, in plain words, with its memory and time on this computer.",
     "Run": "Start, pause and stop the run, and watch its loss, speed and memory live.",
     "Speed": "Each speed optimization, whether it is on here and why; flip one live or measure them.",
     "Report": "Did the fine-tune help, and what did it forget? Base model and tuned side by side on held-out examples.",

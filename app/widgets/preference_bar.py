@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PySide6.QtCore import Signal
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
     QDialog,
     QDialogButtonBox,
@@ -97,11 +97,10 @@ class PreferenceBar(QWidget):
 
     def _layout(self) -> None:
         choices = QHBoxLayout()
-        for side in SIDES:  # each pair of buttons under its pane
-            half = QHBoxLayout()
-            half.addWidget(self.better[side])
-            half.addWidget(self.edit[side])
-            half.addStretch(1)
+        for side in SIDES:  # each pair of buttons under its pane, one above the other: side by side, the four
+            half = QVBoxLayout()  # were wider than the page in the window's smallest size
+            half.addWidget(self.better[side], 0, Qt.AlignmentFlag.AlignLeft)
+            half.addWidget(self.edit[side], 0, Qt.AlignmentFlag.AlignLeft)
             choices.addLayout(half, 1)
         saved = QHBoxLayout()
         saved.addWidget(self.count_label)

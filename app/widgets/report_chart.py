@@ -19,6 +19,7 @@ from PySide6.QtGui import QFontMetrics
 from PySide6.QtWidgets import QWidget
 
 from app.theme import current_chart_colors, style_plot
+from app.widgets.page_chart import PageChart
 
 if TYPE_CHECKING:
     from engine.run.report import RunReport
@@ -60,7 +61,7 @@ def report_figures(report: RunReport) -> list[Figure]:
     return [figure for figure in figures if any(value is not None for value in figure.values)]
 
 
-class ReportChart(pg.PlotWidget):
+class ReportChart(PageChart):
     """Base and tuned side by side, one group of horizontal bars per figure."""
 
     def __init__(self, parent: QWidget | None = None) -> None:

@@ -26,6 +26,7 @@ from PySide6.QtCore import QPointF, QTimer
 from PySide6.QtWidgets import QGridLayout, QLabel, QWidget
 
 from app.theme import current_chart_colors, style_plot
+from app.widgets.page_chart import PageChart
 from engine.run.summary import format_gib, measured_kind
 
 GIB = 1 << 30
@@ -140,7 +141,7 @@ class RunCharts(QWidget):
         self.timer.start()
 
     def _plot(self, title: str, bottom: str, left: str) -> pg.PlotWidget:
-        plot = pg.PlotWidget(title=title)
+        plot = PageChart(title=title)
         plot.setLabel("bottom", bottom)
         if left:
             plot.setLabel("left", left)
@@ -164,6 +165,8 @@ class RunCharts(QWidget):
         self.marks = []
         self.step_peak = 0
         self.peak_line.hide()
+        for plot in (self.loss, self.memory, self.gpu, self.speed):  # each run starts fitted to its own figures
+            plot.getViewBox().enableAutoRange()
         if getattr(self, "mark_readout", None) is not None:
             self._hide_readout()
         self._dirty = set(CHARTS)

@@ -8,14 +8,13 @@ position in the data is just a count of micro-batches, which makes resuming exac
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from engine.config import DataConfig, held_out_count
+from engine.config import DataConfig
 from engine.data.files import Example, load_examples
 from engine.data.packing import (
     PackedBatch,
@@ -25,6 +24,7 @@ from engine.data.packing import (
     pack_examples,
     packing_efficiency,
 )
+from engine.data.split import split_examples
 from engine.data.tokenize import TokenizeReport, ensure_chat_template, tokenize_examples
 from engine.errors import ConfigError, DataError
 from engine.method_facts import facts_for
@@ -47,18 +47,6 @@ class PreparedData:
 
     def eval_batches(self) -> list[PackedBatch]:
         return [collate([self.eval[i] for i in row]) for row in self.eval_rows]
-
-
-def split_held_out(examples: Sequence[Any], fraction: float | None, seed: int) -> tuple[list[Any], list[Any]]:
-    """Held-out examples chosen with the run's seed: ``fraction`` of them, or (None) the automatic count."""
-    n_eval = held_out_count(len(examples)) if fraction is None else max(1, round(len(examples) * fraction))
-    if (fraction is not None and fraction <= 0) or len(examples) < 2 or n_eval == 0:
-        return list(examples), []
-    order = list(range(len(examples)))
-    random.Random(seed).shuffle(order)
-    held_out = set(order[:n_eval])
-    train = [ex for i, ex in enumerate(examples) if i not in held_out]
-    return train, [examples[i] for i in sorted(held_out)]
 
 
 def _report_notices(report: TokenizeReport, config: DataConfig, added_template: bool) -> list[str]:
@@ -105,7 +93,7 @@ def prepare_data(
         eval_raw, eval_format = load_examples(config.eval_path, config.format)
         check_method(eval_format, method, config.eval_path)
     else:
-        train_raw, eval_raw = split_held_out(examples, config.eval_fraction, seed)
+        train_raw, eval_raw = split_examples(examples, config.eval_fraction, seed)
     train, report = _tokenize(tokenizer, [*train_raw, *extra_train], config)
     evaluation, _ = _tokenize(tokenizer, eval_raw, config)
     if not train:

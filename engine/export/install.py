@@ -38,6 +38,7 @@ DEFAULT_QUESTION = "In one sentence, what is the capital of France?"
 ANSWER_TOKENS = 64
 OLLAMA_PORT = 11434
 LMSTUDIO_URL = "http://127.0.0.1:1234"
+LMSTUDIO_SITE = "https://lmstudio.ai"
 LMSTUDIO_URL_VARIABLE = "TUNEDECK_LMSTUDIO_URL"  # another LM Studio server address (its port is a setting there)
 PROBE_SECONDS = 2.0  # "is the server up?": a local server answers at once
 ANSWER_SECONDS = 600.0  # the first question also loads the model into the runtime
@@ -282,6 +283,12 @@ def lmstudio_models_dir(home: Path | None = None) -> Path:
     return home / ".lmstudio" / "models"
 
 
+def lmstudio_installed(home: Path | None = None) -> bool:
+    """Whether LM Studio looks installed here: its folder (today's or the older one) or its ``lms`` command."""
+    home = home or Path.home()
+    return (home / ".lmstudio").is_dir() or (home / ".cache" / "lm-studio").is_dir() or bool(shutil.which("lms"))
+
+
 def _place(source: Path, target: Path) -> str:
     """A hard link to ``source`` at ``target`` (no second copy on the disk), or a copy across disks."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -334,12 +341,20 @@ def install_lmstudio(
     through LM Studio's server when that runs and lists it."""
     files = read_export(folder)
     root = Path(models_dir) if models_dir is not None else lmstudio_models_dir()
+    key = f"tunedeck/{name}"
+    http = _Http(lmstudio_url(url))
+    up = http.up("/v1/models")
+    if not up and models_dir is None and not lmstudio_installed():  # no folder of LM Studio's made for nothing
+        return InstallReport(
+            "LM Studio", key, (), question=question, installed=False,
+            todo=(f"install LM Studio from {LMSTUDIO_SITE}, open it once, then install the export again",),
+            problem=f"LM Studio is not installed on this computer (no {root.parent} folder, no lms command, no "
+            f"server at {http.base}), so nothing was put in its models folder",
+        )  # fmt: skip
     target = root / "tunedeck" / name / files.gguf.name
     how = _place(files.gguf, target)
-    key = f"tunedeck/{name}"
     done = (f"{how} {files.gguf.name} into LM Studio's models folder as {target}",)
-    http = _Http(lmstudio_url(url))
-    if not http.up("/v1/models"):
+    if not up:
         return InstallReport(
             "LM Studio", key, done, question=question,
             todo=(f"open LM Studio: My Models lists {key}; load it (or `lms load {key}`) to chat with it",),
@@ -361,6 +376,28 @@ def install_lmstudio(
 
 
 # ------------------------------------------------------------------------------------------------------ both
+
+
+def held_out_question(run_folder: str | Path, longest: int = 300) -> str | None:
+    """The first of the run's held-out questions no longer than ``longest`` characters, as the run held them out
+    (its data, fraction and seed from ``config.json``): what to ask an installed model, rather than a question the
+    run never trained for. None when the run held nothing out or its data cannot be read."""
+    from engine.config import RunConfig
+    from engine.data.files import load_examples
+    from engine.data.split import first_question, split_examples
+
+    try:
+        config = RunConfig.load(Path(run_folder) / "config.json")
+        data = config.data
+        if data.eval_path:
+            held_out, _ = load_examples(data.eval_path, data.format)
+        else:
+            examples, _ = load_examples(data.path, data.format)
+            held_out = split_examples(examples, data.eval_fraction, config.training.seed)[1]
+    except (TuneDeckError, OSError, ValueError):
+        return None
+    questions = (first_question(example) for example in held_out)
+    return next((question for question in questions if question and len(question) <= longest), None)
 
 
 def tunedeck_answer(run_folder: str | Path, question: str, adapter: str = "best") -> str:

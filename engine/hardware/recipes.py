@@ -17,7 +17,7 @@ from typing import Any
 
 from engine.config import RunConfig
 from engine.hardware.fit_to_data import MEMORY_RANK, FitFacts, fit_to_data
-from engine.hardware.row_lengths import GPU_TOKENS_PER_BATCH, choose_row_lengths
+from engine.hardware.row_lengths import GPU_TOKENS_PER_BATCH, choose_row_lengths, cpu_step_seconds
 from engine.method_facts import facts_for
 
 
@@ -59,7 +59,8 @@ RECIPES: tuple[Recipe, ...] = (
     ),
     Recipe(
         "Quick test",
-        "30 steps with a small adapter: checks that the model, the data and the card work together, in minutes.",
+        "Up to 30 steps (never more than one pass over your data) with a small adapter: checks that the model, "
+        "the data and the card work together, in minutes.",
         {
             "training.max_steps": 30,
             "lora.rank": 8,
@@ -138,7 +139,8 @@ class RecipeEstimate:
     steps: int | None
     """Optimizer steps (None: epochs over a dataset that is not known yet)."""
     seconds: float | None
-    """Training time from the card's throughput (None: no figure for this device, or steps unknown)."""
+    """Training time from the card's throughput, on a CPU from its step time (None: no figure for this device, or
+    steps unknown)."""
     reason: str = ""
     tokens_per_batch: int = 0
     """The tokens of one packed row the estimate is for (an automatic value resolved for the device)."""
@@ -163,6 +165,16 @@ def planned_steps(
         return fit_to_data(facts).max_steps
     rows = math.ceil(dataset_tokens / tokens_per_batch)
     return max(1, math.ceil(training.epochs * rows / training.grad_accum))
+
+
+def cpu_training_seconds(config: RunConfig, shape: Any, steps: int, cpu_cores: int) -> float:
+    """The steps' time on a CPU at the planner's step time for the model and the row, with the threads a run
+    started from the app trains with (all cores but one)."""
+    from engine.run.background import training_threads
+
+    threads = training_threads(cpu_cores)
+    step_s = cpu_step_seconds(shape, config.data.tokens_per_batch, threads, config.model.qlora)
+    return steps * config.training.grad_accum * step_s
 
 
 def estimate_recipe(
@@ -208,4 +220,6 @@ def estimate_recipe(
     rate = profile.tokens_per_second
     tokens = None if steps is None else steps * config.data.tokens_per_batch * config.training.grad_accum
     seconds = tokens / rate if tokens and rate else None
+    if not device.is_gpu and steps:
+        seconds = cpu_training_seconds(config, shape, steps, device.cpu_cores)
     return RecipeEstimate(True, plan.estimate.peak, plan.budget_bytes, steps, seconds, "", rows.tokens_per_batch)

@@ -1,12 +1,13 @@
 """How long a run's training takes on this machine: before Start, while it runs, and how close that was.
 
-Before Start the estimate comes from runs measured here: earlier runs of the same model on this GPU class (the same
-card first), their mean tokens/s over the steps they took plus what they spent beside the steps (evaluations,
-checkpoints, the final save). Without such a run, TuneDeck's own measured rows of the GPU class (:data:`MEASURED_ROWS`)
-stand in, then the planner's throughput for the card (its rated tensor throughput at the utilisation measured on the
-H200); on a CPU with no earlier run there is none until the run's first steps. Once steps are timed, the run's own
-recent pace replaces it, updated every step. When training ends, the first estimate the user saw is set beside the
-time it took. Pure functions on plain values; Qt-free.
+Before Start the estimate comes from runs measured here: earlier runs of the same model and training method on
+this GPU class (the same card first), their mean tokens/s over the steps they took, scaled to this run's steps (a
+step's own time: pauses, loading and a later rename are not in it). Without such a run, TuneDeck's own measured
+rows of the GPU class (:data:`MEASURED_ROWS`) stand in, then the planner's figure: the card's rated tensor
+throughput at the utilisation measured on the H200, or on a CPU its step time for the model and the row
+(engine.hardware.row_lengths.cpu_step_seconds). Once steps are timed, the run's own recent pace replaces it,
+updated every step. When training ends, the first estimate the user saw is set beside the time it took. Pure
+functions on plain values; Qt-free.
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ class MeasuredRow:
     qlora: bool
     tokens_per_batch: int
     tokens_per_s: float
-    """Mean tokens/s over the run's steps."""
-    overhead_s: float = 0.0
-    """Time the run spent beside its steps (evaluations, checkpoints, the final save)."""
+    """Mean tokens/s over the run's steps (their own time: pauses and evaluations are not in it)."""
+    method: str = "sft"
+    """The training method ("sft", "dpo"): a preference step reads two answers, so its pace is its own."""
     measured_by_tunedeck: bool = False
     """A row of TuneDeck's benchmarks (:data:`MEASURED_ROWS`), not a run on this machine."""
 
@@ -93,12 +94,14 @@ def before_start(
     qlora: bool,
     rows: Iterable[MeasuredRow],
     planner_tokens_per_s: float | None,
+    method: str = "sft",
 ) -> TimeEstimate:
-    """The training time of ``steps`` steps of ``tokens_per_step`` tokens, before the run starts."""
+    """The training time of ``steps`` steps of ``tokens_per_step`` tokens, before the run starts: the steps at the
+    pace measured here or by TuneDeck, else at the planner's."""
     if not steps:
         return TimeEstimate(None, "known once the dataset's size is", "none")
     key = model_key(model)
-    here = [row for row in rows if row.gpu_class == gpu_class and model_key(row.model) == key]
+    here = [row for row in rows if row.gpu_class == gpu_class and model_key(row.model) == key and row.method == method]
     same_model = here or [row for row in MEASURED_ROWS if row.gpu_class == gpu_class and row.model == key]
     same_card = [row for row in same_model if row.gpu_name == gpu_name] or same_model
     matching = [row for row in same_card if row.qlora == qlora] or same_card
@@ -106,13 +109,14 @@ def before_start(
         chosen = _nearest(matching, tokens_per_step)
         # a step's time at the measured speed; an automatic row length (0) takes the measured runs' own
         step_s = statistics.median((tokens_per_step or row.tokens_per_batch) / row.tokens_per_s for row in chosen)
-        overhead = statistics.median(row.overhead_s for row in chosen)
         if not here:
-            return TimeEstimate(steps * step_s, "from TuneDeck's measured steps on this GPU class", "measured")
+            where = "on this CPU class" if gpu_class == "cpu" else "on this GPU class"
+            return TimeEstimate(steps * step_s, f"from TuneDeck's measured steps {where}", "measured")
         runs = f"{len(chosen)} earlier run{'s' if len(chosen) > 1 else ''}"
-        return TimeEstimate(steps * step_s + overhead, f"from {runs} of this model here", "measured")
+        return TimeEstimate(steps * step_s, f"from {runs} of this model here", "measured")
     if planner_tokens_per_s and tokens_per_step:
-        return TimeEstimate(steps * tokens_per_step / planner_tokens_per_s, "from the planner's figure for this card",
+        device = "this computer's CPU" if gpu_class == "cpu" else "this card"
+        return TimeEstimate(steps * tokens_per_step / planner_tokens_per_s, f"from the planner's figure for {device}",
                             "planner")  # fmt: skip
     return NO_ESTIMATE
 

@@ -204,7 +204,8 @@ def state_of_record(status: str, message: str | None) -> str:
 
 def measured_rows(records: Iterable[Any]) -> list[MeasuredRow]:
     """Throughput rows of the finished runs in the registry's ``records`` (RunRecord), for time estimates: each
-    run's configured tokens per step over its mean step time, and its time beside the steps."""
+    run's configured tokens per step over its mean step time (the steps' own time: a pause, the model's loading or
+    a later rename moves the record's clock, never a step's)."""
     rows = []
     for record in records:
         if record.status != "finished":
@@ -219,9 +220,9 @@ def measured_rows(records: Iterable[Any]) -> list[MeasuredRow]:
             continue
         gpu_class, gpu_name = gpu_class_of(record.hardware or {})
         rate = tokens_per_step * summary.steps_timed / summary.step_seconds
-        overhead = max(0.0, (record.updated - record.created) - summary.step_seconds)
+        method = str(training.get("method") or "sft")
         rows.append(MeasuredRow(gpu_class, gpu_name, str(model.get("name", record.model)), bool(model.get("qlora")),
-                                tokens_per_step, rate, overhead))  # fmt: skip
+                                tokens_per_step, rate, method))  # fmt: skip
     return rows
 
 

@@ -14,7 +14,8 @@ from typing import Any
 from engine.config import DataConfig
 from engine.data.files import read_rows
 from engine.data.packing import IGNORE_INDEX, TokenizedExample
-from engine.data.prepare import PreparedData, split_held_out
+from engine.data.prepare import PreparedData
+from engine.data.split import split_examples
 from engine.data.tokenize import ensure_chat_template
 from engine.errors import DataError
 
@@ -102,7 +103,7 @@ def prepare_prompts(config: DataConfig, tokenizer: Any, seed: int) -> PromptData
     if config.eval_path:
         train, held_out = prompts, read_prompts(config.eval_path, tokenizer)
     else:
-        train, held_out = split_held_out(prompts, config.eval_fraction, seed)
+        train, held_out = split_examples(prompts, config.eval_fraction, seed)
     notices = []
     longest = config.max_seq_len
     if longest:
