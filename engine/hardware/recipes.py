@@ -170,9 +170,7 @@ def planned_steps(
 def cpu_training_seconds(config: RunConfig, shape: Any, steps: int, cpu_cores: int) -> float:
     """The steps' time on a CPU at the planner's step time for the model and the row, with the threads a run
     started from the app trains with (all cores but one)."""
-    from engine.run.background import training_threads
-
-    threads = training_threads(cpu_cores)
+    threads = max(1, cpu_cores - 1)  # engine.run.background.training_threads: one core stays with the window
     step_s = cpu_step_seconds(shape, config.data.tokens_per_batch, threads, config.model.qlora)
     return steps * config.training.grad_accum * step_s
 
