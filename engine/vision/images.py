@@ -1,0 +1,94 @@
+"""Opening the pictures of a dataset: every one is checked before training, and fitted to the pixel budget.
+
+A missing, unreadable, truncated or enormous image stops the run before its first step, naming the data file, the
+row and the image (an error at step 4,000 of a night's run costs the night). "Enormous" is more pixels than
+:data:`MAX_IMAGE_PIXELS` (a 100-megapixel scan, or a decompression bomb: a few kilobytes of PNG that unpack to
+gigabytes), checked from the header before any pixel is decoded. An image over the run's pixel budget is scaled
+down, keeping its aspect ratio, before the processor sees it; the processor then resizes it the way its model
+expects (tiles, patches of 28 pixels...).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.errors import DataError
+
+MAX_IMAGE_PIXELS = 64_000_000
+"""Above this an image is refused, not resized: decoding it alone takes hundreds of megabytes (RGB, 3 bytes a pixel)."""
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """An image a row names: the file, and where it was named (for errors)."""
+
+    path: Path
+    data_file: str
+    row: int
+    named: str
+    """The image as the row wrote it (a path relative to the data file, usually)."""
+
+    def problem(self, message: str, hint: str | None = None) -> DataError:
+        return DataError(f"image {self.named!r} ({self.path}): {message}", path=self.data_file, row=self.row, hint=hint)
+
+
+def check_image(ref: ImageRef) -> tuple[int, int]:
+    """The image's (width, height) once it opens and decodes whole; a :class:`DataError` naming it otherwise."""
+    image = _open(ref)
+    try:
+        image.load()
+    except OSError as err:  # Pillow: "image file is truncated", broken data streams
+        raise ref.problem(f"cannot be decoded ({err})", hint="the file is damaged or cut short; export it again")
+    finally:
+        image.close()
+    return image.size
+
+
+def load_image(ref: ImageRef, max_pixels: int) -> Any:
+    """The image in RGB, scaled down to at most ``max_pixels`` pixels (aspect ratio kept)."""
+    image = _open(ref)
+    try:
+        rgb = image.convert("RGB")
+    except OSError as err:
+        raise ref.problem(f"cannot be decoded ({err})", hint="the file is damaged or cut short; export it again")
+    finally:
+        image.close()
+    return fit_to_budget(rgb, max_pixels)
+
+
+def fit_to_budget(image: Any, max_pixels: int) -> Any:
+    """``image`` scaled down (Lanczos) so that width x height <= ``max_pixels``; unchanged when it already fits."""
+    from PIL import Image
+
+    width, height = image.size
+    if width * height <= max_pixels:
+        return image
+    scale = math.sqrt(max_pixels / (width * height))
+    size = (max(1, math.floor(width * scale)), max(1, math.floor(height * scale)))
+    return image.resize(size, Image.Resampling.LANCZOS)
+
+
+def _open(ref: ImageRef) -> Any:
+    from PIL import Image, UnidentifiedImageError
+
+    if not ref.path.is_file():
+        raise ref.problem("no such file", hint="image paths are relative to the data file's folder")
+    try:
+        image = Image.open(ref.path)
+    except UnidentifiedImageError:
+        raise ref.problem("is not an image Pillow can read", hint="use PNG, JPEG, WebP, GIF, BMP or TIFF") from None
+    except Image.DecompressionBombError as err:
+        raise ref.problem(f"is enormous ({err})", hint="scale it down before training") from None
+    except OSError as err:
+        raise ref.problem(f"cannot be read ({err.strerror or err})") from None
+    width, height = image.size
+    if width * height > MAX_IMAGE_PIXELS:
+        image.close()
+        raise ref.problem(
+            f"is enormous: {width}x{height} pixels, over the limit of {MAX_IMAGE_PIXELS // 1_000_000} megapixels",
+            hint="scale it down before training",
+        )
+    return image
