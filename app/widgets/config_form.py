@@ -37,6 +37,7 @@ SECTION_TITLES = {
     "training": "Training",
     "speed": "Speed optimizations",
     "dpo": "Preference tuning (DPO)",
+    "vision": "Images (vision-language models)",
     "output": "Output folder",
 }
 MAIN_TITLE = "Main settings"

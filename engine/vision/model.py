@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 
-from engine.config import LoraConfig, ModelConfig
+from engine.config import ModelConfig, RunConfig
 from engine.errors import ModelLoadError
 from engine.model.load import _hub_kwargs, _load_error, prepare_quantized_for_training, resolve_model
 from engine.vision.families import VisionFamily, family_of, frozen_parts, is_vision_config, lora_targets
+from engine.vision.speed import checkpointing_on
 
 
 def model_config_dict(name: str) -> dict[str, Any] | None:
@@ -79,9 +80,8 @@ def _images_only_processor(location: str, config: ModelConfig, err: Exception) -
         images = AutoImageProcessor.from_pretrained(location, backend="pil", **_hub_kwargs(config))
     except Exception:
         raise _processor_error(location, err) from err
-    images_only = type(
-        f"{processor_class.__name__}ForImages", (processor_class,), {"check_argument_for_proper_class": _skip_absent}
-    )
+    methods = {"check_argument_for_proper_class": _skip_absent, "save_pretrained": _save_parts}
+    images_only = type(f"{processor_class.__name__}ForImages", (processor_class,), methods)
     return images_only(image_processor=images, tokenizer=tokenizer, chat_template=tokenizer.chat_template)
 
 
@@ -99,6 +99,86 @@ def _skip_absent(self: Any, argument_name: str, argument: Any) -> Any:
     return super(type(self), self).check_argument_for_proper_class(argument_name, argument)
 
 
+def _save_parts(self: Any, folder: str | Path, **kwargs: Any) -> list[str]:
+    """Save the parts an images-only processor has: the tokenizer (with the chat template) and the image processor."""
+    self.tokenizer.chat_template = self.chat_template
+    return [*self.tokenizer.save_pretrained(folder, **kwargs), *self.image_processor.save_pretrained(folder, **kwargs)]
+
+
 def _processor_error(location: str, err: Exception) -> ModelLoadError:
     message = str(err).splitlines()[0] if str(err) else type(err).__name__
     return ModelLoadError(f"cannot load the processor of {location}: {message}")
+
+
+def load_vision_model(config: ModelConfig, family: VisionFamily, device: torch.device, dtype: torch.dtype) -> Any:
+    """The frozen base model on ``device``; under QLoRA its language model in 4-bit NF4, the vision tower and
+    projector left in ``dtype``."""
+    from transformers import AutoModelForImageTextToText
+
+    source = resolve_model(config.name, dtype)
+    kwargs: dict[str, Any] = {"dtype": dtype, "use_safetensors": True, **_hub_kwargs(config)}
+    if config.qlora:
+        kwargs["quantization_config"] = _quantization(dtype, family)
+        kwargs["device_map"] = {"": device}
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(source.location, **kwargs)
+    except Exception as err:
+        raise _load_error(source, "model", err) from err
+    if not config.qlora:
+        model.to(device)
+    model.config.use_cache = False
+    return model
+
+
+def _quantization(dtype: torch.dtype, family: VisionFamily) -> Any:
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=dtype,
+        llm_int8_skip_modules=[*frozen_parts(family), "lm_head"],
+    )
+
+
+def with_lora(model: Any, family: VisionFamily, config: RunConfig, device: torch.device) -> Any:
+    """``model`` frozen, with a fresh LoRA adapter on the language model's linear layers (and with
+    ``vision.adapt_vision`` on the vision tower's and projector's too); recompute on where the run wants it."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    if config.model.qlora:
+        model = prepare_quantized_for_training(model, config_dtype(model))
+    for param in model.parameters():
+        param.requires_grad_(False)
+    targets = _targets(model, family, config)
+    if checkpointing_on(config.speed, device):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    sized = config.lora.sized()
+    peft_config = PeftLoraConfig(
+        r=sized.rank,
+        lora_alpha=sized.alpha,  # type: ignore[arg-type]  # peft annotates int; a float alpha works
+        lora_dropout=config.lora.dropout,
+        target_modules=targets,
+    )
+    return get_peft_model(model, peft_config)
+
+
+def _targets(model: Any, family: VisionFamily, config: RunConfig) -> list[str]:
+    modules = [(name, type(module).__name__) for name, module in model.named_modules()]
+    targets = lora_targets(family, modules, config.vision.adapt_vision)
+    wanted = config.lora.target_modules
+    if wanted != ["all-linear"]:  # named projections (q_proj, v_proj...) within the parts LoRA adapts
+        targets = [name for name in targets if name.rpartition(".")[2] in wanted]
+    if not targets:
+        raise ModelLoadError(
+            f"no linear layer of this {family.label} model matches lora.target_modules {wanted}",
+            hint="use all-linear, or names of the language model's projections (q_proj, v_proj...)",
+        )
+    return targets
+
+
+def config_dtype(model: Any) -> torch.dtype:
+    """The dtype the model computes in (its embeddings')."""
+    return model.get_input_embeddings().weight.dtype  # type: ignore[no-any-return]
