@@ -87,7 +87,7 @@ def _parse(text: str, path: Path, row: int | None) -> Any:
 
 
 def _chat_example(row: Any, path: Path, index: int) -> VisionExample:
-    where = {"path": str(path), "row": index}
+    where: dict[str, Any] = {"path": str(path), "row": index}
     messages = row.get("messages") if isinstance(row, dict) else None
     if not isinstance(messages, list) or not messages:
         raise DataError("a row needs a non-empty 'messages' list", field="messages", **where)
@@ -144,7 +144,7 @@ def _folder_examples(folder: Path) -> list[VisionExample]:
 
 
 def _captioned(row: Any, labels: Path, index: int) -> VisionExample:
-    where = {"path": str(labels), "row": index}
+    where: dict[str, Any] = {"path": str(labels), "row": index}
     if not isinstance(row, dict):
         raise DataError("each row must be an object with an image and its text", **where)
     image = _first(row, IMAGE_COLUMNS)

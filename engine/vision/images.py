@@ -44,7 +44,8 @@ def check_image(ref: ImageRef) -> tuple[int, int]:
         raise ref.problem(f"cannot be decoded ({err})", hint="the file is damaged or cut short; export it again")
     finally:
         image.close()
-    return image.size
+    width, height = image.size
+    return int(width), int(height)
 
 
 def load_image(ref: ImageRef, max_pixels: int) -> Any:

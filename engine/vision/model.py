@@ -125,7 +125,7 @@ def load_vision_model(config: ModelConfig, family: VisionFamily, device: torch.d
     except Exception as err:
         raise _load_error(source, "model", err) from err
     if not config.qlora:
-        model.to(device)
+        model.to(device)  # type: ignore[arg-type]  # transformers' stubs type .to() for the module, not a device
     model.config.use_cache = False
     return model
 

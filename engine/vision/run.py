@@ -119,7 +119,7 @@ def _on_device(session: VisionSession, inputs: dict[str, torch.Tensor]) -> dict[
     }
 
 
-def summed_loss(session: VisionSession, rows: list[int], examples: list[Any]) -> tuple[torch.Tensor, int]:
+def summed_loss(session: VisionSession, rows: list[list[int]], examples: list[Any]) -> tuple[torch.Tensor, int]:
     """The summed cross-entropy over the learned tokens of ``rows`` (micro-batches of ``examples``), and their count."""
     total = torch.zeros((), device=session.device)
     count = 0
@@ -139,7 +139,7 @@ def train_step(session: VisionSession) -> StepMetrics:
     """One optimizer step over ``grad_accum`` micro-batches."""
     began = time.perf_counter()
     vram.reset_step_peak(session.device)
-    rows = []
+    rows: list[list[int]] = []
     for _ in range(session.config.training.grad_accum):
         rows.append(session.rows[session.schedule.row(session.micro_batches)])
         session.micro_batches += 1
@@ -164,7 +164,7 @@ def train_step(session: VisionSession) -> StepMetrics:
         total_steps=session.total_steps,
         epoch=session.schedule.epoch(session.micro_batches),
         loss=session.last_loss,
-        learning_rate=learning_rate,
+        learning_rate=float(learning_rate),
         grad_norm=grad_norm,
         tokens=tokens,
         trained_tokens=learned,

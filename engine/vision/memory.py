@@ -1,0 +1,68 @@
+"""What the pictures add to a run's memory: the vision tower's weights and the image tokens each example carries.
+
+The planner (engine.hardware.planner) sizes text runs from the language model's shape and the tokens of a
+micro-batch. A vision-language run adds the vision tower and projector (frozen: weights only, no optimizer state
+unless ``vision.adapt_vision``) and, per image, the tower's activations over its patches and the image tokens the
+language model then carries like text tokens. Those figures come from the model's config and the pixel budget.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from engine.vision.families import VisionFamily
+
+
+@dataclass(frozen=True)
+class VisionMemory:
+    """The vision part of a run's memory, in bytes, and the image tokens one image adds to a row."""
+
+    tower_params: int
+    tower_bytes: int
+    image_tokens: int
+    """Tokens one image at the pixel budget adds to the language model's sequence (Mllama: cross-attention states)."""
+    patches: int
+    """Patches the vision tower runs over for one image (its own sequence length)."""
+    activation_bytes: int
+    """The tower's saved activations for one image (roughly 16 hidden-size tensors a layer per patch)."""
+
+
+def tower_params(vision: Mapping[str, Any]) -> int:
+    """Parameters of a ViT from its config: per layer 4 h^2 (attention) + 2 h x intermediate (MLP)."""
+    hidden = int(vision.get("hidden_size", 0))
+    inter = int(vision.get("intermediate_size", 4 * hidden))
+    layers = int(vision.get("num_hidden_layers", vision.get("depth", 0))) + int(vision.get("num_global_layers", 0))
+    return layers * (4 * hidden * hidden + 2 * hidden * inter)
+
+
+def image_cost(config: Mapping[str, Any], family: VisionFamily, max_pixels: int) -> tuple[int, int]:
+    """(image tokens, tower patches) one image at ``max_pixels`` costs."""
+    vision = config.get("vision_config", {})
+    patch = int(vision.get("patch_size", 14))
+    if family.label.startswith("Qwen"):
+        merge = int(vision.get("spatial_merge_size", 2))
+        patches = max_pixels // (patch * patch)
+        return patches // (merge * merge), patches
+    side = int(vision.get("image_size", 224))
+    per_tile = (side // patch) ** 2
+    if family.label.startswith("Gemma"):
+        return int(config.get("mm_tokens_per_image", 256)), per_tile
+    if family.label.startswith("Llama"):
+        tiles = min(int(vision.get("max_num_tiles", 4)), max(1, math.ceil(max_pixels / (side * side))))
+        return tiles * (per_tile + 1), tiles * (per_tile + 1)
+    tiles = min(17, max(1, math.ceil(max_pixels / (side * side)))) + (1 if max_pixels > side * side else 0)
+    scale = int(config.get("scale_factor", 1))
+    return tiles * per_tile // (scale * scale), tiles * per_tile
+
+
+def vision_memory(config: Mapping[str, Any], family: VisionFamily, max_pixels: int, dtype_bytes: int) -> VisionMemory:
+    """The vision tower's weights and one image's tokens and tower activations for a model's ``config``."""
+    vision = config.get("vision_config", {})
+    params = tower_params(vision)
+    tokens, patches = image_cost(config, family, max_pixels)
+    hidden = int(vision.get("hidden_size", 0))
+    layers = int(vision.get("num_hidden_layers", vision.get("depth", 0)))
+    return VisionMemory(params, params * dtype_bytes, tokens, patches, 16 * patches * hidden * layers * dtype_bytes)
