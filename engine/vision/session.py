@@ -30,6 +30,11 @@ from engine.vision.model import load_processor, load_vision_model, with_lora
 from engine.vision.speed import speed_notes
 
 
+AUTOMATIC_TOKENS = 4096
+"""``data.max_seq_len`` and ``data.tokens_per_batch`` when left automatic (0): image tokens make rows long, and an
+image cannot be cut, so examples up to this length are kept and padded micro-batches hold up to this many tokens."""
+
+
 @dataclass
 class VisionSession:
     """Everything a vision-language run holds while it trains."""
@@ -77,13 +82,14 @@ def start_vision(config: RunConfig, run_dir: Path, family: VisionFamily) -> Gene
     pictures = check_images([*train_raw, *eval_raw])
     processor = load_processor(config.model)
     budget = config.vision.max_pixels or family.max_pixels
-    train, dropped = _encoded(processor, train_raw, budget, config.data.max_seq_len)
-    evaluation, _ = _encoded(processor, eval_raw, budget, config.data.max_seq_len)
+    max_len = config.data.max_seq_len or AUTOMATIC_TOKENS
+    train, dropped = _encoded(processor, train_raw, budget, max_len)
+    evaluation, _ = _encoded(processor, eval_raw, budget, max_len)
     if not train:
         raise DataError("no usable training examples are left after tokenization", path=config.data.path)
     yield Notice(f"{family.label}: {pictures} images checked, each scaled to at most {budget:,} pixels")
     if dropped:
-        yield Notice(f"{dropped} example(s) longer than {config.data.max_seq_len} tokens were dropped")
+        yield Notice(f"{dropped} example(s) longer than {max_len} tokens (images included) were dropped")
     yield Notice(
         "rows are padded, not packed: an example's image tokens must not meet another example's, and the image "
         "attention masks are built per example"
@@ -105,7 +111,8 @@ def _session(
     evaluation: list[EncodedExample],
     budget: int,
 ) -> VisionSession:
-    rows = padded_rows(train, config.data.tokens_per_batch)
+    tokens_per_batch = config.data.tokens_per_batch or AUTOMATIC_TOKENS
+    rows = padded_rows(train, tokens_per_batch)
     training = config.training
     optimizer = adamw(
         [p for p in model.parameters() if p.requires_grad], training.learning_rate, training.weight_decay,
@@ -118,7 +125,7 @@ def _session(
     )
     return VisionSession(
         config, run_dir, device, family, processor, model, train, evaluation, rows,
-        padded_rows(evaluation, config.data.tokens_per_batch), optimizer, scheduler, total_steps, budget,
+        padded_rows(evaluation, tokens_per_batch), optimizer, scheduler, total_steps, budget,
     )  # fmt: skip
 
 
