@@ -58,3 +58,27 @@ def test_the_memory_plan_counts_the_vision_tower_and_image_tokens(family: str, t
     if family == "qwen2_5_vl":  # dynamic resolution: more pixels, more tokens (one per 28x28)
         assert large.image_tokens == 512 * 512 // (28 * 28)
     json.dumps(small.__dict__)
+
+
+def test_the_step_estimate_adds_the_tower_and_the_image_tokens() -> None:
+    from engine.hardware.planner import TrainSetup
+    from engine.vision.memory import vision_step_estimate
+
+    config = {  # a Qwen2.5-VL-3B-class shape
+        "model_type": "qwen2_5_vl",
+        "text_config": {"hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36,
+                        "num_attention_heads": 16, "num_key_value_heads": 2, "vocab_size": 151936},
+        "vision_config": {"hidden_size": 1280, "intermediate_size": 3420, "depth": 32, "patch_size": 14,
+                          "spatial_merge_size": 2},
+    }  # fmt: skip
+    setup = TrainSetup(tokens=512, checkpointing="standard")
+    none = vision_step_estimate(config, QWEN_VL, setup, images_per_row=0, max_pixels=1024 * 28 * 28)
+    one = vision_step_estimate(config, QWEN_VL, setup, images_per_row=1, max_pixels=1024 * 28 * 28)
+    four = vision_step_estimate(config, QWEN_VL, setup, images_per_row=4, max_pixels=1024 * 28 * 28)
+    adapted = vision_step_estimate(
+        config, QWEN_VL, setup, images_per_row=1, max_pixels=1024 * 28 * 28, adapt_vision=True
+    )
+    assert one.parts["image_tokens"] == 1024 and four.parts["image_tokens"] == 4096
+    assert 0.4e9 < one.parts["vision_tower"] < 1.6e9  # a ~0.6B-parameter tower in 16 bits
+    assert none.peak < one.peak < four.peak
+    assert adapted.peak > one.peak  # an adapted tower keeps its activations for backward

@@ -55,7 +55,7 @@ def test_only_the_answer_is_learned_never_an_image_token(processor: Any, tmp_pat
 
 def test_a_batch_pads_examples_and_keeps_their_labels(processor: Any, tmp_path: Path) -> None:
     examples = load_vision_examples(chat_rows(tmp_path))
-    long = examples[2].messages[:-1] + ({"role": "assistant", "content": "red and a much longer answer here"},)
+    long = (*examples[2].messages[:-1], {"role": "assistant", "content": "red and a much longer answer here"})
     examples[2] = type(examples[2])(long, examples[2].images, examples[2].data_file, examples[2].row)
     encoded = [encode(processor, example, 64 * 64) for example in examples]
     inputs = batch(processor, encoded, 64 * 64)

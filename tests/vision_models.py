@@ -42,8 +42,9 @@ MLLAMA_TEMPLATE = (
 TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 
-def tokenizer_with(specials: list[str], **kwargs: Any) -> Any:
-    """A small byte-level BPE tokenizer whose special tokens include the family's image tokens."""
+def tokenizer_with(specials: list[str], corpus: tuple[str, ...] = (), **kwargs: Any) -> Any:
+    """A small byte-level BPE tokenizer whose special tokens include the family's image tokens (``corpus``: more
+    text to learn its merges from, so that a task's words become single tokens)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -53,7 +54,7 @@ def tokenizer_with(specials: list[str], **kwargs: Any) -> Any:
     trainer = trainers.BpeTrainer(
         vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
-    tokenizer.train_from_iterator(CORPUS * 4, trainer)
+    tokenizer.train_from_iterator([*CORPUS, *corpus] * 4, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **kwargs)
 
 
@@ -121,13 +122,13 @@ def gemma3() -> tuple[Any, Any, Any]:
     return Gemma3ForConditionalGeneration(config), processor, None
 
 
-def idefics3() -> tuple[Any, Any, Any]:
+def idefics3(corpus: tuple[str, ...] = (), **text: Any) -> tuple[Any, Any, Any]:
     from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
     grid = [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
     specials = ["<|endoftext|>", "<end_of_utterance>", "<fake_token_around_image>", "<image>", "<global-img>", *grid]
-    tokenizer = tokenizer_with(specials, eos_token="<end_of_utterance>", pad_token="<|endoftext|>")
+    tokenizer = tokenizer_with(specials, corpus, eos_token="<end_of_utterance>", pad_token="<|endoftext|>")
     processor = Idefics3Processor(
         image_processor=Idefics3ImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32}),
         tokenizer=tokenizer,
@@ -136,7 +137,11 @@ def idefics3() -> tuple[Any, Any, Any]:
     )
     config = Idefics3Config(
         text_config=dict(
-            model_type="llama", vocab_size=len(tokenizer), max_position_embeddings=512, pad_token_id=0, **TEXT
+            model_type="llama",
+            vocab_size=len(tokenizer),
+            max_position_embeddings=512,
+            pad_token_id=0,
+            **{**TEXT, **text},
         ),
         vision_config=dict(
             hidden_size=32,

@@ -227,7 +227,6 @@ def model_slug(name: str) -> str:
 def _check_family(run_folder: Path, adapter: str) -> None:
     """Refuse an unsupported family before the (slow) merge, when the base model's config can be read."""
     from engine.config import RunConfig
-
     from engine.vision.export import refuse_gguf, run_vision_family
 
     _run_adapter(run_folder, adapter)

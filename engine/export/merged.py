@@ -161,7 +161,6 @@ def merged_model(run_folder: str | Path, dtype: str = "bfloat16", adapter: str =
     from transformers import AutoTokenizer
 
     from engine.model.load import DTYPES, load_base_model
-
     from engine.vision.export import merged_vision_model, run_vision_family
 
     run_folder = Path(run_folder)

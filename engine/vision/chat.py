@@ -57,7 +57,7 @@ def answer(
 def ask_about_image(
     model: Any, processor: Any, image: str | Path, prompt: str, max_pixels: int, tuned: bool = True
 ) -> str:
-    """The reply to ``prompt`` about the picture in ``image`` (the Chat page's question), with or without the adapter."""
+    """The reply to ``prompt`` about the picture in ``image`` (a Chat question), with or without the adapter."""
     picture = load_image(ImageRef(Path(image), str(image), 1, str(image)), max_pixels)
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
     with _adapter(model, tuned):

@@ -21,6 +21,9 @@ MAX_IMAGE_PIXELS = 64_000_000
 """Above this an image is refused, not resized: decoding it alone takes hundreds of megabytes (RGB, 3 bytes a pixel)."""
 
 
+DAMAGED = "the file is damaged or cut short; export it again"
+
+
 @dataclass(frozen=True)
 class ImageRef:
     """An image a row names: the file, and where it was named (for errors)."""
@@ -41,7 +44,9 @@ def check_image(ref: ImageRef) -> tuple[int, int]:
     try:
         image.load()
     except OSError as err:  # Pillow: "image file is truncated", broken data streams
-        raise ref.problem(f"cannot be decoded ({err})", hint="the file is damaged or cut short; export it again")
+        raise ref.problem(
+            f"cannot be decoded ({err})", hint="the file is damaged or cut short; export it again"
+        ) from err
     finally:
         image.close()
     width, height = image.size
@@ -54,7 +59,9 @@ def load_image(ref: ImageRef, max_pixels: int) -> Any:
     try:
         rgb = image.convert("RGB")
     except OSError as err:
-        raise ref.problem(f"cannot be decoded ({err})", hint="the file is damaged or cut short; export it again")
+        raise ref.problem(
+            f"cannot be decoded ({err})", hint="the file is damaged or cut short; export it again"
+        ) from err
     finally:
         image.close()
     return fit_to_budget(rgb, max_pixels)

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from engine.vision.families import VisionFamily
+from engine.hardware.planner import MemoryEstimate, TrainSetup, estimate_memory
+from engine.vision.families import MLLAMA, VisionFamily
 
 
 @dataclass(frozen=True)
@@ -66,3 +67,32 @@ def vision_memory(config: Mapping[str, Any], family: VisionFamily, max_pixels: i
     hidden = int(vision.get("hidden_size", 0))
     layers = int(vision.get("num_hidden_layers", vision.get("depth", 0)))
     return VisionMemory(params, params * dtype_bytes, tokens, patches, 16 * patches * hidden * layers * dtype_bytes)
+
+
+def vision_step_estimate(
+    config: Mapping[str, Any],
+    family: VisionFamily,
+    setup: TrainSetup,
+    *,
+    images_per_row: int,
+    max_pixels: int,
+    adapt_vision: bool = False,
+) -> MemoryEstimate:
+    """The planner's estimate (engine.hardware.planner) for a padded micro-batch of ``setup.tokens`` text tokens and
+    ``images_per_row`` images: the language model over text and image tokens (the stock loss over padded rows,
+    no packed-text switches), plus the vision tower's weights, and its saved activations where LoRA adapts it (a
+    frozen tower keeps none: nothing before it needs a gradient)."""
+    from engine.hardware.shapes import ModelShape
+
+    shape = ModelShape.from_config_dict(config, str(config.get("model_type", "vision")))
+    part = vision_memory(config, family, max_pixels, setup.dtype_bytes)
+    image_tokens = images_per_row * part.image_tokens if family is not MLLAMA else 0  # Mllama: cross-attention
+    language = replace(
+        setup, tokens=setup.tokens + image_tokens, fused_loss=False, chunk_tokens=None, resident_layers=0
+    )
+    estimate = estimate_memory(shape, language)
+    tower = images_per_row * part.activation_bytes if adapt_vision else 0
+    parts = {**estimate.parts, "vision_tower": part.tower_bytes, "image_tokens": image_tokens}
+    return replace(
+        estimate, weights=estimate.weights + part.tower_bytes, activations=estimate.activations + tower, parts=parts
+    )

@@ -29,7 +29,6 @@ from engine.vision.families import VisionFamily
 from engine.vision.model import load_processor, load_vision_model, with_lora
 from engine.vision.speed import speed_notes
 
-
 AUTOMATIC_TOKENS = 4096
 """``data.max_seq_len`` and ``data.tokens_per_batch`` when left automatic (0): image tokens make rows long, and an
 image cannot be cut, so examples up to this length are kept and padded micro-batches hold up to this many tokens."""
