@@ -437,7 +437,14 @@ def build_report(run_dir: str | Path, device: str | None = None, cancelled: Canc
     (by default the run's own setting). ``cancelled`` is asked between batches; True raises ReportCancelled."""
     from peft import PeftModel
 
+    from engine.vision.export import run_vision_family
+
     run_dir = Path(run_dir)
+    family = run_vision_family(run_dir)
+    if family is not None:  # image examples: engine.vision.report
+        from engine.vision.report import build_vision_report
+
+        return build_vision_report(run_dir, family, device, cancelled)
     config = load_run_config(run_dir)
     last_step = _last_step(run_dir)
     adapters = _columns(run_dir, last_step)

@@ -12,13 +12,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from engine.config import RunConfig
+from engine.data.packing import IGNORE_INDEX
 from engine.events import (
     BestAdapterKept,
     CheckpointSaved,
@@ -45,7 +46,7 @@ from engine.run.folder import (
     save_adapter,
 )
 from engine.run.loop import failure
-from engine.vision.encode import batch
+from engine.vision.encode import EncodedExample, batch
 from engine.vision.families import VisionFamily
 from engine.vision.session import VisionSession, padding_efficiency, parameter_counts, start_vision
 
@@ -56,7 +57,7 @@ def train_vision(
     """A whole vision-language run in this process, in ``run_dir`` (already holding its config.json)."""
     session: VisionSession | None = None
     try:
-        session = yield from start_vision(config, run_dir, family)
+        session = yield from start_vision(config, run_dir, family, resuming)
         if resuming:
             yield from _restore(session)
         yield _started(session)
@@ -111,27 +112,36 @@ def _steps(session: VisionSession, control: RunControl, writer: BestAdapterWrite
     yield from _finish(session, time.perf_counter() - started, cancelled, writer)
 
 
-def _on_device(session: VisionSession, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    dtype = next(p for p in session.model.parameters() if p.is_floating_point()).dtype
-    return {
-        key: value.to(session.device, dtype=dtype if value.is_floating_point() else None)
-        for key, value in inputs.items()
-    }
+def on_device(model: Any, inputs: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """``inputs`` on ``device``, floating-point ones (pixels) in the model's dtype."""
+    dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
+    return {key: value.to(device, dtype=dtype if value.is_floating_point() else None) for key, value in inputs.items()}
 
 
-def summed_loss(session: VisionSession, rows: list[list[int]], examples: list[Any]) -> tuple[torch.Tensor, int]:
-    """The summed cross-entropy over the learned tokens of ``rows`` (micro-batches of ``examples``), and their count."""
+def loss_sum(
+    model: Any, processor: Any, examples: Sequence[EncodedExample], max_pixels: int, device: torch.device
+) -> tuple[torch.Tensor, int]:
+    """The summed cross-entropy over the learned tokens of ``examples`` padded into one batch, and their count."""
+    inputs = on_device(model, batch(processor, examples, max_pixels), device)
+    labels = inputs.pop("labels")[:, 1:]
+    logits = model(**inputs, use_cache=False).logits[:, :-1]
+    total = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    return total, int((labels != IGNORE_INDEX).sum())
+
+
+def summed_loss(
+    session: VisionSession, rows: list[list[int]], examples: list[EncodedExample]
+) -> tuple[torch.Tensor, int]:
+    """The summed loss over the learned tokens of ``rows`` (micro-batches of ``examples``), and their count."""
     total = torch.zeros((), device=session.device)
     count = 0
     for row in rows:
-        inputs = _on_device(session, batch(session.processor, [examples[i] for i in row], session.max_pixels))
-        labels = inputs.pop("labels")
-        logits = session.model(**inputs, use_cache=False).logits
-        shifted = labels[:, 1:]
-        total = total + torch.nn.functional.cross_entropy(
-            logits[:, :-1].flatten(0, 1).float(), shifted.flatten(), ignore_index=-100, reduction="sum"
+        loss, tokens = loss_sum(
+            session.model, session.processor, [examples[i] for i in row], session.max_pixels, session.device
         )
-        count += int((shifted != -100).sum())
+        total, count = total + loss, count + tokens
     return total, count
 
 

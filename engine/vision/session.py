@@ -7,6 +7,9 @@ padded tokens; each epoch visits them in a fresh seeded order, so resuming is ex
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
 import random
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
@@ -19,9 +22,14 @@ from engine.config import RunConfig, held_out_count
 from engine.data.prepare import RowSchedule
 from engine.errors import ConfigError, DataError
 from engine.events import Event, Notice
+from engine.hardware.fit_to_data import FitFacts, apply_fit, fit_to_data
 from engine.model.load import count_parameters, pick_device, pick_dtype
+from engine.run import checkpoint as ckpt
 from engine.run.best import EvalWatch
+from engine.run.fit import has_automatic
+from engine.run.folder import CONFIG_FILE
 from engine.run.optimizer import adamw
+from engine.run.rows import model_shape
 from engine.run.schedule import lr_lambda
 from engine.vision.data import VisionExample, load_vision_examples
 from engine.vision.encode import EncodedExample, check_images, encode
@@ -69,24 +77,33 @@ class VisionSession:
         return [p for p in self.model.parameters() if p.requires_grad]
 
 
-def start_vision(config: RunConfig, run_dir: Path, family: VisionFamily) -> Generator[Event, None, VisionSession]:
-    """Check the images, encode the examples, load the model with a fresh adapter and build the optimizer."""
+def start_vision(
+    config: RunConfig, run_dir: Path, family: VisionFamily, resuming: bool = False
+) -> Generator[Event, None, VisionSession]:
+    """Check the images, encode the examples, settle the automatic settings (a fresh run), load the model with a
+    fresh adapter and build the optimizer."""
     random.seed(config.training.seed)
     torch.manual_seed(config.training.seed)
     device = pick_device(config.training.device)
     dtype = pick_dtype(config.model.dtype, device)
     if config.training.method != "sft":
         raise ConfigError(f"{config.training.method} is not available for vision-language models", hint="use sft")
-    train_raw, eval_raw = _examples(config)
-    pictures = check_images([*train_raw, *eval_raw])
+    examples, separate = _read(config)
+    pictures = check_images([*examples, *separate])
     processor = load_processor(config.model)
     budget = config.vision.max_pixels or family.max_pixels
+    yield Notice(f"{family.label}: {pictures} images checked, each scaled to at most {budget:,} pixels")
     max_len = config.data.max_seq_len or AUTOMATIC_TOKENS
-    train, dropped = _encoded(processor, train_raw, budget, max_len)
-    evaluation, _ = _encoded(processor, eval_raw, budget, max_len)
+    encoded = [encode(processor, example, budget) for example in examples]
+    if not resuming and has_automatic(config):
+        config = yield from _fitted(config, encoded, run_dir)
+    held = held_out_indices(len(examples), config) if not separate else set()
+    train, dropped = _kept([e for i, e in enumerate(encoded) if i not in held], max_len)
+    evaluation, _ = _kept(
+        [encode(processor, e, budget) for e in separate] or [encoded[i] for i in sorted(held)], max_len
+    )
     if not train:
         raise DataError("no usable training examples are left after tokenization", path=config.data.path)
-    yield Notice(f"{family.label}: {pictures} images checked, each scaled to at most {budget:,} pixels")
     if dropped:
         yield Notice(f"{dropped} example(s) longer than {max_len} tokens (images included) were dropped")
     yield Notice(
@@ -97,6 +114,29 @@ def start_vision(config: RunConfig, run_dir: Path, family: VisionFamily) -> Gene
         yield Notice(note)
     model = with_lora(load_vision_model(config.model, family, device, dtype), family, config, device)
     return _session(config, run_dir, device, family, processor, model, train, evaluation, budget)
+
+
+def _fitted(config: RunConfig, encoded: Sequence[EncodedExample], run_dir: Path) -> Generator[Event, None, RunConfig]:
+    """``config`` with its automatic settings chosen for these examples (as for text runs: engine.hardware
+    .fit_to_data), written into the run's config.json so that a resumed run trains the same steps."""
+    shape = model_shape(config.model)
+    facts = FitFacts(
+        examples=len(encoded),
+        tokens=sum(len(item) for item in encoded),
+        separate_held_out=bool(config.data.eval_path),
+        parameters=shape.total_params() if shape is not None else None,
+        instruct=False,  # keeping knowledge replays text answers: not for image runs
+        method="sft",
+        tokens_per_batch=config.data.tokens_per_batch or AUTOMATIC_TOKENS,
+        grad_accum=config.training.grad_accum,
+    )
+    resolved, lines = apply_fit(config, fit_to_data(facts))
+    resolved = dataclasses.replace(resolved, training=dataclasses.replace(resolved.training, keep_knowledge=False))
+    if lines:
+        yield Notice("automatic settings for this data (a flag sets any of them):\n  " + "\n  ".join(lines))
+    if run_dir.is_dir():
+        ckpt.write_text_atomic(run_dir / CONFIG_FILE, json.dumps(resolved.to_dict(), indent=2) + "\n")
+    return resolved
 
 
 def _session(
@@ -117,8 +157,8 @@ def _session(
         [p for p in model.parameters() if p.requires_grad], training.learning_rate, training.weight_decay,
         training.optimizer, device,
     )  # fmt: skip
-    total_steps = training.max_steps or max(1, -(-max(1.0, training.epochs) * len(rows) // training.grad_accum))
-    total_steps = int(total_steps)
+    passes = training.epochs or 1.0
+    total_steps = training.max_steps or max(1, math.ceil(passes * len(rows) / training.grad_accum))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(training.schedule, training.warmup_steps or 0, total_steps)
     )
@@ -128,29 +168,47 @@ def _session(
     )  # fmt: skip
 
 
-def _examples(config: RunConfig) -> tuple[list[VisionExample], list[VisionExample]]:
+def _read(config: RunConfig) -> tuple[list[VisionExample], list[VisionExample]]:
+    """The data file's examples, and those of ``data.eval_path`` (empty without one)."""
     if not config.data.path:
         raise DataError("no dataset given", hint="pass --data PATH (chat rows with image parts, or a folder of images)")
     examples = load_vision_examples(config.data.path)
-    if config.data.eval_path:
-        return examples, load_vision_examples(config.data.eval_path)
+    return examples, load_vision_examples(config.data.eval_path) if config.data.eval_path else []
+
+
+def held_out_indices(count: int, config: RunConfig) -> set[int]:
+    """Which of ``count`` examples are held out: ``data.eval_fraction`` of them (None: the automatic count), chosen
+    with the run's seed."""
     fraction = config.data.eval_fraction
-    count = held_out_count(len(examples)) if fraction is None else max(1, round(len(examples) * fraction))
-    if (fraction is not None and fraction <= 0) or len(examples) < 2 or count == 0:
-        return examples, []
-    order = list(range(len(examples)))
+    held = held_out_count(count) if fraction is None else max(1, round(count * fraction))
+    if (fraction is not None and fraction <= 0) or count < 2 or held == 0:
+        return set()
+    order = list(range(count))
     random.Random(config.training.seed).shuffle(order)
-    held = set(order[:count])
+    return set(order[:held])
+
+
+def held_out_split(config: RunConfig) -> tuple[list[VisionExample], list[VisionExample]]:
+    """The run's training and held-out examples, as the run split them."""
+    examples, separate = _read(config)
+    if separate:
+        return examples, separate
+    held = held_out_indices(len(examples), config)
     return [e for i, e in enumerate(examples) if i not in held], [examples[i] for i in sorted(held)]
 
 
-def _encoded(
-    processor: Any, examples: Sequence[VisionExample], budget: int, max_len: int
-) -> tuple[list[EncodedExample], int]:
-    """The examples that fit ``max_len`` tokens, and how many did not (an image cannot be cut in half)."""
-    encoded = [encode(processor, example, budget) for example in examples]
+def _kept(encoded: Sequence[EncodedExample], max_len: int) -> tuple[list[EncodedExample], int]:
+    """The examples that fit ``max_len`` tokens and learn something, and how many did not (an image cannot be cut
+    in half)."""
     kept = [item for item in encoded if len(item) <= max_len and item.trained_tokens > 0]
     return kept, len(encoded) - len(kept)
+
+
+def encoded_held_out(processor: Any, config: RunConfig, budget: int) -> list[EncodedExample]:
+    """The run's held-out examples, encoded and kept as the run kept them."""
+    _, held_out = held_out_split(config)
+    kept, _ = _kept([encode(processor, e, budget) for e in held_out], config.data.max_seq_len or AUTOMATIC_TOKENS)
+    return kept
 
 
 def padded_rows(examples: Sequence[EncodedExample], budget: int) -> list[list[int]]:
