@@ -105,14 +105,28 @@ def peak_bytes(device: str) -> int:
     return int(torch.cuda.max_memory_reserved())
 
 
+def longest_example(folder: Path, data: Path, pixels: int) -> int:
+    """The longest example in tokens, image tokens included (the examples differ only in their answers' digits)."""
+    from engine.config import ModelConfig
+    from engine.vision.data import load_vision_examples
+    from engine.vision.encode import encode
+    from engine.vision.model import load_processor
+
+    processor = load_processor(ModelConfig(name=str(folder)))
+    return max(len(encode(processor, example, pixels)) for example in load_vision_examples(data))
+
+
 def run_tunedeck(folder: Path, data: Path, args: argparse.Namespace) -> dict[str, Any]:
     from engine.config import RunConfig
     from engine.events import RunFailed, StepMetrics
     from engine.train import run
 
+    longest = longest_example(folder, data, SHAPES[args.shape]["pixels"])
     config = RunConfig.from_dict({
         "model": {"name": str(folder), "dtype": "bfloat16"},
-        "data": {"path": str(data), "eval_fraction": 0, "tokens_per_batch": args.batch * 512, "max_seq_len": 4096},
+        # micro-batches of exactly --batch padded rows, as on the stock side
+        "data": {"path": str(data), "eval_fraction": 0, "tokens_per_batch": args.batch * longest,
+                 "max_seq_len": longest},
         "lora": {"rank": 16, "alpha": 32},
         "training": {"max_steps": args.steps, "device": args.device, "save_every": 0, "learning_rate": 1e-4},
         "speed": {"checkpointing": "standard"},

@@ -28,8 +28,9 @@ def test_train_detects_the_vision_model_settles_its_settings_and_reports(
 ) -> None:
     model = build_vision_model(tmp_path / "model", "gemma3")
     data = shape_rows(tmp_path, 8)
-    argv = ["--model", str(model), "--data", str(data), "--device", "cpu", "--max-steps", "4", "--output",
-            str(tmp_path / "runs"), "--name", "pictures", "--max-pixels", "4096", "--data-eval-fraction", "0.25"]  # fmt: skip
+    argv = ["--model", str(model), "--data", str(data), "--device", "cpu", "--max-steps", "4",
+            "--output", str(tmp_path / "runs"), "--name", "pictures",
+            "--max-pixels", "4096", "--data-eval-fraction", "0.25"]  # fmt: skip
     assert train_main(argv) == 0
     out = capsys.readouterr()
     assert "padded, not packed" in out.out + out.err
