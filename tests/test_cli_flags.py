@@ -76,6 +76,7 @@ TEXT_VALUES = {
     "training.warmup_steps": "3",
     "training.eval_every": "5",
     "training.early_stop": "2",
+    "vision.max_pixels": "200704",
 }
 
 
