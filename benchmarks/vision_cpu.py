@@ -67,8 +67,8 @@ def main() -> None:
 
     from engine.config import ModelConfig, RunConfig
     from engine.events import RunFailed, RunFinished
+    from engine.run.vision_report import score
     from engine.train import run
-    from engine.vision.chat import score
     from engine.vision.data import load_vision_examples
     from engine.vision.model import load_processor
 

@@ -32,8 +32,8 @@ from engine.redact import known_tokens, redact_event
 from engine.run.control import RunControl
 from engine.run.folder import load_run_config, new_run_dir
 from engine.run.loop import failure, on_one_gpu, resumed_config, train_in_process
+from engine.run.vision_loop import train_vision
 from engine.vision.model import vision_family
-from engine.vision.run import train_vision
 
 __all__ = ["run", "run_beside_window"]
 

@@ -20,6 +20,7 @@ LAYERS: list[set[str]] = [
     {"config"},
     {"data", "hardware", "setup"},
     {"model", "speed"},
+    {"vision"},
     {"run", "export"},
     {"distributed"},
     {"train"},

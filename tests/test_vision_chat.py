@@ -11,8 +11,9 @@ from test_vision_train import COLOURS, colour_rows, config
 from vision_models import build_vision_model
 
 from engine.events import RunFinished
+from engine.run.vision_report import score
 from engine.train import run
-from engine.vision.chat import ask_about_image, score
+from engine.vision.chat import ask_about_image
 from engine.vision.data import load_vision_examples
 from engine.vision.families import GEMMA3, IDEFICS3, MLLAMA, QWEN_VL
 from engine.vision.memory import vision_memory

@@ -1,34 +1,20 @@
 """Answering from a picture and a prompt, with the base model or a tuned adapter, and scoring held-out examples.
 
-:func:`answer` greedily generates the assistant's reply to one image and prompt. :func:`score` asks the model each
-held-out example's question about its image and compares the reply with the expected answer as the text report
-does (:mod:`engine.run.short_answers`: exact match and token F1 after normalising case, punctuation and articles).
-Generation runs with the adapter on or off (``tuned``), so one model in memory answers both sides.
+:func:`answer` greedily generates the assistant's reply to one image and prompt; :func:`ask_about_image` is the
+Chat page's question about a picture file. Generation runs with the adapter on or off (``tuned``), so one model in
+memory answers both sides; the report scores held-out image examples with them (engine.run.vision_report).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine.run.short_answers import exact_match, token_f1
-from engine.vision.data import VisionExample
 from engine.vision.images import ImageRef, load_image
-
-
-@dataclass(frozen=True)
-class ImageScore:
-    """How a model answered held-out image examples."""
-
-    examples: int
-    exact_match: float
-    token_f1: float
-    answers: tuple[str, ...]
 
 
 def answer(
@@ -60,30 +46,12 @@ def ask_about_image(
     """The reply to ``prompt`` about the picture in ``image`` (a Chat question), with or without the adapter."""
     picture = load_image(ImageRef(Path(image), str(image), 1, str(image)), max_pixels)
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
-    with _adapter(model, tuned):
+    with adapter_state(model, tuned):
         return answer(model, processor, messages, [picture])
 
 
-def score(
-    model: Any, processor: Any, examples: Sequence[VisionExample], max_pixels: int, tuned: bool = True
-) -> ImageScore:
-    """Exact match and token F1 of the model's replies to held-out examples (means over them)."""
-    replies = []
-    with _adapter(model, tuned):
-        for example in examples:
-            images = [load_image(ref, max_pixels) for ref in example.images]
-            replies.append(answer(model, processor, example.prompt, images))
-    n = max(1, len(examples))
-    return ImageScore(
-        examples=len(examples),
-        exact_match=sum(exact_match(r, e.answer) for r, e in zip(replies, examples, strict=True)) / n,
-        token_f1=sum(token_f1(r, e.answer) for r, e in zip(replies, examples, strict=True)) / n,
-        answers=tuple(replies),
-    )
-
-
 @contextlib.contextmanager
-def _adapter(model: Any, tuned: bool) -> Iterator[None]:
+def adapter_state(model: Any, tuned: bool) -> Iterator[None]:
     """The adapter on (``tuned``) or switched off for the base model's answers; eval mode either way."""
     was_training = model.training
     model.eval()

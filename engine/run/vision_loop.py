@@ -46,9 +46,9 @@ from engine.run.folder import (
     save_adapter,
 )
 from engine.run.loop import failure
+from engine.run.vision_session import VisionSession, padding_efficiency, parameter_counts, start_vision
 from engine.vision.encode import EncodedExample, batch
 from engine.vision.families import VisionFamily
-from engine.vision.session import VisionSession, padding_efficiency, parameter_counts, start_vision
 
 
 def train_vision(
