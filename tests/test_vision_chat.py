@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 from test_vision_train import COLOURS, colour_rows, config
-from vision_models import build_vision_model
+from vision_models import BUILDERS, build_vision_model
 
 from engine.events import RunFinished
 from engine.run.vision_report import score
 from engine.train import run
 from engine.vision.chat import ask_about_image
 from engine.vision.data import load_vision_examples
-from engine.vision.families import GEMMA3, IDEFICS3, MLLAMA, QWEN_VL
+from engine.vision.families import QWEN_VL, family_of
 from engine.vision.memory import vision_memory
 
 
@@ -43,13 +43,11 @@ def test_the_tuned_model_answers_an_image_question_and_scores_above_the_base(tmp
     assert after.token_f1 > before.token_f1, (before.answers, after.answers)
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "idefics3", "mllama"])
+@pytest.mark.parametrize("family", sorted(BUILDERS))
 def test_the_memory_plan_counts_the_vision_tower_and_image_tokens(family: str, tmp_path: Path) -> None:
-    from vision_models import BUILDERS
-
     model, _, _ = BUILDERS[family]()
     raw = model.config.to_dict()
-    known = {"qwen2_5_vl": QWEN_VL, "gemma3": GEMMA3, "idefics3": IDEFICS3, "mllama": MLLAMA}[family]
+    known = family_of({"model_type": family})
     small = vision_memory(raw, known, 64 * 64, 2)
     large = vision_memory(raw, known, 512 * 512, 2)
     assert small.tower_params > 0 and small.tower_bytes == 2 * small.tower_params

@@ -14,6 +14,7 @@ from engine.events import RunFinished
 from engine.export.gguf import export_gguf
 from engine.export.merged import export_adapter, export_merged
 from engine.train import run
+from engine.vision.encode import render
 from engine.vision.model import load_processor
 
 
@@ -40,7 +41,7 @@ def test_the_merged_model_answers_as_base_plus_adapter(family: str, tmp_path: Pa
     from PIL import Image
 
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}]
-    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = render(processor, messages, prompt=True)
     inputs = processor(text=[text], images=[[Image.open(tmp_path / "red.png").convert("RGB")]], return_tensors="pt")
     with torch.no_grad():
         expected, got = tuned(**inputs).logits, merged(**inputs).logits

@@ -8,6 +8,7 @@ written without one, as TuneDeck reads it (engine.vision.model.load_processor).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,49 @@ def qwen2_5_vl() -> tuple[Any, Any, Any]:
     return Qwen2_5_VLForConditionalGeneration(config), tokenizer, images
 
 
+def qwen3_vl() -> tuple[Any, Any, Any]:
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+    tokenizer = tokenizer_with([*specials, "<|video_pad|>"], eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer.chat_template = QWEN_TEMPLATE
+    images = Qwen2VLImageProcessorPil(
+        size={"shortest_edge": 64 * 64, "longest_edge": 32 * 32 * 16}, patch_size=16, merge_size=2
+    )
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in [*specials, "<|video_pad|>"]}
+    config = Qwen3VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            max_position_embeddings=512,
+            head_dim=16,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [2, 3, 3],
+                "mrope_interleaved": True,
+            },
+            **TEXT,
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            patch_size=16,
+            num_position_embeddings=64,
+            deepstack_visual_indexes=[0],
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    return Qwen3VLForConditionalGeneration(config), tokenizer, images
+
+
 def gemma3() -> tuple[Any, Any, Any]:
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
@@ -157,6 +201,33 @@ def idefics3(corpus: tuple[str, ...] = (), **text: Any) -> tuple[Any, Any, Any]:
     return Idefics3ForConditionalGeneration(config), processor, None
 
 
+def smolvlm() -> tuple[Any, Any, Any]:
+    from transformers import SmolVLMConfig, SmolVLMForConditionalGeneration
+    from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+
+    grid = [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
+    specials = ["<|endoftext|>", "<end_of_utterance>", "<fake_token_around_image>", "<image>", "<global-img>", *grid]
+    tokenizer = tokenizer_with(specials, eos_token="<end_of_utterance>", pad_token="<|endoftext|>")
+    tokenizer.chat_template = IDEFICS_TEMPLATE
+    images = SmolVLMImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
+    config = SmolVLMConfig(
+        text_config=dict(
+            model_type="llama", vocab_size=len(tokenizer), max_position_embeddings=512, pad_token_id=0, **TEXT
+        ),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+        ),
+        scale_factor=1,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+    )
+    return SmolVLMForConditionalGeneration(config), tokenizer, images
+
+
 def mllama() -> tuple[Any, Any, Any]:
     from transformers import MllamaConfig, MllamaForConditionalGeneration, MllamaProcessor
     from transformers.models.mllama.image_processing_pil_mllama import MllamaImageProcessorPil
@@ -198,11 +269,16 @@ def mllama() -> tuple[Any, Any, Any]:
     return MllamaForConditionalGeneration(config), processor, None
 
 
+PROCESSOR_SETTINGS = {"smolvlm": {"image_seq_len": 16}}
+"""Settings of the processor itself, in processor_config.json: SmolVLM's image tokens a tile (32/8 patches squared)."""
+
 BUILDERS: dict[str, Callable[[], tuple[Any, Any, Any]]] = {
     "qwen2_5_vl": qwen2_5_vl,
+    "qwen3_vl": qwen3_vl,
     "gemma3": gemma3,
     "idefics3": idefics3,
     "mllama": mllama,
+    "smolvlm": smolvlm,
 }
 
 
@@ -213,11 +289,12 @@ def build_vision_model(folder: Path, family: str, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model, processor, image_processor = BUILDERS[family]()
     model.save_pretrained(folder, safe_serialization=True)
-    if image_processor is None:
-        processor.save_pretrained(folder)
-    else:  # a tokenizer and an image processor, without the video processor that needs torchvision
-        processor.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    if image_processor is not None:  # a tokenizer and an image processor, no video processor (it needs torchvision)
         image_processor.save_pretrained(folder)
+    if family in PROCESSOR_SETTINGS:
+        settings = {"processor_class": "SmolVLMProcessor", **PROCESSOR_SETTINGS[family]}
+        (folder / "processor_config.json").write_text(json.dumps(settings))
     return folder
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from engine.vision.encode import render
 from engine.vision.images import ImageRef, load_image
 
 
@@ -21,7 +22,7 @@ def answer(
     model: Any, processor: Any, messages: Sequence[dict[str, Any]], images: Sequence[Any], max_new_tokens: int = 32
 ) -> str:
     """The model's greedy reply to ``messages`` (with ``{"type": "image"}`` parts) showing ``images``."""
-    text = processor.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    text = render(processor, messages, prompt=True)
     inputs = processor(
         text=[text], images=[list(images)] if images else None, add_special_tokens=False, return_tensors="pt"
     )

@@ -51,17 +51,15 @@ def check_images(examples: Sequence[VisionExample]) -> int:
 def encode(processor: Any, example: VisionExample, max_pixels: int) -> EncodedExample:
     """The example's tokens and labels; only its assistant turns are learned."""
     images = [load_image(ref, max_pixels) for ref in example.images]
-    text = _render(processor, example.messages, prompt=False)
+    text = render(processor, example.messages, prompt=False)
     ids = _token_ids(processor, text, images)
     labels = [IGNORE_INDEX] * len(ids)
     for turn, message in enumerate(example.messages):
         if message["role"] != "assistant":
             continue
         before = example.images_before(turn)
-        start = len(_token_ids(processor, _render(processor, example.messages[:turn], prompt=True), images[:before]))
-        end = len(
-            _token_ids(processor, _render(processor, example.messages[: turn + 1], prompt=False), images[:before])
-        )
+        start = len(_token_ids(processor, render(processor, example.messages[:turn], prompt=True), images[:before]))
+        end = len(_token_ids(processor, render(processor, example.messages[: turn + 1], prompt=False), images[:before]))
         labels[start:end] = ids[start:end]
     image_ids = _image_token_ids(processor)
     labels = [IGNORE_INDEX if token in image_ids else label for token, label in zip(ids, labels, strict=True)]
@@ -69,8 +67,14 @@ def encode(processor: Any, example: VisionExample, max_pixels: int) -> EncodedEx
     return EncodedExample(example, text, tuple(ids), tuple(labels), image_tokens)
 
 
-def _render(processor: Any, messages: Sequence[dict[str, Any]], prompt: bool) -> str:
-    return str(processor.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=prompt))
+def render(processor: Any, messages: Sequence[dict[str, Any]], prompt: bool) -> str:
+    """The conversation through the processor's chat template (``prompt``: ending with the assistant's turn opened),
+    as text; the tokenizer renders it, since some processors' own rendering asks for their video processor."""
+    template = getattr(processor, "chat_template", None)
+    rendered = processor.tokenizer.apply_chat_template(
+        list(messages), chat_template=template, tokenize=False, add_generation_prompt=prompt
+    )
+    return str(rendered)
 
 
 def _token_ids(processor: Any, text: str, images: list[Any]) -> list[int]:

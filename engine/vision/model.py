@@ -78,18 +78,36 @@ def _images_only_processor(location: str, config: ModelConfig, err: Exception) -
         processor_class = getattr(processing_utils.transformers_module, _PROCESSOR_CLASSES[model_type])
         tokenizer = AutoTokenizer.from_pretrained(location, **_hub_kwargs(config))
         images = AutoImageProcessor.from_pretrained(location, backend="pil", **_hub_kwargs(config))
+        settings = _processor_settings(location, config)
     except Exception:
         raise _processor_error(location, err) from err
     methods = {"check_argument_for_proper_class": _skip_absent, "save_pretrained": _save_parts}
     images_only = type(f"{processor_class.__name__}ForImages", (processor_class,), methods)
-    return images_only(image_processor=images, tokenizer=tokenizer, chat_template=tokenizer.chat_template)
+    return images_only(
+        image_processor=images, tokenizer=tokenizer, video_processor=None, chat_template=tokenizer.chat_template,
+        **settings,
+    )  # fmt: skip
 
 
 _PROCESSOR_CLASSES = {
     "qwen2_vl": "Qwen2VLProcessor",
     "qwen2_5_vl": "Qwen2_5_VLProcessor",
     "qwen3_vl": "Qwen3VLProcessor",
+    "smolvlm": "SmolVLMProcessor",
 }
+PROCESSOR_SETTINGS = ("image_seq_len",)
+"""The processor's own settings (beside its parts) that an images-only processor keeps: SmolVLM's image tokens."""
+
+
+def _processor_settings(location: str, config: ModelConfig) -> dict[str, Any]:
+    """The settings of ``processor_config.json`` an images-only processor takes (none where there is no file)."""
+    from transformers.utils import cached_file
+
+    path = cached_file(
+        location, "processor_config.json", _raise_exceptions_for_missing_entries=False, **_hub_kwargs(config)
+    )
+    raw = json.loads(Path(path).read_text(encoding="utf-8")) if path else {}
+    return {key: raw[key] for key in PROCESSOR_SETTINGS if key in raw}
 
 
 def _skip_absent(self: Any, argument_name: str, argument: Any) -> Any:
@@ -100,9 +118,16 @@ def _skip_absent(self: Any, argument_name: str, argument: Any) -> Any:
 
 
 def _save_parts(self: Any, folder: str | Path, **kwargs: Any) -> list[str]:
-    """Save the parts an images-only processor has: the tokenizer (with the chat template) and the image processor."""
+    """Save the parts an images-only processor has (the tokenizer with the chat template, the image processor) and
+    its own settings."""
     self.tokenizer.chat_template = self.chat_template
-    return [*self.tokenizer.save_pretrained(folder, **kwargs), *self.image_processor.save_pretrained(folder, **kwargs)]
+    saved = [*self.tokenizer.save_pretrained(folder, **kwargs), *self.image_processor.save_pretrained(folder, **kwargs)]
+    settings = {key: getattr(self, key) for key in PROCESSOR_SETTINGS if hasattr(self, key)}
+    if settings:
+        path = Path(folder) / "processor_config.json"
+        path.write_text(json.dumps({"processor_class": type(self).__mro__[1].__name__, **settings}, indent=2) + "\n")
+        saved.append(str(path))
+    return saved
 
 
 def _processor_error(location: str, err: Exception) -> ModelLoadError:
