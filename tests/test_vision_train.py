@@ -128,3 +128,45 @@ def test_adapting_the_vision_tower_too_targets_its_linear_layers() -> None:
     ]
     assert lora_targets(qwen, modules, adapt_vision=False) == ["model.language_model.layers.0.self_attn.q_proj"]
     assert lora_targets(qwen, modules, adapt_vision=True) == [name for name, kind in modules[:3]]
+
+
+def test_qlora_quantizes_the_language_model_only_and_trains(idefics: Path, tmp_path: Path) -> None:
+    pytest.importorskip("bitsandbytes")
+    import torch
+
+    from engine.config import ModelConfig
+    from engine.vision.families import IDEFICS3
+    from engine.vision.model import load_vision_model
+
+    model = load_vision_model(ModelConfig(name=str(idefics), qlora=True), IDEFICS3, torch.device("cpu"), torch.float32)
+    kinds = {name: type(module).__name__ for name, module in model.named_modules()}
+    language = [kind for name, kind in kinds.items() if IDEFICS3.part_of(name) == "language" and "Linear" in kind]
+    tower = [
+        kind for name, kind in kinds.items() if IDEFICS3.part_of(name) in ("vision", "projector") and "Linear" in kind
+    ]
+    assert language and set(language) == {"Linear4bit"}
+    assert tower and set(tower) == {"Linear"}  # the frozen tower and projector stay in the compute dtype
+    qlora = config(idefics, colour_rows(tmp_path), tmp_path / "runs", max_steps=3)
+    qlora.model.qlora = True
+    events = list(run(qlora))
+    losses = [e.loss for e in events if isinstance(e, StepMetrics)]
+    assert len(losses) == 3 and all(loss == loss for loss in losses), [e for e in events if isinstance(e, RunFailed)]
+    assert losses[-1] < losses[0]
+
+
+def test_recompute_trains_the_same_steps_and_the_packed_text_switches_say_why_not(
+    idefics: Path, tmp_path: Path
+) -> None:
+    data = colour_rows(tmp_path)
+    runs = {}
+    for mode in ("none", "standard"):
+        settings = config(idefics, data, tmp_path / mode, max_steps=3)
+        settings.speed.checkpointing = mode
+        settings.speed.fused_loss = True
+        runs[mode] = list(run(settings))
+    losses = {mode: [e.loss for e in events if isinstance(e, StepMetrics)] for mode, events in runs.items()}
+    assert len(losses["none"]) == 3
+    assert losses["standard"] == pytest.approx(losses["none"], rel=1e-5)
+    notes = {mode: " ".join(e.message for e in events if isinstance(e, Notice)) for mode, events in runs.items()}
+    assert "activation checkpointing on" in notes["standard"] and "activation checkpointing off" in notes["none"]
+    assert "fused loss is off for vision-language models: the loss comes from the model's own head" in notes["none"]
