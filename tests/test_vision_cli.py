@@ -43,3 +43,10 @@ def test_train_detects_the_vision_model_settles_its_settings_and_reports(
     assert report.models[0].label == "base model" and len(report.models) >= 2
     assert all(m.held_out_loss is not None and m.token_f1 is not None for m in report.models)
     assert "short answers: token F1" in (run_dir / "report.md").read_text()
+    from engine.cli.runs import chat_main
+
+    capsys.readouterr()
+    argv = [str(run_dir), "--image", str(tmp_path / "0.png"), "--prompt", "colour?", "--base", "--device", "cpu"]
+    assert chat_main([*argv, "--max-tokens", "6"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(">")[0] for line in lines] == ["tuned", "base"]

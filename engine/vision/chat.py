@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from engine.model.adapter import RunAdapter
 from engine.vision.encode import render
 from engine.vision.images import ImageRef, load_image
 
@@ -62,3 +64,50 @@ def adapter_state(model: Any, tuned: bool) -> Iterator[None]:
             yield
     finally:
         model.train(was_training)
+
+
+@dataclass
+class ImageChat:
+    """A vision-language run's base model with its adapter, to ask about pictures as the tuned or the base model."""
+
+    model: Any
+    processor: Any
+    label: str
+    max_pixels: int
+    adapter: RunAdapter
+
+
+def load_image_chat(run_folder: str | Path, device: str = "auto", which: str = "best") -> ImageChat:
+    """The run's base model (from its config.json) with its ``which`` adapter (best or last) loaded, in eval mode."""
+    import dataclasses
+
+    from peft import PeftModel
+
+    from engine.config import RunConfig
+    from engine.errors import TuneDeckError
+    from engine.model.adapter import run_adapter
+    from engine.model.load import pick_device, pick_dtype
+    from engine.vision.model import load_processor, load_vision_model, vision_family
+
+    folder = Path(run_folder)
+    chosen = run_adapter(folder, which)
+    config = RunConfig.load(folder / "config.json")
+    family = vision_family(config.model.name)
+    if chosen is None or family is None:
+        raise TuneDeckError(f"{folder} has no finished adapter of a vision-language model to ask about a picture")
+    torch_device = pick_device(device)
+    model_config = config.model if torch_device.type == "cuda" else dataclasses.replace(config.model, qlora=False)
+    base = load_vision_model(model_config, family, torch_device, pick_dtype(model_config.dtype, torch_device))
+    base.config.use_cache = True  # training turned the KV cache off; generation wants it
+    model = PeftModel.from_pretrained(base, str(chosen.folder))
+    model.eval()
+    budget = config.vision.max_pixels or family.max_pixels
+    return ImageChat(model, load_processor(model_config), folder.name, budget, chosen)
+
+
+def ask(chat: ImageChat, prompt: str, image: str | Path | None, tuned: bool = True, max_new_tokens: int = 256) -> str:
+    """The tuned (or base) model's greedy reply to ``prompt``, about the picture in ``image`` where one is given."""
+    pictures = [load_image(ImageRef(Path(image), str(image), 1, str(image)), chat.max_pixels)] if image else []
+    content = [*([{"type": "image"}] if pictures else []), {"type": "text", "text": prompt}]
+    with adapter_state(chat.model, tuned):
+        return answer(chat.model, chat.processor, [{"role": "user", "content": content}], pictures, max_new_tokens)
