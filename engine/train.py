@@ -57,7 +57,7 @@ def _run(config: RunConfig, control: RunControl | None, resume: str | Path | Non
             config = resumed_config(load_run_config(run_dir), config)
         gpus = resolve_gpus(config.training.gpus, config.training.device)
         config = on_one_gpu(config, gpus)
-        family = vision_family(config.model.name)  # a vision-language model trains in engine.vision
+        family = vision_family(config.model)  # a vision-language model trains in engine.vision
         if family is not None and len(gpus) > 1:
             raise ConfigError("vision-language models train on one GPU", hint="pass --gpus 1")
         if run_dir is None:

@@ -92,7 +92,7 @@ def load_image_chat(run_folder: str | Path, device: str = "auto", which: str = "
     folder = Path(run_folder)
     chosen = run_adapter(folder, which)
     config = RunConfig.load(folder / "config.json")
-    family = vision_family(config.model.name)
+    family = vision_family(config.model)
     if chosen is None or family is None:
         raise TuneDeckError(f"{folder} has no finished adapter of a vision-language model to ask about a picture")
     torch_device = pick_device(device)

@@ -23,7 +23,7 @@ from engine.vision.model import vision_family
 def run_vision_family(run_folder: Path) -> VisionFamily | None:
     """The vision family of a run's base model (None for a text run, or where the base cannot be read)."""
     try:
-        return vision_family(RunConfig.load(run_folder / "config.json").model.name)
+        return vision_family(RunConfig.load(run_folder / "config.json").model)
     except TuneDeckError:
         return None
 

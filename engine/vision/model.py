@@ -22,25 +22,29 @@ from engine.vision.families import VisionFamily, family_of, frozen_parts, is_vis
 from engine.vision.speed import checkpointing_on
 
 
-def model_config_dict(name: str) -> dict[str, Any] | None:
-    """The ``config.json`` of a local model folder (None for a hub id, a GGUF file or an unreadable folder)."""
+def model_config_dict(config: ModelConfig) -> dict[str, Any] | None:
+    """The model's ``config.json`` as a dict: a local folder's, or a hub model's (from the cache, or downloaded
+    unless offline); None for a GGUF model, or where it cannot be read (the text path then says why)."""
     try:
-        source = resolve_model(name)
-    except ModelLoadError:
-        return None
-    path = Path(source.location) / "config.json"
-    if not source.is_local or not path.is_file():
-        return None
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        source = resolve_model(config.name)
+        if source.is_local:
+            path: Path | None = Path(source.location) / "config.json"
+        else:
+            from transformers.utils import cached_file
+
+            found = cached_file(
+                source.location, "config.json", _raise_exceptions_for_missing_entries=False, **_hub_kwargs(config)
+            )
+            path = Path(found) if found else None
+        raw = json.loads(path.read_text(encoding="utf-8")) if path is not None and path.is_file() else None
+    except Exception:  # a missing folder, an unreachable hub, a damaged file: the text path reports it
         return None
     return raw if isinstance(raw, dict) else None
 
 
-def vision_family(name: str) -> VisionFamily | None:
-    """The vision family of the model ``name`` names, None for a text model; an unknown vision family is refused."""
-    config = model_config_dict(name)
+def vision_family(model: ModelConfig) -> VisionFamily | None:
+    """The vision family of the model, None for a text model; an unknown vision family is refused."""
+    config = model_config_dict(model)
     if config is None or not is_vision_config(config):
         return None
     return family_of(config)
