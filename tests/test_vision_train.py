@@ -170,3 +170,20 @@ def test_recompute_trains_the_same_steps_and_the_packed_text_switches_say_why_no
     notes = {mode: " ".join(e.message for e in events if isinstance(e, Notice)) for mode, events in runs.items()}
     assert "activation checkpointing on" in notes["standard"] and "activation checkpointing off" in notes["none"]
     assert "fused loss is off for vision-language models: the loss comes from the model's own head" in notes["none"]
+
+
+def test_the_session_trains_in_training_mode_with_the_recompute_it_asked_for(idefics: Path, tmp_path: Path) -> None:
+    from engine.run.vision_session import start_vision
+    from engine.vision.families import IDEFICS3
+
+    settings = config(idefics, colour_rows(tmp_path), tmp_path / "runs", max_steps=1)
+    settings.speed.checkpointing = "standard"
+    starting = start_vision(settings, tmp_path, IDEFICS3)
+    while True:
+        try:
+            next(starting)
+        except StopIteration as done:
+            session = done.value
+            break
+    assert session.model.training  # transformers skips the recompute in eval mode
+    assert session.model.base_model.model.is_gradient_checkpointing

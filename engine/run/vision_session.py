@@ -113,6 +113,7 @@ def start_vision(
     for note in speed_notes(config.speed, device):
         yield Notice(note)
     model = with_lora(load_vision_model(config.model, family, device, dtype), family, config, device)
+    model.train()  # from_pretrained gives eval mode, where transformers skips the recompute (and dropout)
     return _session(config, run_dir, device, family, processor, model, train, evaluation, budget)
 
 
