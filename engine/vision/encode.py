@@ -61,7 +61,7 @@ def encode(processor: Any, example: VisionExample, max_pixels: int) -> EncodedEx
         start = len(_token_ids(processor, render(processor, example.messages[:turn], prompt=True), images[:before]))
         end = len(_token_ids(processor, render(processor, example.messages[: turn + 1], prompt=False), images[:before]))
         labels[start:end] = ids[start:end]
-    image_ids = _image_token_ids(processor)
+    image_ids = image_token_ids(processor)
     labels = [IGNORE_INDEX if token in image_ids else label for token, label in zip(ids, labels, strict=True)]
     image_tokens = sum(token in image_ids for token in ids)
     return EncodedExample(example, text, tuple(ids), tuple(labels), image_tokens)
@@ -82,7 +82,7 @@ def _token_ids(processor: Any, text: str, images: list[Any]) -> list[int]:
     return [int(token) for token in out["input_ids"][0]]
 
 
-def _image_token_ids(processor: Any) -> frozenset[int]:
+def image_token_ids(processor: Any) -> frozenset[int]:
     """The ids of the tokens that stand for image content (placeholders, tile markers): never learned."""
     tokenizer = processor.tokenizer
     names = [getattr(processor, attr, None) for attr in ("image_token", "boi_token", "fake_image_token")]

@@ -22,9 +22,10 @@ from engine.vision.families import VisionFamily, family_of, frozen_parts, is_vis
 from engine.vision.speed import checkpointing_on
 
 
-def model_config_dict(config: ModelConfig) -> dict[str, Any] | None:
+def model_config_dict(config: ModelConfig, on_disk: bool = False) -> dict[str, Any] | None:
     """The model's ``config.json`` as a dict: a local folder's, or a hub model's (from the cache, or downloaded
-    unless offline); None for a GGUF model, or where it cannot be read (the text path then says why)."""
+    unless offline or ``on_disk``); None for a GGUF model, or where it cannot be read (the text path then says
+    why)."""
     try:
         source = resolve_model(config.name)
         if source.is_local:
@@ -32,9 +33,8 @@ def model_config_dict(config: ModelConfig) -> dict[str, Any] | None:
         else:
             from transformers.utils import cached_file
 
-            found = cached_file(
-                source.location, "config.json", _raise_exceptions_for_missing_entries=False, **_hub_kwargs(config)
-            )
+            hub = {**_hub_kwargs(config), **({"local_files_only": True} if on_disk else {})}
+            found = cached_file(source.location, "config.json", _raise_exceptions_for_missing_entries=False, **hub)
             path = Path(found) if found else None
         raw = json.loads(path.read_text(encoding="utf-8")) if path is not None and path.is_file() else None
     except Exception:  # a missing folder, an unreachable hub, a damaged file: the text path reports it
@@ -42,9 +42,10 @@ def model_config_dict(config: ModelConfig) -> dict[str, Any] | None:
     return raw if isinstance(raw, dict) else None
 
 
-def vision_family(model: ModelConfig) -> VisionFamily | None:
-    """The vision family of the model, None for a text model; an unknown vision family is refused."""
-    config = model_config_dict(model)
+def vision_family(model: ModelConfig, on_disk: bool = False) -> VisionFamily | None:
+    """The vision family of the model, None for a text model; an unknown vision family is refused. ``on_disk``:
+    read nothing from the network (a hub model not in the cache counts as a text model)."""
+    config = model_config_dict(model, on_disk)
     if config is None or not is_vision_config(config):
         return None
     return family_of(config)
