@@ -75,6 +75,7 @@ class ImageChat:
     label: str
     max_pixels: int
     adapter: RunAdapter
+    device: torch.device
 
 
 def load_image_chat(run_folder: str | Path, device: str = "auto", which: str = "best") -> ImageChat:
@@ -102,7 +103,7 @@ def load_image_chat(run_folder: str | Path, device: str = "auto", which: str = "
     model = PeftModel.from_pretrained(base, str(chosen.folder))
     model.eval()
     budget = config.vision.max_pixels or family.max_pixels
-    return ImageChat(model, load_processor(model_config), folder.name, budget, chosen)
+    return ImageChat(model, load_processor(model_config), folder.name, budget, chosen, torch_device)
 
 
 def ask(chat: ImageChat, prompt: str, image: str | Path | None, tuned: bool = True, max_new_tokens: int = 256) -> str:
