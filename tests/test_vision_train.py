@@ -53,6 +53,9 @@ def test_lora_adapts_the_language_model_and_leaves_the_vision_tower_frozen(famil
     assert finished, [e for e in events if isinstance(e, RunFailed)]
     notices = " ".join(e.message for e in events if isinstance(e, Notice))
     assert "padded, not packed" in notices and "images checked" in notices
+    assert "memory plan: about" in notices and "the vision tower's" in notices
+    started = next(e for e in events if isinstance(e, RunStarted))
+    assert started.estimated_s is not None and started.estimated_s > 0  # on the CPU, from the planner
     adapter = json.loads((Path(finished[0].adapter_dir) / "adapter_config.json").read_text())
     known = family_of(json.loads((model / "config.json").read_text()))
     targets = adapter["target_modules"]

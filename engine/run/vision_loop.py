@@ -46,9 +46,17 @@ from engine.run.folder import (
     save_adapter,
 )
 from engine.run.loop import failure
-from engine.run.vision_session import VisionSession, padding_efficiency, parameter_counts, start_vision
+from engine.run.vision_session import (
+    VisionSession,
+    expected_seconds,
+    padding_efficiency,
+    parameter_counts,
+    planned_peak,
+    start_vision,
+)
 from engine.vision.encode import EncodedExample, batch
 from engine.vision.families import VisionFamily
+from engine.vision.model import model_config_dict
 
 
 def train_vision(
@@ -60,6 +68,9 @@ def train_vision(
         session = yield from start_vision(config, run_dir, family, resuming)
         if resuming:
             yield from _restore(session)
+        config_dict = model_config_dict(config.model)
+        if config_dict is not None:
+            yield Notice(planned_peak(session, config_dict))
         yield _started(session)
         writer = BestAdapterWriter(run_dir)
         try:
@@ -73,6 +84,7 @@ def train_vision(
 
 def _started(session: VisionSession) -> RunStarted:
     trainable, total = parameter_counts(session)
+    estimated = expected_seconds(session)
     return RunStarted(
         run_dir=str(session.run_dir),
         device=str(session.device),
@@ -85,6 +97,8 @@ def _started(session: VisionSession) -> RunStarted:
         packing_efficiency=padding_efficiency(session.train, session.rows),
         trainable_params=trainable,
         total_params=total,
+        estimated_s=estimated,
+        estimate_basis="from the planner's figure for this CPU" if estimated is not None else "",
     )
 
 

@@ -133,6 +133,9 @@ def _fitted(config: RunConfig, encoded: Sequence[EncodedExample], run_dir: Path)
     )
     resolved, lines = apply_fit(config, fit_to_data(facts))
     resolved = dataclasses.replace(resolved, training=dataclasses.replace(resolved.training, keep_knowledge=False))
+    lines = [line for line in lines if not line.startswith("keep knowledge")]
+    if config.training.keep_knowledge is None:
+        lines.append("keep knowledge: off (it mixes in the base model's text answers; picture runs train without it)")
     if lines:
         yield Notice("automatic settings for this data (a flag sets any of them):\n  " + "\n  ".join(lines))
     if run_dir.is_dir():
@@ -234,3 +237,52 @@ def padding_efficiency(examples: Sequence[EncodedExample], rows: Sequence[Sequen
 
 def parameter_counts(session: VisionSession) -> tuple[int, int]:
     return count_parameters(session.model)
+
+
+def planned_peak(session: VisionSession, config_dict: dict[str, Any]) -> str:
+    """The memory planner's peak for the run's largest micro-batch (engine.vision.memory), in words."""
+    from engine.hardware.planner import GIB, TrainSetup
+    from engine.vision.memory import vision_step_estimate
+
+    row = max(session.rows, key=lambda r: max(len(session.train[i]) for i in r) * len(r))
+    padded = max(len(session.train[i]) for i in row) * len(row)
+    image_tokens = sum(session.train[i].image_tokens for i in row)
+    images = sum(len(session.train[i].example.images) for i in row)
+    config = session.config
+    setup = TrainSetup(
+        tokens=max(1, padded - image_tokens),
+        qlora=config.model.qlora,
+        lora_rank=config.lora.sized().rank,
+        checkpointing="standard" if session.model.base_model.model.is_gradient_checkpointing else "none",
+        dtype_bytes=next(session.model.parameters()).element_size(),
+    )
+    estimate = vision_step_estimate(
+        config_dict, session.family, setup, images_per_row=images, max_pixels=session.max_pixels,
+        adapt_vision=config.vision.adapt_vision,
+    )  # fmt: skip
+    return (
+        f"memory plan: about {estimate.peak / GIB:.1f} GiB at the largest micro-batch ({len(row)} examples, "
+        f"{images} images, {padded:,} padded tokens), the vision tower's {estimate.parts['vision_tower'] / GIB:.2f} "
+        "GiB included"
+    )
+
+
+def expected_seconds(session: VisionSession) -> float | None:
+    """A CPU run's training time before its first step, from the planner's step time for its language model over
+    the padded micro-batches (a GPU run's time is known after its first steps)."""
+    from engine.hardware.row_lengths import cpu_step_seconds
+    from engine.run.estimate import cpu_run_seconds
+
+    shape = model_shape(session.config.model)
+    if session.device.type != "cpu" or shape is None:
+        return None
+    tokens = sum(max(len(session.train[i]) for i in row) * len(row) for row in session.rows) / len(session.rows)
+    step_s = cpu_step_seconds(shape, round(tokens), torch.get_num_threads(), session.config.model.qlora)
+    training = session.config.training
+    return cpu_run_seconds(
+        step_s,
+        session.total_steps - session.step,
+        training.grad_accum,
+        len(session.eval_rows),
+        training.eval_every or 0,
+    )
