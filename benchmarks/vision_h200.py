@@ -162,6 +162,8 @@ def run_stock(folder: Path, data: Path, args: argparse.Namespace) -> dict[str, A
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=LANGUAGE_LINEAR))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     rows = [json.loads(line) for line in data.read_text().splitlines()]
+    if args.device != "cpu":
+        torch.cuda.reset_peak_memory_stats()  # the steps' peak, as TuneDeck reports it, not the loading's
     seconds = tokens = 0.0
     losses = []
     for step in range(args.steps):
