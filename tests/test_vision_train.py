@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from helpers import write_jsonl
 from vision_models import BUILDERS, build_vision_model, draw
 
@@ -190,3 +191,25 @@ def test_the_session_trains_in_training_mode_with_the_recompute_it_asked_for(ide
             break
     assert session.model.training  # transformers skips the recompute in eval mode
     assert session.model.base_model.model.is_gradient_checkpointing
+
+
+def test_a_non_finite_step_is_skipped_and_said(idefics: Path, tmp_path: Path) -> None:
+    from engine.run.vision_loop import train_step
+    from engine.run.vision_session import start_vision
+    from engine.vision.families import IDEFICS3
+
+    starting = start_vision(config(idefics, colour_rows(tmp_path), tmp_path / "runs", max_steps=2), tmp_path, IDEFICS3)
+    while True:
+        try:
+            next(starting)
+        except StopIteration as done:
+            session = done.value
+            break
+    before = {name: p.detach().clone() for name, p in session.model.named_parameters() if p.requires_grad}
+    head = session.model.base_model.model.lm_head.weight
+    with torch.no_grad():
+        head[0, 0] = float("nan")  # every logit row that reads it becomes NaN
+    metrics = train_step(session)
+    assert metrics.loss != metrics.loss
+    after = dict(session.model.named_parameters())
+    assert all(torch.equal(before[name], after[name].detach()) for name in before)  # no update from a NaN step

@@ -58,6 +58,11 @@ from engine.vision.encode import EncodedExample, batch
 from engine.vision.families import VisionFamily
 from engine.vision.model import model_config_dict
 
+SPEED_FIXED = (
+    "speed switches do not change during a picture run: the packed-text switches do not apply to image rows, and "
+    "activation checkpointing is set when the run starts"
+)
+
 
 def train_vision(
     config: RunConfig, run_dir: Path, resuming: bool, control: RunControl, family: VisionFamily
@@ -107,6 +112,8 @@ def _steps(session: VisionSession, control: RunControl, writer: BestAdapterWrite
     every = session.config.training
     while session.step < session.total_steps and not session.eval_watch.stopping:
         control.sync()
+        if control.take_speed_request() is not None:
+            yield Notice(SPEED_FIXED)
         if control.stop_requested:
             break
         if control.paused:
@@ -118,6 +125,8 @@ def _steps(session: VisionSession, control: RunControl, writer: BestAdapterWrite
         metrics = train_step(session)
         append_jsonl(session.run_dir / METRICS_FILE, _record(metrics))
         yield metrics
+        if not (math.isfinite(metrics.loss) and math.isfinite(metrics.grad_norm)):
+            yield Notice(f"step {metrics.step}: the loss or the gradient was not finite; its update was skipped")
         if every.eval_every and session.step % every.eval_every == 0 and session.step < session.total_steps:
             yield from _evaluate(session, writer)
         if every.save_every and session.step % every.save_every == 0 and session.step < session.total_steps:
@@ -176,7 +185,8 @@ def train_step(session: VisionSession) -> StepMetrics:
     max_norm = session.config.training.max_grad_norm or math.inf
     grad_norm = float(torch.nn.utils.clip_grad_norm_(session.trainable, max_norm))
     learning_rate = session.scheduler.get_last_lr()[0]
-    session.optimizer.step()
+    if math.isfinite(total) and math.isfinite(grad_norm):  # a non-finite step would ruin the adapter: skip it
+        session.optimizer.step()
     session.scheduler.step()
     session.optimizer.zero_grad(set_to_none=True)
     session.step += 1
