@@ -147,3 +147,29 @@ def test_malformed_rows_are_refused_with_their_row(tmp_path: Path, row: dict[str
 def test_image_refs_name_where_they_came_from(tmp_path: Path) -> None:
     error = ImageRef(tmp_path / "x.png", "rows.jsonl", 7, "x.png").problem("broken")
     assert str(error).startswith("file rows.jsonl, row 7: image 'x.png'")
+
+
+def test_a_large_jpeg_decodes_smaller_and_fits_the_budget_as_a_whole_decode_would(tmp_path: Path) -> None:
+    from PIL import Image
+
+    from engine.vision.images import load_image
+
+    path = tmp_path / "photo.jpg"
+    Image.new("RGB", (1600, 1200), (200, 120, 40)).save(path, quality=90)
+    fitted = load_image(ImageRef(path, "rows.jsonl", 1, "photo.jpg"), 160 * 120)
+    whole = fit_to_budget(Image.open(path).convert("RGB"), 160 * 120)
+    assert fitted.size == whole.size == (160, 120)
+    assert max(abs(a - b) for a, b in zip(fitted.getpixel((80, 60)), whole.getpixel((80, 60)), strict=True)) <= 4
+
+
+def test_the_image_cache_keeps_fitted_pictures_up_to_its_budget(tmp_path: Path) -> None:
+    from engine.vision.images import ImageCache
+
+    first_ref = ImageRef(draw(tmp_path / "a.png", (255, 0, 0)), "rows.jsonl", 1, "a.png")
+    second_ref = ImageRef(draw(tmp_path / "b.png", (0, 0, 255)), "rows.jsonl", 2, "b.png")
+    cache = ImageCache(max_pixels=400, max_bytes=400 * 3)  # room for one fitted picture
+    first = cache.load(first_ref)
+    assert first.size[0] * first.size[1] <= 400 and cache.load(first_ref) is first
+    second = cache.load(second_ref)
+    again = cache.load(second_ref)
+    assert again is not second and again.tobytes() == second.tobytes()  # no room: loaded each time, the same

@@ -56,6 +56,7 @@ from engine.run.vision_session import (
 )
 from engine.vision.encode import EncodedExample, batch
 from engine.vision.families import VisionFamily
+from engine.vision.images import ImageCache
 from engine.vision.model import model_config_dict
 
 SPEED_FIXED = (
@@ -142,10 +143,15 @@ def on_device(model: Any, inputs: dict[str, torch.Tensor], device: torch.device)
 
 
 def loss_sum(
-    model: Any, processor: Any, examples: Sequence[EncodedExample], max_pixels: int, device: torch.device
+    model: Any,
+    processor: Any,
+    examples: Sequence[EncodedExample],
+    max_pixels: int,
+    device: torch.device,
+    cache: ImageCache | None = None,
 ) -> tuple[torch.Tensor, int]:
     """The summed cross-entropy over the learned tokens of ``examples`` padded into one batch, and their count."""
-    inputs = on_device(model, batch(processor, examples, max_pixels), device)
+    inputs = on_device(model, batch(processor, examples, max_pixels, cache), device)
     labels = inputs.pop("labels")[:, 1:]
     logits = model(**inputs, use_cache=False).logits[:, :-1]
     total = torch.nn.functional.cross_entropy(
@@ -161,8 +167,9 @@ def summed_loss(
     total = torch.zeros((), device=session.device)
     count = 0
     for row in rows:
+        chosen = [examples[i] for i in row]
         loss, tokens = loss_sum(
-            session.model, session.processor, [examples[i] for i in row], session.max_pixels, session.device
+            session.model, session.processor, chosen, session.max_pixels, session.device, session.images
         )
         total, count = total + loss, count + tokens
     return total, count

@@ -34,6 +34,7 @@ from engine.run.schedule import lr_lambda
 from engine.vision.data import VisionExample, load_vision_examples
 from engine.vision.encode import EncodedExample, check_images, encode
 from engine.vision.families import VisionFamily
+from engine.vision.images import ImageCache
 from engine.vision.model import load_processor, load_vision_model, with_lora
 from engine.vision.speed import speed_notes
 
@@ -67,10 +68,13 @@ class VisionSession:
     last_eval: float | None = None
     schedule: RowSchedule = field(init=False)
     eval_watch: EvalWatch = field(init=False)
+    images: ImageCache = field(init=False)
+    """The pictures fitted to the budget, kept for the epochs after the first."""
 
     def __post_init__(self) -> None:
         self.schedule = RowSchedule(len(self.rows), self.config.training.seed)
         self.eval_watch = EvalWatch(self.config.training.early_stop or 0)
+        self.images = ImageCache(self.max_pixels)
 
     @property
     def trainable(self) -> list[torch.nn.Parameter]:

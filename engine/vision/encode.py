@@ -19,7 +19,7 @@ import torch
 from engine.data.packing import IGNORE_INDEX
 from engine.errors import DataError
 from engine.vision.data import VisionExample
-from engine.vision.images import check_image, load_image
+from engine.vision.images import ImageCache, check_image, load_image
 
 
 @dataclass(frozen=True)
@@ -94,9 +94,13 @@ def image_token_ids(processor: Any) -> frozenset[int]:
     return frozenset(i for i in ids if isinstance(i, int) and i != unknown and i >= 0)
 
 
-def batch(processor: Any, encoded: Sequence[EncodedExample], max_pixels: int) -> dict[str, torch.Tensor]:
-    """The model's keyword arguments for ``encoded`` padded to one length, with ``labels`` (-100 on padding)."""
-    images = [[load_image(ref, max_pixels) for ref in item.example.images] for item in encoded]
+def batch(
+    processor: Any, encoded: Sequence[EncodedExample], max_pixels: int, cache: ImageCache | None = None
+) -> dict[str, torch.Tensor]:
+    """The model's keyword arguments for ``encoded`` padded to one length, with ``labels`` (-100 on padding);
+    pictures come from ``cache`` where one is given."""
+    load = cache.load if cache is not None else lambda ref: load_image(ref, max_pixels)
+    images = [[load(ref) for ref in item.example.images] for item in encoded]
     out = processor(
         text=[item.text for item in encoded],
         images=images if any(images) else None,

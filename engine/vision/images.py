@@ -57,6 +57,7 @@ def load_image(ref: ImageRef, max_pixels: int) -> Any:
     """The image in RGB, scaled down to at most ``max_pixels`` pixels (aspect ratio kept)."""
     image = _open(ref)
     try:
+        _decode_smaller(image, max_pixels)
         rgb = image.convert("RGB")
     except OSError as err:
         raise ref.problem(
@@ -65,6 +66,16 @@ def load_image(ref: ImageRef, max_pixels: int) -> Any:
     finally:
         image.close()
     return fit_to_budget(rgb, max_pixels)
+
+
+def _decode_smaller(image: Any, max_pixels: int) -> None:
+    """Let a JPEG decode at 1/2, 1/4 or 1/8 scale where that still covers the budget (its DCT scaling: a 12-megapixel
+    photo for a 0.8-megapixel budget decodes at a quarter of the size, several times faster); the Lanczos resize
+    of :func:`fit_to_budget` then makes the exact size. Other formats decode whole."""
+    width, height = image.size
+    if width * height > max_pixels:
+        scale = math.sqrt(max_pixels / (width * height))
+        image.draft("RGB", (math.ceil(width * scale), math.ceil(height * scale)))
 
 
 def fit_to_budget(image: Any, max_pixels: int) -> Any:
@@ -100,3 +111,26 @@ def _open(ref: ImageRef) -> Any:
             hint="scale it down before training",
         )
     return image
+
+
+class ImageCache:
+    """Pictures already fitted to the budget, kept in memory up to ``max_bytes`` (RGB, 3 bytes a pixel) so that later
+    epochs skip the decoding and resizing: a 12-megapixel JPEG takes 0.1-1 s of CPU time to fit, every step it is in.
+    Once full it keeps what it holds and loads the rest each time."""
+
+    def __init__(self, max_pixels: int, max_bytes: int = 1 << 30) -> None:
+        self.max_pixels = max_pixels
+        self.max_bytes = max_bytes
+        self.held_bytes = 0
+        self._images: dict[Path, Any] = {}
+
+    def load(self, ref: ImageRef) -> Any:
+        image = self._images.get(ref.path)
+        if image is not None:
+            return image
+        image = load_image(ref, self.max_pixels)
+        size = image.size[0] * image.size[1] * 3
+        if self.held_bytes + size <= self.max_bytes:
+            self._images[ref.path] = image
+            self.held_bytes += size
+        return image
