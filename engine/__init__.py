@@ -11,11 +11,12 @@ The folders are the layers. Each may import only layers listed above it, so depe
 4. data (files, tokenizing, packing), hardware (GPU detection, memory planner, telemetry), setup (installing
    torch, repairing the environment);
 5. model (loading a base model with LoRA, chat), speed (the speed switches);
-6. run (the training loop of one process: session, step, checkpoints, guard, control, schedule, run folder,
-   registry), export (adapter and merged-model exports);
-7. distributed (a run over several GPUs: torchrun launch, process group, control relay);
-8. train: the public entry point, ``from engine.train import run``, on one process or several;
-9. cli (the ``tunedeck`` commands, progress printer, demo run);
-10. bench (the benchmark programs, which time the product through its own entry points; ``tunedeck bench`` reaches
-   them by name, so the command line never imports them).
+6. vision (vision-language models: families, image data, processors, image chat, what pictures cost in memory);
+7. run (the training loop of one process: session, step, checkpoints, guard, control, schedule, run folder,
+   registry, the training methods; image runs too), export (adapter and merged-model exports);
+8. distributed (a run over several GPUs: torchrun launch, process group, control relay);
+9. train: the public entry point, ``from engine.train import run``, on one process or several;
+10. cli (the ``tunedeck`` commands, progress printer, demo run);
+11. bench (the benchmark programs, which time the product through its own entry points; ``tunedeck bench``
+    reaches them by name, so the command line never imports them).
 """

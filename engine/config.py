@@ -569,6 +569,26 @@ class DpoConfig:
 
 
 @dataclass
+class VisionConfig:
+    """Vision-language models (a model with a vision tower, engine.vision): how big its images may be and what LoRA
+    adapts. A text model ignores this section."""
+
+    max_pixels: int | None = setting(
+        None,
+        "images with more pixels than this are scaled down (aspect kept) before the processor sees them "
+        "(default: the family's budget, e.g. 1024x28x28 for Qwen-VL)",
+        flag="--max-pixels",
+    )
+    adapt_vision: bool = setting(
+        False, "also put LoRA on the vision tower and its projector (frozen by default)", flag="--adapt-vision"
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_pixels is not None:
+            _require(self.max_pixels >= 28 * 28, "vision.max_pixels", f"must be at least 784, got {self.max_pixels}")
+
+
+@dataclass
 class OutputConfig:
     """Where the run folder goes."""
 
@@ -598,6 +618,7 @@ class RunConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     speed: SpeedConfig = field(default_factory=SpeedConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
+    vision: VisionConfig = field(default_factory=VisionConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
     def to_dict(self) -> dict[str, Any]:

@@ -25,12 +25,15 @@ from pathlib import Path
 
 from engine.config import RunConfig
 from engine.distributed.launch import resolve_gpus, run_ranks
+from engine.errors import ConfigError
 from engine.events import Event
 from engine.hardware.allocator import apply_at_run_start
 from engine.redact import known_tokens, redact_event
 from engine.run.control import RunControl
 from engine.run.folder import load_run_config, new_run_dir
 from engine.run.loop import failure, on_one_gpu, resumed_config, train_in_process
+from engine.run.vision_loop import train_vision
+from engine.vision.model import vision_family
 
 __all__ = ["run", "run_beside_window"]
 
@@ -54,6 +57,9 @@ def _run(config: RunConfig, control: RunControl | None, resume: str | Path | Non
             config = resumed_config(load_run_config(run_dir), config)
         gpus = resolve_gpus(config.training.gpus, config.training.device)
         config = on_one_gpu(config, gpus)
+        family = vision_family(config.model)  # a vision-language model trains in engine.vision
+        if family is not None and len(gpus) > 1:
+            raise ConfigError("vision-language models train on one GPU", hint="pass --gpus 1")
         if run_dir is None:
             run_dir = new_run_dir(config)
         if len(gpus) > 1:
@@ -61,6 +67,9 @@ def _run(config: RunConfig, control: RunControl | None, resume: str | Path | Non
             return
     except Exception as err:  # the user gets a message and a log, never a dead app
         yield failure(err, None, run_dir, write_log=True)
+        return
+    if family is not None:
+        yield from train_vision(config, run_dir, resume is not None, control, family)
         return
     yield from train_in_process(config, run_dir, resume is not None, control)
 

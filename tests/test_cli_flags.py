@@ -80,6 +80,7 @@ TEXT_VALUES = {
     "training.knowledge_share": "1.5",
     "training.knowledge_penalty": "2",
     "training.rewards": r"regex:^\d+$",
+    "vision.max_pixels": "200704",
 }
 
 

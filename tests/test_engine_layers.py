@@ -21,6 +21,7 @@ LAYERS: list[set[str]] = [
     {"config", "method_facts"},
     {"data", "hardware", "setup"},
     {"model", "speed"},
+    {"vision"},
     {"run", "export"},
     {"distributed"},
     {"train"},

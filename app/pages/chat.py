@@ -39,6 +39,7 @@ from PySide6.QtWidgets import (
 
 from app.background.worker import describe_error
 from app.widgets.adapter_choice import AdapterChoice
+from app.widgets.picture_choice import PictureChoice
 from app.widgets.preference_bar import PreferenceBar
 from engine.data.preferences import PreferenceError, last_exchange
 from engine.run.registry import Registry, RunRecord
@@ -67,7 +68,13 @@ class ModelLoader(QThread):
     def run(self) -> None:
         try:
             from engine.model.chat import load_chat_model
+            from engine.vision.export import run_vision_family
 
+            if run_vision_family(Path(self.folder)) is not None:  # a vision-language run: answers about pictures
+                from engine.vision.chat import load_image_chat
+
+                self.loaded.emit(load_image_chat(self.folder, device=self.device, which=self.adapter))
+                return
             self.loaded.emit(load_chat_model(self.folder, device=self.device, adapter=self.adapter))
         except Exception as err:
             info = describe_error(err)
@@ -87,9 +94,12 @@ class ReplyWorker(QThread):
         histories: dict[str, list[dict[str, str]]],
         settings: dict[str, Any],
         adapters: dict[str, bool] | None = None,
+        picture: str | None = None,
     ) -> None:
         super().__init__()
         self.chat = chat
+        self.picture = picture
+        """A vision-language chat: the picture the last message asks about."""
         self.histories = histories
         self.settings = settings
         self.adapters = adapters or {side: side == "tuned" for side in histories}
@@ -101,6 +111,9 @@ class ReplyWorker(QThread):
             from engine.model.chat import GenerationSettings, stream_reply
 
             settings = GenerationSettings(**self.settings)
+            if is_picture_chat(self.chat):
+                self._ask_about_picture(settings.max_new_tokens)
+                return
             for side, messages in self.histories.items():
                 if self.stop.is_set():
                     break
@@ -112,6 +125,22 @@ class ReplyWorker(QThread):
                 self.reply_done.emit(side, "".join(text))
         except Exception as err:
             self.failed.emit(describe_error(err).message)
+
+    def _ask_about_picture(self, max_new_tokens: int) -> None:
+        """Each side's greedy answer to the last message, about the picture (engine.vision.chat.ask)."""
+        from engine.vision.chat import ask
+
+        for side, messages in self.histories.items():
+            if self.stop.is_set():
+                break
+            text = ask(self.chat, messages[-1]["content"], self.picture, self.adapters[side], max_new_tokens)
+            self.piece.emit(side, text)
+            self.reply_done.emit(side, text)
+
+
+def is_picture_chat(chat: Any) -> bool:
+    """Whether ``chat`` is a vision-language run's (engine.vision.chat.ImageChat), which answers about pictures."""
+    return getattr(chat, "processor", None) is not None
 
 
 class ChatView(QWidget):
@@ -235,7 +264,10 @@ class ChatView(QWidget):
         self.stop_button.clicked.connect(self.stop)
         clear = QPushButton("New chat")
         clear.clicked.connect(self.clear)
+        self.picture = PictureChoice()
+        self.picture.hide()  # shown for a vision-language run
         row = QHBoxLayout()
+        row.addWidget(self.picture)
         row.addWidget(self.prompt, 1)
         for button in (self.send_button, self.stop_button, clear):
             row.addWidget(button)
@@ -318,6 +350,7 @@ class ChatView(QWidget):
     def _loaded(self, chat: Any) -> None:
         self.chat = chat
         self.clear()
+        self.picture.setVisible(is_picture_chat(chat))
         record = self.records.get(self.loading_folder or "")
         which = chat.adapter.which if chat.adapter is not None else "best"
         self.preferences.set_run(self.loading_folder, which, record.id if record is not None else None)
@@ -353,13 +386,15 @@ class ChatView(QWidget):
         self.prompt.clear()
         sides = SIDES if self.compare.isChecked() else ("tuned",)
         self.preferences.withdraw("generating…")
+        picture = self.picture.path if is_picture_chat(self.chat) else None
+        about = f" <i>(about {html.escape(Path(picture).name)})</i>" if picture else ""
         for side in sides:
             self.histories[side].append({"role": "user", "content": text})
-            self.panes[side].append(f"<p><b>You:</b> {html.escape(text)}</p>")
+            self.panes[side].append(f"<p><b>You:</b> {html.escape(text)}{about}</p>")
             self.panes[side].append("<b>Model:</b> ")
         adapters = {side: side == "tuned" or self.pairing.currentData() == "samples" for side in sides}
         histories = {side: list(self.histories[side]) for side in sides}
-        self.worker = ReplyWorker(self.chat, histories, self.settings(), adapters)
+        self.worker = ReplyWorker(self.chat, histories, self.settings(), adapters, picture)
         self.worker.piece.connect(self._piece)
         self.worker.reply_done.connect(self._reply_done)
         self.worker.failed.connect(self._failed)

@@ -44,12 +44,20 @@ def demo_data_file() -> Path:
     return Path(resources.__file__).parent / "demo" / "data" / "train.jsonl"
 
 
-def preview_html(pieces: list[tuple[str, bool]]) -> str:
+def preview_html(pieces: list[tuple[str, bool]], pictures: list[str] | None = None) -> str:
+    """One previewed example: its pictures as thumbnails (image datasets), then its text, the learned part
+    highlighted."""
+    thumbnails = "".join(
+        f"<img src='{html.escape(Path(picture).as_uri())}' height='{THUMBNAIL_HEIGHT}'> " for picture in pictures or []
+    )
     spans = "".join(
         f"<span style='{TRAINED_STYLE if trained else PROMPT_STYLE}'>{html.escape(text)}</span>"
         for text, trained in pieces
     )
-    return f"<pre style='white-space:pre-wrap'>{spans}</pre>"
+    return (f"<p>{thumbnails}</p>" if thumbnails else "") + f"<pre style='white-space:pre-wrap'>{spans}</pre>"
+
+
+THUMBNAIL_HEIGHT = 72
 
 
 class LengthHistogram(PageChart):
@@ -160,8 +168,7 @@ class DataPanel(QWidget):
         self.summary.setText(
             f"Format <b>{report.data_format}</b> · {report.rows:,} rows, {report.good_rows:,} usable, "
             f"{len(report.problems):,} with problems · {report.total_tokens:,} tokens, {share:.0%} trained · "
-            f"{report.packed_rows:,} packed rows of {report.tokens_per_batch:,} tokens, "
-            f"packing efficiency <b>{report.packing_efficiency:.0%}</b>"
+            + _rows_text(report)
             + (" · figures from the first examples" if report.sampled else "")
             + ("<br>The demo dataset, selected for the demo model: open your own file to replace it."
                if self.auto_demo else "")
@@ -172,7 +179,9 @@ class DataPanel(QWidget):
             self.problems.addItem(f"row {row}: {field}: {message}")
         if not report.problems:
             self.problems.addItem("none: every row can be used")
-        self.preview.setHtml("<hr>".join(preview_html(pieces) for pieces in report.preview))
+        pictures = report.thumbnails or [[] for _ in report.preview]
+        shown = zip(report.preview, pictures, strict=True)
+        self.preview.setHtml("<hr>".join(preview_html(pieces, files) for pieces, files in shown))
         self.state.set_data(report.path, report)
         self.changed.emit()
 
@@ -225,6 +234,19 @@ class DataPanel(QWidget):
         path = QFileDialog.getExistingDirectory(self, "Saved dataset folder")
         if path:
             self.load(path)
+
+
+def _rows_text(report: DatasetReport) -> str:
+    """How the examples become micro-batches: packed rows of text, or padded rows of pictures and text."""
+    if report.images:
+        return (
+            f"{report.images:,} images, {report.image_tokens:,} image tokens · {report.packed_rows:,} padded "
+            f"micro-batches of up to {report.tokens_per_batch:,} tokens, {report.packing_efficiency:.0%} not padding"
+        )
+    return (
+        f"{report.packed_rows:,} packed rows of {report.tokens_per_batch:,} tokens, "
+        f"packing efficiency <b>{report.packing_efficiency:.0%}</b>"
+    )
 
 
 def _titled(title: str, widget: QWidget) -> QWidget:

@@ -38,6 +38,7 @@ SECTION_TITLES = {
     "speed": "Speed optimizations",
     "dpo": "Preference tuning (DPO)",
     "grpo": "Reward tuning (GRPO)",
+    "vision": "Images (vision-language models)",
     "output": "Output folder",
 }
 MAIN_TITLE = "Main settings"

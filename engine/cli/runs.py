@@ -164,6 +164,7 @@ def chat_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling (default: 0.9)")
     parser.add_argument("--max-tokens", type=int, default=256, help="longest reply in tokens (default: 256)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    parser.add_argument("--image", metavar="PICTURE", help="a vision-language run: ask about this picture")
     return parser
 
 
@@ -187,8 +188,20 @@ def _answer(chat: ChatModel, messages: list[dict[str, str]], settings: Generatio
 
 def chat_main(argv: list[str]) -> int:
     args = chat_parser().parse_args(argv)
+    from engine.cli.image_chat import image_chat_main, is_image_run
     from engine.model.chat import GenerationSettings, load_chat_model
     from engine.quiet import quiet_libraries
+
+    try:
+        folder = run_folder(args.run)
+    except TuneDeckError as err:
+        print(f"tunedeck chat: error: {err}", file=sys.stderr)
+        return 1
+    if is_image_run(folder):  # a vision-language run: its answers about a picture (engine.cli.image_chat)
+        return image_chat_main(args, folder)
+    if args.image:
+        print("tunedeck chat: error: --image needs a run of a vision-language model", file=sys.stderr)
+        return 1
 
     quiet_libraries()
     try:

@@ -227,8 +227,12 @@ def model_slug(name: str) -> str:
 def _check_family(run_folder: Path, adapter: str) -> None:
     """Refuse an unsupported family before the (slow) merge, when the base model's config can be read."""
     from engine.config import RunConfig
+    from engine.vision.export import refuse_gguf, run_vision_family
 
     _run_adapter(run_folder, adapter)
+    family = run_vision_family(run_folder)
+    if family is not None:
+        raise refuse_gguf(family)
     try:
         from transformers import AutoConfig
 

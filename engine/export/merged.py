@@ -161,16 +161,22 @@ def merged_model(run_folder: str | Path, dtype: str = "bfloat16", adapter: str =
     from transformers import AutoTokenizer
 
     from engine.model.load import DTYPES, load_base_model
+    from engine.vision.export import merged_vision_model, run_vision_family
 
     run_folder = Path(run_folder)
     chosen = _run_adapter(run_folder, adapter)
-    config = RunConfig.load(run_folder / "config.json")
-    model_config = dataclasses.replace(config.model, qlora=False)
-    base = load_base_model(model_config, torch.device("cpu"), torch.float32)
-    merged = PeftModel.from_pretrained(base, str(chosen.folder)).merge_and_unload()
+    family = run_vision_family(run_folder)
+    if family is not None:  # saved with its processor, for images
+        merged, tokenizer = merged_vision_model(run_folder, chosen.folder, family)
+    else:
+        config = RunConfig.load(run_folder / "config.json")
+        model_config = dataclasses.replace(config.model, qlora=False)
+        base = load_base_model(model_config, torch.device("cpu"), torch.float32)
+        merged = PeftModel.from_pretrained(base, str(chosen.folder)).merge_and_unload()
+        tokenizer = AutoTokenizer.from_pretrained(str(chosen.folder))
     merged = merged.to(DTYPES[normalize_dtype(dtype)])
     merged.config.use_cache = True  # training switched the cache off; users of the export will generate
-    return merged, AutoTokenizer.from_pretrained(str(chosen.folder))
+    return merged, tokenizer
 
 
 def export_merged(

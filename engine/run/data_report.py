@@ -45,6 +45,11 @@ class DatasetReport:
     preview: list[list[tuple[str, bool]]] = field(default_factory=list)
     """Per previewed example: (token text, trained?) pieces."""
     sampled: bool = False
+    image_tokens: int = 0
+    """Image datasets (engine.run.vision_data_report): the image tokens among ``total_tokens``."""
+    images: int = 0
+    thumbnails: list[list[str]] = field(default_factory=list)
+    """Per previewed example: its pictures' files."""
 
 
 def analyze_dataset(
@@ -58,6 +63,9 @@ def analyze_dataset(
     from engine.data.tokenize import ensure_chat_template, tokenize_examples
 
     data = data or DataConfig(path=path)
+    family = _vision_family(model_name)
+    if family is not None:  # a vision-language model: pictures and text
+        return _image_report(path, model_name, family, data)
     rows = read_rows(path)
     fmt = detect_format(rows, path) if data.format == "auto" else data.format
     problems = list(iter_row_problems(rows, fmt))
@@ -92,6 +100,40 @@ def analyze_dataset(
         preview=[token_pieces(loaded, ex) for ex in tokenized[:PREVIEW_EXAMPLES]],
         sampled=len(good) > MAX_TOKENIZED,
     )
+
+
+def _image_report(path: str, model_name: str, family: Any, data: DataConfig) -> DatasetReport:
+    """An image dataset's report (engine.run.vision_data_report): rows padded, not packed; image tokens counted."""
+    from engine.run.vision_data_report import image_data_figures
+
+    found = image_data_figures(path, model_name, family, data.tokens_per_batch, MAX_TOKENIZED, PREVIEW_EXAMPLES)
+    lengths = [len(item) for item in found.encoded]
+    return DatasetReport(
+        path=path,
+        data_format=found.data_format,
+        rows=found.rows,
+        good_rows=found.good_rows,
+        problems=found.problems,
+        lengths=lengths,
+        trained_tokens=sum(item.trained_tokens for item in found.encoded),
+        total_tokens=sum(lengths),
+        packed_rows=found.padded_rows,
+        packing_efficiency=found.padding_efficiency,
+        tokens_per_batch=found.tokens_per_batch,
+        preview=found.preview,
+        sampled=found.sampled,
+        image_tokens=sum(item.image_tokens for item in found.encoded),
+        images=found.images,
+        thumbnails=found.thumbnails,
+    )
+
+
+def _vision_family(model_name: str) -> Any:
+    """The vision family of a model on this computer (nothing is read from the network), None for a text model."""
+    from engine.config import ModelConfig
+    from engine.vision.model import vision_family
+
+    return vision_family(ModelConfig(name=model_name), on_disk=True)
 
 
 def token_pieces(tokenizer: Any, example: TokenizedExample) -> list[tuple[str, bool]]:

@@ -447,7 +447,12 @@ def build_report(run_dir: str | Path, device: str | None = None, cancelled: Canc
     (by default the run's own setting). ``cancelled`` is asked between batches; True raises ReportCancelled."""
     from peft import PeftModel
 
+    from engine.vision.export import run_vision_family
+
     run_dir = Path(run_dir)
+    family = run_vision_family(run_dir)
+    if family is not None:  # image examples
+        return _vision_report(run_dir, family, device, cancelled)
     config = load_run_config(run_dir)
     last_step = _last_step(run_dir)
     adapters = _columns(run_dir, last_step)
@@ -577,6 +582,38 @@ def reward_columns(inputs: ReportInputs, cancelled: Cancelled = never) -> BuiltC
 REWARDS_SECTION = ReportSection("prompts", None, REWARD_MEASURES, reward_columns)
 SECTIONS = {"documents": DOCUMENTS_SECTION, "pairs": PAIRS_SECTION, "rewards": REWARDS_SECTION}
 """Each report kind a method's facts name (engine.method_facts.MethodFacts.report), and its section."""
+
+
+def _vision_report(run_dir: Path, family: Any, device: str | None, cancelled: Cancelled) -> RunReport:
+    """A vision-language run's report: its columns measured on the held-out image examples
+    (engine.run.vision_report), worded as a text run's."""
+    from engine.run.vision_report import measure_columns
+
+    config = load_run_config(run_dir)
+    last_step = _last_step(run_dir)
+    adapters = [(_label(a, last_step), a.folder) for a in _columns(run_dir, last_step)]
+    torch_device = pick_device(device or config.training.device)
+    measured = measure_columns(
+        config, family, adapters, torch_device, lambda tokenizer: general_examples(tokenizer, WINDOW),
+        lambda: _check(cancelled),
+    )  # fmt: skip
+    columns = [
+        ModelScores(
+            label=c.label,
+            held_out_loss=c.held_out_loss,
+            held_out_perplexity=math.exp(min(c.held_out_loss, 50.0)) if c.held_out_loss is not None else None,
+            reward_accuracy=None,
+            general_perplexity=math.exp(min(c.general_loss, 50.0)),
+            exact_match=c.exact_match,
+            token_f1=c.token_f1,
+        )
+        for c in measured.columns
+    ]
+    scored = measured.held_out_examples
+    note = "greedy replies to each held-out image's question" if scored else "no held-out image examples"
+    return RunReport(
+        run_dir.name, "sft", scored, measured.held_out_tokens, measured.general_tokens, columns, scored, note
+    )
 
 
 def _with_knowledge(
