@@ -32,13 +32,15 @@ from engine.distributed.control import CONTROL_FILE, ControlMirror
 from engine.distributed.nodes import (
     JOINED_MARK,
     LOCAL_ADDR_ENV,
+    LOST_HINT,
+    LOST_MARK,
     NODE_RANK_ENV,
     link_env,
     rendezvous_args,
     rendezvous_hint,
 )
 from engine.errors import ConfigError
-from engine.events import Event, RunFailed, RunFinished
+from engine.events import Event, RunFailed, RunFinished, StepMetrics
 from engine.run.control import RunControl
 
 EVENT_MARK = "@tunedeck-event "
@@ -46,6 +48,8 @@ LAUNCH_ENV = "TUNEDECK_LAUNCH"
 STDERR_TAIL = 60
 HINT_LINES = 12
 EXIT_GRACE_S = 60.0
+LOST_GRACE_S = 5.0
+"""After a rank reports a lost node, its torchrun gets this long to end on its own before the launcher ends it."""
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.__name__: cls
     for cls in vars(ev).values()
@@ -142,9 +146,9 @@ def run_ranks(
         start_new_session=True,  # Ctrl-C reaches only the launcher, which turns it into a graceful stop
     )
     tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL)
-    reader = threading.Thread(target=_drain, args=(process.stderr, tail), daemon=True)
-    reader.start()
     ranks: list[Any] = []  # the rank processes, noted once they run: they outlive a torchrun that is killed
+    reader = threading.Thread(target=_drain, args=(process.stderr, tail, process, ranks), daemon=True)
+    reader.start()
     meeting = _Meeting(config, process, ranks)
     try:
         yield from _events(process, tail, run_dir, reader, ranks, meeting)
@@ -176,7 +180,8 @@ class _Meeting:
 
     def __init__(self, config: RunConfig, process: subprocess.Popen[str], ranks: list[Any]) -> None:
         self.training = config.training
-        self.joined = self.training.nodes <= 1
+        self.nodes = self.training.nodes
+        self.joined = self.nodes <= 1
         self.expired = False
         self._timer = threading.Timer(self.training.rendezvous_timeout + self.GRACE_S, self._expire, (process, ranks))
         self._timer.daemon = True
@@ -215,6 +220,7 @@ def _events(
     meeting: _Meeting,
 ) -> Iterator[Event]:
     last: Event | None = None
+    step = 0
     assert process.stdout is not None
     for line in process.stdout:
         if line.startswith(JOINED_MARK):
@@ -230,13 +236,20 @@ def _events(
         if isinstance(event, (RunFinished, RunFailed)):
             last = event  # yielded once every rank has exited
             continue
+        step = event.step if isinstance(event, StepMetrics) else step
         yield event
     code = _wait(process, ranks)
     reader.join(timeout=5)
     if not meeting.joined:
         yield meeting.failure(list(tail), run_dir)
         return
-    yield _outcome(last, code, list(tail), run_dir)
+    lost = next((line for line in reversed(tail) if line.startswith(LOST_MARK)), None)
+    if lost is not None:  # another computer went: the node watch says which, whatever the collectives raised
+        yield RunFailed(lost[len(LOST_MARK) :], LOST_HINT, step, str(run_dir))
+    elif meeting.nodes > 1 and isinstance(last, RunFailed):
+        yield last  # this computer's first rank told the story (its rank numbers are not torchrun's)
+    else:
+        yield _outcome(last, code, list(tail), run_dir)
 
 
 def _outcome(last: Event | None, code: int, tail: list[str], run_dir: Path) -> Event:
@@ -270,11 +283,17 @@ def _root_cause(lines: list[str]) -> tuple[int, int] | None:
     return (rank, code if code is not None else 1) if rank is not None else None
 
 
-def _drain(stream: IO[str] | None, tail: collections.deque[str]) -> None:
+def _drain(
+    stream: IO[str] | None, tail: collections.deque[str], process: subprocess.Popen[str], ranks: list[Any]
+) -> None:
     if stream is None:
         return
     for line in stream:
         tail.append(line.rstrip())
+        if line.startswith(LOST_MARK):  # another node went: torchrun's own goodbye to it could wait for minutes
+            timer = threading.Timer(LOST_GRACE_S, _end_group, (process, ranks))
+            timer.daemon = True
+            timer.start()
 
 
 def _wait(process: subprocess.Popen[str], ranks: list[Any]) -> int:

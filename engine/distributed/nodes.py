@@ -21,6 +21,12 @@ from engine.errors import ConfigError
 NODE_RANK_ENV = "TUNEDECK_NODE_RANK"
 LOCAL_ADDR_ENV = "TUNEDECK_NODE_ADDRESS"
 RUN_ID = "tunedeck"
+LOST_MARK = "tunedeck node lost: "
+"""Starts the line a rank prints on stderr when the node watch finds another node gone (engine.distributed.watch)."""
+LOST_HINT = (
+    "the run folder on node 0 keeps the last checkpoint: resume it there with `tunedeck train --resume RUN_DIR` "
+    "(add the --nodes, --node-rank and --rendezvous flags, and start the other node as before, to resume on both)"
+)
 JOINED_MARK = "@tunedeck-joined"
 """Printed by each node's first rank once the process group stands: the launcher stops its rendezvous clock."""
 

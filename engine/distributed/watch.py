@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from engine.distributed.nodes import RUN_ID, Place
+from engine.distributed.nodes import LOST_MARK, RUN_ID, Place
 
 LOST_EXIT = 4
 BEAT_S = 1.0
@@ -44,12 +44,16 @@ class NodeWatch:
         self.interval_s = min(interval_s, timeout_s / 3)
         self.on_lost = on_lost or exit_with
         self._verdict: str | None = None
+        self._deciding = threading.Lock()
         self._found = threading.Event()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="tunedeck-node-watch", daemon=True)
+        self._guard = threading.Thread(target=self._guard_loop, name="tunedeck-node-watch-guard", daemon=True)
+        self._answered = time.monotonic()
 
     def start(self) -> None:
         self._thread.start()
+        self._guard.start()
 
     def close(self) -> None:
         """This rank is done: say so, so that nobody takes its silence for a loss, and stop watching."""
@@ -77,10 +81,19 @@ class NodeWatch:
             try:
                 self.store.add(f"{RUN_ID}/beat/{self.place.rank}", 1)
                 verdict = self._silent(seen) or self._posted()
+                self._answered = time.monotonic()
             except Exception as err:  # the store (on the first node) is unreachable
-                verdict = self._store_lost(err)
+                verdict = self._store_lost(str(err).strip().splitlines()[0] if str(err).strip() else repr(err))
             if verdict and not self._done.is_set():
                 self._decide(verdict)
+                return
+
+    def _guard_loop(self) -> None:
+        """A store call on a connection whose cable was pulled may never return: past the timeout, that is a verdict."""
+        while not self._done.wait(self.interval_s):
+            silent = time.monotonic() - self._answered
+            if silent > self.timeout_s + self.interval_s and not self._found.is_set():
+                self._decide(self._store_lost(f"no answer for {silent:.0f} s"))
                 return
 
     def _silent(self, seen: dict[int, tuple[int, float]]) -> str | None:
@@ -104,15 +117,17 @@ class NodeWatch:
                 return f"node {node} stopped: {self.store.get(key).decode()}"
         return None
 
-    def _store_lost(self, err: Exception) -> str:
+    def _store_lost(self, why: str) -> str:
         others = sorted(set(self.place.node_of_rank) - {self.place.node})
         who = f"node {others[0]}" if len(others) == 1 else "the other nodes"
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        return f"lost the connection to {who} (the rendezvous store stopped answering: {first})"
+        return f"lost the connection to {who} (the rendezvous store stopped answering: {why})"
 
     def _decide(self, verdict: str) -> None:
-        self._verdict = verdict
-        self.on_lost(f"tunedeck rank {self.place.rank}: {verdict}")  # by default the process ends here
+        with self._deciding:
+            if self._verdict is not None:
+                return
+            self._verdict = verdict
+        self.on_lost(LOST_MARK + verdict)  # by default the process ends here
         self._found.set()
 
 
