@@ -94,7 +94,7 @@ def _remove(names: tuple[str, ...]) -> None:
         subprocess.run(["ip", "netns", "delete", name], capture_output=True)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def network() -> Iterator[Network]:
     """Two network namespaces joined by a veth pair where this system lets us make them; else the loopback."""
     made = _namespaces() if sys.platform == "linux" and os.geteuid() == 0 else None
