@@ -330,3 +330,33 @@ def test_ctrl_c_on_node_0_stops_both_and_two_nodes_resume(
     assert steps_of(node1.events) == steps_of(node0.events)
     assert_same_curve(curve(run_dir), curve(reference))
     assert_gone(node0, node1)
+
+
+@pytest.mark.parametrize(
+    ("training", "problem"),
+    [
+        ({"nodes": 2}, "training.rendezvous: must be HOST:PORT"),
+        ({"nodes": 2, "rendezvous": "10.0.0.1"}, "training.rendezvous: must be HOST:PORT"),
+        ({"nodes": 2, "node_rank": 2, "rendezvous": "a:1"}, "training.node_rank: must be 0 to 1"),
+        ({"nodes": 0}, "training.nodes: must be at least 1"),
+        ({"nodes": 2, "rendezvous": "a:1", "node_timeout": 0}, "training.node_timeout: must be positive"),
+    ],
+)
+def test_node_settings_are_checked(training: dict[str, object], problem: str) -> None:
+    from engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=problem):
+        RunConfig.from_dict({"training": training})
+
+
+def test_torchrun_meets_the_other_nodes_at_the_rendezvous_hosted_by_node_0() -> None:
+    from engine.distributed.launch import _visible
+    from engine.distributed.nodes import rendezvous_args
+
+    one = RunConfig().training
+    assert rendezvous_args(one) == ["--standalone"]
+    node1 = RunConfig.from_dict({"training": {"nodes": 2, "node_rank": 1, "rendezvous": "10.0.0.1:29400"}}).training
+    args = rendezvous_args(node1, "10.0.0.2")
+    assert "--rdzv-endpoint=10.0.0.1:29400" in args and "--rdzv-backend=c10d" in args
+    assert "--rdzv-conf=join_timeout=120,read_timeout=120,is_host=false" in args and "--local-addr=10.0.0.2" in args
+    assert _visible([0], "1") == ["1"] and _visible([0, 1], None) == ["0", "1"]  # a node on the second GPU keeps it

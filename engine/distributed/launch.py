@@ -115,7 +115,7 @@ def launch_command(world: int, rendezvous: list[str] | None = None) -> list[str]
 def launch_env(config: RunConfig, run_dir: Path, resuming: bool, gpus: list[int]) -> dict[str, str]:
     env = dict(os.environ)
     if config.training.device != "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(_visible(gpus, env.get("CUDA_VISIBLE_DEVICES")))
     env.setdefault("NCCL_NVLS_ENABLE", "0")
     root = str(Path(engine.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
@@ -124,6 +124,12 @@ def launch_env(config: RunConfig, run_dir: Path, resuming: bool, gpus: list[int]
     env[NODE_RANK_ENV] = str(config.training.node_rank)
     env.update(link_env(config.training))
     return env
+
+
+def _visible(gpus: list[int], mask: str | None) -> list[str]:
+    """The chosen GPUs as CUDA_VISIBLE_DEVICES names them, within a mask already set (GPU 0 of ``1,3`` is ``1``)."""
+    names = [name.strip() for name in mask.split(",")] if mask else []
+    return [names[i] if i < len(names) else str(i) for i in gpus]
 
 
 def run_ranks(
