@@ -20,8 +20,8 @@ from engine.distributed.group import init_node_ranks
 from engine.distributed.joined import Agreed, agree, share_run_folder
 from engine.distributed.launch import EVENT_MARK
 from engine.distributed.nodes import JOINED_MARK, Place, link_report, store_client
+from engine.distributed.rank import say, train_rank
 from engine.distributed.watch import NodeWatch
-from engine.distributed.worker import _say, train_rank
 from engine.events import Event, Notice, RunFailed
 from engine.run.ranks import Ranks
 
@@ -41,7 +41,7 @@ def run_node(config: RunConfig, launch: dict[str, Any]) -> int:
     watch = NodeWatch(store_client(training.node_timeout), place, training.node_timeout)
     watch.start()
     if first_here:
-        _say(sys.stdout, JOINED_MARK)
+        say(sys.stdout, JOINED_MARK)
     run_dir = Path(launch["run_dir"])
     try:
         link = link_report("nccl" if device.type == "cuda" else "gloo", place.node)
@@ -51,7 +51,7 @@ def run_node(config: RunConfig, launch: dict[str, Any]) -> int:
     except Exception as err:  # a mismatch: every rank raises the same ConfigError
         return _refused(err, ranks, first_here, run_dir, watch)
     if first_here:
-        _say(sys.stdout, EVENT_MARK + json.dumps(Notice("; ".join(agreed.links)).to_dict()))
+        say(sys.stdout, EVENT_MARK + json.dumps(Notice("; ".join(agreed.links)).to_dict()))
     failed = train_rank(
         agreed.config,
         {**launch, "resume": agreed.resuming},
@@ -71,9 +71,9 @@ def run_node(config: RunConfig, launch: dict[str, Any]) -> int:
 def _refused(err: Exception, ranks: Ranks, first_here: bool, run_dir: Path, watch: NodeWatch) -> int:
     """Every rank stops with the same message; the first rank of each node tells its launcher."""
     failed = RunFailed(getattr(err, "message", str(err)), getattr(err, "hint", None), 0, str(run_dir))
-    _say(sys.stderr, f"tunedeck rank {ranks.rank}: {failed.message}")
+    say(sys.stderr, f"tunedeck rank {ranks.rank}: {failed.message}")
     if first_here:
-        _say(sys.stdout, EVENT_MARK + json.dumps(failed.to_dict()))
+        say(sys.stdout, EVENT_MARK + json.dumps(failed.to_dict()))
     watch.close()
     return 1
 
