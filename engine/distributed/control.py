@@ -1,8 +1,9 @@
 """Stop, pause and speed requests from the launching process to every rank, acted on at the same step.
 
 The launcher mirrors its :class:`~engine.run.control.RunControl` into ``control.json`` in the run folder (atomic
-replace, only when something changed). Between two steps rank 0 reads the file and broadcasts what it found over
-the gloo group; every rank's :class:`RankControl` then answers the training loop's questions identically.
+replace, only when something changed). Between two steps rank 0 reads the file (and, in a run over several
+computers, the first rank of each other node reads its own launcher's) and one small all-reduce over the gloo group
+shares what they found; every rank's :class:`RankControl` then answers the training loop's questions identically.
 """
 
 from __future__ import annotations

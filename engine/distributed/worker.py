@@ -3,7 +3,8 @@
 The launcher passes the run (config, run folder, resuming or not) in the ``TUNEDECK_LAUNCH`` environment
 variable. Every rank trains; rank 0 prints the run's events on stdout, each line marked so the launcher can tell
 them from anything a library prints. A rank that fails says so on stderr and exits 1, which makes torchrun end
-the others. Imports nothing from Qt.
+the others. A run over several computers goes on in :mod:`engine.distributed.node_worker`. Imports nothing from
+Qt.
 """
 
 from __future__ import annotations
