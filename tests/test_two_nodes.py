@@ -360,3 +360,16 @@ def test_torchrun_meets_the_other_nodes_at_the_rendezvous_hosted_by_node_0() -> 
     assert "--rdzv-endpoint=10.0.0.1:29400" in args and "--rdzv-backend=c10d" in args
     assert "--rdzv-conf=join_timeout=120,read_timeout=120,is_host=false" in args and "--local-addr=10.0.0.2" in args
     assert _visible([0], "1") == ["1"] and _visible([0, 1], None) == ["0", "1"]  # a node on the second GPU keeps it
+
+
+def test_ctrl_c_on_node_1_stops_both_with_a_checkpoint(
+    tiny_model_dir: Path, chat: Path, network: Network, tmp_path: Path
+) -> None:
+    node0, node1 = two_nodes(base_flags(tiny_model_dir, chat, tmp_path, steps=200), network)
+    node1.until_step(1)
+    node1.process.send_signal(signal.SIGINT)
+    node0.finish(), node1.finish()
+    stopped = node0.last("RunFinished")
+    assert stopped["cancelled"] and stopped["step"] < 200 and node1.last("RunFinished")["step"] == stopped["step"]
+    assert (Path(stopped["run_dir"]) / "checkpoints" / f"step-{stopped['step']:06d}").is_dir()
+    assert_gone(node0, node1)
