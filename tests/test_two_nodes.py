@@ -373,3 +373,18 @@ def test_ctrl_c_on_node_1_stops_both_with_a_checkpoint(
     assert stopped["cancelled"] and stopped["step"] < 200 and node1.last("RunFinished")["step"] == stopped["step"]
     assert (Path(stopped["run_dir"]) / "checkpoints" / f"step-{stopped['step']:06d}").is_dir()
     assert_gone(node0, node1)
+
+
+def test_a_setting_node_1_leaves_alone_takes_node_0s_and_one_it_sets_must_agree() -> None:
+    from engine.distributed.preflight import check_identities, node_identity
+    from engine.errors import ConfigError
+
+    def identity(training: dict[str, object]) -> dict[str, object]:
+        return node_identity(RunConfig.from_dict({"training": training}), link="")
+
+    node0 = identity({"learning_rate": 1e-3, "max_steps": 20})
+    check_identities([node0, identity({})], (0, 1))  # node 1 left them automatic: node 0's apply
+    with pytest.raises(ConfigError) as caught:
+        check_identities([node0, identity({"learning_rate": 2e-3})], (0, 1))
+    wanted = "the nodes differ: setting training.learning_rate is 0.001 on node 0, 0.002 on node 1"
+    assert caught.value.message == wanted

@@ -10,8 +10,10 @@ with node 0, so all of them stop with the same single message when anything diff
   end). Reading ~200 KiB a file keeps it cheap on multi-GB checkpoints; two files with equal headers differing
   only outside the samples would pass (a fine-tune of the same shape differs throughout, so the samples catch it);
 - TuneDeck, torch, transformers and peft versions;
-- the settings, except those that are this computer's own (file paths, node rank, GPUs, device); a setting left
-  automatic on one node takes node 0's value, so only two different explicit values are a mismatch.
+- the settings, except those that are this computer's own (file paths, node rank, GPUs, device). Every node trains
+  node 0's settings (engine.distributed.joined), so another node's command needs only its model and data: a
+  setting it leaves at its default or automatic takes node 0's value, and only a value it sets that differs from
+  node 0's is a mismatch.
 """
 
 from __future__ import annotations
@@ -60,9 +62,10 @@ def differences(node: int, mine: dict[str, Any], main: dict[str, Any]) -> list[s
     for name in VERSIONED:
         if mine["versions"][name] != main["versions"][name]:
             found.append(f"{name} {main['versions'][name]} on node 0, {mine['versions'][name]} on node {node}")
+    defaults = comparable_settings(RunConfig())
     for key, value in mine["settings"].items():
         theirs = main["settings"].get(key)
-        if value is not None and theirs is not None and value != theirs:
+        if value is not None and value != defaults.get(key) and theirs is not None and value != theirs:
             found.append(f"setting {key} is {theirs!r} on node 0, {value!r} on node {node}")
     return found
 
