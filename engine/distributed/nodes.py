@@ -150,3 +150,28 @@ def interface_of(address: str) -> str | None:
         if any(entry.address.split("%")[0] == address for entry in addresses):
             return str(name)
     return None
+
+
+def this_machine_addresses() -> list[tuple[str, str]]:
+    """(interface, IPv4 address) of every network interface that is up, loopback left out: where node 0 is reached."""
+    import psutil
+
+    stats = psutil.net_if_stats()
+    found = []
+    for name, addresses in psutil.net_if_addrs().items():
+        if not stats.get(name) or not stats[name].isup:
+            continue
+        found += [
+            (name, a.address) for a in addresses if a.family == socket.AF_INET and not a.address.startswith("127.")
+        ]
+    return found
+
+
+def join_command(model: str, data: str, address: str, port: int, device: str = "auto") -> str:
+    """What to type on the second computer to join node 0's run (node 0's settings apply there)."""
+    import shlex
+
+    words = ["tunedeck", "train", "--model", model, "--data", data]
+    words += ["--device", device] if device != "auto" else []
+    words += ["--nodes", "2", "--node-rank", "1", "--rendezvous", f"{address}:{port}"]
+    return shlex.join(words)
