@@ -388,3 +388,12 @@ def test_a_setting_node_1_leaves_alone_takes_node_0s_and_one_it_sets_must_agree(
         check_identities([node0, identity({"learning_rate": 2e-3})], (0, 1))
     wanted = "the nodes differ: setting training.learning_rate is 0.001 on node 0, 0.002 on node 1"
     assert caught.value.message == wanted
+
+
+def test_a_node_that_cannot_read_its_data_stops_both_with_its_reason() -> None:
+    from engine.distributed.preflight import check_identities, node_identity
+    from engine.errors import ConfigError
+
+    fine = node_identity(RunConfig(), link="")
+    with pytest.raises(ConfigError, match=r"^node 1 cannot start: no such file or folder"):
+        check_identities([fine, {"problem": "no such file or folder", "link": ""}], (0, 1))

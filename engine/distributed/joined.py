@@ -33,7 +33,7 @@ def agree(ranks: Ranks, place: Place, config: RunConfig, resuming: bool, run_dir
     """Compare every node with node 0 (raises one ConfigError on every rank) and take node 0's run settings."""
     import torch.distributed as dist
 
-    mine = {"identity": node_identity(config, link), "config": config.to_dict(), "resume": resuming}
+    mine = {"identity": _identity(config, link), "config": config.to_dict(), "resume": resuming}
     mine["run_dir"] = str(run_dir)
     gathered: list[Any] = [None] * ranks.world
     dist.all_gather_object(gathered, mine, group=ranks.control_group)
@@ -44,6 +44,15 @@ def agree(ranks: Ranks, place: Place, config: RunConfig, resuming: bool, run_dir
     check_identities(identities, place.node_of_rank)
     links = [gathered[r]["identity"]["link"] for r in _first_ranks(place)]
     return Agreed(_with_local_paths(main["config"], config), main["resume"], main["run_dir"], links)
+
+
+def _identity(config: RunConfig, link: str) -> dict[str, Any]:
+    """This node's identity, or the reason it has none (its dataset cannot be read): sent either way, so that no
+    node waits for one that gave up alone."""
+    try:
+        return node_identity(config, link)
+    except Exception as err:
+        return {"problem": getattr(err, "message", None) or str(err), "link": link}
 
 
 def _first_ranks(place: Place) -> list[int]:

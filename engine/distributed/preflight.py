@@ -72,6 +72,10 @@ def differences(node: int, mine: dict[str, Any], main: dict[str, Any]) -> list[s
 
 def check_identities(identities: list[dict[str, Any]], node_of_rank: tuple[int, ...]) -> None:
     """Raise one ConfigError naming every difference of any node from node 0 (the same on every rank)."""
+    unreadable = [(node_of_rank[r], i["problem"]) for r, i in enumerate(identities) if "problem" in i]
+    if unreadable:
+        node, problem = unreadable[0]
+        raise ConfigError(f"node {node} cannot start: {problem}", hint="fix it on that computer and start both again")
     main = identities[0]
     problems: list[str] = []
     seen: set[int] = set()
