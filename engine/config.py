@@ -132,6 +132,25 @@ def _gpus_spec_ok(spec: str) -> bool:
     return "," in text and all(part.isdigit() for part in parts) and len(set(map(int, parts))) == len(parts)
 
 
+def _check_nodes(training: Any) -> None:
+    _require(training.nodes >= 1, "training.nodes", f"must be at least 1, got {training.nodes}")
+    _require(
+        0 <= training.node_rank < training.nodes,
+        "training.node_rank",
+        f"must be 0 to {training.nodes - 1} for {training.nodes} node(s), got {training.node_rank}",
+    )
+    _require(training.rendezvous_timeout > 0, "training.rendezvous_timeout", "must be positive")
+    _require(training.node_timeout > 0, "training.node_timeout", "must be positive")
+    if training.nodes > 1:
+        host, _, port = training.rendezvous.rpartition(":")
+        _require(
+            bool(host) and port.isdigit() and 0 < int(port) < 65536,
+            "training.rendezvous",
+            f"must be HOST:PORT (node 0's address and a free port) for {training.nodes} nodes, "
+            f"got {training.rendezvous!r}",
+        )
+
+
 @dataclass
 class ModelConfig:
     """Which base model to fine-tune and how to load it."""
@@ -338,6 +357,22 @@ class TrainingConfig:
         "(auto: DDP unless the model does not fit one card)",
         flag="--parallel",
     )
+    nodes: int = setting(
+        1,
+        "computers the run spans; more than one joins them through torchrun's rendezvous at --rendezvous, each "
+        "with its own --node-rank (node 0 keeps the run folder; grad_accum stays the rows of one step over all)",
+        flag="--nodes",
+    )
+    node_rank: int = setting(0, "this computer's place among the nodes: 0 keeps the run folder", flag="--node-rank")
+    rendezvous: str = setting(
+        "", "HOST:PORT where the nodes meet: node 0's address and a free port open in its firewall", flag="--rendezvous"
+    )
+    rendezvous_timeout: float = setting(
+        120.0, "seconds to wait for every node to join before the run fails with a hint", flag="--rendezvous-timeout"
+    )
+    node_timeout: float = setting(
+        30.0, "seconds without a sign of life from another node before every node stops", flag="--node-timeout"
+    )
 
     rewards: tuple[RewardSpec, ...] = setting(
         (),
@@ -384,6 +419,7 @@ class TrainingConfig:
 
     def __post_init__(self) -> None:
         self._check_grpo()
+        _check_nodes(self)
         _require(self.max_bad_steps >= 1, "training.max_bad_steps", f"must be at least 1, got {self.max_bad_steps}")
         _require(_gpus_spec_ok(self.gpus), "training.gpus", f"must be a count, 'all' or GPU indices, got {self.gpus!r}")
         _require(self.max_steps >= 0, "training.max_steps", f"must be >= 0, got {self.max_steps}")

@@ -14,7 +14,8 @@ run reports or writes contains the Hugging Face token (engine.redact).
 
 This module is the public entry point and sits above both ways to train: one process
 (:func:`engine.run.loop.train_in_process`) or, when ``training.gpus`` names several GPUs, the ranks under
-torchrun (:func:`engine.distributed.launch.run_ranks`), whose rank 0's events it yields.
+torchrun (:func:`engine.distributed.launch.run_ranks`), whose rank 0's events it yields; with ``training.nodes``
+above 1 the ranks of several computers form one run (engine.distributed.nodes), node 0 keeping the run folder.
 engine.distributed says what a step means with W ranks.
 """
 
@@ -24,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from engine.config import RunConfig
-from engine.distributed.launch import resolve_gpus, run_ranks
+from engine.distributed.launch import join_run, resolve_gpus, run_ranks
 from engine.errors import ConfigError
 from engine.events import Event
 from engine.hardware.allocator import apply_at_run_start
@@ -56,13 +57,17 @@ def _run(config: RunConfig, control: RunControl | None, resume: str | Path | Non
             run_dir = Path(resume)
             config = resumed_config(load_run_config(run_dir), config)
         gpus = resolve_gpus(config.training.gpus, config.training.device)
-        config = on_one_gpu(config, gpus)
         family = vision_family(config.model)  # a vision-language model trains in engine.vision
-        if family is not None and len(gpus) > 1:
+        if family is not None and (len(gpus) > 1 or config.training.nodes > 1):
             raise ConfigError("vision-language models train on one GPU", hint="pass --gpus 1")
+        if config.training.node_rank > 0:  # node 0 keeps the run folder; this computer joins its run
+            yield from join_run(config, gpus, control)
+            return
+        if config.training.nodes == 1:
+            config = on_one_gpu(config, gpus)
         if run_dir is None:
             run_dir = new_run_dir(config)
-        if len(gpus) > 1:
+        if len(gpus) > 1 or config.training.nodes > 1:
             yield from run_ranks(config, run_dir, resume is not None, gpus, control)
             return
     except Exception as err:  # the user gets a message and a log, never a dead app

@@ -81,7 +81,14 @@ TEXT_VALUES = {
     "training.knowledge_penalty": "2",
     "training.rewards": r"regex:^\d+$",
     "vision.max_pixels": "200704",
+    "training.rendezvous": "10.0.0.1:29400",
+    "training.node_rank": "1",
 }
+COMPANIONS = {
+    "training.nodes": ["--rendezvous", "10.0.0.1:29400"],
+    "training.node_rank": ["--nodes", "2", "--rendezvous", "10.0.0.1:29400"],
+}
+"""Flags a setting needs beside it to make a valid config (a second node needs the address where they meet)."""
 
 
 def is_switch(annotation: Any) -> bool:
@@ -91,6 +98,8 @@ def is_switch(annotation: Any) -> bool:
 
 def value_words(section: str, spec: dataclasses.Field[Any], annotation: Any, default: Any) -> list[str]:
     """What follows the flag to set the field to something other than its default."""
+    if f"{section}.{spec.name}" in TEXT_VALUES:
+        return [TEXT_VALUES[f"{section}.{spec.name}"]]
     if getattr(annotation, "__origin__", None) is Literal:
         return [next(choice for choice in get_args(annotation) if choice != default)]
     if annotation is int:
@@ -105,9 +114,10 @@ def parsed(argv: list[str]) -> RunConfig:
 
 
 def setting_words(section: str, spec: dataclasses.Field[Any], annotation: Any, default: Any, flag: str) -> list[str]:
+    companions = COMPANIONS.get(f"{section}.{spec.name}", [])
     if is_switch(annotation):  # the value the default is not
-        return [flag if not default else "--no-" + flag.removeprefix("--")]
-    return [flag, *value_words(section, spec, annotation, default)]
+        return [flag if not default else "--no-" + flag.removeprefix("--"), *companions]
+    return [flag, *value_words(section, spec, annotation, default), *companions]
 
 
 @pytest.mark.parametrize("field", list(config_fields()), ids=lambda f: f"{f[0]}.{f[1].name}")

@@ -34,6 +34,7 @@ from app.widgets.fitted_label import FittedLabel
 from app.widgets.gpu_selector import GpuSelector
 from app.widgets.notices import NoticeList
 from app.widgets.run_charts import RunCharts
+from app.widgets.second_computer import SecondComputer
 from engine.config import RunConfig
 from engine.events import (
     BestAdapterKept,
@@ -119,6 +120,8 @@ class RunPanel(QWidget):
         self.eta.setFixedWidth(120)
         self.charts = RunCharts()
         self.gpu_selector = GpuSelector()
+        self.second_computer = SecondComputer()
+        self.second_computer.toggled.connect(self._show_second_command)
         self.warnings = NoticeList()
         self.warnings.setMaximumHeight(72)
         self.speed_state: dict[str, dict[str, object]] = {}
@@ -147,6 +150,7 @@ class RunPanel(QWidget):
         progress.addWidget(self.eta)
         layout = QVBoxLayout(self)
         layout.addWidget(self.gpu_selector)
+        layout.addWidget(self.second_computer)
         layout.addLayout(buttons)
         layout.addLayout(after)
         layout.addWidget(self.plan)
@@ -164,9 +168,16 @@ class RunPanel(QWidget):
         except Exception as err:  # an unfinished form: the Start button reports it
             self.gpu_selector.plan.setText(describe_error(err).message)
 
+    def _show_second_command(self, on: bool) -> None:
+        try:
+            self.second_computer.show_command(self.build_config())
+        except Exception as err:  # an unfinished form: the Start button reports it
+            self.second_computer.command.setText(describe_error(err).message)
+
     def start(self) -> None:
         try:
-            config = self.gpu_selector.apply(self.build_config())
+            config = self.second_computer.apply(self.gpu_selector.apply(self.build_config()))
+            self.second_computer.stop_check()
         except Exception as err:
             info = describe_error(err)
             self.show_error(info.message, info.hint)

@@ -218,7 +218,7 @@ def run_events(
 
     printer = ProgressPrinter()
     events = run(config, control=control, resume=resume)
-    if record:
+    if record and config.training.node_rank == 0:  # another node's run lives in node 0's folder and history
         events = recorded(events, open_registry())
     for event in events:
         if json_lines:
@@ -236,7 +236,7 @@ def run_with_progress(config: RunConfig, control: RunControl, *, resume: str | N
     printer = run_events(config, control, resume=resume, json_lines=json_lines)
     if not json_lines:
         print(printer.summary(), file=sys.stderr if printer.failed else sys.stdout)
-    if printer.finished is not None and not printer.failed:
+    if printer.finished is not None and not printer.failed and config.training.node_rank == 0:  # node 0 has the run
         print_report(Path(printer.finished.run_dir), json_lines)
     return 1 if printer.failed else 0
 

@@ -23,6 +23,8 @@ EPILOG = """examples:
   tunedeck train --resume runs/20261130-120000-my-model-chats
   tunedeck train --method dpo --model ./my-model --data pairs.jsonl   prefer chosen over rejected answers (DPO)
   tunedeck train --model ./my-model --data chats.jsonl --gpus 2   one process per GPU (torchrun, DDP)
+  tunedeck train --model ./my-model --data chats.jsonl --nodes 2 --node-rank 0 --rendezvous 192.168.1.10:29400
+                                                one run on two computers: node 1 runs the same with --node-rank 1
 """
 
 

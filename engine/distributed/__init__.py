@@ -6,6 +6,11 @@ runs the same training loop as a single-GPU run (:mod:`engine.run.loop`) with a 
 telling it its share. Rank 0 streams the run's events back to the launching process, which yields them as if the
 run were local, so the CLI, the run registry and the app see no difference.
 
+``--nodes 2 --node-rank R --rendezvous HOST:PORT`` spans computers with the same launcher and worker: torchrun meets
+the other nodes through its c10d rendezvous, every node is checked against node 0 before the first step, and a node
+watch stops the run when a computer goes (:mod:`engine.distributed.nodes`, ``preflight``, ``joined``, ``watch``).
+The step contract below holds unchanged, W counting the GPUs of every node.
+
 What a step means with W ranks (the contract the tests check against a one-process run):
 
 - ``training.grad_accum`` stays the number of packed rows in one optimizer step: the GLOBAL batch. Rank r

@@ -1,8 +1,9 @@
 """Stop, pause and speed requests from the launching process to every rank, acted on at the same step.
 
 The launcher mirrors its :class:`~engine.run.control.RunControl` into ``control.json`` in the run folder (atomic
-replace, only when something changed). Between two steps rank 0 reads the file and broadcasts what it found over
-the gloo group; every rank's :class:`RankControl` then answers the training loop's questions identically.
+replace, only when something changed). Between two steps rank 0 reads the file (and, in a run over several
+computers, the first rank of each other node reads its own launcher's) and one small all-reduce over the gloo group
+shares what they found; every rank's :class:`RankControl` then answers the training loop's questions identically.
 """
 
 from __future__ import annotations
@@ -41,27 +42,31 @@ def read_control(path: Path) -> dict[str, Any]:
 
 
 class RankControl(RunControl):
-    """A rank's view of the launcher's requests; :meth:`sync` (a collective) refreshes it between steps."""
+    """A rank's view of the launcher's requests; :meth:`sync` (a collective) refreshes it between steps.
 
-    def __init__(self, ranks: Ranks, path: Path, launcher_pid: int | None = None) -> None:
+    Rank 0 reads its launcher's control file; on another computer its first rank reads that node's own, and a stop
+    asked there (or a launcher killed there) stops every node too. Pause and speed changes come from node 0."""
+
+    def __init__(self, ranks: Ranks, path: Path, launcher_pid: int | None = None, reads_file: bool = False) -> None:
         super().__init__()
         self.ranks = ranks
         self.path = path
         self.launcher_pid = launcher_pid
+        self.reads_file = reads_file or ranks.is_main
         self._speed_seq = 0
 
     def sync(self) -> None:
-        """Take rank 0's reading of the control file on every rank; a launcher that died asks for a stop."""
-        record = read_control(self.path) if self.ranks.is_main else {}
-        if self.ranks.is_main and not _alive(self.launcher_pid):
+        """Take the launchers' requests on every rank; a launcher that died asks for a stop."""
+        record = read_control(self.path) if self.reads_file else {}
+        if self.reads_file and not _alive(self.launcher_pid):
             record["stop"] = True  # the app or CLI was killed: save a checkpoint and end, leaving no orphan
-        flags = torch.tensor(
-            [int(bool(record.get("stop"))), int(bool(record.get("pause"))), int(record.get("speed_seq", 0))]
-        )
+        flags = torch.tensor([int(bool(record.get("stop"))), 0, 0])
+        if self.ranks.is_main:
+            flags[1:] = torch.tensor([int(bool(record.get("pause"))), int(record.get("speed_seq", 0))])
         if self.ranks.distributed:
             import torch.distributed as dist
 
-            dist.broadcast(flags, src=0, group=self.ranks.control_group)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.ranks.control_group)
         stop, pause, speed_seq = (int(v) for v in flags.tolist())
         if speed_seq != self._speed_seq:
             self._speed_seq = speed_seq

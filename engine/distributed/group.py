@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from engine.distributed.nodes import RUN_ID, Place, store_client, take_place
 from engine.errors import ConfigError
 from engine.run.ranks import LONG_TIMEOUT, ParallelMode, Ranks
 
@@ -17,17 +18,50 @@ def init_ranks(device_request: str) -> tuple[Ranks, torch.device]:
     import torch.distributed as dist
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    device = _device(device_request)
+    dist.init_process_group(_backend(device), **_group_options(device))
+    return Ranks(rank=rank, world=world, control_group=_control_group(device)), device
+
+
+def init_node_ranks(device_request: str, join_timeout_s: float) -> tuple[Ranks, torch.device, Place]:
+    """:func:`init_ranks` across computers: ranks ordered by (node rank, local rank), so global rank 0 is on node 0
+    (engine.distributed.nodes)."""
+    import torch.distributed as dist
+
+    world = int(os.environ["WORLD_SIZE"])
+    store = store_client(join_timeout_s)
+    place = take_place(store, int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")))
+    device = _device(device_request)
+    group_store = dist.PrefixStore(f"{RUN_ID}/group", store)
+    dist.init_process_group(
+        _backend(device), store=group_store, rank=place.rank, world_size=world, **_group_options(device)
+    )
+    return Ranks(rank=place.rank, world=world, control_group=_control_group(device)), device, place
+
+
+def _device(device_request: str) -> torch.device:
     if device_request != "cpu" and torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-        control = dist.new_group(backend="gloo", timeout=LONG_TIMEOUT)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=LONG_TIMEOUT)
-        control = dist.group.WORLD
-    return Ranks(rank=rank, world=world, control_group=control), device
+        return device
+    return torch.device("cpu")
+
+
+def _backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _group_options(device: torch.device) -> dict[str, Any]:
+    """NCCL binds the group to its GPU (and keeps its own timeout); gloo waits as long as a pause may last."""
+    return {"device_id": device} if device.type == "cuda" else {"timeout": LONG_TIMEOUT}
+
+
+def _control_group(device: torch.device) -> Any:
+    import torch.distributed as dist
+
+    if device.type == "cuda":
+        return dist.new_group(backend="gloo", timeout=LONG_TIMEOUT)
+    return dist.group.WORLD
 
 
 def choose_mode(ranks: Ranks, config: Any, device: torch.device) -> Ranks:

@@ -3,23 +3,20 @@
 The launcher passes the run (config, run folder, resuming or not) in the ``TUNEDECK_LAUNCH`` environment
 variable. Every rank trains; rank 0 prints the run's events on stdout, each line marked so the launcher can tell
 them from anything a library prints. A rank that fails says so on stderr and exits 1, which makes torchrun end
-the others. Imports nothing from Qt.
+the others. A run over several computers goes on in :mod:`engine.distributed.node_worker`. Imports nothing from
+Qt.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
-from pathlib import Path
-from typing import TextIO
 
 from engine.config import RunConfig
-from engine.distributed.control import CONTROL_FILE, RankControl
-from engine.distributed.group import choose_mode, init_ranks
-from engine.distributed.launch import EVENT_MARK, LAUNCH_ENV
-from engine.events import RunFailed
+from engine.distributed.group import init_ranks
+from engine.distributed.launch import LAUNCH_ENV
+from engine.distributed.rank import train_rank
 from engine.hardware.allocator import set_at_process_start
 
 
@@ -28,39 +25,20 @@ def main() -> int:
     import torch.distributed as dist
 
     from engine.quiet import quiet_libraries
-    from engine.run.loop import run_rank
 
     quiet_libraries()
     launch = json.loads(os.environ[LAUNCH_ENV])
     config = RunConfig.from_dict(launch["config"])
-    run_dir = Path(launch["run_dir"])
+    if config.training.nodes > 1:
+        from engine.distributed.node_worker import run_node
+
+        return run_node(config, launch)
     ranks, device = init_ranks(config.training.device)
-    failed = False
-    try:
-        ranks = choose_mode(ranks, config, device)
-        control = RankControl(ranks, run_dir / CONTROL_FILE, launch.get("launcher_pid"))
-        events = run_rank(config, run_dir, launch["resume"], ranks, device, control)
-    except Exception as err:  # a ConfigError from choosing the mode: every rank raises the same one
-        events = iter([RunFailed(getattr(err, "message", str(err)), getattr(err, "hint", None), 0, str(run_dir))])
-    for event in events:
-        if isinstance(event, RunFailed):
-            failed = True
-            _say(sys.stderr, f"tunedeck rank {ranks.rank}: {event.message}")
-        if ranks.is_main:
-            _say(sys.stdout, EVENT_MARK + json.dumps(event.to_dict()))
+    failed = train_rank(config, launch, ranks, device, prints_events=ranks.is_main)
     if not failed:
         ranks.barrier()  # no rank tears down its connections while another still uses them
         dist.destroy_process_group()
     return 1 if failed else 0
-
-
-def _say(stream: TextIO, line: str) -> None:
-    """Write a line for the launcher; once it is gone (killed), keep training to the stop it causes."""
-    try:
-        print(line, file=stream, flush=True)
-    except (BrokenPipeError, ValueError):  # the pipe closed; later writes to the closed stream raise ValueError
-        with contextlib.suppress(OSError):
-            stream.close()
 
 
 if __name__ == "__main__":

@@ -96,8 +96,19 @@ def failure(err: Exception, session: Session | None, run_dir: Path | None, write
 
 
 def resumed_config(saved: RunConfig, given: RunConfig) -> RunConfig:
-    """A resumed run keeps its saved settings, except which GPUs it now runs on and how they share the model."""
-    training = dataclasses.replace(saved.training, gpus=given.training.gpus, parallel=given.training.parallel)
+    """A resumed run keeps its saved settings, except which GPUs and computers it now runs on and how they share
+    the model."""
+    now = given.training
+    training = dataclasses.replace(
+        saved.training,
+        gpus=now.gpus,
+        parallel=now.parallel,
+        nodes=now.nodes,
+        node_rank=now.node_rank,
+        rendezvous=now.rendezvous,
+        rendezvous_timeout=now.rendezvous_timeout,
+        node_timeout=now.node_timeout,
+    )
     return dataclasses.replace(saved, training=training)
 
 

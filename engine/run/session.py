@@ -41,7 +41,7 @@ from engine.run.methods.base import TrainingMethod
 from engine.run.optimizer import adamw
 from engine.run.ranks import Ranks
 from engine.run.registry import Registry, RegistryError, data_dir
-from engine.run.replay import as_examples, read_replay, replay_rows
+from engine.run.replay import as_examples, replay_rows
 from engine.run.rows import model_shape, resolve_rows
 from engine.run.schedule import lr_lambda
 from engine.speed import SpeedController
@@ -251,13 +251,12 @@ def _with_replay(
     method: TrainingMethod,
 ) -> Generator[Event, None, PreparedData]:
     """``data`` with the base model's answers to general prompts in its training rows (engine.run.replay): made by
-    the first process, read by the others."""
+    the first process, sent to the others."""
     wanted = replay_count(len(data.train), config.training.knowledge_share)
+    rows: list[dict[str, str]] | None = None
     if ranks.is_main:
         rows = yield from replay_rows(model, tokenizer, device, wanted, config.training.seed, run_dir, write=True)
-    ranks.barrier()
-    if not ranks.is_main:
-        rows = read_replay(run_dir) or []
+    rows = ranks.broadcast_object(rows) or []  # sent, not read from the folder: another computer has none
     extra = as_examples(rows[:wanted])
     yield Notice(f"keep knowledge: {len(extra)} of the base model's own answers join {len(data.train)} examples")
     return method.prepare(config.data, tokenizer, config.training.seed, extra_train=extra)
