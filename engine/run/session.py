@@ -41,7 +41,7 @@ from engine.run.methods.base import TrainingMethod
 from engine.run.optimizer import adamw
 from engine.run.ranks import Ranks
 from engine.run.registry import Registry, RegistryError, data_dir
-from engine.run.replay import as_examples, replay_rows
+from engine.run.replay import as_examples, read_replay, replay_rows
 from engine.run.rows import model_shape, resolve_rows
 from engine.run.schedule import lr_lambda
 from engine.speed import SpeedController
