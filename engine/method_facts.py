@@ -12,10 +12,11 @@ FUSED_LOSS = "fused_loss"
 LATE_READOUT = "late_readout"
 KEEP_KNOWLEDGE = "keep_knowledge"
 PACKING = "packing"
-SWITCHES = (SEVERAL_GPUS, STEP_GRAPHS, FUSED_LOSS, LATE_READOUT, KEEP_KNOWLEDGE, PACKING)
+IMAGES = "images"
+SWITCHES = (SEVERAL_GPUS, STEP_GRAPHS, FUSED_LOSS, LATE_READOUT, KEEP_KNOWLEDGE, PACKING, IMAGES)
 """What a method may refuse: training over several GPUs, the step graphs, the fused loss, late step readout, the
 knowledge-keeping replay of the base model's answers (engine.run.replay), and packing several documents into a
-row (a method that refuses it prepares one item a row)."""
+row (a method that refuses it prepares one item a row), and vision-language models' image rows."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ FACTS = {
             FUSED_LOSS: "DPO scores answers by their log-probabilities: logits only at answer tokens instead",
             LATE_READOUT: "DPO reads the step's rewards with its loss",
             KEEP_KNOWLEDGE: "DPO measures against a reference model, which already holds the tuned model near it",
+            IMAGES: "DPO is not available for vision-language models",
         },
     ),
     "grpo": MethodFacts(
@@ -76,6 +78,7 @@ FACTS = {
             KEEP_KNOWLEDGE: "GRPO learns from the model's own sampled answers, with no written answers to mix "
             "replay into (a KL penalty, --beta, holds it near the base instead)",
             PACKING: "sampled answers train as padded batches of one prompt's group, each answer in its own row",
+            IMAGES: "GRPO is not available for vision-language models",
         },
     ),
 }

@@ -209,7 +209,7 @@ def test_install_buttons_put_the_gguf_export_into_ollama_and_lm_studio(
 ) -> None:  # fmt: skip
     """After a real GGUF export, "Install in Ollama" (a stand-in Ollama server) shows its answer beside TuneDeck's;
     "Install in LM Studio" with no LM Studio server running says what was done and what to do."""
-    from engine.export.install import DEFAULT_QUESTION, LMSTUDIO_URL_VARIABLE, tunedeck_answer
+    from engine.export.install import DEFAULT_QUESTION, LMSTUDIO_URL_VARIABLE, held_out_question, tunedeck_answer
 
     if not callable(getattr(engine.export, "export_gguf", None)):
         pytest.skip("this engine has no GGUF export")
@@ -228,7 +228,8 @@ def test_install_buttons_put_the_gguf_export_into_ollama_and_lm_studio(
     export(qtbot, dialog, "gguf", tmp_path / "gguf")
     assert "Tensor types: q8_0 requested: " in dialog.status.text()
     assert panel.buttons["ollama"].isEnabled() and panel.buttons["lmstudio"].isEnabled()
-    assert panel.question.text() == DEFAULT_QUESTION
+    asked = held_out_question(run_folder) or DEFAULT_QUESTION  # one the run held out, read in the background
+    qtbot.waitUntil(lambda: panel.question.text() == asked, timeout=TIMEOUT_MS)
 
     state["hold"] = threading.Event()
     qtbot.mouseClick(panel.buttons["ollama"], Qt.MouseButton.LeftButton)
@@ -240,7 +241,7 @@ def test_install_buttons_put_the_gguf_export_into_ollama_and_lm_studio(
     qtbot.waitUntil(lambda: not panel.busy() and panel.report is not None, timeout=TIMEOUT_MS)
     assert ("POST", "/api/create") in [(method, path) for method, path, _ in state["calls"]]
     assert panel.runtime_label.text() == "<b>Ollama's answer</b>" and panel.runtime_answer.text() == OLLAMA_ANSWER
-    assert panel.tunedeck_answer.text() == tunedeck_answer(run_folder, DEFAULT_QUESTION)
+    assert panel.tunedeck_answer.text() == tunedeck_answer(run_folder, panel.question.text())
     assert panel.tunedeck_answer.text() and panel.tunedeck_answer.isVisible()
     assert "created the model run through Ollama's API" in panel.status.text()
 

@@ -11,6 +11,7 @@ import pytest
 from engine.method_facts import (
     FACTS,
     FUSED_LOSS,
+    IMAGES,
     KEEP_KNOWLEDGE,
     LATE_READOUT,
     PACKING,
@@ -60,8 +61,8 @@ def test_the_name_check_finds_a_branch(tmp_path: Path) -> None:
 
 REFUSALS = {
     "sft": set(),
-    "dpo": {SEVERAL_GPUS, STEP_GRAPHS, FUSED_LOSS, LATE_READOUT, KEEP_KNOWLEDGE},
-    "grpo": {SEVERAL_GPUS, STEP_GRAPHS, FUSED_LOSS, LATE_READOUT, KEEP_KNOWLEDGE, PACKING},
+    "dpo": {SEVERAL_GPUS, STEP_GRAPHS, FUSED_LOSS, LATE_READOUT, KEEP_KNOWLEDGE, IMAGES},
+    "grpo": {SEVERAL_GPUS, STEP_GRAPHS, FUSED_LOSS, LATE_READOUT, KEEP_KNOWLEDGE, PACKING, IMAGES},
 }
 
 

@@ -23,6 +23,7 @@ from engine.data.prepare import RowSchedule
 from engine.errors import ConfigError, DataError
 from engine.events import Event, Notice
 from engine.hardware.fit_to_data import FitFacts, apply_fit, fit_to_data
+from engine.method_facts import IMAGES, facts_for
 from engine.model.load import count_parameters, pick_device, pick_dtype
 from engine.run import checkpoint as ckpt
 from engine.run.best import EvalWatch
@@ -90,8 +91,9 @@ def start_vision(
     torch.manual_seed(config.training.seed)
     device = pick_device(config.training.device)
     dtype = pick_dtype(config.model.dtype, device)
-    if config.training.method != "sft":
-        raise ConfigError(f"{config.training.method} is not available for vision-language models", hint="use sft")
+    refused = facts_for(config.training.method).refusals.get(IMAGES)
+    if refused is not None:
+        raise ConfigError(refused, hint="use --method sft")
     examples, separate = _read(config)
     pictures = check_images([*examples, *separate])
     processor = load_processor(config.model)
