@@ -30,6 +30,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from engine.bench import write_report
+
 SOCKETS_ONLY = {
     "NCCL_P2P_DISABLE": "1",
     "NCCL_SHM_DISABLE": "1",
@@ -191,11 +193,10 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
     }
     table = markdown(report)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        args.out.with_suffix(".md").write_text(table, encoding="utf-8")
-    print(table)
+    if args.out is None:
+        print(table)
+    else:
+        write_report(report, args.out.with_suffix(".json"), table)
     return 0
 
 
