@@ -246,3 +246,17 @@ def test_a_single_switch_variant_of_the_speed_bench_changes_only_that_switch() -
     fused = DENSE_VARIANTS["fused_loss"]
     assert fused.fused_loss is True and dataclasses.replace(fused, fused_loss=False) == STOCK
     assert DENSE_VARIANTS["all_on"].step_graphs is False  # all on: the switches ALL_ON names, nothing automatic
+
+
+def test_the_progress_printer_writes_to_the_stderr_of_its_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The printer's stream is the stderr in place when a run starts, not the one when the module was imported (a
+    host or a test that swaps stderr sees the run's notes)."""
+    import io
+
+    from engine.cli.progress import ProgressPrinter
+    from engine.events import Notice
+
+    swapped = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", swapped)
+    ProgressPrinter().handle(Notice("rows are padded"))
+    assert "note: rows are padded" in swapped.getvalue()

@@ -32,8 +32,8 @@ from engine.run.estimate import format_duration
 class ProgressPrinter:
     """Turns events into a tqdm bar and short lines; remembers how the run ended."""
 
-    def __init__(self, stream: TextIO = sys.stderr) -> None:
-        self.stream = stream
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self.stream = stream if stream is not None else sys.stderr  # read now: a test or a host may swap stderr
         self.bar: Any = None
         self.finished: RunFinished | None = None
         self.failed: RunFailed | None = None

@@ -30,11 +30,17 @@ def model_config_dict(config: ModelConfig, on_disk: bool = False) -> dict[str, A
         source = resolve_model(config.name)
         if source.is_local:
             path: Path | None = Path(source.location) / "config.json"
+        elif on_disk:  # a file lookup: huggingface_hub's calls send a request even with local_files_only
+            from huggingface_hub import try_to_load_from_cache
+
+            found = try_to_load_from_cache(source.location, "config.json")
+            path = Path(found) if isinstance(found, str) else None
         else:
             from transformers.utils import cached_file
 
-            hub = {**_hub_kwargs(config), **({"local_files_only": True} if on_disk else {})}
-            found = cached_file(source.location, "config.json", _raise_exceptions_for_missing_entries=False, **hub)
+            found = cached_file(
+                source.location, "config.json", _raise_exceptions_for_missing_entries=False, **_hub_kwargs(config)
+            )
             path = Path(found) if found else None
         raw = json.loads(path.read_text(encoding="utf-8")) if path is not None and path.is_file() else None
     except Exception:  # a missing folder, an unreachable hub, a damaged file: the text path reports it
