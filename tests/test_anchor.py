@@ -98,3 +98,19 @@ def test_a_run_with_the_penalty_trains_and_says_so(tmp_path: Path) -> None:
     notes = [e.message for e in events if isinstance(e, Notice)]
     assert any(n.startswith("knowledge penalty 2:") for n in notes)
     assert any(isinstance(e, RunFinished) and e.step == 3 for e in events)
+
+
+def test_a_step_reads_the_anchor_rows_padded_to_the_longest_of_each_batch() -> None:
+    rows = [AnchorRow(tuple(range(n)), 1) for n in (3, 5, 2, 4, 6)]  # batches of 4: [3, 5, 2, 4] and [6, 3, 5, 2]
+    anchor = KnowledgeAnchor(rows, 1.0, 0, torch.device("cpu"))
+    assert anchor.tokens_per_step() == pytest.approx((4 * 5 + 4 * 6) / 2)
+    assert KnowledgeAnchor([], 1.0, 0, torch.device("cpu")).tokens_per_step() == 0.0
+
+
+def test_the_time_a_cpu_run_expects_counts_the_anchor_passes() -> None:
+    from engine.run.estimate import EVAL_SHARE, cpu_run_seconds
+
+    plain = cpu_run_seconds(2.0, 10, 1, eval_rows=3, eval_every=5)
+    assert plain == pytest.approx(2.0 * (10 + 3 * 3 * EVAL_SHARE))
+    anchored = cpu_run_seconds(2.0, 10, 1, eval_rows=3, eval_every=5, anchor_step_s=1.5)
+    assert anchored - plain == pytest.approx(10 * 1.5 * (1 + EVAL_SHARE))

@@ -51,6 +51,15 @@ class KnowledgeAnchor:
         self.position = (self.position + count) % len(self.rows)
         return chosen
 
+    def tokens_per_step(self) -> float:
+        """The padded tokens a step reads on average (each batch as wide as its longest row), for the time a run
+        expects."""
+        widths = []
+        for start in range(0, len(self.rows), BATCH_SIZE):
+            batch = [self.rows[(start + i) % len(self.rows)] for i in range(min(BATCH_SIZE, len(self.rows)))]
+            widths.append(len(batch) * max(len(row.ids) for row in batch))
+        return sum(widths) / len(widths) if widths else 0.0
+
     def backward(self, model: Any) -> torch.Tensor:
         """Add the penalty's gradients for the next rows to the model's; the penalty, detached (on the device)."""
         ids, attention, answer = padded(self.next_rows(), self.pad_id, self.device)

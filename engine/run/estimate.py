@@ -140,12 +140,16 @@ EVAL_SHARE = 1 / 3
 """An evaluation row costs about a third of a training row (a forward pass, no backward)."""
 
 
-def cpu_run_seconds(step_s: float, steps: int, grad_accum: int, eval_rows: int, eval_every: int) -> float:
+def cpu_run_seconds(
+    step_s: float, steps: int, grad_accum: int, eval_rows: int, eval_every: int, anchor_step_s: float = 0.0
+) -> float:
     """A CPU run's training time before its first step: its steps at ``step_s`` a packed row (the planner's figure,
     engine.hardware.row_lengths.cpu_step_seconds), plus its evaluations (every ``eval_every`` steps and at the end),
-    each ``eval_rows`` forward passes."""
+    each ``eval_rows`` forward passes, plus the knowledge anchor's passes (engine.run.anchor): a training pass and a
+    forward pass of the base model over its rows each optimizer step, ``anchor_step_s`` being one training pass."""
     evaluations = (steps // eval_every if eval_every else 0) + (1 if eval_rows else 0)
-    return step_s * (steps * grad_accum + evaluations * eval_rows * EVAL_SHARE)
+    anchor = steps * anchor_step_s * (1 + EVAL_SHARE)
+    return step_s * (steps * grad_accum + evaluations * eval_rows * EVAL_SHARE) + anchor
 
 
 def format_duration(seconds: float) -> str:

@@ -271,10 +271,13 @@ def _expected_time(session: Session) -> tuple[float | None, str]:
     if shape is None:
         return None, ""
     config = session.config
-    step_s = cpu_step_seconds(shape, session.tokens_per_batch, torch.get_num_threads(), config.model.qlora)
+    threads, qlora = torch.get_num_threads(), config.model.qlora
+    step_s = cpu_step_seconds(shape, session.tokens_per_batch, threads, qlora)
+    anchor_tokens = round(session.anchor.tokens_per_step()) if session.anchor is not None else 0
+    anchor_s = cpu_step_seconds(shape, anchor_tokens, threads, qlora) if anchor_tokens else 0.0
     left = session.total_steps - session.step
     seconds = cpu_run_seconds(
-        step_s, left, config.training.grad_accum, len(session.data.eval_rows), config.training.eval_every or 0
+        step_s, left, config.training.grad_accum, len(session.data.eval_rows), config.training.eval_every or 0, anchor_s
     )
     return seconds, "from the planner's figure for this CPU"
 
