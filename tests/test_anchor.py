@@ -57,8 +57,8 @@ class _Adapted(torch.nn.Module):
 
         return Off()
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> object:
-        hidden = self.embed(input_ids)
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int = 0) -> object:
+        hidden = self.embed(input_ids)[:, -logits_to_keep:]  # as transformers slices: 0 keeps every position
         logits = self.head(hidden) if self.off else self.head(hidden) + hidden @ self.delta
 
         class Out:
@@ -114,3 +114,28 @@ def test_the_time_a_cpu_run_expects_counts_the_anchor_passes() -> None:
     assert plain == pytest.approx(2.0 * (10 + 3 * 3 * EVAL_SHARE))
     anchored = cpu_run_seconds(2.0, 10, 1, eval_rows=3, eval_every=5, anchor_step_s=1.5)
     assert anchored - plain == pytest.approx(10 * 1.5 * (1 + EVAL_SHARE))
+
+
+def test_the_penalty_reads_only_the_answer_logits_and_equals_the_whole_sequence_divergence() -> None:
+    """The logits of the prompts are not computed (``logits_to_keep``), and the penalty is the divergence over the
+    answer tokens all the same, on a real causal LM with a LoRA adapter."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2)  # fmt: skip
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = get_peft_model(LlamaForCausalLM(config), lora)
+    rows = [AnchorRow((1, 2, 3, 4, 5, 6, 7), 4), AnchorRow((8, 9, 10, 11, 12), 3), AnchorRow((13, 14, 15, 16), 2)]
+    anchor = KnowledgeAnchor(rows, 2.0, 0, torch.device("cpu"))
+    ids, attention, answer = padded(rows, 0, torch.device("cpu"))
+    with torch.no_grad():
+        with model.disable_adapter():
+            base = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
+        whole = 2.0 * kl_from_base(base, model(input_ids=ids, attention_mask=attention).logits[:, :-1], answer[:, 1:])
+    assert float(whole) > 1e-4
+    read: list[int] = []
+    model.get_output_embeddings().register_forward_hook(lambda _m, args, _out: read.append(args[0].shape[1]))
+    assert float(anchor.backward(model)) == pytest.approx(float(whole), rel=1e-5)
+    assert read == [ids.shape[1] - 1, ids.shape[1] - 1]  # base and tuned: from the first answer token's predictor

@@ -62,14 +62,17 @@ class KnowledgeAnchor:
 
     def backward(self, model: Any) -> torch.Tensor:
         """Add the penalty's gradients for the next rows to the model's; the penalty, detached (on the device)."""
-        ids, attention, answer = padded(self.next_rows(), self.pad_id, self.device)
+        rows = self.next_rows()
+        ids, attention, answer = padded(rows, self.pad_id, self.device)
+        start = min(row.answer_from for row in rows) - 1  # the first position that predicts an answer token
+        keep = {"logits_to_keep": ids.shape[1] - start}  # the prompts' logits are never read: not computed
         was_training = model.training
         model.eval()  # no dropout: the base and the tuned model see the rows the same way
         try:
             with torch.no_grad(), adapters_off(model):
-                base = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
-            tuned = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
-            penalty = self.weight * kl_from_base(base, tuned, answer[:, 1:])
+                base = model(input_ids=ids, attention_mask=attention, **keep).logits[:, :-1].float()
+            tuned = model(input_ids=ids, attention_mask=attention, **keep).logits[:, :-1].float()
+            penalty = self.weight * kl_from_base(base, tuned, answer[:, start + 1 :])
             penalty.backward()
         finally:
             model.train(was_training)
