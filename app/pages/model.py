@@ -39,6 +39,7 @@ from app.widgets.model_words import (
     verdict_target,
 )
 from engine.config import DEMO_MODEL
+from engine.hardware.recipes import describe_peak
 from engine.model.hub import download_model
 from engine.model.info import ModelInfo, inspect_model
 from engine.model.local_sources import is_local_gguf_name
@@ -87,6 +88,9 @@ class ModelPanel(QWidget):
         self.status.setWordWrap(True)
         self.download = QProgressBar()
         self.download.hide()
+        self.plan = QLabel("")
+        """The chosen recipe's predicted peak: the figure the Recipe and Run pages show."""
+        self.plan.setWordWrap(True)
         self.details = QTextBrowser()
         self.details.setMinimumHeight(150)
         layout = QVBoxLayout(self)
@@ -106,9 +110,12 @@ class ModelPanel(QWidget):
         row.addWidget(self.status, 1)
         layout.addLayout(row)
         layout.addWidget(self.download)
+        layout.addWidget(self.plan)
         layout.addWidget(self.details, 2)
         state.hardware_changed.connect(self._replan)
         state.hardware_changed.connect(lambda: self.gallery.set_hardware(state.hardware))
+        state.plan_changed.connect(self._show_plan)
+        state.model_changed.connect(self._show_plan)
 
     def selected_name(self) -> str:
         if self.on_disk.isChecked():
@@ -221,10 +228,20 @@ class ModelPanel(QWidget):
             f"<p>Verdict for {verdict_target(info)}: <b style='color:{colour}'>{info.verdict}</b> — "
             f"{info.verdict_reason}</p>"
             f"{memory_html(info)}{longest_row_html(info)}{resident_layers_html(info)}{plan_notes_html(info)}"
-            f"<p><b>Settings the planner would use</b></p><table cellpadding='3'>{rows}</table>"
+            f"<p><b>Settings the planner would use (the Automatic recipe)</b></p><table cellpadding='3'>{rows}</table>"
         )
         self.state.set_model(info.name, info)
         self.changed.emit()
+
+    def _show_plan(self) -> None:
+        """The chosen recipe's peak for the chosen model, as the Recipe page says it (nothing while either is being
+        read)."""
+        figure, info = self.state.planned_figure, self.state.model_info
+        peak = describe_peak(figure) if figure is not None and figure.fits else ""
+        if not peak or info is None or info.name != self.state.model_name or not self.state.planned_recipe:
+            self.plan.setText("")
+            return
+        self.plan.setText(f"With the <b>{self.state.planned_recipe}</b> recipe (Recipe page): predicted peak {peak}")
 
     def step_status(self) -> tuple[bool, str]:
         """(ready, what to say) for the guide bar."""
