@@ -16,6 +16,7 @@ from PySide6.QtCore import QObject, Signal
 
 from engine.config import DEMO_MODEL
 from engine.events import RunStarted
+from engine.hardware.recipes import RecipeEstimate
 from engine.run.estimate import MeasuredRow, TimeEstimate
 from engine.run.summary import RunSummary, seeded, summarize, with_state
 
@@ -47,6 +48,10 @@ class AppState(QObject):
         """The plan's predicted peak for the current settings (None: not known)."""
         self.planned_time: TimeEstimate | None = None
         """How long the current settings train here, before Start."""
+        self.planned_figure: RecipeEstimate | None = None
+        """The planner's estimate behind those two, worded on every page by engine.hardware.recipes.describe_peak."""
+        self.planned_recipe: str = ""
+        """The recipe the current settings started from (the Recipe page's choice)."""
         self.measured: list[MeasuredRow] = []
         """Earlier runs' throughput on this machine, for time estimates (engine.run.summary.measured_rows)."""
 
@@ -62,10 +67,14 @@ class AppState(QObject):
         self.data_path, self.data_report = path, report
         self.data_changed.emit()
 
-    def set_plan(self, peak: int | None, estimate: TimeEstimate | None) -> None:
-        """The plan for the current settings: predicted peak memory and training time."""
-        if (peak, estimate) != (self.planned_peak, self.planned_time):
-            self.planned_peak, self.planned_time = peak, estimate
+    def set_plan(
+        self, peak: int | None, estimate: TimeEstimate | None, figure: RecipeEstimate | None = None, recipe: str = ""
+    ) -> None:
+        """The plan for the current settings: predicted peak memory and training time, the planner's estimate they
+        come from and the recipe they started from."""
+        plan = (peak, estimate, figure, recipe)
+        if plan != (self.planned_peak, self.planned_time, self.planned_figure, self.planned_recipe):
+            self.planned_peak, self.planned_time, self.planned_figure, self.planned_recipe = plan
             self.plan_changed.emit()
 
     def begin_run(self) -> None:

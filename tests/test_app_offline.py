@@ -12,6 +12,7 @@ import pytest
 from app_demo import LOAD_TIMEOUT_MS, prepare_demo
 
 from engine.errors import ModelLoadError
+from engine.model import hub as model_hub
 from engine.model import load
 
 pytest_plugins = ["app_fixtures"]
@@ -62,6 +63,7 @@ def test_choosing_a_gallery_model_sends_nothing_until_asked(
         raise ModelLoadError("cannot reach the hub", hint="check your network")
 
     monkeypatch.setattr(load, "load_tokenizer", from_the_hub)
+    monkeypatch.setattr(model_hub, "reach_hub", lambda: None)  # the hub answers, and then the tokenizer fails
     data.fetch.click()  # the user asks: now, and only now, the hub is asked
     qtbot.waitUntil(lambda: data.problem != "", timeout=LOAD_TIMEOUT_MS)
     assert asked == ["Qwen/Qwen3-0.6B"]
@@ -79,3 +81,55 @@ def test_the_dataset_page_shows_nothing_of_the_previous_model_under_the_error(
     qtbot.waitUntil(lambda: data.problem != "", timeout=LOAD_TIMEOUT_MS)  # no tokenizer for the new model here
     assert data.histogram.bars is None and data.histogram.lengths == []
     assert data.preview.toPlainText() == "" and data.problems.count() == 0
+
+
+def choose_qwen_without_its_tokenizer(qtbot: Any, window: Any) -> Any:
+    """The demo set up, then a gallery model whose tokenizer is not on this computer: the Dataset page's error."""
+    prepare_demo(qtbot, window, max_steps=5)
+    window.model_panel.gallery.select("Qwen/Qwen3-0.6B")
+    window.model_panel.use.click()
+    qtbot.waitUntil(lambda: window.state.model_info is not None, timeout=LOAD_TIMEOUT_MS)
+    qtbot.waitUntil(lambda: window.data_panel.problem != "", timeout=LOAD_TIMEOUT_MS)
+    return window.data_panel
+
+
+def test_looking_up_a_tokenizer_without_a_network_fails_at_the_first_refusal(
+    qtbot: Any, window: Any, requests_sent: list[Any]
+) -> None:
+    data = choose_qwen_without_its_tokenizer(qtbot, window)
+    data.fetch.click()
+    assert "Looking up Qwen/Qwen3-0.6B's tokenizer on the hub" in data.summary.text(), "not 'Reading train.jsonl'"
+    qtbot.waitUntil(lambda: data.problem != "", timeout=LOAD_TIMEOUT_MS)
+    assert len(requests_sent) == 1, f"one refused connection is the answer, not {len(requests_sent)} retries"
+    assert "cannot reach the Hugging Face hub" in data.problem, data.problem
+    assert data.fetch.isVisibleTo(data), "the button stays, to try again once the network is back"
+    assert data.histogram.bars is None and data.preview.toPlainText() == ""
+    ready, _ = window.model_panel.step_status()
+    assert ready, "the model itself is fine: only its tokenizer is missing"
+
+
+def test_the_model_page_says_what_is_missing_and_the_one_way_to_get_it(
+    qtbot: Any, window: Any, requests_sent: list[Any]
+) -> None:
+    choose_qwen_without_its_tokenizer(qtbot, window)
+    status = window.model_panel.status.text()
+    assert "downloaded when the run starts" not in status, "Start is disabled: no run starts to download anything"
+    assert "its tokenizer is not on this computer" in status, status
+    assert "Look up Qwen/Qwen3-0.6B's tokenizer on the hub" in status, "the one action that fixes it, by its name"
+    assert window.data_panel.fetch.text() == "Look up Qwen/Qwen3-0.6B's tokenizer on the hub"
+    assert requests_sent == []
+
+
+def test_offline_mode_says_a_missing_tokenizer_cannot_be_fetched(
+    qtbot: Any, window: Any, requests_sent: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import huggingface_hub.constants as hub
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    data = choose_qwen_without_its_tokenizer(qtbot, window)
+    status = window.model_panel.status.text()
+    assert "offline mode is on" in status and "cannot be fetched" in status, status
+    assert "downloaded when the run starts" not in status
+    assert "offline mode is on" in data.problem and not data.fetch.isVisibleTo(data), "no button that cannot work"
+    assert requests_sent == []

@@ -81,7 +81,13 @@ def test_a_hub_tokenizer_missing_here_is_the_models_fault_and_nothing_is_sent(
     monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     monkeypatch.setattr("socket.socket.connect", lambda *args: pytest.fail("a request was sent"))
     path = write_jsonl(tmp_path / "chat.jsonl", CHATS)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     with pytest.raises(ModelLoadError) as caught:
         analyze_dataset(str(path), "Qwen/Qwen3-0.6B")
-    assert caught.value.message.startswith(f"{NO_TOKENIZER} Qwen/Qwen3-0.6B: it is not on this computer")
+    assert caught.value.message == f"{NO_TOKENIZER} Qwen/Qwen3-0.6B: it is not on this computer"
     assert caught.value.hint is not None and "button" in caught.value.hint
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no button can fetch it: the error says why instead
+    with pytest.raises(ModelLoadError) as caught:
+        analyze_dataset(str(path), "Qwen/Qwen3-0.6B")
+    assert caught.value.message.endswith("it is not on this computer and offline mode is on: it cannot be fetched")
+    assert caught.value.hint is not None and "unset HF_HUB_OFFLINE" in caught.value.hint

@@ -106,15 +106,25 @@ def test_planning_every_model_for_every_card_reads_configs_only() -> None:
 
 
 def test_the_gallery_and_the_model_page_show_the_row_and_what_fills_it(rtx_4090: object) -> None:
-    from app.widgets.model_gallery import COLUMNS, row_cells
+    from app.widgets.model_gallery import COLUMNS, PEAK_COLUMN, row_cells
     from app.widgets.model_words import memory_html
     from engine.hardware.gallery import gallery_rows
+    from engine.hardware.recipes import automatic_estimate, describe_peak
+    from engine.hardware.shapes import load_shape
     from engine.model.info import ModelInfo
 
     rows = {row.entry.key: row for row in gallery_rows(rtx_4090)}  # type: ignore[arg-type]
-    memory = COLUMNS.index("Predicted peak")
-    assert row_cells(rows["qwen3-0.6b"])[memory] == "21.2 of 23.5 GiB (12,032 tokens, no recompute)"
-    assert row_cells(rows["qwen3-4b"])[memory] == "11.7 of 23.5 GiB (16,384 tokens, offloaded recompute)"
+    memory = COLUMNS.index(PEAK_COLUMN)
+    for key in ("qwen3-0.6b", "qwen3-4b"):  # the Automatic recipe's figure, as the Recipe page shows it
+        automatic = automatic_estimate(load_shape(key), rtx_4090)
+        cell = f"{describe_peak(automatic)} ({automatic.tokens_per_batch:,}-token rows)"
+        assert row_cells(rows[key])[memory] == cell
+    assert rows["qwen3-0.6b"].lora is not None and rows["qwen3-0.6b"].lora.memory.startswith(
+        "21.2 GiB for 12,032-token rows with no recompute"
+    ), "the longest planned row's peak (the row's tooltip)"
+    assert rows["qwen3-4b"].lora is not None and rows["qwen3-4b"].lora.memory.startswith(
+        "11.7 GiB for 16,384-token rows with offloaded"
+    )
     profile = lora_plan(rtx_4090, "qwen3-0.6b")
     html = memory_html(ModelInfo("Qwen/Qwen3-0.6B", "qwen3", 1, False, "fits", "", profile=profile))
     assert html.startswith("<p>What fills the memory: 21.2 GiB for 12,032-token rows with no recompute: ")

@@ -66,8 +66,21 @@ def switch_settings(base: SpeedConfig, switch: str, on: bool) -> SpeedConfig:
     raise ValueError(f"unknown speed switch {switch!r}")
 
 
-def nothing_to_do(switch: str, state: dict[str, dict[str, object]]) -> str | None:
-    """Why flipping ``switch`` cannot change anything on this model and device (None when it can)."""
+NEEDS_A_GPU = {
+    "step_graphs": "CUDA graphs replay GPU work",
+    "checkpointing": "offloading moves activations to host memory, where a CPU run keeps them anyway",
+    "fp8_base": "fp8 products need fp8 tensor cores",
+    "host_embedding": "a CPU run keeps the whole model in host memory",
+    "resident_layers": "it spends spare GPU memory",
+}
+"""Switches that cannot apply to a run on the CPU, and why: Compare lists them as not applicable there."""
+
+
+def nothing_to_do(switch: str, state: dict[str, dict[str, object]], device: str = "") -> str | None:
+    """Why flipping ``switch`` cannot change anything on this model and device (None when it can); ``device``: the
+    run's torch device ("cpu", "cuda:0"; "" when not known)."""
+    if device == "cpu" and switch in NEEDS_A_GPU:
+        return f"not applicable on the CPU: {NEEDS_A_GPU[switch]}"
     entry = state.get(switch, {})
     reason = str(entry.get("reason", ""))
     if switch == "moe_routing" and "no MoE" in reason:
@@ -86,6 +99,13 @@ class Measurement:
     off: list[float] = field(default_factory=list)
     ratios: list[float] = field(default_factory=list)
     skipped_reason: str | None = None
+    rounds_planned: int = 0
+    """The rounds Compare set out to measure (0: as many as were measured)."""
+
+    @property
+    def in_full(self) -> bool:
+        """Every planned round was measured (a run that ends first leaves fewer, with no spread worth showing)."""
+        return len(self.ratios) >= self.rounds_planned
 
     @property
     def speedup(self) -> float | None:
@@ -103,10 +123,15 @@ class Measurement:
     def short(self) -> str:
         """The result in a few words for a table cell: "+12.3% ± 1.1%"."""
         if self.skipped_reason:
-            return "nothing to do here"
+            return "not applicable here" if self.skipped_reason.startswith("not applicable") else "nothing to do here"
         if self.percent is None:
             return "not measured"
+        if not self.in_full:
+            return f"{self.percent:+.1f}% ({self._rounds()}: not measured in full)"
         return f"{self.percent:+.1f}% ± {self.spread * 100:.1f}%"
+
+    def _rounds(self) -> str:
+        return f"{len(self.ratios)} of {self.rounds_planned} round{'s' if self.rounds_planned > 1 else ''}"
 
     def summary(self) -> str:
         if self.skipped_reason:
@@ -117,6 +142,8 @@ class Measurement:
         word = "faster" if change >= 0 else "slower"
         noise = " (within the noise)" if abs(change) <= self.spread * 100 else ""
         rates = f"{statistics.fmean(self.on):,.0f} vs {statistics.fmean(self.off):,.0f} tokens/s"
+        if not self.in_full:
+            return f"{abs(change):.1f}% {word} over {self._rounds()}, not measured in full ({rates})"
         return f"{abs(change):.1f}% {word} ± {self.spread * 100:.1f}% over {len(self.ratios)} rounds ({rates}){noise}"
 
 
@@ -137,7 +164,7 @@ class ABCompare:
             raise ValueError("a block needs at least 2 steps: the first one is not counted")
         block_steps = max(block_steps, settling_steps(switch) + 1)  # at least one counted step per block
         self.base, self.switch, self.rounds, self.block_steps = base, switch, rounds, block_steps
-        self.result = Measurement(switch)
+        self.result = Measurement(switch, rounds_planned=rounds)
         self._plan = [on for r in range(rounds) for on in ((True, False) if r % 2 == 0 else (False, True))]
         self._block = 0
         self._samples: list[float] = []

@@ -31,6 +31,7 @@ from app.background.worker import ErrorInfo, TaskRunner
 from app.theme import ERROR_COLOR, current_chart_colors, style_plot
 from app.widgets.page_chart import PageChart
 from engine.config import DEMO_MODEL, DataConfig
+from engine.model.hub import OFFLINE_MODE
 from engine.run.data_report import NO_TOKENIZER, DatasetReport, analyze_dataset
 
 TRAINED_STYLE = "background:#c8f0d0;color:#0b3d17"
@@ -153,9 +154,9 @@ class DataPanel(QWidget):
             self.summary.setText("Choose a file or folder first.")
             return
         self.path_edit.setText(path)
-        self.summary.setText(f"Reading {path}…")
-        self.changed.emit()
         model, settings = self.state.model_name, self.data_settings(path)
+        self.summary.setText(f"Looking up {model}'s tokenizer on the hub…" if use_hub else f"Reading {path}…")
+        self.changed.emit()
         self.report_model = model
         self.loads += 1
         load = self.loads  # only the latest load may report: an earlier one's result or error is stale
@@ -192,6 +193,8 @@ class DataPanel(QWidget):
             return False, f"Waiting for the model: {self.problem}"
         if self.problem:
             return False, f"Choose another dataset ({self.problem})"
+        if self.summary.text().startswith("Looking up"):
+            return False, self.summary.text()
         if self.summary.text().startswith("Reading"):
             return False, f"Reading {Path(self.path_edit.text()).name}…"
         if report is not None and self.state.data_path:
@@ -216,7 +219,7 @@ class DataPanel(QWidget):
         self.histogram.draw([])  # what an earlier read (another model, another file) found is not so of this one
         self.problems.clear()
         self.preview.clear()
-        if error.message.startswith(NO_TOKENIZER):  # a hub model's tokenizer not on this computer: ask first
+        if error.message.startswith(NO_TOKENIZER) and OFFLINE_MODE not in error.message:  # ask the hub first
             self.fetch.setText(f"Look up {self.report_model}'s tokenizer on the hub")
             self.fetch.show()
         self.changed.emit()

@@ -39,7 +39,8 @@ from app.widgets.model_words import (
     verdict_target,
 )
 from engine.config import DEMO_MODEL
-from engine.model.hub import download_model
+from engine.hardware.recipes import describe_peak
+from engine.model.hub import OFFLINE_MODE, download_model, tokenizer_missing
 from engine.model.info import ModelInfo, inspect_model
 from engine.model.local_sources import is_local_gguf_name
 
@@ -73,6 +74,8 @@ class ModelPanel(QWidget):
         self.local.table.itemSelectionChanged.connect(lambda: self.on_disk.setChecked(True))
         self.local.picked.connect(self._choose_on_disk)
         self.on_disk.toggled.connect(self._show_on_disk)
+        self.missing: dict[str, str] = {}
+        """Gallery model -> why its tokenizer cannot be read here ("" when it can): the page says so, not a download."""
         self.conversions: dict[str, str] = {}
         """GGUF model name -> what its conversion said (what was dequantized from what)."""
         self.folder_edit = QLineEdit(placeholderText="a folder with config.json and *.safetensors")
@@ -87,6 +90,9 @@ class ModelPanel(QWidget):
         self.status.setWordWrap(True)
         self.download = QProgressBar()
         self.download.hide()
+        self.plan = QLabel("")
+        """The chosen recipe's predicted peak: the figure the Recipe and Run pages show."""
+        self.plan.setWordWrap(True)
         self.details = QTextBrowser()
         self.details.setMinimumHeight(150)
         layout = QVBoxLayout(self)
@@ -106,9 +112,13 @@ class ModelPanel(QWidget):
         row.addWidget(self.status, 1)
         layout.addLayout(row)
         layout.addWidget(self.download)
+        layout.addWidget(self.plan)
         layout.addWidget(self.details, 2)
         state.hardware_changed.connect(self._replan)
         state.hardware_changed.connect(lambda: self.gallery.set_hardware(state.hardware))
+        state.plan_changed.connect(self._show_plan)
+        state.data_changed.connect(self._data_read)
+        state.model_changed.connect(self._show_plan)
 
     def selected_name(self) -> str:
         if self.on_disk.isChecked():
@@ -179,7 +189,14 @@ class ModelPanel(QWidget):
     def _inspect(self, name: str) -> None:
         self.download.hide()
         hardware = self.state.hardware
-        self.tasks.start(lambda: inspect_model(name, hardware), self._show, self._show_error)
+        self.tasks.start(lambda: self._read(name, hardware), self._show, self._show_error)
+
+    def _read(self, name: str, hardware: object) -> ModelInfo:
+        """The model's facts and, for a gallery model from the hub, what of it is missing here (background thread:
+        a lookup on disk)."""
+        if self.gallery.row_for(name) is not None and name != DEMO_MODEL:
+            self.missing[name] = tokenizer_missing(name)
+        return inspect_model(name, hardware)
 
     def _show_progress(self, what: str, done: float, total: float | None) -> None:
         """Byte counts for file downloads, file counts for the whole repository."""
@@ -207,8 +224,7 @@ class ModelPanel(QWidget):
         if info.name != self.state.model_name:
             return  # the user picked another model meanwhile
         colour = VERDICT_COLOURS.get(info.verdict, "#444")
-        self.status.setText(f"<b>{info.name}</b>: <span style='color:{colour}'><b>{info.verdict}</b></span>"
-                            f"{self._download_note(info.name)}")  # fmt: skip
+        self._show_status(info)
         rows = "".join(
             f"<tr><td><b>{SETTING_NAMES.get(key, key)}</b></td><td>{value}</td><td>{why}</td></tr>"
             for key, (value, why) in info.settings.items()
@@ -221,10 +237,32 @@ class ModelPanel(QWidget):
             f"<p>Verdict for {verdict_target(info)}: <b style='color:{colour}'>{info.verdict}</b> — "
             f"{info.verdict_reason}</p>"
             f"{memory_html(info)}{longest_row_html(info)}{resident_layers_html(info)}{plan_notes_html(info)}"
-            f"<p><b>Settings the planner would use</b></p><table cellpadding='3'>{rows}</table>"
+            f"<p><b>Settings the planner would use (the Automatic recipe)</b></p><table cellpadding='3'>{rows}</table>"
         )
         self.state.set_model(info.name, info)
         self.changed.emit()
+
+    def _show_status(self, info: ModelInfo) -> None:
+        colour = VERDICT_COLOURS.get(info.verdict, "#444")
+        self.status.setText(f"<b>{info.name}</b>: <span style='color:{colour}'><b>{info.verdict}</b></span>"
+                            f"{self._download_note(info.name)}")  # fmt: skip
+
+    def _data_read(self) -> None:
+        """The dataset was tokenized for the chosen model: its tokenizer is on this computer now."""
+        info = self.state.model_info
+        if info is not None and info.name == self.state.model_name and self.missing.get(info.name):
+            self.missing[info.name] = ""
+            self._show_status(info)
+
+    def _show_plan(self) -> None:
+        """The chosen recipe's peak for the chosen model, as the Recipe page says it (nothing while either is being
+        read)."""
+        figure, info = self.state.planned_figure, self.state.model_info
+        peak = describe_peak(figure) if figure is not None and figure.fits else ""
+        if not peak or info is None or info.name != self.state.model_name or not self.state.planned_recipe:
+            self.plan.setText("")
+            return
+        self.plan.setText(f"With the <b>{self.state.planned_recipe}</b> recipe (Recipe page): predicted peak {peak}")
 
     def step_status(self) -> tuple[bool, str]:
         """(ready, what to say) for the guide bar."""
@@ -244,6 +282,14 @@ class ModelPanel(QWidget):
         row = self.gallery.row_for(name)
         if row is None or row.entry.is_demo or self.hub.isChecked():
             return ""
+        missing = self.missing.get(name, "")
+        if OFFLINE_MODE in missing:
+            return (f" · its tokenizer is not on this computer and {OFFLINE_MODE} (HF_HUB_OFFLINE): it cannot be "
+                    "fetched; unset HF_HUB_OFFLINE or choose a model that is on this computer")  # fmt: skip
+        if missing:
+            return (f" · its tokenizer is not on this computer: press “Look up {name}'s tokenizer on the hub” on the "
+                    f"Dataset page (a few MB); its weights ({format_size(row.download_bytes)}) follow when the run "
+                    "starts")  # fmt: skip
         return (f" · its weights ({format_size(row.download_bytes)}) are downloaded from the Hugging Face hub when "
                 "the run starts, once")  # fmt: skip
 

@@ -37,6 +37,7 @@ from engine.hardware.recipes import (
     Recipe,
     RecipeEstimate,
     apply_recipe,
+    describe_peak,
     estimate_recipe,
     find_recipe,
 )
@@ -45,7 +46,6 @@ from engine.run.estimate import TimeEstimate, before_start, format_duration
 
 QUICK_TEST, ONE_PASS = "Quick test", "Balanced"
 CHOSEN_ELSEWHERE = frozenset({"model.name", "data.path"})
-GIB = 1 << 30
 ERROR_COLOUR = "#b00020"
 REWARD_METHOD = "grpo"
 """The training method that learns from rewards: the reward builder shows only for it."""
@@ -71,8 +71,8 @@ def describe_estimate(estimate: RecipeEstimate, time: TimeEstimate) -> str:
     if not estimate.fits:
         return f"<span style='color:{ERROR_COLOUR}'>does not fit: {estimate.reason}</span>"
     parts = []
-    if estimate.peak_bytes is not None and estimate.budget_bytes:
-        parts.append(f"predicted {estimate.peak_bytes / GIB:.1f} of {estimate.budget_bytes / GIB:.1f} GiB")
+    if describe_peak(estimate):
+        parts.append(f"predicted {describe_peak(estimate)}")
     if estimate.steps is not None:
         parts.append(f"{estimate.steps:,} steps")
     if time.seconds:
@@ -272,8 +272,11 @@ class SetupPanel(QWidget):
                 self.estimates[recipe.name].setText(describe_estimate(estimate, time_estimate(estimate, settings,
                                                                                               self.state)))  # fmt: skip
         current = estimate_recipe(config, info.shape, hardware, tokens, examples)
-        peak = current.peak_bytes if current.fits else None
-        self.state.set_plan(peak, time_estimate(current, config, self.state) if current.fits else None)
+        if not current.fits:
+            self.state.set_plan(None, None, current, self.recipe_name())
+            return
+        time = time_estimate(current, config, self.state)
+        self.state.set_plan(current.peak_bytes, time, current, self.recipe_name())
 
     def step_status(self) -> tuple[bool, str]:
         """(ready, what to say) for the guide: the recipe, or what stops it."""

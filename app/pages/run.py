@@ -50,9 +50,10 @@ from engine.events import (
     SpeedRestored,
     StepMetrics,
 )
+from engine.hardware.recipes import describe_peak
 from engine.run.estimate import describe_time, format_duration
 from engine.run.registry import RunRecord
-from engine.run.summary import describe, format_gib
+from engine.run.summary import describe
 
 SHORT_NAMES = {"metadata_cache": "cache", "cudnn_attention": "cudnn attention", "fused_loss": "fused loss",
                "fused_kernels": "kernels", "lora_16bit": "lora 16-bit", "chunked_mlp": "chunked mlp",
@@ -325,8 +326,10 @@ class RunPanel(QWidget):
         self.summary.setText("" if run.state == "idle" else describe(run).line())
         left = run.estimate.left_s if run.estimate is not None and run.active else None
         self.eta.setText(f"{format_duration(left)} left" if left is not None else "")
-        peak, time = self.state.planned_peak, self.state.planned_time
-        parts = [f"predicted peak memory {format_gib(peak)}" if peak else "",
+        figure, time = self.state.planned_figure, self.state.planned_time
+        peak = describe_peak(figure) if figure is not None and figure.fits else ""
+        recipe = f" ({self.state.planned_recipe} recipe)" if peak and self.state.planned_recipe else ""
+        parts = [f"predicted peak memory {peak}{recipe}" if peak else "",
                  describe_time(time, None, None, False) if time is not None else ""]  # fmt: skip
         shown = " · ".join(part for part in parts if part)
         self.plan.setText(f"Plan for the next run: {shown}" if shown and not run.active else "")

@@ -36,7 +36,7 @@ from app.background.run_controller import LOADING, RUNNING, RunController
 from app.widgets.compare_chart import CompareChart
 from app.widgets.switch_words import describe_plan, describe_state
 from engine.config import SpeedConfig
-from engine.events import RunFailed, RunFinished, SpeedChanged, StepMetrics
+from engine.events import RunFailed, RunFinished, RunStarted, SpeedChanged, StepMetrics
 
 CHECKPOINT_MODES = ("none", "standard", "offloaded")
 PLANNED_AT_START = "Decided when the run starts, from the model and the machine it trains on"
@@ -90,6 +90,11 @@ class SpeedPanel(QWidget):
         self.compare_status = _wrapping_label("Compare alternates a switch on and off for a few steps per round.")
         self.chart = CompareChart()
         self.measured: dict[str, Measurement] = {}
+        self.device = ""
+        """The run's torch device ("cpu", "cuda:0"): what can apply on it."""
+        self.own_speed: SpeedConfig | None = None
+        """The user's speed settings when Compare started: a switch they left automatic that the engine reports as
+        switched was switched by Compare, and the page says so."""
         self._build()
         self._updating = False
         for name, box in self.on_off.items():
@@ -137,6 +142,7 @@ class SpeedPanel(QWidget):
             button.setEnabled(state == RUNNING and self.compare is None)
         if state == LOADING:  # a new run: the last run's measurements no longer apply
             self.measured.clear()
+            self.own_speed = None
             self.chart.show_results([])
             for label in self.results.values():
                 label.setText("")
@@ -169,7 +175,15 @@ class SpeedPanel(QWidget):
 
     def _flip(self, switch: str) -> None:
         if not self._updating and self.controller.active:
+            if self.compare is None:
+                self.own_speed = None  # the switches are the user's again
             self.controller.request_speed(self.settings(switch))
+
+    def _flipper(self, switch: str) -> str:
+        """Who flipped ``switch`` where the engine says it was switched: the user, or Compare measuring it."""
+        if self.own_speed is None:
+            return "you"
+        return "Compare" if getattr(self.own_speed, switch, None) in (None, "auto") else "you"
 
     def show_state(self, state: dict[str, dict[str, Any]]) -> None:
         """Mirror the engine's resolved choices without sending them back as requests."""
@@ -182,17 +196,20 @@ class SpeedPanel(QWidget):
         finally:
             self._updating = False
         for name in SWITCHES:
-            idle = nothing_to_do(name, state)
-            self.reasons[name].setText(html.escape(describe_state(name, state.get(name, {}), idle), quote=False))
+            idle = nothing_to_do(name, state, self.device)
+            text = describe_state(name, state.get(name, {}), idle, self._flipper(name))
+            self.reasons[name].setText(html.escape(text, quote=False))
             if idle and name not in self.measured:
-                self.results[name].setText("nothing to do here")
+                self.results[name].setText(Measurement(name, skipped_reason=idle).short())
 
     def on_event(self, event: object) -> None:
-        if isinstance(event, SpeedChanged):
+        if isinstance(event, RunStarted):
+            self.device = event.device
+        elif isinstance(event, SpeedChanged):
             self.show_state(event.state)
             if self.compare is not None:
                 self.compare.speed_applied(event.step)
-                idle = nothing_to_do(self.compare.switch, event.state)
+                idle = nothing_to_do(self.compare.switch, event.state, self.device)
                 if idle and not self.compare.done:  # e.g. offloading asked for on a GPU that shares host memory
                     self.controller.request_speed(self.compare.abandon(idle))
                     self._finish_switch()
@@ -209,6 +226,7 @@ class SpeedPanel(QWidget):
         """Measure ``switches`` one after the other (every switch by default; ``[ALL]`` for all on vs all off)."""
         self.queue = list(SWITCHES) if switches is None else list(switches)
         self.batch = list(self.queue)
+        self.own_speed = self.controller.current_speed()
         for button in (self.compare_button, self.all_button):
             button.setEnabled(False)
         self._next_switch()
@@ -217,7 +235,7 @@ class SpeedPanel(QWidget):
         state = self.controller.speed_state
         while self.queue:
             name = self.queue.pop(0)
-            idle = nothing_to_do(name, state)
+            idle = nothing_to_do(name, state, self.device)
             if idle:
                 self._show_result(Measurement(name, skipped_reason=idle))
                 continue

@@ -76,7 +76,7 @@ class CompareChart(PageChart):
 
     def _add_bar(self, y: float, measurement: Measurement, text_color: str) -> None:
         percent = measurement.percent or 0.0
-        spread = measurement.spread * 100
+        spread = measurement.spread * 100 if measurement.in_full else 0.0  # a cut-short run: no spread to show
         color = FASTER_COLOR if percent >= 0 else SLOWER_COLOR
         bar = pg.BarGraphItem(x0=[min(0.0, percent)], y=[y], width=[abs(percent)], height=BAR_HEIGHT, brush=color,
                               pen=pg.mkPen(color))  # fmt: skip

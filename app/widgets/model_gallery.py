@@ -32,9 +32,10 @@ VERDICT_TEXT = {"LoRA": "LoRA", "QLoRA": "QLoRA only", "too big": "does not fit"
 VERDICT_COLOURS = {"LoRA": "#1b7f3b", "QLoRA": "#b26a00", "too big": "#b00020"}
 MIN_VISIBLE_ROWS = 4
 """The gallery rows shown however small the window (the others scroll in the table)."""
-COLUMNS = ("Model", "Parameters", "Download", "Trains with", "Predicted peak", "Longest row", "About")
-"""The peak is the plan's prediction for the model's default settings, never a measured figure."""
-CHECKPOINTING_WORDS = {"none": "no recompute", "standard": "recompute", "offloaded": "offloaded recompute"}
+PEAK_COLUMN = "Peak, Automatic recipe"
+COLUMNS = ("Model", "Parameters", "Download", "Trains with", PEAK_COLUMN, "Longest row", "About")
+"""The peak is the plan's prediction for the Automatic recipe (the figure the Model and Recipe pages show for it),
+never a measured figure; the tooltip tells the peak at the longest row."""
 
 
 def format_size(count: float, unit: str = "B") -> str:
@@ -47,11 +48,12 @@ def format_size(count: float, unit: str = "B") -> str:
 def row_cells(row: Any) -> list[str]:
     """The table's text for one engine.hardware.gallery.GalleryRow."""
     from engine.hardware.planner import LONGEST_ROW_TOKENS
+    from engine.hardware.recipes import describe_peak
 
-    fit = {"LoRA": row.lora, "QLoRA": row.qlora}.get(row.verdict)
-    memory = "—" if fit is None else f"{fit.peak_bytes / GIB:.1f} of {fit.budget_bytes / GIB:.1f} GiB"
-    if fit is not None and fit.fits and fit.tokens:  # the row decides the peak: say which one it is for
-        memory += f" ({fit.tokens:,} tokens, {CHECKPOINTING_WORDS.get(fit.checkpointing, fit.checkpointing)})"
+    automatic = row.automatic
+    memory = "—" if automatic is None else describe_peak(automatic) or "—"
+    if automatic is not None and automatic.tokens_per_batch:  # the row decides the peak: say which one it is for
+        memory += f" ({automatic.tokens_per_batch:,}-token rows)"
     longest = row.longest_tokens
     longest_text = "—" if longest is None else f"{longest:,} tokens" + ("+" if longest >= LONGEST_ROW_TOKENS else "")
     download = "ships with TuneDeck" if row.entry.is_demo else format_size(row.download_bytes)
@@ -164,7 +166,7 @@ class ModelGallery(QWidget):
             else:
                 lines.append(f"{way}: {'fits' if fit.fits else 'does not fit'} — {fit.reason}")
                 if fit.fits and fit.memory:
-                    lines.append(f"    what fills it: {fit.memory}")
+                    lines.append(f"    at its longest planned row: {fit.memory}")
         if row.lora is not None and row.qlora is None:  # a CPU plan: the budget is RAM, not memory in use
             lines.append("Usable: the share of this computer's RAM planned for a run (the rest stays with the system)")
         return "\n".join(lines)

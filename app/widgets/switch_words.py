@@ -2,8 +2,8 @@
 
 The engine reports each switch as ``{"on": bool, "reason": str}`` (or ``{"mode": ..., "reason": ...}``) with
 reasons such as "automatic: off on CPU (...)" or "switched on; ...": accurate, but written for a log. Here the
-prefix becomes who decided ("TuneDeck" for automatic choices, "you" for a flip) and the state comes first:
-"Off — TuneDeck's choice: on CPU (...)".
+prefix becomes who decided ("TuneDeck" for automatic choices, "you" for a flip, "Compare" for its own) and the
+state comes first: "Off — TuneDeck's choice: on CPU (...)".
 """
 
 from __future__ import annotations
@@ -15,22 +15,23 @@ from app.background.ab_compare import ON_OFF_SWITCHES
 CHECKPOINT_WORDS = {"none": "no checkpointing", "standard": "standard recompute", "offloaded": "offloaded"}
 
 
-def _who(reason: str, on: bool) -> tuple[str, str]:
-    """(who decided, the rest of the reason) from an engine reason string."""
+def _who(reason: str, on: bool, flipper: str = "you") -> tuple[str, str]:
+    """(who decided, the rest of the reason) from an engine reason string; ``flipper``: who asked for a flip."""
     state = "on" if on else "off"
     for prefix, who in (
         (f"automatic: {state}", "TuneDeck's choice"),
         ("automatic:", "TuneDeck's choice"),
-        (f"switched {state}:", "you switched it " + state),
-        (f"switched {state};", "you switched it " + state),
+        (f"switched {state}:", f"{flipper} switched it {state}"),
+        (f"switched {state};", f"{flipper} switched it {state}"),
     ):
         if reason.startswith(prefix):
             return who, reason[len(prefix) :].lstrip(" ,;:")
     return "", reason
 
 
-def describe_state(switch: str, entry: dict[str, Any], idle: str | None = None) -> str:
-    """One line for a running job: "On — ..." / "Off — ..." / "Not here — ..." with the reason in plain words."""
+def describe_state(switch: str, entry: dict[str, Any], idle: str | None = None, flipper: str = "you") -> str:
+    """One line for a running job: "On — ..." / "Off — ..." / "Not here — ..." with the reason in plain words;
+    ``flipper``: who flipped a switch the engine says was switched ("you", or "Compare" while it measures)."""
     if idle:
         return f"Not here — {idle}"
     reason = str(entry.get("reason", "")).strip()
@@ -43,9 +44,9 @@ def describe_state(switch: str, entry: dict[str, Any], idle: str | None = None) 
             return f"Off ({CHECKPOINT_WORDS.get(mode, mode)}) — {reason}" if reason else "Off"
     else:
         on = entry.get("mode") not in (None, "stock")
-    who, rest = _who(reason, on)
+    who, rest = _who(reason, on, flipper)
     head = "On" if on else "Off"
-    if who.startswith("you switched it off") and rest:  # the engine names what runs instead
+    if who.startswith(f"{flipper} switched it off") and rest:  # the engine names what runs instead
         return f"{head} — {who}; instead: {rest}"
     if who and rest:
         return f"{head} — {who}: {rest}"

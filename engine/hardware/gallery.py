@@ -3,18 +3,21 @@
 Each entry is a built-in shape of :mod:`engine.hardware.shapes` (or the demo model that ships with TuneDeck)
 with the hub id a run loads. For a card, detected or taken from the GPU table, the memory planner says whether
 the model trains with LoRA (16-bit base), only with QLoRA (4-bit base), or not at all, and the longest row it
-trains with the plan's settings, exactly as ``tunedeck plan --model NAME`` would. Nothing is downloaded here.
+trains with the plan's settings, exactly as ``tunedeck plan --model NAME`` would; its predicted peak is the
+Automatic recipe's (:func:`engine.hardware.recipes.automatic_estimate`), the figure the Model and Recipe pages
+show for it. Nothing is downloaded here.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from engine.config import DEMO_MODEL, demo_model_dir
 from engine.hardware.detect import HardwareInfo
 from engine.hardware.profile import DeviceTarget, build_profile
+from engine.hardware.recipes import RecipeEstimate, automatic_estimate
 from engine.hardware.shapes import BUILTIN_CONFIGS, ModelShape
 
 Verdict = Literal["LoRA", "QLoRA", "too big"]
@@ -108,6 +111,8 @@ class GalleryRow:
     lora: Fit | None
     qlora: Fit | None
     """None where QLoRA cannot run (on the CPU)."""
+    automatic: RecipeEstimate | None = None
+    """The Automatic recipe's figure the way the model trains (None: too big), as the Recipe page shows it."""
 
     @property
     def verdict(self) -> Verdict:
@@ -145,5 +150,8 @@ def gallery_rows(target: DeviceTarget | HardwareInfo, min_tokens: int = 2048) ->
         lora = plan_fit(target, shape, qlora=False, min_tokens=min_tokens)
         qlora = plan_fit(target, shape, qlora=True, min_tokens=min_tokens) if target.is_gpu else None
         name = "Demo" if entry.is_demo else shape.display_name()
-        rows.append(GalleryRow(entry, name, shape.total_params(), download_bytes(entry, shape), lora, qlora))
+        row = GalleryRow(entry, name, shape.total_params(), download_bytes(entry, shape), lora, qlora)
+        if row.verdict != "too big":
+            row = replace(row, automatic=automatic_estimate(shape, target, qlora=row.verdict == "QLoRA"))
+        rows.append(row)
     return rows

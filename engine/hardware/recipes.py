@@ -221,3 +221,21 @@ def estimate_recipe(
     if not device.is_gpu and steps:
         seconds = cpu_training_seconds(config, shape, steps, device.cpu_cores)
     return RecipeEstimate(True, plan.estimate.peak, plan.budget_bytes, steps, seconds, "", rows.tokens_per_batch)
+
+
+GIB = 1 << 30
+
+
+def describe_peak(estimate: RecipeEstimate) -> str:
+    """The predicted peak as every page words it, "0.1 of 14.1 GiB" ("" without a figure)."""
+    if estimate.peak_bytes is None or not estimate.budget_bytes:
+        return ""
+    return f"{estimate.peak_bytes / GIB:.1f} of {estimate.budget_bytes / GIB:.1f} GiB"
+
+
+def automatic_estimate(shape: Any, target: Any, qlora: bool = False) -> RecipeEstimate:
+    """What the Automatic recipe costs for ``shape`` on ``target``: the figure the gallery and the Model page show
+    for a model before a recipe is chosen (the Recipe page shows the same one beside "Automatic")."""
+    config = RunConfig()
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, qlora=qlora))
+    return estimate_recipe(apply_recipe(config, find_recipe(AUTOMATIC_RECIPE)), shape, target)

@@ -4,13 +4,16 @@ Choosing a model or a dataset sends nothing: a hub model's ``config.json`` and t
 (``try_to_load_from_cache``, a file lookup) and loaded from that folder, because huggingface_hub's own calls,
 ``local_files_only`` included, send a request on their first use (its agent registry) unless the hub is switched
 off. A download happens on a button the user pressed, and offline mode (``HF_HUB_OFFLINE``, read by
-:func:`engine.model.load.hub_offline` as everywhere in the engine) turns it into a lookup in the cache.
+:func:`engine.model.load.hub_offline` as everywhere in the engine) turns it into a lookup in the cache. Before a
+download one connection checks that the hub can be reached, so that a machine without a network hears so at once.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import threading
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,11 @@ DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.mode
 """What training needs from a hub repository: configs, safetensors weights, tokenizer files (never pickles)."""
 
 FETCH_HINT = "fetch it from the Hugging Face hub with the Dataset page's button (a few MB), or choose another model"
+NOT_HERE = "it is not on this computer"
+OFFLINE_MODE = "offline mode is on"
+"""Words of the errors that no button can fix: the app offers "Look up … on the hub" only without them."""
+HUB_CONNECT_TIMEOUT_S = 5.0
+"""How long the one connection that checks the hub may take before a download is given up."""
 
 TOKENIZER_LOCK = threading.Lock()
 """Two first imports of transformers' lazy AutoTokenizer in two threads fail ("cannot import name
@@ -46,6 +54,40 @@ def hub_error(name: str, err: Exception) -> ModelLoadError:
     )
 
 
+def reach_hub(timeout_s: float = HUB_CONNECT_TIMEOUT_S) -> None:
+    """One connection to the hub's host before a download, so that an unreachable hub is said at once:
+    huggingface_hub retries a failed connection five times with backoff (23 s a file, two files for a tokenizer).
+    Behind a proxy the host is not reached directly: nothing is checked there."""
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    endpoint = urlsplit(constants.ENDPOINT)
+    if urllib.request.getproxies().get(endpoint.scheme):
+        return
+    host = endpoint.hostname or "huggingface.co"
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as err:
+        raise ModelLoadError(
+            f"cannot reach the Hugging Face hub ({host}): {err}",
+            hint="check the network and press the button again, or choose a model that is on this computer",
+        ) from err
+
+
+def tokenizer_missing(model_name: str) -> str:
+    """Why ``model_name``'s tokenizer cannot be read here, in words ("" when it can): not on this computer, or not
+    here with offline mode on. A lookup on disk: nothing is sent."""
+    from huggingface_hub import try_to_load_from_cache
+
+    from engine.model import load
+
+    if load.resolve_model(model_name).is_local or isinstance(try_to_load_from_cache(model_name, "tokenizer.json"), str):
+        return ""
+    return f"{NOT_HERE} and {OFFLINE_MODE}: it cannot be fetched" if load.hub_offline() else NOT_HERE
+
+
 def model_config_path(name: str) -> Path | str:
     """A local config.json for the model, or a built-in shape name the planner knows (gallery models included).
 
@@ -67,6 +109,8 @@ def model_config_path(name: str) -> Path | str:
     cached = try_to_load_from_cache(name, "config.json")  # on disk only: a fetched model is never looked up again
     if isinstance(cached, str):
         return Path(cached)
+    if not hub_offline():
+        reach_hub()
     try:
         return Path(hf_hub_download(name, "config.json", local_files_only=hub_offline()))
     except Exception as err:
@@ -79,7 +123,10 @@ def tokenizer_on_disk(model_name: str, use_hub: bool = False) -> Any:
     from engine.model import load
 
     with TOKENIZER_LOCK:
-        if load.resolve_model(model_name).is_local or (use_hub and not load.hub_offline()):
+        if load.resolve_model(model_name).is_local:
+            return load.load_tokenizer(ModelConfig(name=model_name))
+        if use_hub and not load.hub_offline():
+            reach_hub()
             return load.load_tokenizer(ModelConfig(name=model_name))
         return _cached_tokenizer(model_name)
 
@@ -88,9 +135,14 @@ def _cached_tokenizer(model_name: str) -> Any:
     from huggingface_hub import try_to_load_from_cache
     from transformers import AutoTokenizer
 
+    from engine.model.load import hub_offline
+
     cached = try_to_load_from_cache(model_name, "tokenizer.json")
+    if not isinstance(cached, str) and hub_offline():
+        hint = "unset HF_HUB_OFFLINE to fetch it from the Hugging Face hub, or choose another model"
+        raise ModelLoadError(f"{NOT_HERE} and {OFFLINE_MODE}: it cannot be fetched", hint=hint)
     if not isinstance(cached, str):
-        raise ModelLoadError("it is not on this computer", hint=FETCH_HINT)
+        raise ModelLoadError(NOT_HERE, hint=FETCH_HINT)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(Path(cached).parent))
     except Exception as err:  # a cache without the other tokenizer files
@@ -128,6 +180,8 @@ def download_model(name: str, report: Progress) -> Path:
 
     from engine.model.load import hub_offline
 
+    if not hub_offline():
+        reach_hub()
     try:
         folder = snapshot_download(name, allow_patterns=DOWNLOAD_PATTERNS, local_files_only=hub_offline(),
                                    tqdm_class=progress_bar_class(report))  # fmt: skip
