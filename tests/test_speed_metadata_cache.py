@@ -346,3 +346,28 @@ def test_a_named_kernel_runs_a_one_document_row_through_the_packed_kernel(causal
         results[name] = (meta.whole_row_causal, all(causal), logits)
     assert [results[n][:2] for n in results] == [(True, True), (False, False), (True, True)]
     assert all(torch.allclose(results[n][2], results["auto"][2], atol=1e-5) for n in results)
+
+
+def test_generation_with_the_packed_attention_set_matches_stock_generation() -> None:
+    """Sampling during a run (GRPO's groups, the report's answers) calls the model without packed metadata, with a
+    KV cache and left padding: the packed attention's fallback must attend as stock attention does, causally in
+    the prompt and over the cache after it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.tensor([[0, 0, 5, 9, 12, 7], [3, 8, 14, 2, 11, 6]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    settings: dict[str, Any] = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0, "eos_token_id": None}
+    stock = model.generate(input_ids=ids, attention_mask=mask, **settings)
+    metadata_cache.register_packed_attention()
+    model.set_attn_implementation(metadata_cache.ATTENTION_NAME)
+    try:
+        packed = model.generate(input_ids=ids, attention_mask=mask, **settings)
+        single = model.generate(input_ids=ids[1:], **settings)
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert packed.tolist() == stock.tolist()
+    assert single.tolist() == stock[1:].tolist()

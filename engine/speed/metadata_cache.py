@@ -451,21 +451,18 @@ def packed_attention_forward(
     """transformers attention function: (1, H, T, D) inputs, returns ((1, T, H, D), None).
 
     Reads the batch's metadata from the ``packed_metadata`` keyword argument. Without it (a call that did not go
-    through the speed controller, e.g. generation) it is plain causal SDPA over the whole row.
+    through the speed controller: generation with its KV cache and left padding, an evaluation) it is transformers'
+    own SDPA attention, with the mask transformers built (boolean or additive) and its causal rule.
     """
     meta: PackedAttentionMetadata | None = kwargs.get(METADATA_KWARG)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if meta is None:
-        groups = query.shape[1] // key.shape[1]
-        out = F.scaled_dot_product_attention(
-            query,
-            _repeat_kv(key, groups),
-            _repeat_kv(value, groups),
-            attn_mask=attention_mask if attention_mask is not None and attention_mask.dtype != torch.bool else None,
-            is_causal=attention_mask is None,
-            scale=scale,
-        )
-        return out.transpose(1, 2).contiguous(), None
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scale,
+            sliding_window=sliding_window, **kwargs,
+        )  # fmt: skip
     if query.shape[0] != 1:
         raise ValueError("packed attention expects one packed row per micro-batch")
     if meta.whole_row_causal and sliding_window is None:
