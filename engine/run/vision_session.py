@@ -26,6 +26,7 @@ from engine.hardware.fit_to_data import FitFacts, apply_fit, fit_to_data
 from engine.method_facts import IMAGES, facts_for
 from engine.model.load import count_parameters, pick_device, pick_dtype
 from engine.run import checkpoint as ckpt
+from engine.run import guard
 from engine.run.best import EvalWatch
 from engine.run.fit import has_automatic
 from engine.run.folder import CONFIG_FILE
@@ -71,11 +72,17 @@ class VisionSession:
     eval_watch: EvalWatch = field(init=False)
     images: ImageCache = field(init=False)
     """The pictures fitted to the budget, kept for the epochs after the first."""
+    tokens_per_batch: int = field(init=False)
+    """Padded tokens a micro-batch may hold now: the rows' budget, lower while memory runs short."""
+    recovery: guard.Recovery = field(init=False)
+    """What out-of-memory steps lowered, and when to try it again (engine.run.vision_memory)."""
 
     def __post_init__(self) -> None:
         self.schedule = RowSchedule(len(self.rows), self.config.training.seed)
         self.eval_watch = EvalWatch(self.config.training.early_stop or 0)
         self.images = ImageCache(self.max_pixels)
+        self.tokens_per_batch = self.config.data.tokens_per_batch or AUTOMATIC_TOKENS
+        self.recovery = guard.Recovery(climb_after=guard.CLIMB_AFTER)
 
     @property
     def trainable(self) -> list[torch.nn.Parameter]:
