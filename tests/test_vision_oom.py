@@ -16,7 +16,7 @@ from vision_models import build_vision_model
 
 from engine.events import CheckpointSaved, OomRecovered, RunFailed, RunFinished, SpeedRestored, StepMetrics
 from engine.run import guard, vision_loop
-from engine.run.vision_memory import split_padded
+from engine.run.vision_guard import split_padded
 from engine.train import run
 
 

@@ -34,7 +34,7 @@ from engine.events import (
 )
 from engine.hardware import vram
 from engine.run import checkpoint as ckpt
-from engine.run import vision_memory
+from engine.run import vision_guard
 from engine.run.best import BestAdapterWriter, host_copy
 from engine.run.control import RunControl
 from engine.run.folder import (
@@ -124,7 +124,7 @@ def _steps(session: VisionSession, control: RunControl, writer: BestAdapterWrite
             if control.stop_requested:
                 break
             yield RunResumed(session.step)
-        yield from vision_memory.climb_back(session)  # a setting lowered for memory, once good steps left room
+        yield from vision_guard.climb_back(session)  # a setting lowered for memory, once good steps left room
         metrics = yield from train_step(session)
         append_jsonl(session.run_dir / METRICS_FILE, _record(metrics))
         yield metrics
@@ -179,14 +179,14 @@ def summed_loss(
 
 def train_step(session: VisionSession) -> Generator[Event, None, StepMetrics]:
     """One optimizer step over ``grad_accum`` micro-batches, split smaller or recomputed while memory runs short
-    (engine.run.vision_memory)."""
+    (engine.run.vision_guard)."""
     began = time.perf_counter()
     vram.reset_step_peak(session.device)
     rows: list[list[int]] = []
     for _ in range(session.config.training.grad_accum):
         rows.append(session.rows[session.schedule.row(session.micro_batches + len(rows))])
     learned = sum(session.train[i].trained_tokens for row in rows for i in row)
-    total = yield from vision_memory.guarded(session, rows, lambda: _backward(session, rows, learned))
+    total = yield from vision_guard.guarded(session, rows, lambda: _backward(session, rows, learned))
     session.micro_batches += len(rows)  # only a step that ran moves on: a stopped one resumes from here
     max_norm = session.config.training.max_grad_norm or math.inf
     grad_norm = float(torch.nn.utils.clip_grad_norm_(session.trainable, max_norm))
@@ -220,7 +220,7 @@ def _backward(session: VisionSession, rows: list[list[int]], learned: int) -> fl
     """Forward and backward over the step's micro-batches, one at a time (only one batch's activations are held);
     the summed loss over their learned tokens."""
     total = 0.0
-    for chosen in vision_memory.micro_batches(session, rows):
+    for chosen in vision_guard.micro_batches(session, rows):
         loss, _ = summed_loss(session, [chosen], session.train)
         (loss / max(1, learned)).backward()
         total += float(loss.detach())

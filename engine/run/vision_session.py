@@ -38,11 +38,8 @@ from engine.vision.encode import EncodedExample, check_images, encode
 from engine.vision.families import VisionFamily
 from engine.vision.images import ImageCache
 from engine.vision.model import load_processor, load_vision_model, with_lora
+from engine.vision.recipe import AUTOMATIC_TOKENS
 from engine.vision.speed import speed_notes
-
-AUTOMATIC_TOKENS = 4096
-"""``data.max_seq_len`` and ``data.tokens_per_batch`` when left automatic (0): image tokens make rows long, and an
-image cannot be cut, so examples up to this length are kept and padded micro-batches hold up to this many tokens."""
 
 
 @dataclass
@@ -75,7 +72,7 @@ class VisionSession:
     tokens_per_batch: int = field(init=False)
     """Padded tokens a micro-batch may hold now: the rows' budget, lower while memory runs short."""
     recovery: guard.Recovery = field(init=False)
-    """What out-of-memory steps lowered, and when to try it again (engine.run.vision_memory)."""
+    """What out-of-memory steps lowered, and when to try it again (engine.run.vision_guard)."""
 
     def __post_init__(self) -> None:
         self.schedule = RowSchedule(len(self.rows), self.config.training.seed)
