@@ -4,6 +4,7 @@ micro-batches), so the page and the run agree, and a card too small says what th
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -100,3 +101,19 @@ def test_a_card_too_small_for_the_pictures_says_what_they_cost(
     fitting = planned(settings, shape, roomy, report)
     assert fitting.fits and fitting.seconds and fitting.steps == 1
     assert fit_warning(settings, info, roomy, report) is None
+
+
+def test_plan_says_what_the_pictures_of_a_vision_language_model_cost(
+    idefics: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from engine.hardware.cli import plan_main
+
+    assert plan_main(["--model", str(idefics), "--gpu", "RTX 4090"]) == 0
+    text = capsys.readouterr().out
+    # the tiny tower sees 32-pixel tiles of 8-pixel patches: 16 tokens a tile, 17 tiles and the whole image
+    assert "Pictures (Idefics3 / SmolVLM):" in text and "adds 288 image tokens" in text, text
+    assert plan_main(["--model", str(idefics), "--gpu", "RTX 4090", "--max-pixels", "1024", "--json"]) == 0
+    pictures = json.loads(capsys.readouterr().out)["pictures"]
+    assert pictures["image_tokens"] == 16 and pictures["max_pixels"] == 1024 and pictures["peak_bytes"] > 0
+    assert plan_main(["--model", "demo", "--gpu", "RTX 4090"]) == 0
+    assert "Pictures" not in capsys.readouterr().out  # a text model

@@ -213,3 +213,74 @@ def image_estimate_for(config: RunConfig, shape: Any, target: Any, report: Any) 
     if model_config is None or not is_vision_config(model_config):
         return None
     return image_recipe_estimate(config, model_config, family_of(model_config), shape, target, load)
+
+
+PLAN_TEXT_TOKENS = 512
+"""Text tokens beside the image in ``tunedeck plan``'s picture micro-batch, when ``--tokens-per-batch`` is not given."""
+
+
+@dataclass(frozen=True)
+class PicturePlan:
+    """What pictures add to a plan (``tunedeck plan`` for a vision-language model), before any data is known."""
+
+    family: str
+    tower_params: int
+    tower_bytes: int
+    max_pixels: int
+    image_tokens: int
+    text_tokens: int
+    peak_bytes: int
+    budget_bytes: int | None
+
+    def lines(self) -> list[str]:
+        room = f" of {self.budget_bytes / GIB:.1f} GiB usable" if self.budget_bytes else ""
+        verdict = "" if self.budget_bytes is None or self.peak_bytes <= self.budget_bytes else ": does not fit"
+        return [
+            f"Pictures ({self.family}):",
+            f"  vision tower: {self.tower_params / 1e6:,.0f}M parameters, {self.tower_bytes / GIB:.2f} GiB of weights "
+            "(frozen unless --adapt-vision)",
+            f"  one image at {self.max_pixels:,} pixels (--max-pixels) adds {self.image_tokens:,} image tokens",
+            f"  a micro-batch of one image and {self.text_tokens:,} text tokens peaks at about "
+            f"{self.peak_bytes / GIB:.1f} GiB{room}{verdict}",
+        ]
+
+
+def picture_plan(
+    model: str, device: Any, *, qlora: bool, lora_rank: int, checkpointing: str, max_pixels: int | None,
+    text_tokens: int | None,
+) -> PicturePlan | None:  # fmt: skip
+    """The picture part of the plan for ``model`` (a folder or config.json path) on ``device`` (a DeviceTarget);
+    None for a text model or a built-in shape."""
+    from engine.hardware.shapes import load_shape
+    from engine.vision.families import family_of, is_vision_config
+
+    model_config = _config_file(model)
+    if model_config is None or not is_vision_config(model_config):
+        return None
+    family = family_of(model_config)
+    pixels = max_pixels or family.max_pixels
+    recompute = checkpointing in ("standard", "offloaded") or (checkpointing == "auto" and device.is_gpu)
+    setup = TrainSetup(
+        tokens=text_tokens or PLAN_TEXT_TOKENS, qlora=qlora, lora_rank=lora_rank,
+        checkpointing="standard" if recompute else "none", dtype_bytes=2 if device.is_gpu else 4,
+    )  # fmt: skip
+    load_shape(model)  # the language model must plan too (a config without one is refused here, as for text)
+    estimate = vision_step_estimate(model_config, family, setup, images_per_row=1, max_pixels=pixels)
+    tower = vision_memory(model_config, family, pixels, setup.dtype_bytes)
+    return PicturePlan(
+        family.label, tower.tower_params, tower.tower_bytes, pixels, tower.image_tokens, setup.tokens, estimate.peak,
+        _budget(device),
+    )  # fmt: skip
+
+
+def _config_file(model: str) -> dict[str, Any] | None:
+    import json
+    from pathlib import Path
+
+    path = Path(model).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        return None
+    found = json.loads(path.read_text(encoding="utf-8"))
+    return found if isinstance(found, dict) else None
