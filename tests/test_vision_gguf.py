@@ -110,3 +110,12 @@ def test_llama_cpp_encodes_a_picture_as_the_merged_model_does(exported: tuple[Pa
     expected = (found if isinstance(found, torch.Tensor) else torch.cat(list(found))).reshape(slices.shape).numpy()
     assert slices.shape == (5, 4, 64)  # four 32-pixel tiles of the 64-pixel picture and the whole picture
     np.testing.assert_allclose(slices, expected, atol=2e-3)  # the tower's matrices are float16 in the file
+
+
+def test_installing_a_picture_model_into_ollama_or_lm_studio_says_why_not(exported: tuple[Path, Path]) -> None:
+    from engine.errors import TuneDeckError
+    from engine.export.install import read_export
+
+    with pytest.raises(TuneDeckError, match="installs text models only") as caught:
+        read_export(exported[1])
+    assert "--mmproj" in (caught.value.hint or "")
