@@ -25,6 +25,8 @@ from engine.vision.families import IDEFICS3
 from engine.vision.model import model_config_dict
 from engine.vision.recipe import image_estimate_for
 
+pytest_plugins = ["app_fixtures"]
+
 CPU = DeviceTarget(None, gpus.CPU, None, 16 * GIB, cpu_cores=4)
 
 
@@ -117,3 +119,29 @@ def test_plan_says_what_the_pictures_of_a_vision_language_model_cost(
     assert pictures["image_tokens"] == 16 and pictures["max_pixels"] == 1024 and pictures["peak_bytes"] > 0
     assert plan_main(["--model", "demo", "--gpu", "RTX 4090"]) == 0
     assert "Pictures" not in capsys.readouterr().out  # a text model
+
+
+def test_the_recipe_page_plans_an_image_dataset_with_its_pictures(
+    qtbot: Any, window: Any, idefics: Path, pictures: tuple[Path, Any]
+) -> None:
+    """The window on a vision-language model and its image dataset: the plan the Run page shows is the picture
+    run's (engine.vision.recipe), not the text planner's."""
+    from app_demo import LOAD_TIMEOUT_MS
+
+    data, _ = pictures
+    window.hardware_panel.detect()
+    qtbot.waitUntil(lambda: window.state.hardware is not None, timeout=LOAD_TIMEOUT_MS)
+    window.model_panel.choose(str(idefics))
+    qtbot.waitUntil(lambda: window.state.model_info is not None, timeout=LOAD_TIMEOUT_MS)
+    window.data_panel.load(str(data))
+    qtbot.waitUntil(lambda: window.state.data_report is not None, timeout=LOAD_TIMEOUT_MS)
+    qtbot.waitUntil(lambda: not window.tasks.busy(), timeout=LOAD_TIMEOUT_MS)
+    panel, state = window.setup_panel, window.state
+    panel.check_fit()
+    assert state.data_report.images == 4
+    settings = panel._form_config()
+    expected = image_estimate_for(settings, state.model_info.shape, state.hardware, state.data_report)
+    assert expected is not None and state.planned_peak == expected.peak_bytes
+    text = estimate_recipe(settings, state.model_info.shape, state.hardware)
+    assert state.planned_peak != text.peak_bytes
+    assert state.planned_time is not None and state.planned_time.seconds
