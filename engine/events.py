@@ -198,7 +198,8 @@ class OomRecovered(Event):
     ``"resident_layers"`` or ``"step_graphs"`` (the memory those switches hold is given back for now),
     ``"tokens_per_batch"`` (packed rows are split into smaller micro-batches of at most
     ``tokens_per_batch`` tokens, same documents in the same order), ``"offloaded_checkpointing"`` or
-    ``"chunked_mlp"`` (the MLPs run over chunks of the sequence in the recompute).
+    ``"chunked_mlp"`` (the MLPs run over chunks of the sequence in the recompute); a picture run's
+    ``"tokens_per_batch"`` splits its padded micro-batches, and its ``"recompute"`` turns on activation checkpointing.
     """
 
     step: int

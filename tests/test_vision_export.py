@@ -1,4 +1,5 @@
-"""Exporting a vision-language fine-tune: the adapter and the merged model for every family; GGUF says why not."""
+"""Exporting a vision-language fine-tune: the adapter and the merged model for every family; GGUF says why not
+where llama.cpp could not load the family (tests/test_vision_gguf.py: where it can)."""
 
 from __future__ import annotations
 
@@ -48,9 +49,14 @@ def test_the_merged_model_answers_as_base_plus_adapter(family: str, tmp_path: Pa
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_gguf_export_of_a_vision_model_says_why_not(tmp_path: Path) -> None:
-    _, finished = trained(tmp_path, "idefics3")
+@pytest.mark.parametrize(
+    ("family", "why"), [("qwen2_5_vl", "vision projector file (mmproj)"), ("idefics3", "scale_factor) of 2 or more")]
+)
+def test_gguf_export_of_a_vision_model_llama_cpp_cannot_load_says_why_not(
+    family: str, why: str, tmp_path: Path
+) -> None:
+    _, finished = trained(tmp_path, family)  # the tiny Idefics3 has no pixel shuffle (scale_factor 1)
     with pytest.raises(TuneDeckError, match="not exported to GGUF") as caught:
         export_gguf(finished.run_dir, tmp_path / "gguf")
-    assert "mmproj" in str(caught.value) and "--merged" in (caught.value.hint or "")
+    assert why in str(caught.value) and "--merged" in (caught.value.hint or "")
     assert not (tmp_path / "gguf").exists()

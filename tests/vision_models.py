@@ -166,7 +166,8 @@ def gemma3() -> tuple[Any, Any, Any]:
     return Gemma3ForConditionalGeneration(config), processor, None
 
 
-def idefics3(corpus: tuple[str, ...] = (), **text: Any) -> tuple[Any, Any, Any]:
+def idefics3(corpus: tuple[str, ...] = (), scale_factor: int = 1, **text: Any) -> tuple[Any, Any, Any]:
+    """``scale_factor``: the connector's pixel shuffle (SmolVLM's own models use 2 to 4; llama.cpp needs 2 or more)."""
     from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
@@ -177,7 +178,7 @@ def idefics3(corpus: tuple[str, ...] = (), **text: Any) -> tuple[Any, Any, Any]:
         image_processor=Idefics3ImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32}),
         tokenizer=tokenizer,
         chat_template=IDEFICS_TEMPLATE,
-        image_seq_len=16,
+        image_seq_len=16 // scale_factor**2,  # (32 / 8 patches) squared, shuffled into scale_factor**2 fewer
     )
     config = Idefics3Config(
         text_config=dict(
@@ -195,7 +196,7 @@ def idefics3(corpus: tuple[str, ...] = (), **text: Any) -> tuple[Any, Any, Any]:
             image_size=32,
             patch_size=8,
         ),
-        scale_factor=1,
+        scale_factor=scale_factor,
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
     )
     return Idefics3ForConditionalGeneration(config), processor, None
@@ -272,7 +273,7 @@ def mllama() -> tuple[Any, Any, Any]:
 PROCESSOR_SETTINGS = {"smolvlm": {"image_seq_len": 16}}
 """Settings of the processor itself, in processor_config.json: SmolVLM's image tokens a tile (32/8 patches squared)."""
 
-BUILDERS: dict[str, Callable[[], tuple[Any, Any, Any]]] = {
+BUILDERS: dict[str, Callable[..., tuple[Any, Any, Any]]] = {
     "qwen2_5_vl": qwen2_5_vl,
     "qwen3_vl": qwen3_vl,
     "gemma3": gemma3,
@@ -282,12 +283,13 @@ BUILDERS: dict[str, Callable[[], tuple[Any, Any, Any]]] = {
 }
 
 
-def build_vision_model(folder: Path, family: str, seed: int = 0) -> Path:
-    """A tiny random ``family`` model with its processor, saved as a local model folder."""
+def build_vision_model(folder: Path, family: str, seed: int = 0, **settings: Any) -> Path:
+    """A tiny random ``family`` model with its processor (``settings``: the builder's own), saved as a local model
+    folder."""
     import torch
 
     torch.manual_seed(seed)
-    model, processor, image_processor = BUILDERS[family]()
+    model, processor, image_processor = BUILDERS[family](**settings)
     model.save_pretrained(folder, safe_serialization=True)
     processor.save_pretrained(folder)
     if image_processor is not None:  # a tokenizer and an image processor, no video processor (it needs torchvision)

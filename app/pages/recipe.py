@@ -43,6 +43,7 @@ from engine.hardware.recipes import (
 )
 from engine.rewards import RewardError
 from engine.run.estimate import TimeEstimate, before_start, format_duration
+from engine.vision.recipe import ImageLoad, image_estimate_for
 
 QUICK_TEST, ONE_PASS = "Quick test", "Balanced"
 CHOSEN_ELSEWHERE = frozenset({"model.name", "data.path"})
@@ -56,12 +57,22 @@ def recipe_config(name: str, base: RunConfig | None = None) -> RunConfig:
     return apply_recipe(base or RunConfig(), find_recipe(name))
 
 
-def fit_warning(config: RunConfig, model_info: Any, hardware: Any) -> str | None:
+def planned(config: RunConfig, shape: Any, hardware: Any, report: Any = None) -> RecipeEstimate:
+    """The planner's estimate of ``config`` on ``hardware`` for the chosen dataset (``report``): a picture run's,
+    with the vision tower, the image tokens and the pixel budget, for a vision-language model and an image
+    dataset; else a text run's."""
+    found = image_estimate_for(config, shape, hardware, report)
+    if found is not None:
+        return found
+    return estimate_recipe(config, shape, hardware, dataset_tokens(report), dataset_examples(report))
+
+
+def fit_warning(config: RunConfig, model_info: Any, hardware: Any, report: Any = None) -> str | None:
     """The planner's objection to these settings on this machine's GPU (or CPU), or None when they fit (or cannot
     be judged)."""
     if model_info is None or model_info.shape is None or hardware is None:
         return None
-    estimate = estimate_recipe(config, model_info.shape, hardware)
+    estimate = planned(config, model_info.shape, hardware, report if ImageLoad.from_report(report) else None)
     return None if estimate.fits else f"Will not fit on {machine_name(hardware)}: {estimate.reason}"
 
 
@@ -215,9 +226,8 @@ class SetupPanel(QWidget):
         info, hardware = self.state.model_info, self.state.hardware
         if recipe.name != QUICK_TEST or info is None or info.shape is None or hardware is None:
             return settings
-        tokens, examples = dataset_tokens(self.state.data_report), dataset_examples(self.state.data_report)
-        one_pass = estimate_recipe(apply_recipe(config, find_recipe(ONE_PASS)), info.shape, hardware, tokens,
-                                   examples).steps  # fmt: skip
+        balanced = apply_recipe(config, find_recipe(ONE_PASS))
+        one_pass = planned(balanced, info.shape, hardware, self.state.data_report).steps
         if one_pass is None or one_pass >= settings.training.max_steps:
             return settings
         return dataclasses.replace(settings, training=dataclasses.replace(settings.training, max_steps=one_pass))
@@ -252,7 +262,8 @@ class SetupPanel(QWidget):
             self.warning.setText(str(err))
             self.changed.emit()
             return
-        self.warning.setText(fit_warning(config, self.state.model_info, self.state.hardware) or "")
+        warning = fit_warning(config, self.state.model_info, self.state.hardware, self.state.data_report)
+        self.warning.setText(warning or "")
         self._show_estimates(config)
         self.changed.emit()
 
@@ -264,14 +275,14 @@ class SetupPanel(QWidget):
                 label.setText("")
             self.state.set_plan(None, None)
             return
-        tokens, examples = dataset_tokens(self.state.data_report), dataset_examples(self.state.data_report)
+        report = self.state.data_report
         for recipe in RECIPES:
             if self.state.model_name == DEMO_MODEL or not recipe.demo_only:
                 settings = self._with_recipe(config, recipe)
-                estimate = estimate_recipe(settings, info.shape, hardware, tokens, examples)
+                estimate = planned(settings, info.shape, hardware, report)
                 self.estimates[recipe.name].setText(describe_estimate(estimate, time_estimate(estimate, settings,
                                                                                               self.state)))  # fmt: skip
-        current = estimate_recipe(config, info.shape, hardware, tokens, examples)
+        current = planned(config, info.shape, hardware, report)
         if not current.fits:
             self.state.set_plan(None, None, current, self.recipe_name())
             return

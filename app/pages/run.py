@@ -184,7 +184,7 @@ class RunPanel(QWidget):
             self.show_error(info.message, info.hint)
             return
         self._reset_view()
-        warning = fit_warning(config, self.state.model_info, self.state.hardware)
+        warning = fit_warning(config, self.state.model_info, self.state.hardware, self.state.data_report)
         if warning:  # the user may know better (another card, a smaller dataset): warn, do not refuse
             self._add_warning(warning)
         self.status.setText(f"Loading {config.model.name} and preparing the data…")

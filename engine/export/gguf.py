@@ -227,12 +227,8 @@ def model_slug(name: str) -> str:
 def _check_family(run_folder: Path, adapter: str) -> None:
     """Refuse an unsupported family before the (slow) merge, when the base model's config can be read."""
     from engine.config import RunConfig
-    from engine.vision.export import refuse_gguf, run_vision_family
 
     _run_adapter(run_folder, adapter)
-    family = run_vision_family(run_folder)
-    if family is not None:
-        raise refuse_gguf(family)
     try:
         from transformers import AutoConfig
 
@@ -338,6 +334,13 @@ def export_gguf(
     report = on_progress or (lambda _: None)
     if quant in LLAMA_CPP_QUANTS:
         _llama_cpp()
+    from engine.vision.export import run_vision_family
+
+    family = run_vision_family(run_folder)
+    if family is not None:  # the language model and its vision projector file (engine.vision.gguf)
+        from engine.vision.gguf import export_vision_gguf
+
+        return export_vision_gguf(run_folder, target, family, quant, overwrite, report, adapter)
     _check_family(run_folder, adapter)
     if target.exists() and any(target.iterdir()) and not overwrite:
         _prepare_target(target, overwrite)  # raises the usual "not empty" error before the slow merge

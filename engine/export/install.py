@@ -136,6 +136,12 @@ def read_export(folder: str | Path) -> ExportFiles:
     """The GGUF file and Modelfile of an export folder (as ``tunedeck export --gguf`` writes them)."""
     folder = Path(folder)
     modelfile = folder / "Modelfile"
+    if any(folder.glob("mmproj-*.gguf")):  # a picture model's export (engine.vision.gguf)
+        raise TuneDeckError(
+            f"{folder} holds a picture model (a language model and its vision projector): TuneDeck installs text "
+            "models only into Ollama and LM Studio",
+            hint="run it with llama.cpp: llama-mtmd-cli or llama-server with -m and --mmproj (see its README)",
+        )
     if not modelfile.exists():
         raise TuneDeckError(f"{folder} is not a GGUF export (it has no Modelfile)", hint="export with --gguf first")
     text = modelfile.read_text(encoding="utf-8")

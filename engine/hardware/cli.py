@@ -152,6 +152,7 @@ def plan_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus", type=int, default=1, help="plan for this many such GPUs: DDP or FSDP2, and why")
     parser.add_argument("--parallel", choices=("auto", "ddp", "fsdp"), default="auto", help="force DDP or FSDP2")
     _common(parser)
+    _train_setting(parser, "vision", "max_pixels", type=int, default=None)
     args = parser.parse_args(argv)
     from engine.hardware import gpus
     from engine.hardware.profile import DeviceTarget, build_profile
@@ -170,8 +171,11 @@ def plan_main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     parallel = _parallel_plan(args, shape, device, profile) if args.gpus > 1 else None
+    pictures = _picture_plan(args, device, profile)
     if args.json:
         report = {"model": shape.display_name(), "gpu": device.label, "profile": profile.to_dict()}
+        if pictures is not None:
+            report["pictures"] = dataclasses.asdict(pictures)
         if parallel is not None:
             report["parallel"] = dataclasses.asdict(parallel)
         print(json.dumps(report, indent=2))
@@ -180,9 +184,21 @@ def plan_main(argv: list[str] | None = None) -> int:
     count = f"{args.gpus} x " if args.gpus > 1 else ""
     print(f"{shape.display_name()} on {count}{device.label} ({memory}):")
     print("\n".join(_profile_lines(profile)))
+    if pictures is not None:
+        print("\n".join(pictures.lines()))
     if parallel is not None:
         print(f"Several GPUs: {parallel.reason}")
     return 0
+
+
+def _picture_plan(args: argparse.Namespace, device: Any, profile: Any) -> Any:
+    """What a vision-language model's pictures add (engine.vision.recipe), None for a text model."""
+    from engine.vision.recipe import picture_plan
+
+    plan = profile.memory_plan
+    qlora = bool(args.qlora if args.qlora is not None else plan is not None and plan.qlora)
+    return picture_plan(args.model, device, qlora=qlora, lora_rank=args.lora_rank, checkpointing=args.checkpointing,
+                        max_pixels=args.max_pixels, text_tokens=args.tokens)  # fmt: skip
 
 
 def _parallel_plan(args: argparse.Namespace, shape: Any, device: Any, profile: Any) -> Any:

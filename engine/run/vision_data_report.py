@@ -15,12 +15,13 @@ from typing import Any
 from engine.config import ModelConfig
 from engine.data.packing import IGNORE_INDEX
 from engine.errors import DataError
-from engine.run.vision_session import AUTOMATIC_TOKENS, padded_rows, padding_efficiency
+from engine.run.vision_session import padded_rows, padding_efficiency
 from engine.vision.data import VisionExample, load_vision_examples
 from engine.vision.encode import EncodedExample, encode, image_token_ids
 from engine.vision.families import VisionFamily
 from engine.vision.images import check_image
 from engine.vision.model import load_processor
+from engine.vision.recipe import AUTOMATIC_TOKENS
 
 IMAGE_FORMAT = "chat rows with images"
 FOLDER_FORMAT = "images with captions"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from engine.events import (
 )
 from engine.hardware import vram
 from engine.run import checkpoint as ckpt
+from engine.run import vision_guard
 from engine.run.best import BestAdapterWriter, host_copy
 from engine.run.control import RunControl
 from engine.run.folder import (
@@ -123,7 +124,8 @@ def _steps(session: VisionSession, control: RunControl, writer: BestAdapterWrite
             if control.stop_requested:
                 break
             yield RunResumed(session.step)
-        metrics = train_step(session)
+        yield from vision_guard.climb_back(session)  # a setting lowered for memory, once good steps left room
+        metrics = yield from train_step(session)
         append_jsonl(session.run_dir / METRICS_FILE, _record(metrics))
         yield metrics
         if not (math.isfinite(metrics.loss) and math.isfinite(metrics.grad_norm)):
@@ -175,20 +177,17 @@ def summed_loss(
     return total, count
 
 
-def train_step(session: VisionSession) -> StepMetrics:
-    """One optimizer step over ``grad_accum`` micro-batches."""
+def train_step(session: VisionSession) -> Generator[Event, None, StepMetrics]:
+    """One optimizer step over ``grad_accum`` micro-batches, split smaller or recomputed while memory runs short
+    (engine.run.vision_guard)."""
     began = time.perf_counter()
     vram.reset_step_peak(session.device)
     rows: list[list[int]] = []
     for _ in range(session.config.training.grad_accum):
-        rows.append(session.rows[session.schedule.row(session.micro_batches)])
-        session.micro_batches += 1
+        rows.append(session.rows[session.schedule.row(session.micro_batches + len(rows))])
     learned = sum(session.train[i].trained_tokens for row in rows for i in row)
-    total = 0.0
-    for row in rows:  # one backward a micro-batch: only one batch's activations are held at a time
-        loss, _ = summed_loss(session, [row], session.train)
-        (loss / max(1, learned)).backward()
-        total += float(loss.detach())
+    total = yield from vision_guard.guarded(session, rows, lambda: _backward(session, rows, learned))
+    session.micro_batches += len(rows)  # only a step that ran moves on: a stopped one resumes from here
     max_norm = session.config.training.max_grad_norm or math.inf
     grad_norm = float(torch.nn.utils.clip_grad_norm_(session.trainable, max_norm))
     learning_rate = session.scheduler.get_last_lr()[0]
@@ -200,6 +199,8 @@ def train_step(session: VisionSession) -> StepMetrics:
     session.last_loss = total / max(1, learned)
     tokens = sum(len(session.train[i]) for row in rows for i in row)
     seconds = time.perf_counter() - began
+    peak = vram.read_step_peak(session.device, driver=False).true_peak
+    session.recovery.good_step(peak)
     return StepMetrics(
         step=session.step,
         total_steps=session.total_steps,
@@ -211,8 +212,19 @@ def train_step(session: VisionSession) -> StepMetrics:
         trained_tokens=learned,
         step_time_s=seconds,
         tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
-        memory_bytes=vram.read_step_peak(session.device, driver=False).true_peak,
+        memory_bytes=peak,
     )
+
+
+def _backward(session: VisionSession, rows: list[list[int]], learned: int) -> float:
+    """Forward and backward over the step's micro-batches, one at a time (only one batch's activations are held);
+    the summed loss over their learned tokens."""
+    total = 0.0
+    for chosen in vision_guard.micro_batches(session, rows):
+        loss, _ = summed_loss(session, [chosen], session.train)
+        (loss / max(1, learned)).backward()
+        total += float(loss.detach())
+    return total
 
 
 def evaluate(session: VisionSession) -> EvalMetrics | None:

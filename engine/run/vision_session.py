@@ -14,7 +14,7 @@ import random
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,6 +26,7 @@ from engine.hardware.fit_to_data import FitFacts, apply_fit, fit_to_data
 from engine.method_facts import IMAGES, facts_for
 from engine.model.load import count_parameters, pick_device, pick_dtype
 from engine.run import checkpoint as ckpt
+from engine.run import guard
 from engine.run.best import EvalWatch
 from engine.run.fit import has_automatic
 from engine.run.folder import CONFIG_FILE
@@ -37,11 +38,11 @@ from engine.vision.encode import EncodedExample, check_images, encode
 from engine.vision.families import VisionFamily
 from engine.vision.images import ImageCache
 from engine.vision.model import load_processor, load_vision_model, with_lora
+from engine.vision.recipe import AUTOMATIC_TOKENS
 from engine.vision.speed import speed_notes
 
-AUTOMATIC_TOKENS = 4096
-"""``data.max_seq_len`` and ``data.tokens_per_batch`` when left automatic (0): image tokens make rows long, and an
-image cannot be cut, so examples up to this length are kept and padded micro-batches hold up to this many tokens."""
+if TYPE_CHECKING:
+    from engine.hardware.planner import MemoryEstimate
 
 
 @dataclass
@@ -71,11 +72,17 @@ class VisionSession:
     eval_watch: EvalWatch = field(init=False)
     images: ImageCache = field(init=False)
     """The pictures fitted to the budget, kept for the epochs after the first."""
+    tokens_per_batch: int = field(init=False)
+    """Padded tokens a micro-batch may hold now: the rows' budget, lower while memory runs short."""
+    recovery: guard.Recovery = field(init=False)
+    """What out-of-memory steps lowered, and when to try it again (engine.run.vision_guard)."""
 
     def __post_init__(self) -> None:
         self.schedule = RowSchedule(len(self.rows), self.config.training.seed)
         self.eval_watch = EvalWatch(self.config.training.early_stop or 0)
         self.images = ImageCache(self.max_pixels)
+        self.tokens_per_batch = self.config.data.tokens_per_batch or AUTOMATIC_TOKENS
+        self.recovery = guard.Recovery(climb_after=guard.CLIMB_AFTER)
 
     @property
     def trainable(self) -> list[torch.nn.Parameter]:
@@ -245,15 +252,19 @@ def parameter_counts(session: VisionSession) -> tuple[int, int]:
     return count_parameters(session.model)
 
 
-def planned_peak(session: VisionSession, config_dict: dict[str, Any]) -> str:
-    """The memory planner's peak for the run's largest micro-batch (engine.vision.memory), in words."""
-    from engine.hardware.planner import GIB, TrainSetup
+def largest_micro_batch(session: VisionSession) -> list[int]:
+    """The micro-batch of the most padded tokens (indices into ``session.train``)."""
+    return max(session.rows, key=lambda r: max(len(session.train[i]) for i in r) * len(r))
+
+
+def planned_memory(session: VisionSession, config_dict: dict[str, Any]) -> MemoryEstimate:
+    """The memory planner's estimate for the run's largest micro-batch (engine.vision.memory)."""
+    from engine.hardware.planner import TrainSetup
     from engine.vision.memory import vision_step_estimate
 
-    row = max(session.rows, key=lambda r: max(len(session.train[i]) for i in r) * len(r))
+    row = largest_micro_batch(session)
     padded = max(len(session.train[i]) for i in row) * len(row)
     image_tokens = sum(session.train[i].image_tokens for i in row)
-    images = sum(len(session.train[i].example.images) for i in row)
     config = session.config
     setup = TrainSetup(
         tokens=max(1, padded - image_tokens),
@@ -262,10 +273,20 @@ def planned_peak(session: VisionSession, config_dict: dict[str, Any]) -> str:
         checkpointing="standard" if session.model.base_model.model.is_gradient_checkpointing else "none",
         dtype_bytes=next(session.model.parameters()).element_size(),
     )
-    estimate = vision_step_estimate(
-        config_dict, session.family, setup, images_per_row=images, max_pixels=session.max_pixels,
-        adapt_vision=config.vision.adapt_vision,
+    return vision_step_estimate(
+        config_dict, session.family, setup, images_per_row=sum(len(session.train[i].example.images) for i in row),
+        max_pixels=session.max_pixels, adapt_vision=config.vision.adapt_vision,
     )  # fmt: skip
+
+
+def planned_peak(session: VisionSession, config_dict: dict[str, Any]) -> str:
+    """The memory planner's peak for the run's largest micro-batch, in words."""
+    from engine.hardware.planner import GIB
+
+    estimate = planned_memory(session, config_dict)
+    row = largest_micro_batch(session)
+    padded = max(len(session.train[i]) for i in row) * len(row)
+    images = sum(len(session.train[i].example.images) for i in row)
     return (
         f"memory plan: about {estimate.peak / GIB:.1f} GiB at the largest micro-batch ({len(row)} examples, "
         f"{images} images, {padded:,} padded tokens), the vision tower's {estimate.parts['vision_tower'] / GIB:.2f} "

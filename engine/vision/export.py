@@ -1,11 +1,8 @@
-"""Exporting a vision-language fine-tune: the adapter and the merged model as for text; GGUF refused with why.
+"""Exporting a vision-language fine-tune: the adapter and the merged model as for text (GGUF: engine.vision.gguf).
 
 The merged model is the base loaded as an image-text-to-text model in float32 with the adapter folded in, saved
 with its processor (tokenizer, image processor, chat template), so it loads with ``AutoModelForImageTextToText``
-and ``AutoProcessor`` and answers about pictures without peft. GGUF is refused: llama.cpp runs these families as
-two files, the language model and a separate multimodal projector (``mmproj``) holding the vision tower, each
-family converted by llama.cpp's own script; TuneDeck's GGUF writer writes a text model's single file, and the
-language model alone would answer without seeing the image.
+and ``AutoProcessor`` and answers about pictures without peft.
 """
 
 from __future__ import annotations
@@ -26,16 +23,6 @@ def run_vision_family(run_folder: Path) -> VisionFamily | None:
         return vision_family(RunConfig.load(run_folder / "config.json").model)
     except TuneDeckError:
         return None
-
-
-def refuse_gguf(family: VisionFamily) -> TuneDeckError:
-    return TuneDeckError(
-        f"{family.label} models are not exported to GGUF here: llama.cpp runs them as the language model plus a "
-        "separate vision projector file (mmproj), converted per family by llama.cpp's own script, and a GGUF of "
-        "the language model alone would answer without seeing the image",
-        hint="export the merged model (--merged), then convert it with llama.cpp's convert_hf_to_gguf.py, once "
-        "as the model and once with --mmproj, where llama.cpp supports the family",
-    )
 
 
 def merged_vision_model(run_folder: Path, adapter_folder: Path, family: VisionFamily) -> tuple[Any, Any]:
