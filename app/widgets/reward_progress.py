@@ -23,7 +23,7 @@ CHARTS_HEIGHT = 240
 """The charts' smallest height: at 1366×768 the page scrolls to them rather than squeezing them to a strip."""
 CHARTS_MAX_HEIGHT = 380
 """With the answers under them, the view fits a laptop's page (1366×768) scrolled to it."""
-ANSWERS_HEIGHT = 200
+ANSWERS_HEIGHT = 210
 
 
 def learns_from_rewards(config: RunConfig) -> bool:
@@ -44,6 +44,7 @@ class RewardProgress(QWidget):
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self.charts, 1)
         layout.addWidget(self.answers)
+        self.setMaximumHeight(CHARTS_MAX_HEIGHT + ANSWERS_HEIGHT + layout.spacing())  # the page's charts get the rest
         self.hide()
 
     def begin(self, config: RunConfig) -> None:
