@@ -188,6 +188,9 @@ class AnswersSampled(Event):
     prompt: str
     answers: list[str]
     rewards: list[float]
+    scores: dict[str, list[float]] | None = None
+    """Each reward's score of each answer before its weight (``scores[name][i]`` for ``answers[i]``), in the
+    order the rewards were built; ``rewards`` are their weighted sums."""
 
 
 @dataclass(frozen=True)

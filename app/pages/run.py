@@ -33,6 +33,7 @@ from app.theme import ERROR_COLOR
 from app.widgets.fitted_label import FittedLabel
 from app.widgets.gpu_selector import GpuSelector
 from app.widgets.notices import NoticeList
+from app.widgets.reward_progress import RewardProgress
 from app.widgets.run_charts import RunCharts
 from app.widgets.second_computer import SecondComputer
 from engine.config import RunConfig
@@ -120,6 +121,8 @@ class RunPanel(QWidget):
         self.eta = QLabel("")
         self.eta.setFixedWidth(120)
         self.charts = RunCharts()
+        self.rewards = RewardProgress()
+        """A run that learns from rewards: its reward charts and sampled answers (hidden for other runs)."""
         self.gpu_selector = GpuSelector()
         self.second_computer = SecondComputer()
         self.second_computer.toggled.connect(self._show_second_command)
@@ -161,6 +164,7 @@ class RunPanel(QWidget):
         layout.addLayout(progress)
         layout.addWidget(QLabel("<b>Warnings and notices</b>"))
         layout.addWidget(self.warnings)
+        layout.addWidget(self.rewards, 1)  # a reward run's own figures first, its loss and memory under them
         layout.addWidget(self.charts, 1)
 
     def _show_gpu_plan(self) -> None:
@@ -183,7 +187,7 @@ class RunPanel(QWidget):
             info = describe_error(err)
             self.show_error(info.message, info.hint)
             return
-        self._reset_view()
+        self._reset_view(config)
         warning = fit_warning(config, self.state.model_info, self.state.hardware, self.state.data_report)
         if warning:  # the user may know better (another card, a smaller dataset): warn, do not refuse
             self._add_warning(warning)
@@ -194,10 +198,11 @@ class RunPanel(QWidget):
         self.controller.start(config, gpu_indices=gpus)
         self.start_requested.emit()
 
-    def _reset_view(self) -> None:
+    def _reset_view(self, config: RunConfig) -> None:
         self.error.setText("")
         self.warnings.clear()
         self.charts.clear()
+        self.rewards.begin(config)
         self.speed_state = {}
         self.progress.setValue(0)
         self.report_status.setText("")
@@ -222,7 +227,7 @@ class RunPanel(QWidget):
             info = describe_error(err)
             self.show_error(info.message, info.hint)
             return
-        self._reset_view()
+        self._reset_view(config)
         self.status.setText(status)
         gpus = self.gpu_selector.selected()
         self.charts.set_gpus(tuple(gpus))
@@ -235,6 +240,7 @@ class RunPanel(QWidget):
         self.error.setText(html.escape(message) + advice)
 
     def on_event(self, event: object) -> None:
+        self.rewards.on_event(event)
         if isinstance(event, StepMetrics):
             self._on_step(event)
         elif isinstance(event, EvalMetrics):
@@ -318,7 +324,8 @@ class RunPanel(QWidget):
         self.charts.add_step(event.step, event.loss, event.tokens_per_s)
         self.charts.add_step_peak(event.memory_bytes)
         self.progress.setValue(event.step)
-        self.progress.setFormat(f"step %v of %m · loss {event.loss:.3f}")
+        reward = f" · reward {event.reward_mean:.3f}" if event.reward_mean is not None else ""
+        self.progress.setFormat(f"step %v of %m · loss {event.loss:.3f}{reward}")
 
     def show_summary(self) -> None:
         """The run's summary as every page words it, and while no run goes, the plan for the current settings."""

@@ -189,6 +189,10 @@ class GrpoMethod(TrainingMethod):
             prompts[0].text,
             [reward_text(session.tokenizer, a, self.stops) for a in answers[:group][:SHOWN_ANSWERS]],
             list(scores.total[:group][:SHOWN_ANSWERS]),
+            {
+                name: list(per[:group][:SHOWN_ANSWERS])
+                for name, per in zip(scores.names, scores.per_reward, strict=True)
+            },
         )
         return Generation(groups, scores, shape, tokens, lengths, per_s, shown)
 
