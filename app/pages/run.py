@@ -32,6 +32,7 @@ from app.pages.recipe import fit_warning
 from app.theme import ERROR_COLOR
 from app.widgets.fitted_label import FittedLabel
 from app.widgets.gpu_selector import GpuSelector
+from app.widgets.node_table import NodeTable
 from app.widgets.notices import NoticeList
 from app.widgets.run_charts import RunCharts
 from app.widgets.second_computer import SecondComputer
@@ -41,6 +42,7 @@ from engine.events import (
     CheckpointSaved,
     EvalMetrics,
     EvalRising,
+    NodeFigures,
     Notice,
     OomRecovered,
     RunFailed,
@@ -122,6 +124,7 @@ class RunPanel(QWidget):
         self.gpu_selector = GpuSelector()
         self.second_computer = SecondComputer()
         self.second_computer.toggled.connect(self._show_second_command)
+        self.nodes = NodeTable()
         self.warnings = NoticeList()
         self.warnings.setMaximumHeight(72)
         self.speed_state: dict[str, dict[str, object]] = {}
@@ -158,6 +161,7 @@ class RunPanel(QWidget):
         layout.addWidget(self.summary)
         layout.addWidget(self.error)
         layout.addLayout(progress)
+        layout.addWidget(self.nodes)
         layout.addWidget(QLabel("<b>Warnings and notices</b>"))
         layout.addWidget(self.warnings)
         layout.addWidget(self.charts, 1)
@@ -197,6 +201,7 @@ class RunPanel(QWidget):
         self.error.setText("")
         self.warnings.clear()
         self.charts.clear()
+        self.nodes.clear()
         self.speed_state = {}
         self.progress.setValue(0)
         self.report_status.setText("")
@@ -238,6 +243,8 @@ class RunPanel(QWidget):
             self._on_step(event)
         elif isinstance(event, EvalMetrics):
             self.charts.add_eval(event.step, event.loss)
+        elif isinstance(event, NodeFigures):
+            self.nodes.show_figures(event)
         elif isinstance(event, RunStarted):
             self.charts.set_device(event.device)
             if event.start_step > 0:
