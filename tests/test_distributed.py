@@ -150,6 +150,7 @@ def test_two_processes_train_what_one_trains(
     steps = [e for e in events if isinstance(e, StepMetrics)]
     assert all(s.rank_memory_bytes is not None and len(s.rank_memory_bytes) == 2 for s in steps)
     assert all(s.memory_bytes == max(s.rank_memory_bytes or []) for s in steps)
+    assert all(len(s.rank_busy_s or []) == 2 and 0 < max(s.rank_busy_s or []) <= s.step_time_s for s in steps)
     assert sorted(p.name for p in (Path(two.run_dir) / "checkpoints").iterdir()) == ["step-000004", "step-000005"]
     assert_no_children(tmp_path)
 
@@ -289,6 +290,7 @@ def test_every_event_survives_the_trip_from_rank_zero() -> None:
         ev.SpeedChanged(2, {"fused_loss": {"on": True, "reason": "x"}}),
         ev.RunFinished(9, "r", "r/adapter", None, 1.0, 2.0, cancelled=True),
         ev.RunFailed("boom", None, 0, None),
+        ev.NodeFigures(3, ["CPU", "2 × GPU"], [0.2, 0.5], [10, 30], 1, 0.3),
     ]
     for event in samples:
         assert event_from_dict(json.loads(json.dumps(event.to_dict()))) == event

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import test_two_nodes as harness
+from app_fixtures import no_dangling_qthreads  # noqa: F401
 from test_two_nodes import Network, base_flags, two_nodes
 
 from engine.cli.progress import ProgressPrinter
@@ -47,7 +48,7 @@ def test_each_nodes_figures_reach_node_0_and_name_the_slower_one(
         assert f["step_time_s"][0] < steps[f["step"]]["step_time_s"] - DELAY_S / 2, (f, steps[f["step"]])
     assert [e for e in events1 if e["kind"] == "NodeFigures"] == figures  # node 1's terminal follows the same figures
     _shown_in_the_terminal(events0)
-    _shown_on_the_run_page(events0, qtbot)
+    _shown_on_the_run_page(events0, qtbot, tmp_path / "window.ini")
 
 
 def _shown_in_the_terminal(events: list[dict[str, Any]]) -> None:
@@ -60,24 +61,24 @@ def _shown_in_the_terminal(events: list[dict[str, Any]]) -> None:
     assert "node 1 is slower:" in lines[0]
 
 
-def _shown_on_the_run_page(events: list[dict[str, Any]], qtbot: Any) -> None:
-    from app.widgets.node_table import NodeTable
+def _shown_on_the_run_page(events: list[dict[str, Any]], qtbot: Any, settings_file: Path) -> None:
+    from test_app_window import open_window
 
-    table = NodeTable()
-    qtbot.addWidget(table)
-    assert table.isHidden()
-    shown = [event_from_dict(raw) for raw in events if raw["kind"] == "NodeFigures"]
-    for figures in shown:
-        table.show_figures(figures)  # type: ignore[arg-type]
-    last = shown[-1]
+    panel = open_window(qtbot, settings_file).run_panel
+    table = panel.nodes
+    assert table.isHidden()  # nothing to show before a run over several computers
+    for raw in events:
+        panel.on_event(event_from_dict(raw))
+    last = event_from_dict([raw for raw in events if raw["kind"] == "NodeFigures"][-1])
     assert isinstance(last, NodeFigures)
     assert not table.isHidden() and table.table.rowCount() == 2
     for node in range(2):
         row = [table.table.item(node, column).text() for column in range(4)]
         assert row[0].startswith(str(node)) and row[1] == last.devices[node]
         assert row[2] == f"{last.step_time_s[node]:.2f} s"
+        assert row[3] == f"{last.memory_bytes[node] / 2**30:.2f} GiB"
     assert table.slower.text().startswith(f"Step {STEPS}: Node 1 is slower: {last.slower_by_s:.2f} s more a step")
-    table.clear()
+    panel._reset_view()  # the next run starts with no table until its own figures come
     assert table.isHidden() and table.table.rowCount() == 0
 
 
