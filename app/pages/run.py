@@ -4,6 +4,10 @@ Before Start, the summary line says what the plan predicts for the current setti
 this machine); during and after the run it is the run's summary (engine.run.summary) that every page shows: state,
 measured peak memory beside the plan's prediction, mean speed, and the time left or how close the estimate was.
 
+With a second computer, this one starts the run (node 0) or joins one the other starts (app.widgets.join_run); during
+such a run a table shows each computer's devices, step time and memory, and which one is slower
+(app.widgets.node_table).
+
 Pause keeps the model loaded (the engine blocks between two steps); resume continues the same run; stop saves
 a checkpoint first. Failures arrive as a RunFailed event and are shown as a message with what to do next.
 """
@@ -16,6 +20,7 @@ from pathlib import Path
 
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import (
+    QGroupBox,
     QHBoxLayout,
     QLabel,
     QProgressBar,
@@ -32,6 +37,7 @@ from app.pages.recipe import fit_warning
 from app.theme import ERROR_COLOR
 from app.widgets.fitted_label import FittedLabel
 from app.widgets.gpu_selector import GpuSelector
+from app.widgets.join_run import JoinRun
 from app.widgets.node_table import NodeTable
 from app.widgets.notices import NoticeList
 from app.widgets.run_charts import RunCharts
@@ -124,6 +130,10 @@ class RunPanel(QWidget):
         self.gpu_selector = GpuSelector()
         self.second_computer = SecondComputer()
         self.second_computer.toggled.connect(self._show_second_command)
+        self.join_run = JoinRun()
+        self.join_run.join_requested.connect(self.join)
+        self.second_computer.toggled.connect(lambda on: self._one_side(on, self.join_run))
+        self.join_run.toggled.connect(lambda on: self._one_side(on, self.second_computer))
         self.nodes = NodeTable()
         self.warnings = NoticeList()
         self.warnings.setMaximumHeight(72)
@@ -154,6 +164,7 @@ class RunPanel(QWidget):
         layout = QVBoxLayout(self)
         layout.addWidget(self.gpu_selector)
         layout.addWidget(self.second_computer)
+        layout.addWidget(self.join_run)
         layout.addLayout(buttons)
         layout.addLayout(after)
         layout.addWidget(self.plan)
@@ -195,6 +206,26 @@ class RunPanel(QWidget):
         self.charts.set_gpus(tuple(gpus))
         self.state.begin_run()
         self.controller.start(config, gpu_indices=gpus)
+        self.start_requested.emit()
+
+    @staticmethod
+    def _one_side(on: bool, other: QGroupBox) -> None:
+        """This computer starts a run with a second one, or joins one: never both."""
+        if on:
+            other.setChecked(False)
+
+    def join(self) -> None:
+        """Join the run another computer starts, as the command its app shows for this one would."""
+        try:
+            config = self.join_run.apply(self.build_config())
+        except Exception as err:
+            info = describe_error(err)
+            self.show_error(info.message, info.hint)
+            return
+        self._reset_view()
+        self.status.setText(f"Joining the run at {config.training.rendezvous}: waiting for the other computer…")
+        self.state.begin_run()
+        self.controller.start(config)
         self.start_requested.emit()
 
     def _reset_view(self) -> None:
@@ -358,6 +389,7 @@ class RunPanel(QWidget):
 
     def _update_buttons(self, state: str) -> None:
         self.start_button.setEnabled(not self.controller.active)
+        self.join_run.join_button.setEnabled(not self.controller.active)
         self.pause_button.setEnabled(state == rc.RUNNING)
         self.resume_button.setEnabled(state == rc.PAUSED)
         self.stop_button.setEnabled(state in (rc.LOADING, rc.RUNNING, rc.PAUSED))
