@@ -350,3 +350,25 @@ def test_two_gpus_train_what_one_gpu_trains(tiny_model_dir: Path, varied_chat: P
             problems[parallel] = str(err)[:2000]
         assert_no_children(tmp_path)
     assert not problems, problems
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two NVIDIA GPUs")
+def test_a_gpu_that_hands_over_its_gradients_late_shows_as_the_busier_rank(
+    tiny_model_dir: Path, varied_chat: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On GPUs the busy time is read on the device's clock (a CUDA event at the last gradient bucket): rank 1's late
+    hand-over counts as its work, and rank 0's wait for it does not."""
+    from engine.distributed.busy import SLOW_ENV
+
+    delay_s = 0.3
+    monkeypatch.setenv(SLOW_ENV, f"1:{delay_s}")
+    cuda = {"dtype": "bfloat16", "device": "auto", "max_steps": 3, "speed": {"fused_kernels": False}}
+    config = make_config(tiny_model_dir, varied_chat, tmp_path, "ddp", gpus="2", parallel="ddp", **cuda)
+    events = list(run(config))
+    finished(events)
+    for step in [e for e in events if isinstance(e, StepMetrics)]:
+        busy = step.rank_busy_s or []
+        assert len(busy) == 2 and busy[1] - busy[0] > delay_s / 2, step
+        assert busy[0] < step.step_time_s - delay_s / 2, step
+    assert_no_children(tmp_path)

@@ -7,6 +7,10 @@ only once every bucket is reduced across ranks. :class:`GradientClock` is that h
 clock read per bucket): the time from its last call to the end of the backward pass is this rank's wait for the
 network and the slower ranks, and a step's *busy time* is the time to the end of the backward pass less that wait.
 
+On a GPU the host runs ahead of the device, so the hook also records a CUDA event: the wait is then the device's time
+from that event to the end of the backward pass (read after the step's loss has come to the host, which waits for
+the gradient all-reduce anyway), and the busy time is measured on the device's clock, not the host's.
+
 Under FSDP2 no such hook exists and the busy time includes the waits, so the ranks' figures come out alike there.
 """
 
@@ -29,6 +33,7 @@ class GradientClock:
 
     def __init__(self) -> None:
         self.last_ready: float | None = None
+        self.ready_event: torch.cuda.Event | None = None
         self.delay_s = 0.0
 
     def arm(self, rank: int) -> None:
@@ -43,12 +48,27 @@ class GradientClock:
         if self.delay_s:
             time.sleep(self.delay_s)
         self.last_ready = time.perf_counter()
+        if bucket.buffer().is_cuda:
+            self.ready_event = torch.cuda.Event(enable_timing=True)
+            self.ready_event.record()
         return allreduce_hook(state, bucket)
 
     def busy_s(self, started: float) -> float:
-        """Seconds since ``started`` (a ``perf_counter`` reading at the step's start) less the wait after this rank's
-        last gradient bucket was handed over (none known: no wait taken off)."""
-        now = time.perf_counter()
+        """Seconds since ``started`` (a ``perf_counter`` reading at the step's start, taken once the step's loss is on
+        the host) less the wait after this rank's last gradient bucket was handed over (none known: nothing taken
+        off); the step's readings are then cleared."""
+        elapsed = time.perf_counter() - started
+        waited = self._waited_s(started)
+        self.last_ready, self.ready_event = None, None
+        return max(0.0, elapsed - waited)
+
+    def _waited_s(self, started: float) -> float:
         ready = self.last_ready
-        waited = now - ready if ready is not None and ready >= started else 0.0
-        return max(0.0, now - started - waited)
+        if ready is None or ready < started:
+            return 0.0
+        if self.ready_event is None:
+            return time.perf_counter() - ready
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()  # at once: the stream already finished the step's backward to give its loss
+        return float(self.ready_event.elapsed_time(end)) / 1000
