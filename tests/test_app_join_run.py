@@ -79,3 +79,33 @@ def test_the_joined_computer_trains_node_0s_run(tiny_model_dir: Path, chat: Path
     assert done.run_dir.startswith("node 0:") and done.step == STEPS
     mine = [(e.step, e.loss) for e in events if isinstance(e, StepMetrics)]
     assert mine == steps_of(events0)  # node 0's settings (its learning rate, its batch), node 0's curve
+
+
+def test_the_run_page_starts_a_run_with_a_second_computer_or_joins_one_never_both(qtbot: Any, tmp_path: Path) -> None:
+    from test_app_window import open_window
+
+    panel = open_window(qtbot, tmp_path / "window.ini").run_panel
+    panel.second_computer.setChecked(True)
+    panel.join_run.setChecked(True)
+    assert not panel.second_computer.isChecked()
+    panel.second_computer.setChecked(True)
+    assert not panel.join_run.isChecked()
+    panel.join_run.setChecked(True)
+    panel.build_config = lambda: RunConfig.from_dict({"data": {"path": "chats.jsonl"}})  # the form, filled in
+    panel.join_run.address.setText("the other computer")
+    panel.join_run.join_button.click()
+    assert not panel.controller.active
+    assert panel.error.text().startswith("&#x27;the other computer&#x27; is not an address and port"), (
+        panel.error.text()
+    )
+
+
+def test_the_table_marks_the_computer_the_app_runs_on(qtbot: Any) -> None:
+    from app.widgets.node_table import NodeTable
+    from engine.events import NodeFigures
+
+    table = NodeTable()
+    qtbot.addWidget(table)
+    table.this_node = 1  # the app joined another computer's run
+    table.show_figures(NodeFigures(2, ["CPU", "CPU"], [0.1, 0.2], [1, 2], 1, 0.1))
+    assert [table.table.item(row, 0).text() for row in range(2)] == ["0", "1 (this computer)"]

@@ -198,6 +198,7 @@ class RunPanel(QWidget):
             self.show_error(info.message, info.hint)
             return
         self._reset_view()
+        self.nodes.this_node = config.training.node_rank
         warning = fit_warning(config, self.state.model_info, self.state.hardware)
         if warning:  # the user may know better (another card, a smaller dataset): warn, do not refuse
             self._add_warning(warning)
@@ -223,6 +224,7 @@ class RunPanel(QWidget):
             self.show_error(info.message, info.hint)
             return
         self._reset_view()
+        self.nodes.this_node = config.training.node_rank
         self.status.setText(f"Joining the run at {config.training.rendezvous}: waiting for the other computer…")
         self.state.begin_run()
         self.controller.start(config)
@@ -258,6 +260,7 @@ class RunPanel(QWidget):
             self.show_error(info.message, info.hint)
             return
         self._reset_view()
+        self.nodes.this_node = config.training.node_rank
         self.status.setText(status)
         gpus = self.gpu_selector.selected()
         self.charts.set_gpus(tuple(gpus))
@@ -390,7 +393,8 @@ class RunPanel(QWidget):
     def _update_buttons(self, state: str) -> None:
         self.start_button.setEnabled(not self.controller.active)
         self.join_run.join_button.setEnabled(not self.controller.active)
-        self.pause_button.setEnabled(state == rc.RUNNING)
+        joined = self.nodes.this_node != 0  # pause comes from the computer that started the run
+        self.pause_button.setEnabled(state == rc.RUNNING and not joined)
         self.resume_button.setEnabled(state == rc.PAUSED)
         self.stop_button.setEnabled(state in (rc.LOADING, rc.RUNNING, rc.PAUSED))
         self.export_button.setEnabled(not self.controller.active and self.ended_run is not None)

@@ -28,6 +28,8 @@ class NodeTable(QGroupBox):
 
     def __init__(self) -> None:
         super().__init__("Computers in this run")
+        self.this_node = 0
+        """The node rank of the computer this app runs on (1 when it joined another's run)."""
         self.table = QTableWidget(0, len(COLUMNS))
         self.table.setHorizontalHeaderLabels(COLUMNS)
         self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
@@ -48,7 +50,7 @@ class NodeTable(QGroupBox):
         self.table.setRowCount(len(figures.devices))
         for node, device in enumerate(figures.devices):
             cells = (
-                f"{node}" + (" (this computer)" if node == 0 else ""),
+                f"{node}" + (" (this computer)" if node == self.this_node else ""),
                 device,
                 f"{figures.step_time_s[node]:.2f} s",
                 f"{figures.memory_bytes[node] / 2**30:.2f} GiB",
