@@ -150,7 +150,9 @@ def test_two_processes_train_what_one_trains(
     steps = [e for e in events if isinstance(e, StepMetrics)]
     assert all(s.rank_memory_bytes is not None and len(s.rank_memory_bytes) == 2 for s in steps)
     assert all(s.memory_bytes == max(s.rank_memory_bytes or []) for s in steps)
-    assert all(len(s.rank_busy_s or []) == 2 and 0 < max(s.rank_busy_s or []) <= s.step_time_s for s in steps)
+    # rank 0's busy time is a part of its own step (another rank's may start earlier than rank 0's step)
+    assert all(len(s.rank_busy_s or []) == 2 and min(s.rank_busy_s or []) > 0 for s in steps)
+    assert all(0 < (s.rank_busy_s or [0])[0] <= s.step_time_s for s in steps)
     assert sorted(p.name for p in (Path(two.run_dir) / "checkpoints").iterdir()) == ["step-000004", "step-000005"]
     assert_no_children(tmp_path)
 

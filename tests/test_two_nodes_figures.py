@@ -26,7 +26,7 @@ chat = harness.chat
 network = harness.network
 """The harness's fixtures: the conversations and the two nodes' network (namespaces where the system allows)."""
 STEPS = 4
-DELAY_S = 0.5
+DELAY_S = 0.8
 """How late node 1 hands over each gradient bucket: far above a tiny model's step on this machine's CPU."""
 
 
