@@ -11,7 +11,7 @@ from __future__ import annotations
 import shlex
 
 from PySide6.QtCore import Signal
-from PySide6.QtWidgets import QGroupBox, QHBoxLayout, QLabel, QLineEdit, QPushButton, QVBoxLayout
+from PySide6.QtWidgets import QGroupBox, QHBoxLayout, QLabel, QLineEdit, QPushButton, QVBoxLayout, QWidget
 
 from engine.config import RunConfig
 from engine.distributed.nodes import join_command
@@ -37,14 +37,19 @@ class JoinRun(QGroupBox):
         where.addWidget(QLabel("The other computer:"))
         where.addWidget(self.address, 1)
         where.addWidget(self.join_button)
-        layout = QVBoxLayout(self)
-        layout.addLayout(where)
         note = QLabel(
             "This computer trains its share with the model and data chosen here (the same files as the other "
             "computer's) and that computer's settings; the run folder stays there."
         )
         note.setWordWrap(True)
-        layout.addWidget(note)
+        inside = QWidget()  # shown only when ticked: most runs use one computer, and the page has little room
+        column = QVBoxLayout(inside)
+        column.setContentsMargins(0, 0, 0, 0)
+        column.addLayout(where)
+        column.addWidget(note)
+        QVBoxLayout(self).addWidget(inside)
+        inside.setVisible(False)
+        self.toggled.connect(inside.setVisible)
 
     def rendezvous(self) -> str:
         """The typed ``HOST:PORT``; a ConfigError with what to type when it is not one."""
