@@ -65,7 +65,7 @@ class StepMetrics(Event):
     """With several GPUs: each rank's ``memory_bytes`` (``memory_bytes`` is then their maximum)."""
     rank_busy_s: list[float] | None = None
     """With several GPUs: each rank's seconds of work in the step up to its gradients, its waits for the other ranks
-    left out (engine.distributed.busy), so that a slower GPU or computer shows."""
+    left out (engine.run.busy), so that a slower GPU or computer shows."""
     driver_memory_bytes: int | None = None
     """This process's GPU memory as the driver (NVML) reports it when the step is read, CUDA context included;
     None where NVML cannot tell (no driver, not permitted, a CPU run)."""

@@ -361,7 +361,7 @@ def test_a_gpu_that_hands_over_its_gradients_late_shows_as_the_busier_rank(
 ) -> None:
     """On GPUs the busy time is read on the device's clock (a CUDA event at the last gradient bucket): rank 1's late
     hand-over counts as its work, and rank 0's wait for it does not."""
-    from engine.distributed.busy import SLOW_ENV
+    from engine.run.busy import SLOW_ENV
 
     delay_s = 0.3
     monkeypatch.setenv(SLOW_ENV, f"1:{delay_s}")

@@ -17,10 +17,10 @@ from app_fixtures import no_dangling_qthreads  # noqa: F401
 from test_two_nodes import Network, base_flags, two_nodes
 
 from engine.cli.progress import ProgressPrinter
-from engine.distributed.busy import SLOW_ENV
 from engine.distributed.launch import event_from_dict
 from engine.distributed.node_figures import node_devices, node_figures
 from engine.events import NodeFigures, StepMetrics
+from engine.run.busy import SLOW_ENV
 
 chat = harness.chat
 network = harness.network

@@ -2,7 +2,7 @@
 
 Fed with the run's :class:`~engine.events.NodeFigures` events (one after every step of a run with ``--nodes``); hidden
 for a run on one computer. The step time is the node's busy time, its waits for the other node left out
-(engine.distributed.busy), so a slower computer shows even though both end every step together.
+(engine.run.busy), so a slower computer shows even though both end every step together.
 """
 
 from __future__ import annotations

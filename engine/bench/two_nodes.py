@@ -99,7 +99,7 @@ def summary(label: str, gpus: int, events: list[dict[str, Any]], warmup: int) ->
 
 
 def node_busy(events: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
-    """A run over nodes: each node's devices and median busy ms a step (engine.distributed.busy); {} otherwise."""
+    """A run over nodes: each node's devices and median busy ms a step (engine.run.busy); {} otherwise."""
     figures = [e for e in events if e["kind"] == "NodeFigures"]
     timed = figures[warmup:] or figures
     if not timed:

@@ -24,7 +24,7 @@ What a step means with W ranks (the contract the tests check against a one-proce
   number of GPUs and continues the same loss curve (up to float reduction order). Each document is seen once
   per epoch.
 - One small all-reduce per step on a gloo group carries the step's loss (sum of the ranks' shares), each
-  rank's peak memory and its busy time (engine.distributed.busy); no device-to-host sync is added. Only rank 0
+  rank's peak memory and its busy time (engine.run.busy); no device-to-host sync is added. Only rank 0
   writes the run folder; the others wait at a gloo barrier while it does, so a checkpoint is whole before anyone
   continues.
 - Stop, pause and speed changes reach the ranks through a control file in the run folder that rank 0 reads

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 
-from engine.distributed.busy import GradientClock
 from engine.errors import ConfigError
+from engine.run.busy import GradientClock
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -56,7 +56,7 @@ class Ranks:
     control_group: Any = None
     """The gloo process group for control, metrics and barriers (never blocks the host on NCCL)."""
     clock: GradientClock = field(default_factory=GradientClock, compare=False, repr=False)
-    """When this rank's gradients were ready in the step (DDP's hook), for its busy time (engine.distributed.busy)."""
+    """When this rank's gradients were ready in the step (DDP's hook), for its busy time (engine.run.busy)."""
 
     @classmethod
     def single(cls) -> Ranks:
@@ -104,7 +104,7 @@ class Ranks:
     def reduce_step_figures(
         self, loss: float, memory_bytes: int, busy_s: float
     ) -> tuple[float, list[int] | None, list[float] | None]:
-        """:meth:`reduce_step` plus every rank's busy time (engine.distributed.busy) in the same all-reduce:
+        """:meth:`reduce_step` plus every rank's busy time (engine.run.busy) in the same all-reduce:
         1 + 2W float64 values, a few dozen bytes a step."""
         if not self.distributed:
             return loss, None, None
