@@ -63,6 +63,9 @@ class StepMetrics(Event):
     pool and cached blocks, not only live tensors (engine.hardware.vram); on CPU, the process's resident memory."""
     rank_memory_bytes: list[int] | None = None
     """With several GPUs: each rank's ``memory_bytes`` (``memory_bytes`` is then their maximum)."""
+    rank_busy_s: list[float] | None = None
+    """With several GPUs: each rank's seconds of work in the step up to its gradients, its waits for the other ranks
+    left out (engine.run.busy), so that a slower GPU or computer shows."""
     driver_memory_bytes: int | None = None
     """This process's GPU memory as the driver (NVML) reports it when the step is read, CUDA context included;
     None where NVML cannot tell (no driver, not permitted, a CPU run)."""
@@ -233,3 +236,17 @@ class StepSkipped(Event):
     grad_norm: float
     consecutive: int
     total_skipped: int
+
+
+@dataclass(frozen=True)
+class NodeFigures(Event):
+    """A run over several computers, after a step: each node's devices, busy seconds of the step (its slowest rank's
+    ``StepMetrics.rank_busy_s``) and peak memory (its largest rank's), index = node rank; which node is slowest."""
+
+    step: int
+    devices: list[str]
+    step_time_s: list[float]
+    memory_bytes: list[int]
+    slowest: int
+    slower_by_s: float
+    """How much longer the slowest node worked on the step than the fastest one."""

@@ -150,6 +150,9 @@ def test_two_processes_train_what_one_trains(
     steps = [e for e in events if isinstance(e, StepMetrics)]
     assert all(s.rank_memory_bytes is not None and len(s.rank_memory_bytes) == 2 for s in steps)
     assert all(s.memory_bytes == max(s.rank_memory_bytes or []) for s in steps)
+    # rank 0's busy time is a part of its own step (another rank's may start earlier than rank 0's step)
+    assert all(len(s.rank_busy_s or []) == 2 and min(s.rank_busy_s or []) > 0 for s in steps)
+    assert all(0 < (s.rank_busy_s or [0])[0] <= s.step_time_s for s in steps)
     assert sorted(p.name for p in (Path(two.run_dir) / "checkpoints").iterdir()) == ["step-000004", "step-000005"]
     assert_no_children(tmp_path)
 
@@ -289,6 +292,7 @@ def test_every_event_survives_the_trip_from_rank_zero() -> None:
         ev.SpeedChanged(2, {"fused_loss": {"on": True, "reason": "x"}}),
         ev.RunFinished(9, "r", "r/adapter", None, 1.0, 2.0, cancelled=True),
         ev.RunFailed("boom", None, 0, None),
+        ev.NodeFigures(3, ["CPU", "2 × GPU"], [0.2, 0.5], [10, 30], 1, 0.3),
     ]
     for event in samples:
         assert event_from_dict(json.loads(json.dumps(event.to_dict()))) == event
@@ -348,3 +352,25 @@ def test_two_gpus_train_what_one_gpu_trains(tiny_model_dir: Path, varied_chat: P
             problems[parallel] = str(err)[:2000]
         assert_no_children(tmp_path)
     assert not problems, problems
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two NVIDIA GPUs")
+def test_a_gpu_that_hands_over_its_gradients_late_shows_as_the_busier_rank(
+    tiny_model_dir: Path, varied_chat: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On GPUs the busy time is read on the device's clock (a CUDA event at the last gradient bucket): rank 1's late
+    hand-over counts as its work, and rank 0's wait for it does not."""
+    from engine.run.busy import SLOW_ENV
+
+    delay_s = 0.3
+    monkeypatch.setenv(SLOW_ENV, f"1:{delay_s}")
+    cuda = {"dtype": "bfloat16", "device": "auto", "max_steps": 3, "speed": {"fused_kernels": False}}
+    config = make_config(tiny_model_dir, varied_chat, tmp_path, "ddp", gpus="2", parallel="ddp", **cuda)
+    events = list(run(config))
+    finished(events)
+    for step in [e for e in events if isinstance(e, StepMetrics)]:
+        busy = step.rank_busy_s or []
+        assert len(busy) == 2 and busy[1] - busy[0] > delay_s / 2, step
+        assert busy[0] < step.step_time_s - delay_s / 2, step
+    assert_no_children(tmp_path)

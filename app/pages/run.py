@@ -4,6 +4,10 @@ Before Start, the summary line says what the plan predicts for the current setti
 this machine); during and after the run it is the run's summary (engine.run.summary) that every page shows: state,
 measured peak memory beside the plan's prediction, mean speed, and the time left or how close the estimate was.
 
+With a second computer, this one starts the run (node 0) or joins one the other starts (app.widgets.join_run); during
+such a run a table shows each computer's devices, step time and memory, and which one is slower
+(app.widgets.node_table).
+
 Pause keeps the model loaded (the engine blocks between two steps); resume continues the same run; stop saves
 a checkpoint first. Failures arrive as a RunFailed event and are shown as a message with what to do next.
 """
@@ -16,6 +20,7 @@ from pathlib import Path
 
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import (
+    QGroupBox,
     QHBoxLayout,
     QLabel,
     QProgressBar,
@@ -32,6 +37,8 @@ from app.pages.recipe import fit_warning
 from app.theme import ERROR_COLOR
 from app.widgets.fitted_label import FittedLabel
 from app.widgets.gpu_selector import GpuSelector
+from app.widgets.join_run import JoinRun
+from app.widgets.node_table import NodeTable
 from app.widgets.notices import NoticeList
 from app.widgets.reward_progress import RewardProgress
 from app.widgets.run_charts import RunCharts
@@ -42,6 +49,7 @@ from engine.events import (
     CheckpointSaved,
     EvalMetrics,
     EvalRising,
+    NodeFigures,
     Notice,
     OomRecovered,
     RunFailed,
@@ -126,6 +134,11 @@ class RunPanel(QWidget):
         self.gpu_selector = GpuSelector()
         self.second_computer = SecondComputer()
         self.second_computer.toggled.connect(self._show_second_command)
+        self.join_run = JoinRun()
+        self.join_run.join_requested.connect(self.join)
+        self.second_computer.toggled.connect(lambda on: self._one_side(on, self.join_run))
+        self.join_run.toggled.connect(lambda on: self._one_side(on, self.second_computer))
+        self.nodes = NodeTable()
         self.warnings = NoticeList()
         self.warnings.setMaximumHeight(72)
         self.speed_state: dict[str, dict[str, object]] = {}
@@ -155,6 +168,7 @@ class RunPanel(QWidget):
         layout = QVBoxLayout(self)
         layout.addWidget(self.gpu_selector)
         layout.addWidget(self.second_computer)
+        layout.addWidget(self.join_run)
         layout.addLayout(buttons)
         layout.addLayout(after)
         layout.addWidget(self.plan)
@@ -162,6 +176,7 @@ class RunPanel(QWidget):
         layout.addWidget(self.summary)
         layout.addWidget(self.error)
         layout.addLayout(progress)
+        layout.addWidget(self.nodes)
         layout.addWidget(QLabel("<b>Warnings and notices</b>"))
         layout.addWidget(self.warnings)
         layout.addWidget(self.rewards, 1)  # a reward run's own figures first, its loss and memory under them
@@ -188,6 +203,7 @@ class RunPanel(QWidget):
             self.show_error(info.message, info.hint)
             return
         self._reset_view(config)
+        self.nodes.this_node = config.training.node_rank
         warning = fit_warning(config, self.state.model_info, self.state.hardware, self.state.data_report)
         if warning:  # the user may know better (another card, a smaller dataset): warn, do not refuse
             self._add_warning(warning)
@@ -198,11 +214,33 @@ class RunPanel(QWidget):
         self.controller.start(config, gpu_indices=gpus)
         self.start_requested.emit()
 
+    @staticmethod
+    def _one_side(on: bool, other: QGroupBox) -> None:
+        """This computer starts a run with a second one, or joins one: never both."""
+        if on:
+            other.setChecked(False)
+
+    def join(self) -> None:
+        """Join the run another computer starts, as the command its app shows for this one would."""
+        try:
+            config = self.join_run.apply(self.build_config())
+        except Exception as err:
+            info = describe_error(err)
+            self.show_error(info.message, info.hint)
+            return
+        self._reset_view(config)
+        self.nodes.this_node = config.training.node_rank
+        self.status.setText(f"Joining the run at {config.training.rendezvous}: waiting for the other computer…")
+        self.state.begin_run()
+        self.controller.start(config)
+        self.start_requested.emit()
+
     def _reset_view(self, config: RunConfig) -> None:
         self.error.setText("")
         self.warnings.clear()
         self.charts.clear()
         self.rewards.begin(config)
+        self.nodes.clear()
         self.speed_state = {}
         self.progress.setValue(0)
         self.report_status.setText("")
@@ -228,6 +266,7 @@ class RunPanel(QWidget):
             self.show_error(info.message, info.hint)
             return
         self._reset_view(config)
+        self.nodes.this_node = config.training.node_rank
         self.status.setText(status)
         gpus = self.gpu_selector.selected()
         self.charts.set_gpus(tuple(gpus))
@@ -245,6 +284,8 @@ class RunPanel(QWidget):
             self._on_step(event)
         elif isinstance(event, EvalMetrics):
             self.charts.add_eval(event.step, event.loss)
+        elif isinstance(event, NodeFigures):
+            self.nodes.show_figures(event)
         elif isinstance(event, RunStarted):
             self.charts.set_device(event.device)
             if event.start_step > 0:
@@ -361,7 +402,9 @@ class RunPanel(QWidget):
 
     def _update_buttons(self, state: str) -> None:
         self.start_button.setEnabled(not self.controller.active)
-        self.pause_button.setEnabled(state == rc.RUNNING)
+        self.join_run.join_button.setEnabled(not self.controller.active)
+        joined = self.nodes.this_node != 0  # pause comes from the computer that started the run
+        self.pause_button.setEnabled(state == rc.RUNNING and not joined)
         self.resume_button.setEnabled(state == rc.PAUSED)
         self.stop_button.setEnabled(state in (rc.LOADING, rc.RUNNING, rc.PAUSED))
         self.export_button.setEnabled(not self.controller.active and self.ended_run is not None)

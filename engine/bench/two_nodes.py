@@ -94,7 +94,19 @@ def summary(label: str, gpus: int, events: list[dict[str, Any]], warmup: int) ->
         "step_ms_median": statistics.median(s["step_time_s"] for s in timed) * 1e3,
         "losses": [s["loss"] for s in steps],
         "link": notices[0] if notices else None,
+        **node_busy(events, warmup),
     }
+
+
+def node_busy(events: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+    """A run over nodes: each node's devices and median busy ms a step (engine.run.busy); {} otherwise."""
+    figures = [e for e in events if e["kind"] == "NodeFigures"]
+    timed = figures[warmup:] or figures
+    if not timed:
+        return {}
+    nodes = range(len(timed[0]["devices"]))
+    busy = [statistics.median(f["step_time_s"][node] for f in timed) * 1e3 for node in nodes]
+    return {"node_devices": timed[0]["devices"], "node_busy_ms_median": busy}
 
 
 def measure(args: argparse.Namespace, model: Path, data: Path, out: Path) -> list[dict[str, Any]]:
@@ -142,6 +154,13 @@ def markdown(report: dict[str, Any]) -> str:
         )
     lines += ["", "Loss curves:", ""]
     lines += [f"- {row['run']}: " + ", ".join(f"{v:.4f}" for v in row["losses"]) for row in report["results"]]
+    for row in report["results"]:
+        if row.get("node_busy_ms_median"):
+            busy = ", ".join(
+                f"node {node} ({device}) {ms:.1f} ms"
+                for node, (device, ms) in enumerate(zip(row["node_devices"], row["node_busy_ms_median"], strict=True))
+            )
+            lines += ["", f"Busy time a step, waits for the other node left out ({row['run']}, median): {busy}"]
     links = [row["link"] for row in report["results"] if row["link"]]
     lines += ["", *(f"Link: {link}" for link in links), "", NETWORK_NOTE]
     return "\n".join(lines) + "\n"

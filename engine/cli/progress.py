@@ -8,12 +8,14 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from engine.config import RunConfig
+from engine.distributed.node_figures import nodes_line
 from engine.events import (
     BestAdapterKept,
     CheckpointSaved,
     EvalMetrics,
     EvalRising,
     Event,
+    NodeFigures,
     Notice,
     OomRecovered,
     RunFailed,
@@ -27,6 +29,9 @@ from engine.events import (
 )
 from engine.run.control import RunControl
 from engine.run.estimate import format_duration
+
+NODE_LINE_EVERY = 10
+"""A run over several computers prints its per-node line at its first step and every this many steps."""
 
 
 class ProgressPrinter:
@@ -43,6 +48,7 @@ class ProgressPrinter:
         self.driver_memory: int | None = None
         self.estimated_s: float | None = None
         """The training time the run expected before its first step (RunStarted), set beside the time it took."""
+        self.node_lines = 0
 
     def write(self, text: str) -> None:
         if self.bar is not None:
@@ -57,6 +63,8 @@ class ProgressPrinter:
             self._stepped(event)
         elif isinstance(event, EvalMetrics):
             self.write(eval_line(event))
+        elif isinstance(event, NodeFigures):
+            self._nodes(event)
         elif isinstance(event, (CheckpointSaved, BestAdapterKept)):
             pass  # frequent; the final folders are reported at the end
         elif isinstance(event, EvalRising):
@@ -90,6 +98,11 @@ class ProgressPrinter:
         if self.bar is not None:
             self.bar.set_postfix_str(f"loss {event.loss:.4f}{step_figures(event)}", refresh=False)
             self.bar.update(event.step - self.bar.n)
+
+    def _nodes(self, event: NodeFigures) -> None:
+        if self.node_lines == 0 or event.step % NODE_LINE_EVERY == 0:
+            self.write(nodes_line(event))
+            self.node_lines += 1
 
     def _started(self, event: RunStarted) -> None:
         from tqdm import tqdm

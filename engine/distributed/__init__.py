@@ -23,9 +23,10 @@ What a step means with W ranks (the contract the tests check against a one-proce
 - The data position (``micro_batches``) counts global rows, so a checkpoint resumes with the same or a different
   number of GPUs and continues the same loss curve (up to float reduction order). Each document is seen once
   per epoch.
-- One small all-reduce per step on a gloo group carries the step's loss (sum of the ranks' shares) and each
-  rank's peak memory; no device-to-host sync is added. Only rank 0 writes the run folder; the others wait at a
-  gloo barrier while it does, so a checkpoint is whole before anyone continues.
+- One small all-reduce per step on a gloo group carries the step's loss (sum of the ranks' shares), each
+  rank's peak memory and its busy time (engine.run.busy); no device-to-host sync is added. Only rank 0
+  writes the run folder; the others wait at a gloo barrier while it does, so a checkpoint is whole before anyone
+  continues.
 - Stop, pause and speed changes reach the ranks through a control file in the run folder that rank 0 reads
   between steps and broadcasts, so every rank acts at the same step.
 

@@ -1,11 +1,11 @@
 """One rank of a run over several computers: join, agree with node 0, train under the node watch.
 
-The same training as a one-computer rank (engine.distributed.worker.train_rank), with three additions: the rank
+The same training as a one-computer rank (engine.distributed.worker.train_rank), with four additions: the rank
 takes its place by node rank (engine.distributed.nodes), every node is checked against node 0 before the first step
-(engine.distributed.joined), and a :class:`~engine.distributed.watch.NodeWatch` ends the rank when another node
-goes. The first rank of every node prints the events, so each computer's terminal or app follows the run; on the
-other nodes their paths name node 0's run folder, the only one there is.
-"""
+(engine.distributed.joined), a :class:`~engine.distributed.watch.NodeWatch` ends the rank when another node goes, and
+every step is followed by each node's figures (engine.distributed.node_figures). The first rank of every node prints
+the events, so each computer's terminal or app follows the run; on the other nodes their paths name node 0's run
+folder, the only one there is."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from engine.config import RunConfig
 from engine.distributed.group import init_node_ranks
 from engine.distributed.joined import Agreed, agree, share_run_folder
 from engine.distributed.launch import EVENT_MARK
+from engine.distributed.node_figures import figures_after, gather_devices
 from engine.distributed.nodes import JOINED_MARK, Place, link_report, store_client
 from engine.distributed.rank import say, train_rank
 from engine.distributed.watch import NodeWatch
@@ -50,6 +51,7 @@ def run_node(config: RunConfig, launch: dict[str, Any]) -> int:
             share_run_folder(ranks, place, run_dir, local_rank)
     except Exception as err:  # a mismatch: every rank raises the same ConfigError
         return _refused(err, ranks, first_here, run_dir, watch)
+    devices = gather_devices(ranks, place, device)
     if first_here:
         say(sys.stdout, EVENT_MARK + json.dumps(Notice("; ".join(agreed.links)).to_dict()))
     failed = train_rank(
@@ -60,6 +62,7 @@ def run_node(config: RunConfig, launch: dict[str, Any]) -> int:
         prints_events=first_here,
         on_failure=lambda message: _on_failure(watch, message),
         event_paths=_paths_on(place, run_dir, agreed),
+        after=figures_after(place.node_of_rank, devices),
     )
     if not failed:
         ranks.barrier()

@@ -29,8 +29,10 @@ def train_rank(
     prints_events: bool,
     on_failure: Callable[[str], None] | None = None,
     event_paths: Callable[[Event], Event] = lambda event: event,
+    after: Callable[[Event], list[Event]] = lambda event: [],
 ) -> bool:
-    """Train this rank's share, printing the events if ``prints_events``; True when the run failed here."""
+    """Train this rank's share, printing the events if ``prints_events`` (each followed by the events ``after`` makes
+    of it); True when the run failed here."""
     from engine.run.loop import run_rank
 
     run_dir = Path(launch["run_dir"])
@@ -48,7 +50,8 @@ def train_rank(
                 on_failure(event.message)
             say(sys.stderr, f"tunedeck rank {ranks.rank}: {event.message}")
         if prints_events:
-            say(sys.stdout, EVENT_MARK + json.dumps(event_paths(event).to_dict()))
+            for printed in [event_paths(event), *after(event)]:
+                say(sys.stdout, EVENT_MARK + json.dumps(printed.to_dict()))
     return failed
 
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 
 from engine.errors import ConfigError
+from engine.run.busy import GradientClock
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -54,6 +55,8 @@ class Ranks:
     reason: str = "one process"
     control_group: Any = None
     """The gloo process group for control, metrics and barriers (never blocks the host on NCCL)."""
+    clock: GradientClock = field(default_factory=GradientClock, compare=False, repr=False)
+    """When this rank's gradients were ready in the step (DDP's hook), for its busy time (engine.run.busy)."""
 
     @classmethod
     def single(cls) -> Ranks:
@@ -95,15 +98,25 @@ class Ranks:
 
     def reduce_step(self, loss: float, memory_bytes: int) -> tuple[float, list[int] | None]:
         """The step's loss (sum of the ranks' shares) and every rank's peak memory; one small all-reduce."""
+        loss, memory, _ = self.reduce_step_figures(loss, memory_bytes, 0.0)
+        return loss, memory
+
+    def reduce_step_figures(
+        self, loss: float, memory_bytes: int, busy_s: float
+    ) -> tuple[float, list[int] | None, list[float] | None]:
+        """:meth:`reduce_step` plus every rank's busy time (engine.run.busy) in the same all-reduce:
+        1 + 2W float64 values, a few dozen bytes a step."""
         if not self.distributed:
-            return loss, None
+            return loss, None, None
         import torch.distributed as dist
 
-        values = torch.zeros(1 + self.world, dtype=torch.float64)
+        values = torch.zeros(1 + 2 * self.world, dtype=torch.float64)
         values[0] = loss
         values[1 + self.rank] = memory_bytes
+        values[1 + self.world + self.rank] = busy_s
         dist.all_reduce(values, group=self.control_group)
-        return float(values[0]), [int(v) for v in values[1:].tolist()]
+        shares = values[1:].tolist()
+        return float(values[0]), [int(v) for v in shares[: self.world]], [float(v) for v in shares[self.world :]]
 
     def reduce_sums(self, *values: float) -> list[float]:
         if not self.distributed:
@@ -150,13 +163,16 @@ class Ranks:
             return module
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(
+        wrapped = DistributedDataParallel(
             module,
             device_ids=[device.index] if device.type == "cuda" else None,
             broadcast_buffers=False,
             find_unused_parameters=_has_experts(model),
             init_sync=False,  # every rank builds the same seeded adapter; broadcasting frozen (4-bit) weights is waste
         )
+        self.clock.arm(self.rank)
+        wrapped.register_comm_hook(None, self.clock.hook)  # DDP's all-reduce, noting when the gradients were ready
+        return wrapped
 
     def shard_layers(self, model: torch.nn.Module, device: torch.device) -> None:
         """FSDP2: shard each decoder layer over the ranks (the root is sharded by :meth:`wrap`)."""

@@ -279,8 +279,11 @@ def _step_read_at_once(session: Session) -> Generator[Event, None, StepMetrics |
     total, counted = yield from _accumulate_or_lower(session, rows)
     loss_value = float(total)
     rank_memory: list[int] | None = None
-    if session.ranks.distributed:  # one small all-reduce: the step's loss and every rank's peak memory
-        loss_value, rank_memory = session.ranks.reduce_step(loss_value, _memory_bytes(session.device))
+    rank_busy: list[float] | None = None
+    if session.ranks.distributed:  # one small all-reduce: the step's loss, every rank's peak memory and busy time
+        busy = session.ranks.clock.busy_s(start)
+        reduced = session.ranks.reduce_step_figures(loss_value, _memory_bytes(session.device), busy)
+        loss_value, rank_memory, rank_busy = reduced
     grad_norm = _clip_gradients(session)
     if _is_bad_step(session, loss_value, grad_norm):
         yield _skip_update(session, loss_value, grad_norm)
@@ -292,7 +295,8 @@ def _step_read_at_once(session: Session) -> Generator[Event, None, StepMetrics |
     elapsed = time.perf_counter() - start
     memory = max(rank_memory) if rank_memory else _memory_bytes(session.device)
     epoch = session.schedule.epoch(session.micro_batches)
-    return _good_step(session, loss_value, grad_norm, learning_rate, counted, elapsed, memory, epoch, rank_memory)
+    metrics = _good_step(session, loss_value, grad_norm, learning_rate, counted, elapsed, memory, epoch, rank_memory)
+    return dataclasses.replace(metrics, rank_busy_s=rank_busy) if rank_busy is not None else metrics
 
 
 def _good_step(
