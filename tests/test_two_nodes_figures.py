@@ -17,6 +17,7 @@ from app_fixtures import no_dangling_qthreads  # noqa: F401
 from test_two_nodes import Network, base_flags, two_nodes
 
 from engine.cli.progress import ProgressPrinter
+from engine.config import RunConfig
 from engine.distributed.launch import event_from_dict
 from engine.distributed.node_figures import node_devices, node_figures
 from engine.events import NodeFigures, StepMetrics
@@ -78,7 +79,7 @@ def _shown_on_the_run_page(events: list[dict[str, Any]], qtbot: Any, settings_fi
         assert row[2] == f"{last.step_time_s[node]:.2f} s"
         assert row[3] == f"{last.memory_bytes[node] / 2**30:.2f} GiB"
     assert table.slower.text().startswith(f"Step {STEPS}: Node 1 is slower: {last.slower_by_s:.2f} s more a step")
-    panel._reset_view()  # the next run starts with no table until its own figures come
+    panel._reset_view(RunConfig())  # the next run starts with no table until its own figures come
     assert table.isHidden() and table.table.rowCount() == 0
 
 
