@@ -126,7 +126,7 @@ def flags(way: str, files: dict[str, Path], args: argparse.Namespace) -> list[st
             "--method", "grpo", "--data", str(files["grpo_train"]), "--eval-path", str(files["grpo_test"]),
             "--reward", "reference", "--reward", "0.5*reference:contains", "--group-size", str(args.group_size),
             "--max-new-tokens", str(args.max_new_tokens), "--grad-accum", str(args.prompts_per_step), "--beta", "0.04",
-            "--temperature", "0.8", *common,
+            "--temperature", "0.8", *(["--lr", args.grpo_lr] if args.grpo_lr else []), *common,
         ]  # fmt: skip
     return ["--data", str(files["sft_train"]), "--eval-path", str(files["sft_test"]), *common]
 
@@ -186,9 +186,10 @@ def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
         "",
         f"SmolLM2-135M-Instruct (Q4_1 GGUF), {meta['train']} questions to learn from, {meta['test']} unseen test "
         f"questions, {meta['steps']} steps a run; {meta['machine']}. Task score, of greedy answers to the unseen "
-        "problems: GRPO's mean reward (1 for the exact number, 0.5 more for holding it: 0 to 1.5), SFT's share "
+        "questions: GRPO's mean reward (1 for the exact answer, 0.5 more for holding it: 0 to 1.5), SFT's share "
         "answered exactly (numbers compared as numbers). Knowledge kept: of the knowledge check's "
         "questions the base model answers right, how many the last adapter still does.",
+        *([f"\n{meta['note']}."] if meta.get("note") else []),
         "",
         "| way | task score: base → last adapter | knowledge kept | training time |",
         "|---|---:|---:|---:|",
@@ -228,6 +229,7 @@ def main() -> None:
         help="0: 24 for capitals, 64 for arithmetic (the base model works a problem out at length, its number late)",
     )  # fmt: skip
     parser.add_argument("--prompts-per-step", type=int, default=2)
+    parser.add_argument("--grpo-lr", help="the GRPO run's learning rate (default: the automatic one)")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--work", type=Path, help="folder for the task and the runs (default: a temporary folder)")
     args = parser.parse_args()

@@ -67,8 +67,8 @@ FACTS = {
         "GRPO",
         report="rewards",
         visits_share=0.5,  # each visit samples a whole group of answers
-        rate_share=1 / 30,
-        rate_note="a thirtieth for learning from rewards (a policy update moves every sampled answer)",
+        rate_share=1 / 3,
+        rate_note="a third for learning from rewards (a policy update moves every sampled answer)",
         refusals={
             SEVERAL_GPUS: "GRPO trains on one GPU: its answers are sampled in the training process",
             STEP_GRAPHS: "each GRPO step samples answers of new lengths between its updates",
