@@ -63,12 +63,12 @@ class StepMetrics(Event):
     pool and cached blocks, not only live tensors (engine.hardware.vram); on CPU, the process's resident memory."""
     rank_memory_bytes: list[int] | None = None
     """With several GPUs: each rank's ``memory_bytes`` (``memory_bytes`` is then their maximum)."""
-    rank_busy_s: list[float] | None = None
-    """With several GPUs: each rank's seconds of work in the step up to its gradients, its waits for the other ranks
-    left out (engine.run.busy), so that a slower GPU or computer shows."""
     driver_memory_bytes: int | None = None
     """This process's GPU memory as the driver (NVML) reports it when the step is read, CUDA context included;
     None where NVML cannot tell (no driver, not permitted, a CPU run)."""
+    rank_busy_s: list[float] | None = None
+    """With several GPUs: each rank's seconds of work in the step up to its gradients, its waits for the other ranks
+    left out (engine.run.busy), so that a slower GPU or computer shows."""
     rewards_chosen: float | None = None
     """DPO runs (None otherwise): the mean over the step's pairs of beta × (policy − reference) log-probability of
     the chosen answer, TRL's ``rewards/chosen``; ``rewards_rejected`` the same for the rejected answer."""

@@ -12,8 +12,8 @@ from vision_models import BUILDERS, build_vision_model
 from engine.config import ModelConfig
 from engine.errors import TuneDeckError
 from engine.events import RunFinished
-from engine.export.gguf import export_gguf
 from engine.export.merged import export_adapter, export_merged
+from engine.export.to_gguf import export_gguf
 from engine.train import run
 from engine.vision.encode import render
 from engine.vision.model import load_processor

@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hang import HANG_S
 from test_vision_train import colour_rows, config
 from vision_models import build_vision_model
 
 from engine.events import RunFinished
-from engine.export.gguf import export_gguf
+from engine.export.to_gguf import export_gguf
 from engine.train import run
 
 ENCODE = r"""
@@ -97,7 +98,7 @@ def test_llama_cpp_encodes_a_picture_as_the_merged_model_does(exported: tuple[Pa
     run_dir, folder = exported
     picture = draw(tmp_path / "red.png", (220, 20, 20), size=(64, 64))
     args = [sys.executable, "-c", ENCODE, str(folder / "vision.gguf"), str(folder / "mmproj-vision.gguf"), str(picture)]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=300)  # a llama.cpp abort fails the test
+    done = subprocess.run(args, capture_output=True, text=True, timeout=HANG_S)  # a llama.cpp abort fails the test
     assert done.returncode == 0, done.stderr[-3000:]
     slices = np.array(json.loads(done.stdout.strip().splitlines()[-1]))
     model, processor = merged_model(run_dir, "float32")

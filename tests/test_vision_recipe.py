@@ -108,7 +108,7 @@ def test_a_card_too_small_for_the_pictures_says_what_they_cost(
 def test_plan_says_what_the_pictures_of_a_vision_language_model_cost(
     idefics: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from engine.hardware.cli import plan_main
+    from engine.cli.plan import plan_main
 
     assert plan_main(["--model", str(idefics), "--gpu", "RTX 4090"]) == 0
     text = capsys.readouterr().out

@@ -6,7 +6,8 @@
 - engine.cli.runs: ``tunedeck runs``, ``chat`` and ``export``;
 - engine.cli.demo: ``tunedeck train --demo``, with its accuracy before and after.
 
-``detect``, ``plan`` and ``setup`` live beside what they show (engine.hardware.cli, engine.setup.commands).
+``detect``, ``plan`` and ``setup`` live beside what they show (engine.hardware.cli, engine.setup.commands; ``plan``
+adds the pictures of a vision-language model in engine.cli.plan).
 """
 
 from engine.cli.commands import main

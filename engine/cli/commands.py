@@ -21,7 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("engine.cli.train:train_main", "fine-tune a model on a dataset (or the built-in demo)"),
     "bench": ("engine.bench.command:main", "measure the speed switches against stock transformers+PEFT on this GPU"),
     "detect": ("engine.hardware.cli:detect_main", "show the GPU, what TuneDeck will do with it, and why"),
-    "plan": ("engine.hardware.cli:plan_main", "will a model fit on a GPU (this or any named one), and how"),
+    "plan": ("engine.cli.plan:plan_main", "will a model fit on a GPU (this or any named one), and how"),
     "models": (
         "engine.cli.models:models_main",
         "the GGUF models in Ollama and LM Studio to train from",

@@ -5,7 +5,7 @@ GGUF file (with the tokenizer and chat template) plus an Ollama Modelfile. ``fro
 public spelling.
 """
 
-from engine.export.gguf import GGUF_QUANTS, ExportProgress, export_gguf, supported_gguf_family
+from engine.export.gguf import GGUF_QUANTS, ExportProgress, supported_gguf_family
 from engine.export.merged import (
     ADAPTER_README,
     DTYPE_ALIASES,
@@ -17,6 +17,7 @@ from engine.export.merged import (
     normalize_dtype,
     run_dtype,
 )
+from engine.export.to_gguf import export_gguf
 
 __all__ = [
     "ADAPTER_README",

@@ -314,7 +314,7 @@ def _checked_name(path: Path, quant: str, report: ProgressCallback) -> tuple[Pat
     return named, types
 
 
-def export_gguf(
+def export_text_gguf(
     run_folder: str | Path,
     target: str | Path,
     *,
@@ -323,8 +323,8 @@ def export_gguf(
     on_progress: ProgressCallback | None = None,
     adapter: str = "best",
 ) -> Path:
-    """Write the run's model merged with ``adapter`` (best or last) to ``target`` as ``<name>.gguf`` with a Modelfile
-    and README; returns ``target``.
+    """Write the run's text model merged with ``adapter`` (best or last) to ``target`` as ``<name>.gguf`` with a
+    Modelfile and README; returns ``target`` (a vision-language run: engine.export.to_gguf).
 
     Raises TuneDeckError for an unknown quantization, a family GGUF export does not support, a k-quant without
     llama-cpp-python, or a target folder that is not empty (unless ``overwrite``).
@@ -334,13 +334,6 @@ def export_gguf(
     report = on_progress or (lambda _: None)
     if quant in LLAMA_CPP_QUANTS:
         _llama_cpp()
-    from engine.vision.export import run_vision_family
-
-    family = run_vision_family(run_folder)
-    if family is not None:  # the language model and its vision projector file (engine.vision.gguf)
-        from engine.vision.gguf import export_vision_gguf
-
-        return export_vision_gguf(run_folder, target, family, quant, overwrite, report, adapter)
     _check_family(run_folder, adapter)
     if target.exists() and any(target.iterdir()) and not overwrite:
         _prepare_target(target, overwrite)  # raises the usual "not empty" error before the slow merge

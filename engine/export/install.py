@@ -136,7 +136,7 @@ def read_export(folder: str | Path) -> ExportFiles:
     """The GGUF file and Modelfile of an export folder (as ``tunedeck export --gguf`` writes them)."""
     folder = Path(folder)
     modelfile = folder / "Modelfile"
-    if any(folder.glob("mmproj-*.gguf")):  # a picture model's export (engine.vision.gguf)
+    if any(folder.glob("mmproj-*.gguf")):  # a picture model's export (engine.export.vision_gguf)
         raise TuneDeckError(
             f"{folder} holds a picture model (a language model and its vision projector): TuneDeck installs text "
             "models only into Ollama and LM Studio",

@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from engine.config import setting_flag
@@ -137,7 +138,13 @@ def detect_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def plan_main(argv: list[str] | None = None) -> int:
+PicturePlan = Callable[[argparse.Namespace, Any, Any], Any]
+"""(the parsed flags, the device target, the profile) -> what a vision-language model's pictures add, or None."""
+
+
+def plan_main(argv: list[str] | None = None, pictures_for: PicturePlan | None = None) -> int:
+    """``tunedeck plan``; ``pictures_for`` adds a vision-language model's pictures (engine.cli.plan passes it, from
+    the layer that knows vision models)."""
     parser = argparse.ArgumentParser(
         prog="tunedeck plan",
         description="Will a model train on a GPU, with which settings, about how fast. Nothing is downloaded.",
@@ -171,7 +178,7 @@ def plan_main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     parallel = _parallel_plan(args, shape, device, profile) if args.gpus > 1 else None
-    pictures = _picture_plan(args, device, profile)
+    pictures = pictures_for(args, device, profile) if pictures_for is not None else None
     if args.json:
         report = {"model": shape.display_name(), "gpu": device.label, "profile": profile.to_dict()}
         if pictures is not None:
@@ -189,16 +196,6 @@ def plan_main(argv: list[str] | None = None) -> int:
     if parallel is not None:
         print(f"Several GPUs: {parallel.reason}")
     return 0
-
-
-def _picture_plan(args: argparse.Namespace, device: Any, profile: Any) -> Any:
-    """What a vision-language model's pictures add (engine.vision.recipe), None for a text model."""
-    from engine.vision.recipe import picture_plan
-
-    plan = profile.memory_plan
-    qlora = bool(args.qlora if args.qlora is not None else plan is not None and plan.qlora)
-    return picture_plan(args.model, device, qlora=qlora, lora_rank=args.lora_rank, checkpointing=args.checkpointing,
-                        max_pixels=args.max_pixels, text_tokens=args.tokens)  # fmt: skip
 
 
 def _parallel_plan(args: argparse.Namespace, shape: Any, device: Any, profile: Any) -> Any:

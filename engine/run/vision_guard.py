@@ -53,9 +53,15 @@ def padded_size(session: VisionSession, batch: Sequence[int]) -> int:
     return max(len(session.train[i]) for i in batch) * len(batch)
 
 
-def guarded(session: VisionSession, rows: Sequence[Sequence[int]], work: Callable[[], T]) -> Generator[Event, None, T]:
+def guarded(
+    session: VisionSession,
+    rows: Sequence[Sequence[int]],
+    work: Callable[[], T],
+    save: Callable[[VisionSession], CheckpointSaved],
+) -> Generator[Event, None, T]:
     """``work()`` (the step's forwards and backwards); after an out-of-memory error, retry once as it was, then lower
-    one setting at a time and retry; stop with a checkpoint of the finished steps when nothing is left."""
+    one setting at a time and retry; stop with a checkpoint of the finished steps (``save``) when nothing is
+    left."""
     while True:
         try:
             return work()
@@ -68,10 +74,12 @@ def guarded(session: VisionSession, rows: Sequence[Sequence[int]], work: Callabl
         if session.recovery.retry_first(step):
             yield _logged(session, OomRecovered(step, guard.RETRY, session.tokens_per_batch, RETRY_MESSAGE))
             continue
-        yield from _lower_one(session, rows)
+        yield from _lower_one(session, rows, save)
 
 
-def _lower_one(session: VisionSession, rows: Sequence[Sequence[int]]) -> Iterator[Event]:
+def _lower_one(
+    session: VisionSession, rows: Sequence[Sequence[int]], save: Callable[[VisionSession], CheckpointSaved]
+) -> Iterator[Event]:
     step = session.step + 1
     largest = max(padded_size(session, batch) for batch in micro_batches(session, rows))
     longest = max(len(session.train[i]) for row in rows for i in row)
@@ -90,9 +98,7 @@ def _lower_one(session: VisionSession, rows: Sequence[Sequence[int]]) -> Iterato
         message = "out of GPU memory: retrying the step with activation checkpointing on (slower, less memory)"
         yield _logged(session, OomRecovered(step, RECOMPUTE, session.tokens_per_batch, message))
         return
-    from engine.run.vision_loop import save_checkpoint
-
-    saved: CheckpointSaved | None = save_checkpoint(session) if session.step > 0 else None
+    saved: CheckpointSaved | None = save(session) if session.step > 0 else None
     if saved is not None:
         yield saved
     raise _halted(step, longest, saved)

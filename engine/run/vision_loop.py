@@ -186,7 +186,7 @@ def train_step(session: VisionSession) -> Generator[Event, None, StepMetrics]:
     for _ in range(session.config.training.grad_accum):
         rows.append(session.rows[session.schedule.row(session.micro_batches + len(rows))])
     learned = sum(session.train[i].trained_tokens for row in rows for i in row)
-    total = yield from vision_guard.guarded(session, rows, lambda: _backward(session, rows, learned))
+    total = yield from vision_guard.guarded(session, rows, lambda: _backward(session, rows, learned), save_checkpoint)
     session.micro_batches += len(rows)  # only a step that ran moves on: a stopped one resumes from here
     max_norm = session.config.training.max_grad_norm or math.inf
     grad_norm = float(torch.nn.utils.clip_grad_norm_(session.trainable, max_norm))

@@ -1,4 +1,5 @@
-"""Exporting a vision-language fine-tune: the adapter and the merged model as for text (GGUF: engine.vision.gguf).
+"""Exporting a vision-language fine-tune: the adapter and the merged model as for text (GGUF:
+engine.export.vision_gguf).
 
 The merged model is the base loaded as an image-text-to-text model in float32 with the adapter folded in, saved
 with its processor (tokenizer, image processor, chat template), so it loads with ``AutoModelForImageTextToText``
