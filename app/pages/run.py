@@ -203,7 +203,6 @@ class RunPanel(QWidget):
             self.show_error(info.message, info.hint)
             return
         self._reset_view(config)
-        self.nodes.this_node = config.training.node_rank
         warning = fit_warning(config, self.state.model_info, self.state.hardware, self.state.data_report)
         if warning:  # the user may know better (another card, a smaller dataset): warn, do not refuse
             self._add_warning(warning)
@@ -229,7 +228,6 @@ class RunPanel(QWidget):
             self.show_error(info.message, info.hint)
             return
         self._reset_view(config)
-        self.nodes.this_node = config.training.node_rank
         self.status.setText(f"Joining the run at {config.training.rendezvous}: waiting for the other computer…")
         self.state.begin_run()
         self.controller.start(config)
@@ -241,6 +239,7 @@ class RunPanel(QWidget):
         self.charts.clear()
         self.rewards.begin(config)
         self.nodes.clear()
+        self.nodes.this_node = config.training.node_rank
         self.speed_state = {}
         self.progress.setValue(0)
         self.report_status.setText("")
@@ -266,7 +265,6 @@ class RunPanel(QWidget):
             self.show_error(info.message, info.hint)
             return
         self._reset_view(config)
-        self.nodes.this_node = config.training.node_rank
         self.status.setText(status)
         gpus = self.gpu_selector.selected()
         self.charts.set_gpus(tuple(gpus))
