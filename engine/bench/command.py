@@ -1,8 +1,9 @@
 """``tunedeck bench``: the 16-bit rows (:mod:`engine.bench.speed`) or, by its first flag, another benchmark.
 
 ``--app-path`` (:mod:`engine.bench.app_path`), ``--qlora`` (:mod:`engine.bench.qlora`), ``--long-context``
-(:mod:`engine.bench.long_context`) and ``--dpo`` (:mod:`engine.bench.dpo`; ``tunedeck bench dpo`` too) each take
-their own options; the modules they name import the 16-bit bench's helpers, never the other way round.
+(:mod:`engine.bench.long_context`), ``--dpo`` (:mod:`engine.bench.dpo`; ``tunedeck bench dpo`` too) and ``--grpo``
+(:mod:`engine.bench.grpo`) each take their
+own options; the modules they name import the 16-bit bench's helpers, never the other way round.
 """
 
 from __future__ import annotations
@@ -37,11 +38,18 @@ def _dpo(argv: list[str]) -> int:
     return main(argv)
 
 
+def _grpo(argv: list[str]) -> int:
+    from engine.bench.grpo import main
+
+    return main(argv)
+
+
 MODES: dict[str, Callable[[list[str]], int]] = {
     "--app-path": _app_path,
     "--qlora": _qlora,
     "--long-context": _long_context,
     "--dpo": _dpo,
+    "--grpo": _grpo,
 }
 """A flag that picks another benchmark, and how it is run with the rest of the arguments."""
 

@@ -189,7 +189,7 @@ def trl_child(args: argparse.Namespace) -> int:
     result = {
         "steps": trl_steps(trainer.state.log_history, clock),
         "settings": trl_settings(trainer),
-        **_memory_figures(torch.device("cuda" if cuda else "cpu")),
+        **memory_figures(torch.device("cuda" if cuda else "cpu")),
     }
     args.result.write_text(json.dumps(result, indent=1) + "\n")
     return 0
@@ -222,7 +222,7 @@ def trl_settings(trainer: Any) -> dict[str, Any]:
     }
 
 
-def _memory_figures(device: Any) -> dict[str, int | None]:
+def memory_figures(device: Any) -> dict[str, int | None]:
     import torch
 
     from engine.hardware.vram import driver_bytes
@@ -287,7 +287,9 @@ def run_tunedeck(command: list[str], log: Path, cuda: bool) -> dict[str, Any]:
 
 def _tunedeck_step(event: dict[str, Any]) -> dict[str, Any]:
     kept = ("step", "loss", "tokens", "reward_accuracy", "epoch", "step_time_s")
-    return {**{key: event.get(key) for key in kept}, "ended": event["arrived"]}
+    method = ("reward_mean", "completion_length", "generation_tokens_per_s", "update_tokens_per_s")  # GRPO's
+    found = {key: event[key] for key in method if event.get(key) is not None}
+    return {**{key: event.get(key) for key in kept}, **found, "ended": event["arrived"]}
 
 
 def _is_on(value: Any) -> bool:
