@@ -146,12 +146,12 @@ def trl_child(args: argparse.Namespace) -> int:
         def _generate_single_turn(self, *positional: Any, **named: Any) -> Any:
             synchronize()
             started = time.perf_counter()
-            result = super()._generate_single_turn(*positional, **named)
+            result = super()._generate_single_turn(*positional, **named)  # type: ignore[no-untyped-call]
             synchronize()
             sampled.append((time.perf_counter() - started, sum(len(ids) for ids in result[0])))
             return result
 
-    def digit(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+    def digit(prompts: list[str], completions: list[str], **_: Any) -> list[float | None]:
         return [has_digit(text) for text in completions]
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
