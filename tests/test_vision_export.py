@@ -50,7 +50,7 @@ def test_the_merged_model_answers_as_base_plus_adapter(family: str, tmp_path: Pa
 
 
 @pytest.mark.parametrize(
-    ("family", "why"), [("qwen2_5_vl", "vision projector file (mmproj)"), ("idefics3", "scale_factor) of 2 or more")]
+    ("family", "why"), [("mllama", "no mllama projector"), ("idefics3", "scale_factor) of 2 or more")]
 )
 def test_gguf_export_of_a_vision_model_llama_cpp_cannot_load_says_why_not(
     family: str, why: str, tmp_path: Path

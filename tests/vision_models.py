@@ -59,30 +59,71 @@ def tokenizer_with(specials: list[str], corpus: tuple[str, ...] = (), **kwargs: 
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **kwargs)
 
 
-def qwen2_5_vl() -> tuple[Any, Any, Any]:
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
+def qwen_tokenizer() -> tuple[Any, dict[str, int]]:
+    """Qwen-VL's tokenizer (chat template included) and the ids of its picture tokens."""
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
     tokenizer = tokenizer_with([*specials, "<|video_pad|>"], eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tokenizer.chat_template = QWEN_TEMPLATE
+    return tokenizer, {token: tokenizer.convert_tokens_to_ids(token) for token in [*specials, "<|video_pad|>"]}
+
+
+def qwen_ids(ids: dict[str, int]) -> dict[str, int]:
+    return dict(
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+
+
+def qwen2_vl(**text: Any) -> tuple[Any, Any, Any]:
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer, ids = qwen_tokenizer()
     images = Qwen2VLImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 16})
-    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in [*specials, "<|video_pad|>"]}
+    config = Qwen2VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            max_position_embeddings=512,
+            rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+            **{**TEXT, **text},
+        ),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2),
+        tie_word_embeddings=False,
+        **qwen_ids(ids),
+    )
+    return Qwen2VLForConditionalGeneration(config), tokenizer, images
+
+
+def qwen2_5_vl(
+    depth: int = 1, full_attention: tuple[int, ...] = (0,), max_pixels: int = 28 * 28 * 16, **text: Any
+) -> tuple[Any, Any, Any]:
+    """``full_attention``: the tower's layers that attend over the whole picture (the others attend within 112-pixel
+    windows); ``max_pixels``: the processor's pixel budget of a picture (16 tokens); ``text``: the language model's
+    settings."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer, ids = qwen_tokenizer()
+    images = Qwen2VLImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": max_pixels})
     config = Qwen2_5_VLConfig(
         text_config=dict(
             vocab_size=len(tokenizer),
             max_position_embeddings=512,
             rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
-            **TEXT,
+            **{**TEXT, **text},
         ),
         vision_config=dict(
-            depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, fullatt_block_indexes=[0]
+            depth=depth,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            fullatt_block_indexes=list(full_attention),
         ),
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,
+        **qwen_ids(ids),
     )
     return Qwen2_5_VLForConditionalGeneration(config), tokenizer, images
 
@@ -91,13 +132,10 @@ def qwen3_vl() -> tuple[Any, Any, Any]:
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
-    tokenizer = tokenizer_with([*specials, "<|video_pad|>"], eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tokenizer.chat_template = QWEN_TEMPLATE
+    tokenizer, ids = qwen_tokenizer()
     images = Qwen2VLImageProcessorPil(
         size={"shortest_edge": 64 * 64, "longest_edge": 32 * 32 * 16}, patch_size=16, merge_size=2
     )
-    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in [*specials, "<|video_pad|>"]}
     config = Qwen3VLConfig(
         text_config=dict(
             vocab_size=len(tokenizer),
@@ -121,16 +159,16 @@ def qwen3_vl() -> tuple[Any, Any, Any]:
             num_position_embeddings=64,
             deepstack_visual_indexes=[0],
         ),
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,
+        **qwen_ids(ids),
     )
     return Qwen3VLForConditionalGeneration(config), tokenizer, images
 
 
-def gemma3() -> tuple[Any, Any, Any]:
+def gemma3(projector_std: float = 0.0) -> tuple[Any, Any, Any]:
+    """``projector_std``: the spread of the projector's random weights (transformers starts the projection and its
+    norm at zero, so that the language model sees every picture as zeros until trained)."""
+    import torch
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
@@ -148,7 +186,12 @@ def gemma3() -> tuple[Any, Any, Any]:
     ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in images.items()}
     config = Gemma3Config(
         text_config=dict(
-            vocab_size=len(tokenizer), head_dim=16, max_position_embeddings=512, sliding_window=64, **TEXT
+            vocab_size=len(tokenizer),
+            head_dim=16,
+            query_pre_attn_scalar=16,  # the head size, as in Gemma 3's own models (llama.cpp assumes it)
+            max_position_embeddings=512,
+            sliding_window=64,
+            **TEXT,
         ),
         vision_config=dict(
             hidden_size=32,
@@ -163,7 +206,13 @@ def gemma3() -> tuple[Any, Any, Any]:
         boi_token_index=ids["boi_token"],
         eoi_token_index=ids["eoi_token"],
     )
-    return Gemma3ForConditionalGeneration(config), processor, None
+    model = Gemma3ForConditionalGeneration(config)
+    projector = model.model.multi_modal_projector
+    if projector_std:
+        with torch.no_grad():
+            projector.mm_input_projection_weight.normal_(0.0, projector_std)
+            projector.mm_soft_emb_norm.weight.normal_(0.0, projector_std)
+    return model, processor, None
 
 
 def idefics3(corpus: tuple[str, ...] = (), scale_factor: int = 1, **text: Any) -> tuple[Any, Any, Any]:
@@ -281,6 +330,9 @@ BUILDERS: dict[str, Callable[..., tuple[Any, Any, Any]]] = {
     "mllama": mllama,
     "smolvlm": smolvlm,
 }
+"""The families every vision test covers."""
+MORE_BUILDERS: dict[str, Callable[..., tuple[Any, Any, Any]]] = {"qwen2_vl": qwen2_vl}
+"""Families built for some tests only (Qwen2-VL, whose tower Qwen2.5-VL's replaced: the GGUF export's tests)."""
 
 
 def build_vision_model(folder: Path, family: str, seed: int = 0, **settings: Any) -> Path:
@@ -289,7 +341,7 @@ def build_vision_model(folder: Path, family: str, seed: int = 0, **settings: Any
     import torch
 
     torch.manual_seed(seed)
-    model, processor, image_processor = BUILDERS[family](**settings)
+    model, processor, image_processor = {**BUILDERS, **MORE_BUILDERS}[family](**settings)
     model.save_pretrained(folder, safe_serialization=True)
     processor.save_pretrained(folder)
     if image_processor is not None:  # a tokenizer and an image processor, no video processor (it needs torchvision)

@@ -4,7 +4,9 @@ Each family maps a transformers ``model_type`` to a GGUF architecture. Tensor na
 package's own name maps; what differs per family is the metadata written and a few tensor transforms:
 llama-layout models store q/k rows in the interleaved rope order llama.cpp expects (the others use the
 "neox" order transformers uses and need no permutation), Gemma stores its norms as ``w - 1``, and MoE models
-with fused expert tensors are split into the gate/up/down expert stacks llama.cpp reads.
+with fused expert tensors are split into the gate/up/down expert stacks llama.cpp reads. The language halves of
+Qwen's picture models are Qwen2 / Qwen3 decoders whose rope is split into sections (time, height, width) for the
+image tokens' 2-D positions; llama.cpp reads them as its QWEN2VL / QWEN3VL architectures with those sections.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family("QWEN3"),
     "phi3": Family("PHI3"),
     "gemma3_text": Family("GEMMA3", norm_plus_one=True),
+    "qwen2_vl_text": Family("QWEN2VL"),  # the language halves of picture models (engine.export.vision_gguf)
+    "qwen2_5_vl_text": Family("QWEN2VL"),
+    "qwen3_vl_text": Family("QWEN3VL"),
     "qwen3_moe": Family("QWEN3MOE", moe=True),
     "olmoe": Family("OLMOE", moe=True),
     "gpt_oss": Family("GPT_OSS", moe=True),
@@ -56,6 +61,23 @@ def check_config(family: Family, config: Any) -> None:
     if family.arch == "OLMOE" and heads != kv_heads:
         raise TuneDeckError(
             f"llama.cpp's OLMoE needs as many key/value heads as attention heads (this model: {kv_heads} of {heads})"
+        )
+    if family.arch == "GEMMA3":
+        _check_gemma3_attention_scale(config)
+    if family.arch in ("QWEN2VL", "QWEN3VL") and not rope_parameters(config).get("mrope_section"):
+        raise TuneDeckError(f"llama.cpp's {family.arch} needs the rope's sections (mrope_section); this model has none")
+
+
+def _check_gemma3_attention_scale(config: Any) -> None:
+    """llama.cpp scales Gemma 3's attention by its head size, or by hidden size / heads in the 62-layer (27B) model,
+    and reads no query_pre_attn_scalar; Gemma 3's own models match that."""
+    scalar = _get(config, "query_pre_attn_scalar")
+    layers, heads = int(config.num_hidden_layers), int(config.num_attention_heads)
+    assumed = int(config.hidden_size) // heads if layers == 62 else head_dim(config)
+    if scalar is not None and int(scalar) != assumed:
+        raise TuneDeckError(
+            f"llama.cpp scales this Gemma 3's attention by 1/sqrt({assumed}); the model by 1/sqrt({scalar}) "
+            "(query_pre_attn_scalar)"
         )
 
 
@@ -117,6 +139,11 @@ def add_metadata(writer: Any, family: Family, config: Any) -> None:
         writer.add_expert_feed_forward_length(int(_get(config, "moe_intermediate_size", config.intermediate_size)))
     if family.arch == "QWEN3MOE" and _get(config, "norm_topk_prob") is not None:
         writer.add_expert_weights_norm(bool(config.norm_topk_prob))
+    if family.arch in ("QWEN2VL", "QWEN3VL"):
+        sections = [int(n) for n in rope["mrope_section"]]
+        writer.add_rope_dimension_sections([*sections, 0, 0, 0, 0][:4])  # llama.cpp reads four, the last unused
+    if family.arch == "QWEN3VL":  # the tower's extra outputs added to the first layers' (engine.export.vision_gguf)
+        writer.add_num_deepstack_layers(int(_get(config, "num_deepstack_layers", 0)))
 
 
 def _longrope_attention_factor(config: Any, rope: dict[str, Any], original: int) -> float:
