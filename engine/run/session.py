@@ -31,7 +31,7 @@ from engine.model.gguf_import import prepare_gguf_model
 from engine.model.load import add_lora, count_parameters, load_base_model, load_tokenizer, pick_device, pick_dtype
 from engine.model.quantized_experts import experts_notice
 from engine.run import checkpoint as ckpt
-from engine.run import guard, readout
+from engine.run import cpu_pace, guard, readout
 from engine.run.anchor import BATCH_SIZE, KnowledgeAnchor, anchor_rows
 from engine.run.best import EvalWatch
 from engine.run.estimate import cpu_run_seconds
@@ -263,8 +263,9 @@ def _with_replay(
 
 
 def _expected_time(session: Session) -> tuple[float | None, str]:
-    """The training time the run expects before its first step, and what it rests on: on a CPU, the planner's step
-    time for the model and its rows (a GPU run's time is known after its first steps)."""
+    """The training time the run expects before its first step, and what it rests on: on a CPU, a timed training
+    pass of one row (engine.run.cpu_pace), or the planner's step time for the model and its rows where a pass would
+    take too long or the run spans processes (a GPU run's time is known after its first steps)."""
     if session.device.type != "cpu":
         return None, ""
     shape = model_shape(session.config.model)
@@ -272,14 +273,19 @@ def _expected_time(session: Session) -> tuple[float | None, str]:
         return None, ""
     config = session.config
     threads, qlora = torch.get_num_threads(), config.model.qlora
-    step_s = cpu_step_seconds(shape, session.tokens_per_batch, threads, qlora)
+    planned_s = cpu_step_seconds(shape, session.tokens_per_batch, threads, qlora)
+    step_s, basis = planned_s, "from the planner's figure for this CPU"
+    if 0 < planned_s <= cpu_pace.MEASURE_UP_TO_S and not session.ranks.distributed:  # ranks' passes would wait
+        vocab = int(session.model.get_input_embeddings().num_embeddings)
+        step_s = cpu_pace.training_pass_seconds(session.model, session.tokens_per_batch, vocab)
+        basis = "from a timed training pass on this CPU"
     anchor_tokens = round(session.anchor.tokens_per_step()) if session.anchor is not None else 0
-    anchor_s = cpu_step_seconds(shape, anchor_tokens, threads, qlora) if anchor_tokens else 0.0
+    anchor_s = cpu_step_seconds(shape, anchor_tokens, threads, qlora) * step_s / planned_s if anchor_tokens else 0.0
     left = session.total_steps - session.step
     seconds = cpu_run_seconds(
         step_s, left, config.training.grad_accum, len(session.data.eval_rows), config.training.eval_every or 0, anchor_s
     )
-    return seconds, "from the planner's figure for this CPU"
+    return seconds, basis
 
 
 def _check_early_stop(config: RunConfig, data: PreparedData) -> None:
