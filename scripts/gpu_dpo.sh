@@ -9,18 +9,7 @@
 # into /tmp/site first. The test's log goes to $OUT/gpu-dpo-test.log; the bench's work folder is /tmp/dpo-bench.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit
-python=${PYTHON:-python3}
-out=${OUT:-benchmarks}
-mkdir -p "$out"
-
-if compgen -G ".whl/*.whl" >/dev/null; then
-  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit
-  export PYTHONPATH=/tmp/site:.${PYTHONPATH:+:$PYTHONPATH}
-else
-  export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
-fi
-export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1  # no network there: never wait on the hub
-echo "$("$python" -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA")')"
+source scripts/gpu_setup.sh
 
 started=$SECONDS
 timeout -s INT -k 20 "${GPU_DPO_TEST_TIMEOUT_S:-240}" "$python" -m pytest -m gpu -p no:cacheprovider -rA \

@@ -42,7 +42,6 @@ import json
 import math
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -50,11 +49,20 @@ from typing import Any
 
 from engine.bench import gpu_environment, write_report
 from engine.bench.model_folder import WORDS, build_model_folder
+from engine.bench.trl_sides import (
+    add_child_arguments,
+    checkpointing_text,
+    memory_figures,
+    number,
+    ratios,
+    recomputes,
+    run_trl,
+    run_tunedeck,
+)
 
 __all__ = ["Workload", "main", "summarize"]
 
 GIB = 2**30
-ROOT = Path(__file__).resolve().parents[2]
 SIDES: dict[str, list[str]] = {
     "trl": [],
     "tunedeck": [],
@@ -65,8 +73,6 @@ SIDES: dict[str, list[str]] = {
 """Each side's extra arguments: TRL without gradient checkpointing against TuneDeck without (its automatic choice
 where memory is plenty), and TuneDeck with recompute against TRL's default."""
 LN2 = math.log(2)
-OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-"""TRL's side reads the local folder and file only; without these, a machine with no network waits on the hub."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,20 +228,6 @@ def trl_settings(trainer: Any) -> dict[str, Any]:
     }
 
 
-def memory_figures(device: Any) -> dict[str, int | None]:
-    import torch
-
-    from engine.hardware.vram import driver_bytes
-
-    if device.type != "cuda":
-        return {"peak_reserved_bytes": None, "peak_allocated_bytes": None, "driver_bytes": None}
-    return {
-        "peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
-        "peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
-        "driver_bytes": driver_bytes(device),
-    }
-
-
 # --- the TuneDeck side --------------------------------------------------------------------------------------------
 
 
@@ -250,69 +242,6 @@ def tunedeck_command(
         "--dpo-loss", work.loss, "--lora-rank", str(work.lora_rank), "--lora-alpha", str(work.lora_alpha),
         "--seed", str(work.seed), "--json", "--output", str(output), *extra,
     ]  # fmt: skip
-
-
-def run_tunedeck(command: list[str], log: Path, cuda: bool) -> dict[str, Any]:
-    """The run in a fresh process; each event with the parent's clock when it arrived."""
-    from engine.bench.app_path import clean_environment
-
-    events: list[dict[str, Any]] = []
-    with log.with_suffix(".err").open("w") as err, subprocess.Popen(
-        command, cwd=ROOT, env=clean_environment(), stdout=subprocess.PIPE, stderr=err, text=True
-    ) as child:  # fmt: skip
-        for line in child.stdout or []:
-            if line.startswith("{"):
-                try:
-                    events.append({**json.loads(line), "arrived": time.perf_counter()})
-                except json.JSONDecodeError:
-                    continue
-        returncode = child.wait()
-    log.write_text("".join(json.dumps(e) + "\n" for e in events))
-    steps = [e for e in events if e.get("kind") == "StepMetrics"]
-    drivers = [s["driver_memory_bytes"] for s in steps if s.get("driver_memory_bytes")]
-    states = [e["state"] for e in events if e.get("kind") == "SpeedChanged"]
-    return {
-        "returncode": returncode,
-        "outcome": next((e["kind"] for e in events if e.get("kind") in ("RunFinished", "RunFailed")), "no end"),
-        "steps": [_tunedeck_step(s) for s in steps],
-        "peak_reserved_bytes": max((s["memory_bytes"] for s in steps), default=None) if cuda else None,  # else RSS
-        "peak_allocated_bytes": None,
-        "driver_bytes": max(drivers) if drivers else None,
-        "settings": {
-            "switches_on": sorted(k for k, v in (states[-1] if states else {}).items() if _is_on(v)),
-            "checkpointing": (states[-1] if states else {}).get("checkpointing", {}).get("mode"),
-        },
-    }
-
-
-def _tunedeck_step(event: dict[str, Any]) -> dict[str, Any]:
-    kept = ("step", "loss", "tokens", "reward_accuracy", "epoch", "step_time_s")
-    method = ("reward_mean", "completion_length", "generation_tokens_per_s", "update_tokens_per_s")  # GRPO's
-    found = {key: event[key] for key in method if event.get(key) is not None}
-    return {**{key: event.get(key) for key in kept}, **found, "ended": event["arrived"]}
-
-
-def _is_on(value: Any) -> bool:
-    if not isinstance(value, dict):
-        return False
-    return bool(value.get("on")) or value.get("mode") not in (None, "stock", "none")
-
-
-def run_trl(args: argparse.Namespace, work: Workload, model: Path, data: Path, logs: Path, name: str) -> dict[str, Any]:
-    """A TRL side in a fresh process (this module's ``--side trl``)."""
-    from engine.bench.app_path import clean_environment
-
-    result = args.work / "trl_result.json"
-    result.unlink(missing_ok=True)
-    command = [sys.executable, "-m", "engine.bench.dpo", "--side", "trl", "--model", str(model), "--data", str(data),
-               "--work", str(args.work), "--result", str(result),
-               "--workload", json.dumps(dataclasses.asdict(work)), *SIDES[name]]  # fmt: skip
-    with (logs / f"{name}.log").open("w") as log:
-        returncode = subprocess.run(command, cwd=ROOT, env={**clean_environment(), **OFFLINE}, stdout=log,
-                                    stderr=subprocess.STDOUT, check=False).returncode  # fmt: skip
-    if returncode or not result.exists():
-        return {"returncode": returncode, "outcome": "RunFailed", "steps": []}
-    return {"returncode": 0, "outcome": "RunFinished", **json.loads(result.read_text())}
 
 
 # --- the report ---------------------------------------------------------------------------------------------------
@@ -376,25 +305,14 @@ def markdown(report: dict[str, Any]) -> str:
         ratio = report["ratios"].get(name)
         side = settings.get(name, {})
         lines.append(
-            f"| {name} | {_checkpointing(side)} | {_number(r['tokens_per_s'])} | "
-            f"{f'{ratio:.2f}' if ratio else '–'} | {r['ms_per_step'] or '–'} | {_number(r.get('tokens_per_step'))} | "
+            f"| {name} | {checkpointing_text(side)} | {number(r['tokens_per_s'])} | "
+            f"{f'{ratio:.2f}' if ratio else '–'} | {r['ms_per_step'] or '–'} | {number(r.get('tokens_per_step'))} | "
             f"{r['peak_reserved_gib'] or '–'} | {r['peak_allocated_gib'] or '–'} | {r['driver_gib'] or '–'} | "
             f"{_loss(r.get('first_loss'))} | {_loss(r.get('mean_timed_loss'))} | "
             f"{', '.join(side.get('switches_on', [])) or '–'} |"
         )
     lines += ["", *[f"* {note}" for note in report["notes"]]]
     return "\n".join(lines) + "\n"
-
-
-def recomputes(settings: dict[str, Any]) -> bool | None:
-    """Whether a side recomputes activations in backward (transformers' checkpointing, or TuneDeck's standard or
-    offloaded); None where its settings do not say."""
-    if "gradient_checkpointing" in settings:
-        return bool(settings["gradient_checkpointing"])
-    mode = settings.get("checkpointing")
-    if "resident_layers" in settings.get("switches_on", []):
-        return None  # resident layers skip the recompute where memory allows: neither with it nor without
-    return None if mode in (None, "auto") else mode != "none"
 
 
 def like_for_like(report: dict[str, Any]) -> list[str]:
@@ -409,7 +327,7 @@ def like_for_like(report: dict[str, Any]) -> list[str]:
             a, b = rows[theirs]["tokens_per_s"], rows[mine]["tokens_per_s"]
             if a and b:
                 lines.append(
-                    f"* **{words}: {b / a:.2f}x** TRL ({_number(b)} against {_number(a)} tokens/s; `{mine}` against "
+                    f"* **{words}: {b / a:.2f}x** TRL ({number(b)} against {number(a)} tokens/s; `{mine}` against "
                     f"`{theirs}`)"
                 )
     if lines and len(lines) < 2:
@@ -417,19 +335,9 @@ def like_for_like(report: dict[str, Any]) -> list[str]:
     return ["Like for like:", "", *lines, ""] if lines else []
 
 
-def _checkpointing(settings: dict[str, Any]) -> str:
-    if "gradient_checkpointing" in settings:
-        return "transformers' recompute" if settings["gradient_checkpointing"] else "none"
-    return str(settings.get("checkpointing") or "–")
-
-
 def _settings_text(settings: dict[str, Any]) -> str:
     keys = ("gradient_checkpointing", "gradient_checkpointing_kwargs", "optim", "attn_implementation", "reference")
     return ", ".join(f"{key} {settings.get(key)}" for key in keys)
-
-
-def _number(value: float | None) -> str:
-    return f"{value:,.0f}" if value else "–"
 
 
 def _loss(value: float | None) -> str:
@@ -483,7 +391,7 @@ def run_side(name: str, args: argparse.Namespace, work: Workload, prepared: tupl
     logs = args.work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     if name.startswith("trl"):
-        return run_trl(args, work, folder, data, logs, name)
+        return run_trl("engine.bench.dpo", args.work, work, folder, data, name, SIDES[name])
     command = tunedeck_command(folder, data, args.work / "runs", work, tokens_per_batch, SIDES[name])
     return run_tunedeck(command, logs / f"{name}.log", torch.cuda.is_available())
 
@@ -509,20 +417,13 @@ def parent_main(args: argparse.Namespace) -> int:
         "tokens_per_batch": prepared[2],
         "settings": {name: side.get("settings", {}) for name, side in sides.items()},
         "sides": {name: side["figures"] for name, side in sides.items()},
-        "ratio": _ratios(sides).get("tunedeck"),
-        "ratios": _ratios(sides),
+        "ratio": ratios(sides).get("tunedeck"),
+        "ratios": ratios(sides),
         "notes": notes(sides),
         "steps": {name: side["steps"] for name, side in sides.items()},
     }
     write_report(report, args.out, markdown(report))
     return 0 if all(side["outcome"] == "RunFinished" for side in sides.values()) else 1
-
-
-def _ratios(sides: dict[str, dict[str, Any]]) -> dict[str, float]:
-    """Each side's tokens/s over the ``trl`` side's (TRL's defaults)."""
-    base = sides.get("trl", {}).get("figures", {}).get("tokens_per_s")
-    rates = {name: side["figures"]["tokens_per_s"] for name, side in sides.items()}
-    return {name: round(rate / base, 3) for name, rate in rates.items() if rate and base}
 
 
 def workload(args: argparse.Namespace) -> Workload:
@@ -544,12 +445,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {', '.join(SIDES)}")
     parser.add_argument("--work", type=Path, default=Path("artifacts/dpo"), help="model folder, pairs, runs, logs")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/dpo_h200.json"))
-    parser.add_argument("--side", choices=("trl",), help=argparse.SUPPRESS)
-    parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--workload", help=argparse.SUPPRESS)
-    parser.add_argument("--no-checkpointing", action="store_true", help=argparse.SUPPRESS)
+    add_child_arguments(parser)
     return parser.parse_args(argv)
 
 

@@ -45,15 +45,23 @@ import json
 import random
 import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from engine.bench import gpu_environment, write_report
-from engine.bench.dpo import OFFLINE, ROOT, memory_figures, recomputes, run_tunedeck
 from engine.bench.model_folder import WORDS, build_model_folder
+from engine.bench.trl_sides import (
+    add_child_arguments,
+    checkpointing_text,
+    memory_figures,
+    number,
+    ratios,
+    recomputes,
+    run_trl,
+    run_tunedeck,
+)
 
 __all__ = ["Workload", "main", "summarize"]
 
@@ -223,23 +231,6 @@ def trl_settings(trainer: Any) -> dict[str, Any]:
     }
 
 
-def run_trl(args: argparse.Namespace, work: Workload, model: Path, data: Path, logs: Path, name: str) -> dict[str, Any]:
-    """A TRL side in a fresh process (this module's ``--side trl``)."""
-    from engine.bench.app_path import clean_environment
-
-    result = args.work / "trl_result.json"
-    result.unlink(missing_ok=True)
-    command = [sys.executable, "-m", "engine.bench.grpo", "--side", "trl", "--model", str(model), "--data", str(data),
-               "--work", str(args.work), "--result", str(result),
-               "--workload", json.dumps(dataclasses.asdict(work)), *SIDES[name]]  # fmt: skip
-    with (logs / f"{name}.log").open("w") as log:
-        returncode = subprocess.run(command, cwd=ROOT, env={**clean_environment(), **OFFLINE}, stdout=log,
-                                    stderr=subprocess.STDOUT, check=False).returncode  # fmt: skip
-    if returncode or not result.exists():
-        return {"returncode": returncode, "outcome": "RunFailed", "steps": []}
-    return {"returncode": 0, "outcome": "RunFinished", **json.loads(result.read_text())}
-
-
 # --- the TuneDeck side --------------------------------------------------------------------------------------------
 
 
@@ -329,8 +320,9 @@ def markdown(report: dict[str, Any]) -> str:
         ratio = report["ratios"].get(name)
         side = settings.get(name, {})
         lines.append(
-            f"| {name} | {_checkpointing(side)} | {_number(r['tokens_per_s'])} | {f'{ratio:.2f}' if ratio else '–'} | "
-            f"{_number(r.get('generation_tokens_per_s'))} | {_number(r.get('update_tokens_per_s'))} | "
+            f"| {name} | {checkpointing_text(side)} | {number(r['tokens_per_s'])} | "
+            f"{f'{ratio:.2f}' if ratio else '–'} | "
+            f"{number(r.get('generation_tokens_per_s'))} | {number(r.get('update_tokens_per_s'))} | "
             f"{_share(r.get('sampling_share'))} | {r['ms_per_step'] or '–'} | {r.get('mean_answer_tokens') or '–'} | "
             f"{r['peak_reserved_gib'] or '–'} | {r['peak_allocated_gib'] or '–'} | {r['driver_gib'] or '–'} | "
             f"{', '.join(side.get('switches_on', [])) or '–'} |"
@@ -351,7 +343,7 @@ def like_for_like(report: dict[str, Any]) -> list[str]:
             if a["tokens_per_s"] and b["tokens_per_s"]:
                 lines.append(
                     f"* **{words}: {b['tokens_per_s'] / a['tokens_per_s']:.2f}x** TRL a step "
-                    f"({_number(b['tokens_per_s'])} against {_number(a['tokens_per_s'])} tokens/s; generation "
+                    f"({number(b['tokens_per_s'])} against {number(a['tokens_per_s'])} tokens/s; generation "
                     f"{_ratio(b.get('generation_tokens_per_s'), a.get('generation_tokens_per_s'))}, update "
                     f"{_ratio(b.get('update_tokens_per_s'), a.get('update_tokens_per_s'))}; `{mine}` against "
                     f"`{theirs}`)"
@@ -361,16 +353,6 @@ def like_for_like(report: dict[str, Any]) -> list[str]:
 
 def _ratio(mine: float | None, theirs: float | None) -> str:
     return f"{mine / theirs:.2f}x" if mine and theirs else "–"
-
-
-def _checkpointing(settings: dict[str, Any]) -> str:
-    if "gradient_checkpointing" in settings:
-        return "transformers' recompute" if settings["gradient_checkpointing"] else "none"
-    return str(settings.get("checkpointing") or "–")
-
-
-def _number(value: float | None) -> str:
-    return f"{value:,.0f}" if value else "–"
 
 
 def _share(value: float | None) -> str:
@@ -413,7 +395,7 @@ def run_side(name: str, args: argparse.Namespace, work: Workload, prepared: tupl
     logs = args.work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     if name.startswith("trl"):
-        return run_trl(args, work, folder, data, logs, name)
+        return run_trl("engine.bench.grpo", args.work, work, folder, data, name, SIDES[name])
     command = tunedeck_command(folder, data, args.work / "runs", work, SIDES[name])
     side = run_tunedeck(command, logs / f"{name}.log", torch.cuda.is_available())
     answers = work.prompts_per_step * work.group_size
@@ -441,20 +423,13 @@ def parent_main(args: argparse.Namespace) -> int:
         "mean_prompt_tokens": prepared[2],
         "settings": {name: side.get("settings", {}) for name, side in sides.items()},
         "sides": {name: side["figures"] for name, side in sides.items()},
-        "ratio": _ratios(sides).get("tunedeck"),
-        "ratios": _ratios(sides),
+        "ratio": ratios(sides).get("tunedeck"),
+        "ratios": ratios(sides),
         "notes": notes(sides, work.max_new_tokens),
         "steps": {name: side["steps"] for name, side in sides.items()},
     }
     write_report(report, args.out, markdown(report))
     return 0 if all(side["outcome"] == "RunFinished" for side in sides.values()) else 1
-
-
-def _ratios(sides: dict[str, dict[str, Any]]) -> dict[str, float]:
-    """Each side's step tokens/s over the ``trl`` side's (TRL's defaults)."""
-    base = sides.get("trl", {}).get("figures", {}).get("tokens_per_s")
-    rates = {name: side["figures"]["tokens_per_s"] for name, side in sides.items()}
-    return {name: round(rate / base, 3) for name, rate in rates.items() if rate and base}
 
 
 def workload(args: argparse.Namespace) -> Workload:
@@ -476,12 +451,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {', '.join(SIDES)}")
     parser.add_argument("--work", type=Path, default=Path("artifacts/grpo"), help="model folder, prompts, runs, logs")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/grpo_h200.json"))
-    parser.add_argument("--side", choices=("trl",), help=argparse.SUPPRESS)
-    parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--workload", help=argparse.SUPPRESS)
-    parser.add_argument("--no-checkpointing", action="store_true", help=argparse.SUPPRESS)
+    add_child_arguments(parser)
     return parser.parse_args(argv)
 
 
