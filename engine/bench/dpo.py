@@ -52,12 +52,15 @@ from engine.bench.model_folder import WORDS, build_model_folder
 from engine.bench.trl_sides import (
     add_child_arguments,
     checkpointing_text,
+    chosen_sides,
+    finished,
+    measure_sides,
     memory_figures,
     number,
-    ratios,
     recomputes,
     run_trl,
     run_tunedeck,
+    side_records,
 )
 
 __all__ = ["Workload", "main", "summarize"]
@@ -398,32 +401,22 @@ def run_side(name: str, args: argparse.Namespace, work: Workload, prepared: tupl
 
 def parent_main(args: argparse.Namespace) -> int:
     work = workload(args)
-    names = args.sides.split(",")
-    unknown = [name for name in names if name not in SIDES]
-    if unknown:
-        raise SystemExit(f"tunedeck bench --dpo: unknown sides {unknown}; known: {', '.join(SIDES)}")
+    names = chosen_sides(args.sides, SIDES, "--dpo")
     prepared = prepare(args, work)
-    sides: dict[str, dict[str, Any]] = {}
-    for name in names:
-        started = time.perf_counter()
-        side = run_side(name, args, work, prepared)
-        side["figures"] = {**summarize(side, work.warmup), "wall_s": round(time.perf_counter() - started)}
-        sides[name] = side
-        print(json.dumps({"side": name, **side["figures"]}), flush=True)
+    sides = measure_sides(
+        names, lambda name: run_side(name, args, work, prepared), lambda side: summarize(side, work.warmup)
+    )
     report = {
         "environment": environment(),
         "workload": dataclasses.asdict(work),
         "mean_pair_tokens": prepared[3],
         "tokens_per_batch": prepared[2],
-        "settings": {name: side.get("settings", {}) for name, side in sides.items()},
-        "sides": {name: side["figures"] for name, side in sides.items()},
-        "ratio": ratios(sides).get("tunedeck"),
-        "ratios": ratios(sides),
+        **side_records(sides),
         "notes": notes(sides),
         "steps": {name: side["steps"] for name, side in sides.items()},
     }
     write_report(report, args.out, markdown(report))
-    return 0 if all(side["outcome"] == "RunFinished" for side in sides.values()) else 1
+    return finished(sides)
 
 
 def workload(args: argparse.Namespace) -> Workload:

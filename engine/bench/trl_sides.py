@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -132,3 +133,41 @@ def ratios(sides: dict[str, dict[str, Any]]) -> dict[str, float]:
     base = sides.get("trl", {}).get("figures", {}).get("tokens_per_s")
     rates = {name: side["figures"]["tokens_per_s"] for name, side in sides.items()}
     return {name: round(rate / base, 3) for name, rate in rates.items() if rate and base}
+
+
+def chosen_sides(text: str, known: dict[str, list[str]], bench: str) -> list[str]:
+    """The comma-separated sides of ``--sides``, each one ``known`` (else a SystemExit naming the known ones)."""
+    names = text.split(",")
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise SystemExit(f"tunedeck bench {bench}: unknown sides {unknown}; known: {', '.join(known)}")
+    return names
+
+
+def measure_sides(
+    names: list[str], run: Callable[[str], dict[str, Any]], summarize: Callable[[dict[str, Any]], dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """Each side run one after the other, its figures summarized with its wall time and printed as a JSON line."""
+    sides: dict[str, dict[str, Any]] = {}
+    for name in names:
+        started = time.perf_counter()
+        side = run(name)
+        side["figures"] = {**summarize(side), "wall_s": round(time.perf_counter() - started)}
+        sides[name] = side
+        print(json.dumps({"side": name, **side["figures"]}), flush=True)
+    return sides
+
+
+def side_records(sides: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The report's per-side entries: what each ran with, its figures and its rate against TRL's defaults."""
+    return {
+        "settings": {name: side.get("settings", {}) for name, side in sides.items()},
+        "sides": {name: side["figures"] for name, side in sides.items()},
+        "ratio": ratios(sides).get("tunedeck"),
+        "ratios": ratios(sides),
+    }
+
+
+def finished(sides: dict[str, dict[str, Any]]) -> int:
+    """The bench's exit status: 0 where every side finished."""
+    return 0 if all(side["outcome"] == "RunFinished" for side in sides.values()) else 1
