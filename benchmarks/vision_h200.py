@@ -55,7 +55,6 @@ def build_folder(folder: Path, shape: str, device: str) -> None:
     """The model (random weights, bf16) and its processor files, as a local model folder."""
     import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from vision_models import QWEN_TEMPLATE, tokenizer_with
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
@@ -73,7 +72,18 @@ def build_folder(folder: Path, shape: str, device: str) -> None:
         model = Qwen2_5_VLForConditionalGeneration(config).to(torch.bfloat16)
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
-    Qwen2VLImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": spec["pixels"]}).save_pretrained(folder)
+    image_processor_class()(size={"shortest_edge": 56 * 56, "longest_edge": spec["pixels"]}).save_pretrained(folder)
+
+
+def image_processor_class() -> Any:
+    """Qwen-VL's image processor that needs no torchvision (named ...Pil from transformers 5.2x)."""
+    try:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    except ImportError:
+        from transformers import Qwen2VLImageProcessor
+
+        return Qwen2VLImageProcessor
+    return Qwen2VLImageProcessorPil
 
 
 def write_data(folder: Path, count: int, pixels: int) -> Path:
@@ -226,8 +236,23 @@ def main() -> None:
     write_results(args, results)
 
 
+def machine(device: str) -> dict[str, str]:
+    """The card and the library versions the figures were measured with."""
+    import peft
+    import torch
+    import transformers
+
+    card = torch.cuda.get_device_name() if device != "cpu" else "cpu"
+    return {"card": card, "torch": torch.__version__, "transformers": transformers.__version__,
+            "peft": peft.__version__, "date": time.strftime("%Y-%m-%d")}  # fmt: skip
+
+
 def write_results(args: argparse.Namespace, results: dict[str, Any]) -> None:
+    about = machine(args.device)
+    speed = results["tunedeck"]["tokens_per_s"] / results["stock"]["tokens_per_s"]
+    memory = results["tunedeck"]["peak_bytes"] / results["stock"]["peak_bytes"]
     record = {
+        **about, "tunedeck_vs_stock": {"tokens_per_s": round(speed, 3), "peak_memory": round(memory, 3)},
         "shape": args.shape, "device": args.device, "steps": args.steps, "warmup": args.warmup,
         "batch": args.batch, "lora": "r16 on the language model's linear layers, vision frozen",
         "checkpointing": "non-reentrant, both sides", **results,
@@ -235,14 +260,17 @@ def write_results(args: argparse.Namespace, results: dict[str, Any]) -> None:
     }  # fmt: skip
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     lines = [
-        f"# Vision-language training, {args.shape}, {args.device}\n",
+        f"# Vision-language training, {args.shape}, {about['card']}\n",
         f"`{record['command']}`\n",
+        f"torch {about['torch']}, transformers {about['transformers']}, peft {about['peft']}, {about['date']}; "
+        f"micro-batches of {args.batch} padded rows, {args.steps} steps, the first {args.warmup} untimed.\n",
         "| | tokens/s | peak memory (GiB) |",
         "|---|---|---|",
         *(
             f"| {side} | {results[side]['tokens_per_s']:.0f} | {results[side]['peak_bytes'] / 2**30:.2f} |"
             for side in ("stock", "tunedeck")
         ),
+        f"| TuneDeck / stock | {speed:.2f}x | {memory:.2f}x |",
     ]
     Path(args.out).with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
