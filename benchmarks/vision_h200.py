@@ -1,13 +1,15 @@
 """Stock transformers + peft against TuneDeck on a vision-language model of the Qwen2.5-VL-3B shape: tokens/s and
-peak memory, side by side.
+peak memory, side by side, with activation recompute and without.
 
 The model is built from its config with random weights (no download) and saved with a processor (a small
 tokenizer carrying Qwen-VL's image tokens, Qwen-VL's own image processor); the data are PIL-drawn pictures of
 448x448 pixels (256 image tokens each) with a question and a short answer. Both sides train LoRA r16 on every
-linear layer of the language model, the vision tower frozen, bf16, activation checkpointing (non-reentrant), AdamW,
-on the same examples in micro-batches of ``--batch`` padded rows; each side runs in its own process, so neither
-sees the other's allocator. Stock is the loop of the transformers/peft tutorials: the processor's padded batch,
-``model(**batch, labels=...)`` and ``loss.backward()``. TuneDeck is ``tunedeck train`` on the same folder and data.
+linear layer of the language model, the vision tower frozen, bf16, AdamW, on the same examples in micro-batches of
+``--batch`` padded rows; each side runs in its own process, so neither sees the other's allocator. Stock is the loop
+of the transformers/peft tutorials: the model in training mode, the processor's padded batch,
+``model(**batch, labels=...)`` and ``loss.backward()``. TuneDeck is the engine's run (``tunedeck train``) on the same
+folder and data. Two pairs: with recompute (stock's ``gradient_checkpointing_enable``, non-reentrant; TuneDeck's
+``--checkpointing standard``) and without (stock without it; TuneDeck's default, whose start says what it chose).
 Tokens/s counts the real (unpadded) tokens of the steps after ``--warmup``; the peak is the allocator's reserved
 peak over the steps (the CUDA context excluded).
 
@@ -128,7 +130,7 @@ def longest_example(folder: Path, data: Path, pixels: int) -> int:
 
 def run_tunedeck(folder: Path, data: Path, args: argparse.Namespace) -> dict[str, Any]:
     from engine.config import RunConfig
-    from engine.events import RunFailed, StepMetrics
+    from engine.events import Notice, RunFailed, StepMetrics
     from engine.train import run
 
     longest = longest_example(folder, data, SHAPES[args.shape]["pixels"])
@@ -139,13 +141,16 @@ def run_tunedeck(folder: Path, data: Path, args: argparse.Namespace) -> dict[str
                  "max_seq_len": longest},
         "lora": {"rank": 16, "alpha": 32},
         "training": {"max_steps": args.steps, "device": args.device, "save_every": 0, "learning_rate": 1e-4},
-        "speed": {"checkpointing": "standard"},
-        "output": {"dir": str(folder.parent / "runs"), "name": "tunedeck"},
+        "speed": {"checkpointing": "standard" if args.recompute == "on" else "auto"},
+        "output": {"dir": str(folder.parent / "runs"), "name": f"tunedeck-{args.recompute}"},
     })  # fmt: skip
     steps: list[StepMetrics] = []
+    said = ""
     for event in run(config):
         if isinstance(event, RunFailed):
             raise SystemExit(f"TuneDeck run failed: {event.message}")
+        if isinstance(event, Notice) and event.message.startswith("speed:"):
+            said = event.message
         if isinstance(event, StepMetrics):
             steps.append(event)
     timed = steps[args.warmup :]
@@ -154,6 +159,7 @@ def run_tunedeck(folder: Path, data: Path, args: argparse.Namespace) -> dict[str
         "tokens_per_s": sum(s.tokens for s in timed) / seconds,
         "peak_bytes": max(s.memory_bytes for s in steps),
         "losses": [round(s.loss, 4) for s in steps],
+        "speed_notice": said,
     }
 
 
@@ -168,8 +174,10 @@ def run_stock(folder: Path, data: Path, args: argparse.Namespace) -> dict[str, A
 
     processor = load_processor(ModelConfig(name=str(folder)))
     model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.bfloat16).to(args.device)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.recompute == "on":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=LANGUAGE_LINEAR))
+    model.train()  # from_pretrained gives eval mode, where transformers skips the recompute
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     if args.device != "cpu":
@@ -192,7 +200,7 @@ def run_stock(folder: Path, data: Path, args: argparse.Namespace) -> dict[str, A
         optimizer.zero_grad(set_to_none=True)
         if args.device != "cpu":
             torch.cuda.synchronize()
-        losses.append(round(float(loss), 4))
+        losses.append(round(float(loss.detach()), 4))
         if step >= args.warmup:
             seconds += time.perf_counter() - began
             tokens += float(batch["attention_mask"].sum())
@@ -214,6 +222,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="padded rows a micro-batch")
     parser.add_argument("--examples", type=int, default=64)
     parser.add_argument("--out", default=str(Path(__file__).with_suffix(".json")))
+    parser.add_argument("--recompute", choices=["on", "off", "both"], default="both")
     parser.add_argument("--side", choices=["stock", "tunedeck"], help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
@@ -225,14 +234,16 @@ def main() -> None:
     (work / "model").mkdir()
     build_folder(work / "model", args.shape, args.device)
     data = write_data(work, args.examples, SHAPES[args.shape]["pixels"])
-    results: dict[str, Any] = {}
-    for side in ("stock", "tunedeck"):
-        out = work / f"{side}.json"
-        common = ["--shape", args.shape, "--device", args.device, "--steps", str(args.steps)]
-        common += ["--warmup", str(args.warmup), "--batch", str(args.batch)]
-        command = [sys.executable, __file__, "--side", side, "--folder", str(work / "model"), "--data", str(data)]
-        subprocess.run([*command, *common, "--out", str(out)], check=True)
-        results[side] = json.loads(out.read_text())
+    results: dict[str, dict[str, Any]] = {}
+    for recompute in ["on", "off"] if args.recompute == "both" else [args.recompute]:
+        results[recompute] = {}
+        for side in ("stock", "tunedeck"):
+            out = work / f"{side}-{recompute}.json"
+            common = ["--shape", args.shape, "--device", args.device, "--steps", str(args.steps)]
+            common += ["--warmup", str(args.warmup), "--batch", str(args.batch), "--recompute", recompute]
+            command = [sys.executable, __file__, "--side", side, "--folder", str(work / "model"), "--data", str(data)]
+            subprocess.run([*command, *common, "--out", str(out)], check=True)
+            results[recompute][side] = json.loads(out.read_text())
     write_results(args, results)
 
 
@@ -247,15 +258,20 @@ def machine(device: str) -> dict[str, str]:
             "peft": peft.__version__, "date": time.strftime("%Y-%m-%d")}  # fmt: skip
 
 
-def write_results(args: argparse.Namespace, results: dict[str, Any]) -> None:
+def write_results(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> None:
     about = machine(args.device)
-    speed = results["tunedeck"]["tokens_per_s"] / results["stock"]["tokens_per_s"]
-    memory = results["tunedeck"]["peak_bytes"] / results["stock"]["peak_bytes"]
+    ratios = {
+        recompute: {
+            "tokens_per_s": round(pair["tunedeck"]["tokens_per_s"] / pair["stock"]["tokens_per_s"], 3),
+            "peak_memory": round(pair["tunedeck"]["peak_bytes"] / pair["stock"]["peak_bytes"], 3),
+        }
+        for recompute, pair in results.items()
+    }
     record = {
-        **about, "tunedeck_vs_stock": {"tokens_per_s": round(speed, 3), "peak_memory": round(memory, 3)},
-        "shape": args.shape, "device": args.device, "steps": args.steps, "warmup": args.warmup,
-        "batch": args.batch, "lora": "r16 on the language model's linear layers, vision frozen",
-        "checkpointing": "non-reentrant, both sides", **results,
+        **about, "tunedeck_vs_stock": ratios, "shape": args.shape, "device": args.device, "steps": args.steps,
+        "warmup": args.warmup, "batch": args.batch, "lora": "r16 on the language model's linear layers, vision frozen",
+        "recompute": "on: non-reentrant, both sides; off: stock without, TuneDeck automatic (see speed_notice)",
+        **{f"recompute_{recompute}": pair for recompute, pair in results.items()},
         "command": " ".join(["python", "benchmarks/vision_h200.py", *sys.argv[1:]]),
     }  # fmt: skip
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
@@ -264,14 +280,18 @@ def write_results(args: argparse.Namespace, results: dict[str, Any]) -> None:
         f"`{record['command']}`\n",
         f"torch {about['torch']}, transformers {about['transformers']}, peft {about['peft']}, {about['date']}; "
         f"micro-batches of {args.batch} padded rows, {args.steps} steps, the first {args.warmup} untimed.\n",
-        "| | tokens/s | peak memory (GiB) |",
-        "|---|---|---|",
-        *(
-            f"| {side} | {results[side]['tokens_per_s']:.0f} | {results[side]['peak_bytes'] / 2**30:.2f} |"
-            for side in ("stock", "tunedeck")
-        ),
-        f"| TuneDeck / stock | {speed:.2f}x | {memory:.2f}x |",
+        "| recompute | side | tokens/s | peak memory (GiB) |",
+        "|---|---|---:|---:|",
     ]
+    for recompute, pair in results.items():
+        for side in ("stock", "tunedeck"):
+            lines.append(
+                f"| {recompute} | {side} | {pair[side]['tokens_per_s']:.0f} | {pair[side]['peak_bytes'] / 2**30:.2f} |"
+            )
+        ratio = ratios[recompute]
+        lines.append(f"| {recompute} | TuneDeck / stock | {ratio['tokens_per_s']:.2f}x | {ratio['peak_memory']:.2f}x |")
+    notices = [f"- TuneDeck, recompute {r}: {pair['tunedeck']['speed_notice']}" for r, pair in results.items()]
+    lines += ["", *notices]
     Path(args.out).with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

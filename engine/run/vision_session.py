@@ -33,13 +33,14 @@ from engine.run.folder import CONFIG_FILE
 from engine.run.optimizer import adamw
 from engine.run.rows import model_shape
 from engine.run.schedule import lr_lambda
+from engine.speed import reachable_device_memory
 from engine.vision.data import VisionExample, load_vision_examples
 from engine.vision.encode import EncodedExample, check_images, encode
 from engine.vision.families import VisionFamily
 from engine.vision.images import ImageCache
-from engine.vision.model import load_processor, load_vision_model, with_lora
+from engine.vision.model import load_processor, load_vision_model, model_config_dict, with_lora
 from engine.vision.recipe import AUTOMATIC_TOKENS
-from engine.vision.speed import speed_notes
+from engine.vision.speed import Recompute, choose_recompute, speed_notes
 
 if TYPE_CHECKING:
     from engine.hardware.planner import MemoryEstimate
@@ -123,9 +124,10 @@ def start_vision(
         "rows are padded, not packed: an example's image tokens must not meet another example's, and the image "
         "attention masks are built per example"
     )
-    for note in speed_notes(config.speed, device):
+    recompute = _recompute(config, family, train, budget, device, dtype)
+    for note in speed_notes(config.speed, recompute):
         yield Notice(note)
-    model = with_lora(load_vision_model(config.model, family, device, dtype), family, config, device)
+    model = with_lora(load_vision_model(config.model, family, device, dtype), family, config, recompute.on)
     model.train()  # from_pretrained gives eval mode, where transformers skips the recompute (and dropout)
     return _session(config, run_dir, device, family, processor, model, train, evaluation, budget)
 
@@ -259,24 +261,58 @@ def largest_micro_batch(session: VisionSession) -> list[int]:
 
 def planned_memory(session: VisionSession, config_dict: dict[str, Any]) -> MemoryEstimate:
     """The memory planner's estimate for the run's largest micro-batch (engine.vision.memory)."""
+    recompute = bool(session.model.base_model.model.is_gradient_checkpointing)
+    dtype_bytes = next(session.model.parameters()).element_size()
+    row = largest_micro_batch(session)
+    return row_plan(session.config, config_dict, session.family, [session.train[i] for i in row],
+                    session.max_pixels, recompute, dtype_bytes)  # fmt: skip
+
+
+def row_plan(
+    config: RunConfig,
+    config_dict: dict[str, Any],
+    family: VisionFamily,
+    row: Sequence[EncodedExample],
+    max_pixels: int,
+    recompute: bool,
+    dtype_bytes: int,
+) -> MemoryEstimate:
+    """The memory planner's estimate for one padded micro-batch of ``row`` (engine.vision.memory)."""
     from engine.hardware.planner import TrainSetup
     from engine.vision.memory import vision_step_estimate
 
-    row = largest_micro_batch(session)
-    padded = max(len(session.train[i]) for i in row) * len(row)
-    image_tokens = sum(session.train[i].image_tokens for i in row)
-    config = session.config
+    padded = max(len(item) for item in row) * len(row)
     setup = TrainSetup(
-        tokens=max(1, padded - image_tokens),
+        tokens=max(1, padded - sum(item.image_tokens for item in row)),
         qlora=config.model.qlora,
         lora_rank=config.lora.sized().rank,
-        checkpointing="standard" if session.model.base_model.model.is_gradient_checkpointing else "none",
-        dtype_bytes=next(session.model.parameters()).element_size(),
+        checkpointing="standard" if recompute else "none",
+        dtype_bytes=dtype_bytes,
     )
     return vision_step_estimate(
-        config_dict, session.family, setup, images_per_row=sum(len(session.train[i].example.images) for i in row),
-        max_pixels=session.max_pixels, adapt_vision=config.vision.adapt_vision,
+        config_dict, family, setup, images_per_row=sum(len(item.example.images) for item in row),
+        max_pixels=max_pixels, adapt_vision=config.vision.adapt_vision,
     )  # fmt: skip
+
+
+def _recompute(
+    config: RunConfig,
+    family: VisionFamily,
+    train: Sequence[EncodedExample],
+    max_pixels: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> Recompute:
+    """Whether the run recomputes activations (engine.vision.speed.choose_recompute): automatic on a GPU asks the
+    planner for the largest micro-batch's peak without recompute and the memory this process can reach now."""
+    mode, on_gpu = config.speed.checkpointing, device.type == "cuda"
+    config_dict = model_config_dict(config.model) if mode == "auto" and on_gpu else None
+    if config_dict is None:
+        return choose_recompute(mode, on_gpu, None, None)
+    rows = padded_rows(train, config.data.tokens_per_batch or AUTOMATIC_TOKENS)
+    largest = max(rows, key=lambda r: max(len(train[i]) for i in r) * len(r))
+    peak = row_plan(config, config_dict, family, [train[i] for i in largest], max_pixels, False, dtype.itemsize).peak
+    return choose_recompute(mode, on_gpu, peak, reachable_device_memory(device))
 
 
 def planned_peak(session: VisionSession, config_dict: dict[str, Any]) -> str:

@@ -19,7 +19,6 @@ from engine.config import ModelConfig, RunConfig
 from engine.errors import ModelLoadError
 from engine.model.load import _hub_kwargs, _load_error, prepare_quantized_for_training, resolve_model
 from engine.vision.families import VisionFamily, family_of, frozen_parts, is_vision_config, lora_targets
-from engine.vision.speed import checkpointing_on
 
 
 def model_config_dict(config: ModelConfig, on_disk: bool = False) -> dict[str, Any] | None:
@@ -178,9 +177,10 @@ def _quantization(dtype: torch.dtype, family: VisionFamily) -> Any:
     )
 
 
-def with_lora(model: Any, family: VisionFamily, config: RunConfig, device: torch.device) -> Any:
+def with_lora(model: Any, family: VisionFamily, config: RunConfig, recompute: bool) -> Any:
     """``model`` frozen, with a fresh LoRA adapter on the language model's linear layers (and with
-    ``vision.adapt_vision`` on the vision tower's and projector's too); recompute on where the run wants it."""
+    ``vision.adapt_vision`` on the vision tower's and projector's too); transformers' recompute on with
+    ``recompute`` (engine.vision.speed.choose_recompute)."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
@@ -189,7 +189,7 @@ def with_lora(model: Any, family: VisionFamily, config: RunConfig, device: torch
     for param in model.parameters():
         param.requires_grad_(False)
     targets = _targets(model, family, config)
-    if checkpointing_on(config.speed, device):
+    if recompute:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     sized = config.lora.sized()
     peft_config = PeftLoraConfig(

@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.config import RunConfig
 from engine.hardware.checkpoint_choice import Checkpointing
 from engine.hardware.fit_to_data import FitFacts, fit_to_data
-from engine.hardware.planner import GIB, TrainSetup, usable_bytes
+from engine.hardware.planner import GIB, MemoryEstimate, TrainSetup, usable_bytes
 from engine.hardware.recipes import RecipeEstimate
 from engine.hardware.row_lengths import cpu_step_seconds
 from engine.vision.families import VisionFamily
 from engine.vision.memory import vision_memory, vision_step_estimate
+from engine.vision.speed import choose_recompute
 
 AUTOMATIC_TOKENS = 4096
 """``data.max_seq_len`` and ``data.tokens_per_batch`` of a picture run when left automatic (0): image tokens make
@@ -98,21 +99,23 @@ def image_recipe_estimate(
     tokens_per_batch = config.data.tokens_per_batch or AUTOMATIC_TOKENS
     batch = planned_micro_batch(load, tokens_per_batch)
     max_pixels = config.vision.max_pixels or family.max_pixels
-    dtype_bytes = 2 if device.is_gpu else 4
-    checkpointing: Checkpointing = "standard" if _recompute(config, device.is_gpu) else "none"
-    setup = TrainSetup(
-        tokens=max(1, batch.padded_tokens - batch.image_tokens),
-        qlora=config.model.qlora,
-        lora_rank=config.lora.sized().rank,
-        checkpointing=checkpointing,
-        dtype_bytes=dtype_bytes,
-    )
-    estimate = vision_step_estimate(
-        model_config, family, setup, images_per_row=math.ceil(batch.images), max_pixels=max_pixels,
-        adapt_vision=config.vision.adapt_vision,
-    )  # fmt: skip
-    steps = planned_image_steps(config, load, shape.total_params(), tokens_per_batch)
     budget = _budget(device)
+
+    def plan(checkpointing: Checkpointing) -> MemoryEstimate:
+        setup = TrainSetup(
+            tokens=max(1, batch.padded_tokens - batch.image_tokens), qlora=config.model.qlora,
+            lora_rank=config.lora.sized().rank, checkpointing=checkpointing, dtype_bytes=2 if device.is_gpu else 4,
+        )  # fmt: skip
+        return vision_step_estimate(
+            model_config, family, setup, images_per_row=math.ceil(batch.images), max_pixels=max_pixels,
+            adapt_vision=config.vision.adapt_vision,
+        )  # fmt: skip
+
+    estimate = plan("none")  # as the run chooses its recompute (engine.run.vision_session)
+    checkpointing: Checkpointing = "none"
+    if choose_recompute(config.speed.checkpointing, device.is_gpu, estimate.peak, budget).on:
+        checkpointing, estimate = "standard", plan("standard")
+    steps = planned_image_steps(config, load, shape.total_params(), tokens_per_batch)
     if budget is None:
         return RecipeEstimate(True, None, None, steps, None, "no memory figure for this device", tokens_per_batch)
     if estimate.peak > budget:
@@ -167,12 +170,6 @@ def planned_image_steps(config: RunConfig, load: ImageLoad, parameters: int, tok
     per_batch = planned_micro_batch(load, tokens_per_batch).examples
     rows = math.ceil(load.examples / per_batch)
     return max(1, math.ceil(training.epochs * rows / training.grad_accum))
-
-
-def _recompute(config: RunConfig, on_gpu: bool) -> bool:
-    """As engine.vision.speed.checkpointing_on decides for the device."""
-    mode = config.speed.checkpointing
-    return mode in ("standard", "offloaded") or (mode == "auto" and on_gpu)
 
 
 def _budget(device: Any) -> int | None:
@@ -259,13 +256,15 @@ def picture_plan(
         return None
     family = family_of(model_config)
     pixels = max_pixels or family.max_pixels
-    recompute = checkpointing in ("standard", "offloaded") or (checkpointing == "auto" and device.is_gpu)
     setup = TrainSetup(
-        tokens=text_tokens or PLAN_TEXT_TOKENS, qlora=qlora, lora_rank=lora_rank,
-        checkpointing="standard" if recompute else "none", dtype_bytes=2 if device.is_gpu else 4,
+        tokens=text_tokens or PLAN_TEXT_TOKENS, qlora=qlora, lora_rank=lora_rank, checkpointing="none",
+        dtype_bytes=2 if device.is_gpu else 4,
     )  # fmt: skip
     load_shape(model)  # the language model must plan too (a config without one is refused here, as for text)
     estimate = vision_step_estimate(model_config, family, setup, images_per_row=1, max_pixels=pixels)
+    if choose_recompute(checkpointing, device.is_gpu, estimate.peak, _budget(device)).on:  # as a run chooses
+        setup = replace(setup, checkpointing="standard")
+        estimate = vision_step_estimate(model_config, family, setup, images_per_row=1, max_pixels=pixels)
     tower = vision_memory(model_config, family, pixels, setup.dtype_bytes)
     return PicturePlan(
         family.label, tower.tower_params, tower.tower_bytes, pixels, tower.image_tokens, setup.tokens, estimate.peak,

@@ -1,0 +1,106 @@
+"""Whether a picture run recomputes activations: asked for, turned off, or (automatic) only on a GPU where the
+memory planner's peak without recompute does not fit; the Recipe page, ``tunedeck plan`` and the run choose alike."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_vision_recipe import idefics, pictures, session_of  # noqa: F401  (fixtures)
+from test_vision_train import config
+
+from app.pages.recipe import planned
+from engine.hardware import gpus
+from engine.hardware.planner import CONTEXT_BYTES, GIB, SAFETY_MARGIN
+from engine.hardware.profile import DeviceTarget
+from engine.hardware.shapes import load_shape
+from engine.run import vision_session
+from engine.vision.families import IDEFICS3
+from engine.vision.model import model_config_dict
+from engine.vision.recipe import picture_plan
+from engine.vision.speed import choose_recompute
+
+H100 = next(spec for spec in gpus.GPUS if "H100" in spec.name)
+
+
+@pytest.mark.parametrize(
+    ("mode", "on_gpu", "peak", "budget", "on"),
+    [
+        ("standard", False, None, None, True),
+        ("offloaded", True, 1, 100, True),
+        ("none", True, 200, 100, False),
+        ("auto", False, 200, 100, False),  # a CPU run never recomputes unless asked
+        ("auto", True, None, 100, True),  # no plan: the safe choice
+        ("auto", True, 100, None, True),
+        ("auto", True, 100, 110, True),  # fits, but not with the planner's margin
+        ("auto", True, 100, 111, False),
+        ("auto", True, 1000, 80, True),
+    ],
+)
+def test_the_choice_follows_the_mode_and_the_plan(
+    mode: str, on_gpu: bool, peak: int | None, budget: int | None, on: bool
+) -> None:
+    chosen = choose_recompute(mode, on_gpu, peak, budget)
+    assert chosen.on is on and chosen.why
+
+
+def test_a_gpu_run_recomputes_only_where_its_largest_micro_batch_does_not_fit(
+    idefics: Path,  # noqa: F811
+    pictures: tuple[Path, Any],  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    data, _ = pictures
+    settings = config(idefics, data, tmp_path, max_steps=1)
+    session = session_of(settings, tmp_path / "run")
+    model_config = model_config_dict(settings.model)
+    assert model_config is not None
+    largest = vision_session.largest_micro_batch(session)
+    row = [session.train[i] for i in largest]
+    peak = vision_session.row_plan(settings, model_config, IDEFICS3, row, session.max_pixels, False, 2).peak
+    cuda = torch.device("cuda")
+    for reachable, on in [(int(peak * (1 + SAFETY_MARGIN)) + 1, False), (int(peak * (1 + SAFETY_MARGIN)) - 1, True)]:
+        monkeypatch.setattr(vision_session, "reachable_device_memory", lambda device, r=reachable: r)
+        chosen = vision_session._recompute(settings, IDEFICS3, session.train, session.max_pixels, cuda, torch.bfloat16)
+        assert chosen.on is on, chosen.why
+        assert f"{peak / GIB:.1f} GiB of {reachable / GIB:.1f} GiB usable" in chosen.why
+    settings.speed.checkpointing = "none"  # turned off: no plan is asked for
+    monkeypatch.setattr(vision_session, "reachable_device_memory", lambda device: 0)
+    assert not vision_session._recompute(settings, IDEFICS3, session.train, 1, cuda, torch.bfloat16).on
+
+
+def test_the_recipe_plans_the_recompute_the_run_chooses(
+    idefics: Path,  # noqa: F811
+    pictures: tuple[Path, Any],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    data, report = pictures
+    shape = load_shape(str(idefics))
+    settings = config(idefics, data, tmp_path, epochs=1.0)
+    roomy = DeviceTarget.from_spec(H100)
+    peaks = {}
+    for mode in ("none", "standard"):
+        settings.speed.checkpointing = mode
+        peaks[mode] = planned(settings, shape, roomy, report).peak_bytes
+    assert peaks["none"] and peaks["standard"] and peaks["standard"] < peaks["none"]
+    settings.speed.checkpointing = "auto"
+    assert planned(settings, shape, roomy, report).peak_bytes == peaks["none"]  # room enough: no recompute
+    short = (CONTEXT_BYTES + peaks["none"] * (1 + SAFETY_MARGIN) - 1) / GIB
+    tight = DeviceTarget.from_spec(H100, vram_gib=short)
+    assert planned(settings, shape, tight, report).peak_bytes == peaks["standard"]
+
+
+def test_plan_sizes_a_picture_micro_batch_with_the_recompute_a_run_would_choose(idefics: Path) -> None:  # noqa: F811
+    def peak(card: DeviceTarget, checkpointing: str) -> int:
+        found = picture_plan(str(idefics), card, qlora=False, lora_rank=16, checkpointing=checkpointing,
+                             max_pixels=None, text_tokens=None)  # fmt: skip
+        assert found is not None
+        return found.peak_bytes
+
+    roomy = DeviceTarget.from_spec(H100)
+    without, recomputed = peak(roomy, "none"), peak(roomy, "standard")
+    assert recomputed < without and peak(roomy, "auto") == without
+    tight = DeviceTarget.from_spec(H100, vram_gib=(CONTEXT_BYTES + without * (1 + SAFETY_MARGIN) - 1) / GIB)
+    assert peak(tight, "auto") == recomputed
