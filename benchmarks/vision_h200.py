@@ -117,6 +117,13 @@ def peak_bytes(device: str) -> int:
     return int(torch.cuda.max_memory_reserved())
 
 
+def allocated_peak(device: str) -> int | None:
+    """The allocator's peak in live tensors since its last reset (TuneDeck resets it every step), on a GPU."""
+    import torch
+
+    return None if device == "cpu" else int(torch.cuda.max_memory_allocated())
+
+
 def longest_example(folder: Path, data: Path, pixels: int) -> int:
     """The longest example in tokens, image tokens included (the examples differ only in their answers' digits)."""
     from engine.config import ModelConfig
@@ -145,12 +152,14 @@ def run_tunedeck(folder: Path, data: Path, args: argparse.Namespace) -> dict[str
         "output": {"dir": str(folder.parent / "runs"), "name": f"tunedeck-{args.recompute}"},
     })  # fmt: skip
     steps: list[StepMetrics] = []
-    said = ""
+    said = plan = ""
     for event in run(config):
         if isinstance(event, RunFailed):
             raise SystemExit(f"TuneDeck run failed: {event.message}")
         if isinstance(event, Notice) and event.message.startswith("speed:"):
             said = event.message
+        if isinstance(event, Notice) and event.message.startswith("memory plan:"):
+            plan = event.message
         if isinstance(event, StepMetrics):
             steps.append(event)
     timed = steps[args.warmup :]
@@ -160,6 +169,8 @@ def run_tunedeck(folder: Path, data: Path, args: argparse.Namespace) -> dict[str
         "peak_bytes": max(s.memory_bytes for s in steps),
         "losses": [round(s.loss, 4) for s in steps],
         "speed_notice": said,
+        "memory_plan_notice": plan,
+        "last_step_allocated_peak_bytes": allocated_peak(args.device),
     }
 
 
@@ -204,7 +215,12 @@ def run_stock(folder: Path, data: Path, args: argparse.Namespace) -> dict[str, A
         if step >= args.warmup:
             seconds += time.perf_counter() - began
             tokens += float(batch["attention_mask"].sum())
-    return {"tokens_per_s": tokens / seconds, "peak_bytes": peak_bytes(args.device), "losses": losses}
+    return {
+        "tokens_per_s": tokens / seconds,
+        "peak_bytes": peak_bytes(args.device),
+        "allocated_peak_bytes": allocated_peak(args.device),
+        "losses": losses,
+    }
 
 
 def child(args: argparse.Namespace) -> None:

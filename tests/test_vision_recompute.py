@@ -104,3 +104,62 @@ def test_plan_sizes_a_picture_micro_batch_with_the_recompute_a_run_would_choose(
     assert recomputed < without and peak(roomy, "auto") == without
     tight = DeviceTarget.from_spec(H100, vram_gib=(CONTEXT_BYTES + without * (1 + SAFETY_MARGIN) - 1) / GIB)
     assert peak(tight, "auto") == recomputed
+
+
+def calls_in_one_step(session: Any) -> dict[str, int]:
+    """Forward calls of the vision tower's and the language model's modules in one training step."""
+    from engine.run.vision_loop import train_step
+
+    counts = {"vision": 0, "language": 0}
+    hooks = []
+    for name, module in session.model.base_model.model.named_modules():
+        part = session.family.part_of(name)
+        if part in counts and not list(module.children()):  # leaves: each call is one of the part's operations
+
+            def count(*_: Any, part: str = part) -> None:
+                counts[part] += 1
+
+            hooks.append(module.register_forward_pre_hook(count))
+    stepping = train_step(session)
+    while True:
+        try:
+            next(stepping)
+        except StopIteration:
+            break
+    for hook in hooks:
+        hook.remove()
+    return counts
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "idefics3", "mllama"])
+def test_recompute_runs_the_frozen_tower_once_and_trains_the_same(
+    family: str,
+    pictures: tuple[Path, Any],
+    tmp_path: Path,  # noqa: F811
+) -> None:
+    """transformers' recompute switches on input gradients for every sub-model, the tower's patch embedding
+    included; a frozen tower must not run a backward pass and a second forward for them."""
+    from vision_models import build_vision_model
+
+    from engine.vision.families import family_of
+
+    folder = build_vision_model(tmp_path / family, family)
+    model_config = model_config_dict(config(folder, pictures[0], tmp_path).model)
+    assert model_config is not None
+    calls, losses = {}, {}
+    for mode in ("none", "standard"):
+        settings = config(folder, pictures[0], tmp_path / mode, max_steps=2)
+        settings.speed.checkpointing = mode
+        started = vision_session.start_vision(settings, tmp_path / mode, family_of(model_config))
+        while True:
+            try:
+                next(started)
+            except StopIteration as done:
+                session = done.value
+                break
+        calls[mode] = calls_in_one_step(session)
+        calls_in_one_step(session)
+        losses[mode] = session.last_loss
+    assert calls["standard"]["language"] > calls["none"]["language"]  # the language model is recomputed
+    assert calls["standard"]["vision"] == calls["none"]["vision"] > 0  # the frozen tower is not
+    assert losses["standard"] == pytest.approx(losses["none"], rel=1e-5)

@@ -20,6 +20,7 @@ from engine.run import guard
 from engine.run.folder import MEMORY_FILE, append_jsonl
 from engine.run.vision_session import VisionSession
 from engine.speed import usable_device_memory
+from engine.vision.model import enable_recompute
 
 RECOMPUTE = "recompute"
 """The lowering that turns on transformers' recompute (activation checkpointing) for the rest of the shortage."""
@@ -121,7 +122,7 @@ def recomputing(session: VisionSession) -> bool:
 def set_recompute(session: VisionSession, on: bool) -> None:
     model = session.model.base_model.model
     if on:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_recompute(model)
     else:
         model.gradient_checkpointing_disable()
     session.model.train()

@@ -190,7 +190,7 @@ def with_lora(model: Any, family: VisionFamily, config: RunConfig, recompute: bo
         param.requires_grad_(False)
     targets = _targets(model, family, config)
     if recompute:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_recompute(model)
     sized = config.lora.sized()
     peft_config = PeftLoraConfig(
         r=sized.rank,
@@ -198,7 +198,31 @@ def with_lora(model: Any, family: VisionFamily, config: RunConfig, recompute: bo
         lora_dropout=config.lora.dropout,
         target_modules=targets,
     )
-    return get_peft_model(model, peft_config)
+    adapted = get_peft_model(model, peft_config)
+    drop_input_gradients(model)  # peft adds them back for a model that recomputes
+    return adapted
+
+
+def enable_recompute(model: Any) -> None:
+    """transformers' non-reentrant recompute on ``model`` (the PreTrainedModel under peft's wrapper), without the
+    input gradients transformers switches on with it (:func:`drop_input_gradients`)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    drop_input_gradients(model)
+
+
+def drop_input_gradients(model: Any) -> None:
+    """Remove the hooks of transformers' ``enable_input_require_grads`` (which transformers and peft call when
+    recompute is on). They mark the output of every sub-model's input embeddings as needing a gradient, the vision
+    tower's patch embedding included, so a frozen tower would run a backward pass of its own and, recomputed, a
+    second forward, for a gradient nothing uses. Non-reentrant recompute needs no input gradient: the LoRA weights
+    inside each layer put it in the graph (as for text runs, engine.model.load.prepare_quantized_for_training)."""
+    hooks = [*(getattr(model, "_require_grads_hooks", None) or []), getattr(model, "_require_grads_hook", None)]
+    for hook in hooks:
+        if hook is not None:
+            hook.remove()
+    model._require_grads_hooks = []
+    if hasattr(model, "_require_grads_hook"):
+        del model._require_grads_hook
 
 
 def _targets(model: Any, family: VisionFamily, config: RunConfig) -> list[str]:
