@@ -73,6 +73,9 @@ def build_folder(folder: Path, shape: str, device: str) -> None:
     with torch.device(device):
         model = Qwen2_5_VLForConditionalGeneration(config).to(torch.bfloat16)
     model.save_pretrained(folder, safe_serialization=True)
+    del model  # the sides run in their own processes: this one holds no GPU memory while they do
+    if device != "cpu":
+        torch.cuda.empty_cache()
     tokenizer.save_pretrained(folder)
     image_processor_class()(size={"shortest_edge": 56 * 56, "longest_edge": spec["pixels"]}).save_pretrained(folder)
 
