@@ -134,8 +134,8 @@ def calls_in_one_step(session: Any) -> dict[str, int]:
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "idefics3", "mllama"])
 def test_recompute_runs_the_frozen_tower_once_and_trains_the_same(
     family: str,
-    pictures: tuple[Path, Any],
-    tmp_path: Path,  # noqa: F811
+    pictures: tuple[Path, Any],  # noqa: F811
+    tmp_path: Path,
 ) -> None:
     """transformers' recompute switches on input gradients for every sub-model, the tower's patch embedding
     included; a frozen tower must not run a backward pass and a second forward for them."""
@@ -150,16 +150,49 @@ def test_recompute_runs_the_frozen_tower_once_and_trains_the_same(
     for mode in ("none", "standard"):
         settings = config(folder, pictures[0], tmp_path / mode, max_steps=2)
         settings.speed.checkpointing = mode
-        started = vision_session.start_vision(settings, tmp_path / mode, family_of(model_config))
-        while True:
-            try:
-                next(started)
-            except StopIteration as done:
-                session = done.value
-                break
+        session = started(settings, tmp_path / mode, family_of(model_config))
         calls[mode] = calls_in_one_step(session)
         calls_in_one_step(session)
         losses[mode] = session.last_loss
     assert calls["standard"]["language"] > calls["none"]["language"]  # the language model is recomputed
     assert calls["standard"]["vision"] == calls["none"]["vision"] > 0  # the frozen tower is not
     assert losses["standard"] == pytest.approx(losses["none"], rel=1e-5)
+
+
+def test_the_plan_counts_the_image_tokens_the_pictures_carry_not_the_budgets(
+    pictures: tuple[Path, Any],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Pictures smaller than the pixel budget carry fewer image tokens than the budget allows: the run plans its
+    micro-batches (and chooses its recompute) with their own."""
+    from vision_models import build_vision_model
+
+    from engine.hardware.planner import TrainSetup
+    from engine.vision.families import QWEN_VL
+    from engine.vision.memory import vision_memory, vision_step_estimate
+
+    folder = build_vision_model(tmp_path / "qwen", "qwen2_5_vl")
+    settings = config(folder, pictures[0], tmp_path, max_steps=1)
+    session = started(settings, tmp_path / "run", QWEN_VL)
+    model_config = model_config_dict(settings.model)
+    assert model_config is not None
+    row = [session.train[i] for i in vision_session.largest_micro_batch(session)]
+    carried = sum(item.image_tokens for item in row)
+    at_budget = len(row) * vision_memory(model_config, QWEN_VL, session.max_pixels, 4).image_tokens
+    assert 0 < carried < at_budget  # 40x32 pictures under the family's 802,816-pixel budget
+    planned = vision_session.planned_memory(session, model_config)
+    assert planned.parts["image_tokens"] == carried
+    padded = max(len(item) for item in row) * len(row)
+    setup = TrainSetup(tokens=padded - carried, qlora=False, lora_rank=settings.lora.sized().rank,
+                       checkpointing="none", dtype_bytes=4)  # fmt: skip
+    budgets = vision_step_estimate(model_config, QWEN_VL, setup, images_per_row=len(row), max_pixels=session.max_pixels)
+    assert budgets.parts["image_tokens"] == at_budget and planned.peak < budgets.peak
+
+
+def started(settings: Any, run_dir: Path, family: Any) -> Any:
+    starting = vision_session.start_vision(settings, run_dir, family)
+    while True:
+        try:
+            next(starting)
+        except StopIteration as done:
+            return done.value

@@ -292,6 +292,7 @@ def row_plan(
     return vision_step_estimate(
         config_dict, family, setup, images_per_row=sum(len(item.example.images) for item in row),
         max_pixels=max_pixels, adapt_vision=config.vision.adapt_vision,
+        image_tokens=sum(item.image_tokens for item in row),
     )  # fmt: skip
 
 

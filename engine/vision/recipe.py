@@ -100,6 +100,7 @@ def image_recipe_estimate(
     batch = planned_micro_batch(load, tokens_per_batch)
     max_pixels = config.vision.max_pixels or family.max_pixels
     budget = _budget(device)
+    image_tokens = row_image_tokens(model_config, family, batch, max_pixels)
 
     def plan(checkpointing: Checkpointing) -> MemoryEstimate:
         setup = TrainSetup(
@@ -108,7 +109,7 @@ def image_recipe_estimate(
         )  # fmt: skip
         return vision_step_estimate(
             model_config, family, setup, images_per_row=math.ceil(batch.images), max_pixels=max_pixels,
-            adapt_vision=config.vision.adapt_vision,
+            adapt_vision=config.vision.adapt_vision, image_tokens=image_tokens,
         )  # fmt: skip
 
     estimate = plan("none")  # as the run chooses its recompute (engine.run.vision_session)
@@ -128,6 +129,14 @@ def image_recipe_estimate(
     step_tokens = batch_tokens(load, model_config, family, max_pixels, shape, config.vision.adapt_vision, batch)
     seconds = _seconds(config, shape, device, steps, step_tokens, checkpointing)
     return RecipeEstimate(True, estimate.peak, budget, steps, seconds, "", tokens_per_batch)
+
+
+def row_image_tokens(model_config: Mapping[str, Any], family: VisionFamily, batch: MicroBatch, max_pixels: int) -> int:
+    """The micro-batch's image tokens at ``max_pixels``: the Dataset page's count (made at the family's default
+    budget) where the budget is no larger, never more than the budget allows; the budget's where it is larger
+    (pictures the default shrank may then keep more of their pixels)."""
+    at_budget = math.ceil(batch.images) * vision_memory(model_config, family, max_pixels, 2).image_tokens
+    return min(batch.image_tokens, at_budget) if max_pixels <= family.max_pixels else at_budget
 
 
 def batch_tokens(
