@@ -256,7 +256,12 @@ def parameter_counts(session: VisionSession) -> tuple[int, int]:
 
 def largest_micro_batch(session: VisionSession) -> list[int]:
     """The micro-batch of the most padded tokens (indices into ``session.train``)."""
-    return max(session.rows, key=lambda r: max(len(session.train[i]) for i in r) * len(r))
+    return largest_row(session.rows, session.train)
+
+
+def largest_row(rows: Sequence[list[int]], examples: Sequence[EncodedExample]) -> list[int]:
+    """The row of ``rows`` (indices into ``examples``) of the most padded tokens."""
+    return max(rows, key=lambda r: max(len(examples[i]) for i in r) * len(r))
 
 
 def planned_memory(session: VisionSession, config_dict: dict[str, Any]) -> MemoryEstimate:
@@ -310,8 +315,7 @@ def _recompute(
     config_dict = model_config_dict(config.model) if mode == "auto" and on_gpu else None
     if config_dict is None:
         return choose_recompute(mode, on_gpu, None, None)
-    rows = padded_rows(train, config.data.tokens_per_batch or AUTOMATIC_TOKENS)
-    largest = max(rows, key=lambda r: max(len(train[i]) for i in r) * len(r))
+    largest = largest_row(padded_rows(train, config.data.tokens_per_batch or AUTOMATIC_TOKENS), train)
     peak = row_plan(config, config_dict, family, [train[i] for i in largest], max_pixels, False, dtype.itemsize).peak
     return choose_recompute(mode, on_gpu, peak, reachable_device_memory(device))
 
