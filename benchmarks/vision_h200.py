@@ -266,19 +266,10 @@ def main() -> None:
     write_results(args, results)
 
 
-def machine(device: str) -> dict[str, str]:
-    """The card and the library versions the figures were measured with."""
-    import peft
-    import torch
-    import transformers
-
-    card = torch.cuda.get_device_name() if device != "cpu" else "cpu"
-    return {"card": card, "torch": torch.__version__, "transformers": transformers.__version__,
-            "peft": peft.__version__, "date": time.strftime("%Y-%m-%d")}  # fmt: skip
-
-
 def write_results(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> None:
-    about = machine(args.device)
+    from engine.bench import gpu_environment, write_report
+
+    about = gpu_environment(("torch", "transformers", "peft"))
     ratios = {
         recompute: {
             "tokens_per_s": round(pair["tunedeck"]["tokens_per_s"] / pair["stock"]["tokens_per_s"], 3),
@@ -293,11 +284,10 @@ def write_results(args: argparse.Namespace, results: dict[str, dict[str, Any]]) 
         **{f"recompute_{recompute}": pair for recompute, pair in results.items()},
         "command": " ".join(["python", "benchmarks/vision_h200.py", *sys.argv[1:]]),
     }  # fmt: skip
-    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     lines = [
-        f"# Vision-language training, {args.shape}, {about['card']}\n",
+        f"# Vision-language training, {args.shape}, {about['gpu']}\n",
         f"`{record['command']}`\n",
-        f"torch {about['torch']}, transformers {about['transformers']}, peft {about['peft']}, {about['date']}; "
+        f"{about['versions']}, {about['date']}; "
         f"micro-batches of {args.batch} padded rows, {args.steps} steps, the first {args.warmup} untimed.\n",
         "| recompute | side | tokens/s | peak memory (GiB) |",
         "|---|---|---:|---:|",
@@ -311,8 +301,7 @@ def write_results(args: argparse.Namespace, results: dict[str, dict[str, Any]]) 
         lines.append(f"| {recompute} | TuneDeck / stock | {ratio['tokens_per_s']:.2f}x | {ratio['peak_memory']:.2f}x |")
     notices = [f"- TuneDeck, recompute {r}: {pair['tunedeck']['speed_notice']}" for r, pair in results.items()]
     lines += ["", *notices]
-    Path(args.out).with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(record, Path(args.out), "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

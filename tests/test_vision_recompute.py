@@ -63,12 +63,14 @@ def test_a_gpu_run_recomputes_only_where_its_largest_micro_batch_does_not_fit(
     cuda = torch.device("cuda")
     for reachable, on in [(int(peak * (1 + SAFETY_MARGIN)) + 1, False), (int(peak * (1 + SAFETY_MARGIN)) - 1, True)]:
         monkeypatch.setattr(vision_session, "reachable_device_memory", lambda device, r=reachable: r)
-        chosen = vision_session._recompute(settings, IDEFICS3, session.train, session.max_pixels, cuda, torch.bfloat16)
+        chosen = vision_session._recompute(
+            settings, model_config, IDEFICS3, session.train, session.max_pixels, cuda, torch.bfloat16
+        )
         assert chosen.on is on, chosen.why
         assert f"{peak / GIB:.1f} GiB of {reachable / GIB:.1f} GiB usable" in chosen.why
     settings.speed.checkpointing = "none"  # turned off: no plan is asked for
     monkeypatch.setattr(vision_session, "reachable_device_memory", lambda device: 0)
-    assert not vision_session._recompute(settings, IDEFICS3, session.train, 1, cuda, torch.bfloat16).on
+    assert not vision_session._recompute(settings, model_config, IDEFICS3, session.train, 1, cuda, torch.bfloat16).on
 
 
 def test_the_recipe_plans_the_recompute_the_run_chooses(

@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.bench import gpu_environment, write_report
+from engine.bench import gpu_environment, trl_sides, write_report
 from engine.bench.model_folder import WORDS, build_model_folder
 from engine.bench.trl_sides import (
     add_child_arguments,
@@ -66,15 +66,8 @@ from engine.bench.trl_sides import (
 __all__ = ["Workload", "main", "summarize"]
 
 GIB = 2**30
-SIDES: dict[str, list[str]] = {
-    "trl": [],
-    "tunedeck": [],
-    "trl-no_ckpt": ["--no-checkpointing"],
-    "tunedeck+standard_ckpt": ["--checkpointing", "standard"],
-    "tunedeck+offloaded_ckpt": ["--checkpointing", "offloaded"],
-}
-"""Each side's extra arguments: TRL without gradient checkpointing against TuneDeck without (its automatic choice
-where memory is plenty), and TuneDeck with recompute against TRL's default."""
+SIDES: dict[str, list[str]] = {**trl_sides.SIDES, "tunedeck+offloaded_ckpt": ["--checkpointing", "offloaded"]}
+"""The shared sides (engine.bench.trl_sides.SIDES), and TuneDeck with offloaded recompute."""
 LN2 = math.log(2)
 
 

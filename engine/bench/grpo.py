@@ -53,6 +53,7 @@ from typing import Any
 from engine.bench import gpu_environment, write_report
 from engine.bench.model_folder import WORDS, build_model_folder
 from engine.bench.trl_sides import (
+    SIDES,
     add_child_arguments,
     checkpointing_text,
     chosen_sides,
@@ -69,14 +70,6 @@ from engine.bench.trl_sides import (
 __all__ = ["Workload", "main", "summarize"]
 
 GIB = 2**30
-SIDES: dict[str, list[str]] = {
-    "trl": [],
-    "tunedeck": [],
-    "trl-no_ckpt": ["--no-checkpointing"],
-    "tunedeck+standard_ckpt": ["--checkpointing", "standard"],
-}
-"""Each side's extra arguments: TRL without gradient checkpointing against TuneDeck without (its automatic choice
-where memory is plenty), and TuneDeck with recompute against TRL's default."""
 DIGIT = r"\d"
 """The reward's test on both sides: 1 where the answer holds a digit, else 0."""
 

@@ -18,6 +18,15 @@ ROOT = Path(__file__).resolve().parents[2]
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 """TRL's side reads the local folder and file only; without these, a machine with no network waits on the hub."""
 
+SIDES: dict[str, list[str]] = {
+    "trl": [],
+    "tunedeck": [],
+    "trl-no_ckpt": ["--no-checkpointing"],
+    "tunedeck+standard_ckpt": ["--checkpointing", "standard"],
+}
+"""Each side's extra arguments: TRL without gradient checkpointing against TuneDeck without (its automatic choice
+where memory is plenty), and TuneDeck with recompute against TRL's default."""
+
 
 def memory_figures(device: Any) -> dict[str, int | None]:
     import torch

@@ -58,7 +58,6 @@ from engine.run.vision_session import (
 from engine.vision.encode import EncodedExample, batch
 from engine.vision.families import VisionFamily
 from engine.vision.images import ImageCache
-from engine.vision.model import model_config_dict
 
 SPEED_FIXED = (
     "speed switches do not change during a picture run: the packed-text switches do not apply to image rows, and "
@@ -75,9 +74,8 @@ def train_vision(
         session = yield from start_vision(config, run_dir, family, resuming)
         if resuming:
             yield from _restore(session)
-        config_dict = model_config_dict(config.model)
-        if config_dict is not None:
-            yield Notice(planned_peak(session, config_dict))
+        if session.model_config is not None:
+            yield Notice(planned_peak(session, session.model_config))
         yield _started(session)
         writer = BestAdapterWriter(run_dir)
         try:

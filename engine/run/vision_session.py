@@ -65,6 +65,8 @@ class VisionSession:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     total_steps: int
     max_pixels: int
+    model_config: dict[str, Any] | None = None
+    """The model's ``config.json`` (None where it cannot be read): what the memory planner sizes."""
     step: int = 0
     micro_batches: int = 0
     last_loss: float | None = None
@@ -124,12 +126,15 @@ def start_vision(
         "rows are padded, not packed: an example's image tokens must not meet another example's, and the image "
         "attention masks are built per example"
     )
-    recompute = _recompute(config, family, train, budget, device, dtype)
+    model_config = model_config_dict(config.model)
+    recompute = _recompute(config, model_config, family, train, budget, device, dtype)
     for note in speed_notes(config.speed, recompute):
         yield Notice(note)
     model = with_lora(load_vision_model(config.model, family, device, dtype), family, config, recompute.on)
     model.train()  # from_pretrained gives eval mode, where transformers skips the recompute (and dropout)
-    return _session(config, run_dir, device, family, processor, model, train, evaluation, budget)
+    session = _session(config, run_dir, device, family, processor, model, train, evaluation, budget)
+    session.model_config = model_config
+    return session
 
 
 def _fitted(config: RunConfig, encoded: Sequence[EncodedExample], run_dir: Path) -> Generator[Event, None, RunConfig]:
@@ -303,6 +308,7 @@ def row_plan(
 
 def _recompute(
     config: RunConfig,
+    model_config: dict[str, Any] | None,
     family: VisionFamily,
     train: Sequence[EncodedExample],
     max_pixels: int,
@@ -312,11 +318,10 @@ def _recompute(
     """Whether the run recomputes activations (engine.vision.speed.choose_recompute): automatic on a GPU asks the
     planner for the largest micro-batch's peak without recompute and the memory this process can reach now."""
     mode, on_gpu = config.speed.checkpointing, device.type == "cuda"
-    config_dict = model_config_dict(config.model) if mode == "auto" and on_gpu else None
-    if config_dict is None:
+    if model_config is None or mode != "auto" or not on_gpu:
         return choose_recompute(mode, on_gpu, None, None)
     largest = largest_row(padded_rows(train, config.data.tokens_per_batch or AUTOMATIC_TOKENS), train)
-    peak = row_plan(config, config_dict, family, [train[i] for i in largest], max_pixels, False, dtype.itemsize).peak
+    peak = row_plan(config, model_config, family, [train[i] for i in largest], max_pixels, False, dtype.itemsize).peak
     return choose_recompute(mode, on_gpu, peak, reachable_device_memory(device))
 
 
