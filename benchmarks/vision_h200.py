@@ -7,9 +7,10 @@ tokenizer carrying Qwen-VL's image tokens, Qwen-VL's own image processor); the d
 linear layer of the language model, the vision tower frozen, bf16, AdamW, on the same examples in micro-batches of
 ``--batch`` padded rows; each side runs in its own process, so neither sees the other's allocator. Stock is the loop
 of the transformers/peft tutorials: the model in training mode, the processor's padded batch,
-``model(**batch, labels=...)`` and ``loss.backward()``. TuneDeck is the engine's run (``tunedeck train``) on the same
-folder and data. Two pairs: with recompute (stock's ``gradient_checkpointing_enable``, non-reentrant; TuneDeck's
-``--checkpointing standard``) and without (stock without it; TuneDeck's default, whose start says what it chose).
+``model(**batch, labels=...)`` and ``loss.backward()``. TuneDeck is ``tunedeck train --json`` on the same folder and
+data, in a fresh process with the user's environment. Two pairs: with recompute (stock's
+``gradient_checkpointing_enable``, non-reentrant; TuneDeck's ``--checkpointing standard``) and without (stock
+without it; TuneDeck's default, whose start says what it chose).
 Tokens/s counts the real (unpadded) tokens of the steps after ``--warmup``; the peak is the allocator's reserved
 peak over the steps (the CUDA context excluded).
 
@@ -138,42 +139,34 @@ def longest_example(folder: Path, data: Path, pixels: int) -> int:
     return max(len(encode(processor, example, pixels)) for example in load_vision_examples(data))
 
 
-def run_tunedeck(folder: Path, data: Path, args: argparse.Namespace) -> dict[str, Any]:
-    from engine.config import RunConfig
-    from engine.events import Notice, RunFailed, StepMetrics
-    from engine.train import run
+def run_tunedeck(folder: Path, data: Path, args: argparse.Namespace, recompute: str, work: Path) -> dict[str, Any]:
+    """``tunedeck train --json`` on the folder and data in a fresh process (the user's environment, no allocator
+    setting exported), in micro-batches of exactly ``--batch`` padded rows as on the stock side."""
+    from engine.bench.trl_sides import run_tunedeck as run_cli
 
     longest = longest_example(folder, data, SHAPES[args.shape]["pixels"])
-    config = RunConfig.from_dict({
-        "model": {"name": str(folder), "dtype": "bfloat16"},
-        # micro-batches of exactly --batch padded rows, as on the stock side
-        "data": {"path": str(data), "eval_fraction": 0, "tokens_per_batch": args.batch * longest,
-                 "max_seq_len": longest},
-        "lora": {"rank": 16, "alpha": 32},
-        "training": {"max_steps": args.steps, "device": args.device, "save_every": 0, "learning_rate": 1e-4},
-        "speed": {"checkpointing": "standard" if args.recompute == "on" else "auto"},
-        "output": {"dir": str(folder.parent / "runs"), "name": f"tunedeck-{args.recompute}"},
-    })  # fmt: skip
-    steps: list[StepMetrics] = []
-    said = plan = ""
-    for event in run(config):
-        if isinstance(event, RunFailed):
-            raise SystemExit(f"TuneDeck run failed: {event.message}")
-        if isinstance(event, Notice) and event.message.startswith("speed:"):
-            said = event.message
-        if isinstance(event, Notice) and event.message.startswith("memory plan:"):
-            plan = event.message
-        if isinstance(event, StepMetrics):
-            steps.append(event)
+    command = [
+        sys.executable, "-m", "app", "train", "--model", str(folder), "--data", str(data), "--dtype", "bfloat16",
+        "--eval-fraction", "0", "--tokens-per-batch", str(args.batch * longest), "--max-seq-len", str(longest),
+        "--lora-rank", "16", "--lora-alpha", "32", "--max-steps", str(args.steps), "--device", args.device,
+        "--save-every", "0", "--lr", "1e-4", "--checkpointing", "standard" if recompute == "on" else "auto",
+        "--output", str(work / "runs"), "--name", f"tunedeck-{recompute}", "--json",
+    ]  # fmt: skip
+    log = work / f"tunedeck-{recompute}.log"
+    outcome = run_cli(command, log, cuda=args.device != "cpu")["outcome"]
+    if outcome != "RunFinished":
+        raise SystemExit(f"TuneDeck run ended with {outcome}: see {log} and {log.with_suffix('.err')}")
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    steps = [e for e in events if e["kind"] == "StepMetrics"]
+    notices = [e["message"] for e in events if e["kind"] == "Notice"]
     timed = steps[args.warmup :]
-    seconds = sum(s.step_time_s for s in timed)
+    seconds = sum(s["step_time_s"] for s in timed)
     return {
-        "tokens_per_s": sum(s.tokens for s in timed) / seconds,
-        "peak_bytes": max(s.memory_bytes for s in steps),
-        "losses": [round(s.loss, 4) for s in steps],
-        "speed_notice": said,
-        "memory_plan_notice": plan,
-        "last_step_allocated_peak_bytes": allocated_peak(args.device),
+        "tokens_per_s": sum(s["tokens"] for s in timed) / seconds,
+        "peak_bytes": max(s["memory_bytes"] for s in steps),
+        "losses": [round(s["loss"], 4) for s in steps],
+        "speed_notice": next((n for n in notices if n.startswith("speed:")), ""),
+        "memory_plan_notice": next((n for n in notices if n.startswith("memory plan:")), ""),
     }
 
 
@@ -227,9 +220,7 @@ def run_stock(folder: Path, data: Path, args: argparse.Namespace) -> dict[str, A
 
 
 def child(args: argparse.Namespace) -> None:
-    folder, data = Path(args.folder), Path(args.data)
-    result = run_stock(folder, data, args) if args.side == "stock" else run_tunedeck(folder, data, args)
-    Path(args.out).write_text(json.dumps(result))
+    Path(args.out).write_text(json.dumps(run_stock(Path(args.folder), Path(args.data), args)))
 
 
 def main() -> None:
@@ -242,7 +233,7 @@ def main() -> None:
     parser.add_argument("--examples", type=int, default=64)
     parser.add_argument("--out", default=str(Path(__file__).with_suffix(".json")))
     parser.add_argument("--recompute", choices=["on", "off", "both"], default="both")
-    parser.add_argument("--side", choices=["stock", "tunedeck"], help=argparse.SUPPRESS)
+    parser.add_argument("--side", choices=["stock"], help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -256,13 +247,13 @@ def main() -> None:
     results: dict[str, dict[str, Any]] = {}
     for recompute in ["on", "off"] if args.recompute == "both" else [args.recompute]:
         results[recompute] = {}
-        for side in ("stock", "tunedeck"):
-            out = work / f"{side}-{recompute}.json"
-            common = ["--shape", args.shape, "--device", args.device, "--steps", str(args.steps)]
-            common += ["--warmup", str(args.warmup), "--batch", str(args.batch), "--recompute", recompute]
-            command = [sys.executable, __file__, "--side", side, "--folder", str(work / "model"), "--data", str(data)]
-            subprocess.run([*command, *common, "--out", str(out)], check=True)
-            results[recompute][side] = json.loads(out.read_text())
+        out = work / f"stock-{recompute}.json"
+        common = ["--shape", args.shape, "--device", args.device, "--steps", str(args.steps)]
+        common += ["--warmup", str(args.warmup), "--batch", str(args.batch), "--recompute", recompute]
+        command = [sys.executable, __file__, "--side", "stock", "--folder", str(work / "model"), "--data", str(data)]
+        subprocess.run([*command, *common, "--out", str(out)], check=True)
+        results[recompute]["stock"] = json.loads(out.read_text())
+        results[recompute]["tunedeck"] = run_tunedeck(work / "model", data, args, recompute, work)
     write_results(args, results)
 
 
