@@ -71,8 +71,10 @@ def vision_memory(config: Mapping[str, Any], family: VisionFamily, max_pixels: i
 
 UNCHECKPOINTED_LAYER_FACTOR = 1.55
 """What transformers' own decoder layers keep for backward without recompute, over the planner's figure for a
-layer (which TuneDeck's packed text path keeps): measured on a Qwen2.5-VL-3B-shaped model on an H100, 18.3 GiB
-allocated at the peak against 15.2 GiB planned (benchmarks/vision_h100.json). With recompute the plan is within 3%."""
+layer (which TuneDeck's packed text path keeps): measured on a Qwen2.5-VL-3B-shaped model on an H100 with
+benchmarks/vision_h200.py, 18.3 GiB allocated at the peak against 15.2 GiB planned without the factor (its record,
+benchmarks/vision_h100.json: 18.9 GiB reserved against 18.4 GiB planned with it). With recompute the plan is within
+3% of the allocated peak."""
 
 
 def vision_step_estimate(
